@@ -1,0 +1,28 @@
+# make install: .venv/ with everything (torch CPU build pinned first); make test: pytest + ruff; make demo: the main job.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test lint demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,hub]"
+	touch $(STAMP)
+
+lint: install
+	$(PY) -m ruff check src tests bench
+	$(PY) -m ruff format --check src tests bench
+
+test: install lint
+	$(PY) -m pytest
+
+demo: install
+	$(VENV)/bin/sao selftest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis runs

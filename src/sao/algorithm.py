@@ -1,0 +1,342 @@
+"""The SAO update: length-adaptive GAE over a critic, and an off-policy correction rule. Pure tensor math.
+
+One call turns a batch of B stale trajectories, padded to T tokens, into per-token policy-gradient
+coefficients. Notation (SPEC §1), for trajectory i with terminal reward R_i and L_i action tokens
+a_1 .. a_{L_i} (the tokens the model wrote; observation/tool tokens and padding are not actions):
+
+    λ_i   = max(0, 1 − 1 / (α L_i))                             length-adaptive GAE, α = 1.5 (γ = 1)
+    δ_k   = r_k + V(a_{k+1}) − V(a_k),  r_k = R_i [k = L_i],  V(a_{L_i+1}) = 0
+    A_k   = δ_k + λ_i A_{k+1}                                    (the bootstrap jumps over observations)
+    G_t   = R_i if an action token lies at or after t, else 0   value target: Monte Carlo return, λ = 1
+    r_t   = exp(logprobs_t − sampler_logprobs_t)                 current policy over the sampler's own record
+    c_t   = f(r_t) · A_t / N                                     N = action tokens in the whole batch
+    loss  = −Σ_t c_t.detach() · logprobs_t
+
+The correction rule f is the only thing that differs between arms:
+
+    "dis"      f(r) = r if lo < r < hi else 0                    direct double-sided IS (the recipe arm)
+    "none"     f(r) = r                                          plain importance weighting (the baseline)
+    "tis"      f(r) = min(r, C)                                  truncated IS at a cap C
+    "seqmask"  f(r) = r, or 0 on every token of a trajectory whose geometric-mean ratio
+               exp(mean_k log r_k) leaves (lo, hi)
+
+There is no advantage normalisation (the critic is the baseline) and no separate π_old: the ratio is taken
+against the probability the sampler recorded while drawing the token.
+
+Non-finite inputs: a token whose ratio or advantage is not finite gets coefficient 0 and is counted in
+``stats["nonfinite"]``. Skipping a whole step on a non-finite loss or gradient is the trainer's job.
+
+Deliberately left out: the model, the critic's optimisation, and the loss's backward pass. Everything here
+runs under ``torch.no_grad`` and returns detached tensors; the caller multiplies ``coefficients`` into its
+own differentiable ``logprobs``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from sao.errors import ConfigError
+
+Tensor = torch.Tensor
+
+# A correction rule maps (ratio [B,T], action_mask [B,T], sao) to the weight f(r) [B,T] it applies.
+# Tokens with weight 0 are masked. Rules see only action tokens' ratios; the caller zeroes the rest.
+CorrectionRule = Callable[[Tensor, Tensor, "SAO"], Tensor]
+
+
+def _dis(ratio: Tensor, action_mask: Tensor, sao: SAO) -> Tensor:
+    """Direct double-sided IS: keep the ratio inside the open band (lo, hi), zero outside it."""
+    lo, hi = sao.ratio
+    return torch.where((ratio > lo) & (ratio < hi), ratio, torch.zeros_like(ratio))
+
+
+def _none(ratio: Tensor, action_mask: Tensor, sao: SAO) -> Tensor:
+    """No correction: the plain importance weight, never masked (the paper's "no DIS")."""
+    return ratio
+
+
+def _tis(ratio: Tensor, action_mask: Tensor, sao: SAO) -> Tensor:
+    """Truncated IS: the ratio capped from above at C (``tis_cap``); nothing is masked."""
+    return ratio.clamp(max=sao.tis_cap)
+
+
+def _seqmask(ratio: Tensor, action_mask: Tensor, sao: SAO) -> Tensor:
+    """Sequence-level masking: drop a whole trajectory whose geometric-mean ratio leaves (lo, hi)."""
+    lo, hi = sao.ratio
+    log_ratio = torch.where(action_mask, ratio.log(), torch.zeros_like(ratio))
+    length = action_mask.sum(dim=1).clamp(min=1)  # [B]
+    geo_mean = (log_ratio.sum(dim=1) / length).exp()  # [B]
+    keep = (geo_mean > lo) & (geo_mean < hi)  # [B]
+    return torch.where(keep[:, None], ratio, torch.zeros_like(ratio))
+
+
+CORRECTIONS: dict[str, CorrectionRule] = {"dis": _dis, "none": _none, "tis": _tis, "seqmask": _seqmask}
+
+
+@dataclass(frozen=True)
+class SAO:
+    """The algorithm's hyperparameters and its update. Defaults are the recipe page's protocol.
+
+    Only ``update`` is math; ``critic_steps`` and ``critic_warmup`` are read by the trainer so that every
+    knob of the method lives in one object.
+    """
+
+    ratio: tuple[float, float] = (0.7, 6.0)
+    """IS band (lo, hi) for "dis" and "seqmask"; must bracket 1. The paper's coding band is (0.2, 4.0)."""
+    gae_alpha: float = 1.5
+    """α of λ_i = 1 − 1/(α L_i). SAO's value; VAPO used 0.05 with the same rule."""
+    correction: str = "dis"
+    """Which rule f(r) to apply: "dis" (recipe), "none" (baseline), "tis", "seqmask"."""
+    tis_cap: float = 2.0
+    """C for the "tis" rule (truncated IS caps the ratio at C); unused by the other rules."""
+    critic_steps: int = 2
+    """Squared-error critic updates per policy update toward ``value_targets``."""
+    critic_warmup: int = 10
+    """Critic-only steps (each on a fresh batch) before the first policy step."""
+
+    def __post_init__(self) -> None:
+        if len(self.ratio) != 2:
+            raise ConfigError(f"ratio must be a pair (lo, hi) with 0 <= lo < 1 < hi; got {self.ratio!r}")
+        lo, hi = (float(x) for x in self.ratio)
+        if not (math.isfinite(lo) and math.isfinite(hi) and 0.0 <= lo < 1.0 < hi):
+            raise ConfigError(f"ratio band must bracket 1: need 0 <= lo < 1 < hi, got ({lo}, {hi})")
+        object.__setattr__(self, "ratio", (lo, hi))
+        if not (math.isfinite(self.gae_alpha) and self.gae_alpha > 0):
+            raise ConfigError(f"gae_alpha must be a finite number > 0, got {self.gae_alpha}")
+        if self.correction not in CORRECTIONS:
+            raise ConfigError(f"correction must be one of {sorted(CORRECTIONS)}, got {self.correction!r}")
+        if not (math.isfinite(self.tis_cap) and self.tis_cap >= 1.0):
+            raise ConfigError(f"tis_cap must be a finite number >= 1, got {self.tis_cap}")
+        if self.critic_steps < 0:
+            raise ConfigError(f"critic_steps must be >= 0, got {self.critic_steps}")
+        if self.critic_warmup < 0:
+            raise ConfigError(f"critic_warmup must be >= 0, got {self.critic_warmup}")
+
+    @torch.no_grad()
+    def update(self, batch: Mapping[str, Tensor]) -> Update:
+        """Advantages, value targets and policy-gradient coefficients for one batch.
+
+        ``batch`` holds ``logprobs``, ``sampler_logprobs``, ``values`` and ``action_mask`` as [B, T]
+        tensors (``action_mask`` bool) and ``rewards`` as [B]. float32 or float64; the output has the
+        dtype and device of ``logprobs``.
+        """
+        logprobs, sampler_logprobs, values, rewards, action_mask = _validate(batch)
+        ratio, weight = self._ratio_and_weight(logprobs, sampler_logprobs, action_mask)
+        advantages, lam = gae(values, rewards, action_mask, self.gae_alpha)
+        value_targets = monte_carlo_returns(rewards, action_mask)
+
+        n_tokens = action_mask.sum()
+        finite = torch.isfinite(ratio) & torch.isfinite(advantages)
+        mask = action_mask & finite & (weight != 0)  # [B, T] tokens that carry gradient
+        zero = torch.zeros_like(ratio)
+        coefficients = torch.where(mask, weight * advantages, zero) / n_tokens  # [B, T]
+
+        stats = _stats(self, ratio, weight, advantages, values, value_targets, lam, action_mask, mask)
+        return Update(
+            advantages=torch.where(action_mask & torch.isfinite(advantages), advantages, zero),
+            value_targets=value_targets,
+            coefficients=coefficients,
+            ratio=ratio,
+            mask=mask,
+            stats=stats,
+        )
+
+    def _ratio_and_weight(
+        self, logprobs: Tensor, sampler_logprobs: Tensor, action_mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        one = torch.ones_like(logprobs)
+        ratio = torch.where(action_mask, (logprobs - sampler_logprobs).exp(), one)  # [B, T], 1 off-action
+        weight = CORRECTIONS[self.correction](ratio, action_mask, self)  # [B, T] f(r)
+        return ratio, torch.where(action_mask, weight, torch.zeros_like(weight))
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one ``SAO.update`` returns. All tensors are [B, T], detached, zero off the action tokens
+    (``ratio`` is 1 there)."""
+
+    advantages: Tensor
+    value_targets: Tensor
+    coefficients: Tensor
+    ratio: Tensor
+    mask: Tensor
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def policy_loss(self, logprobs: Tensor) -> Tensor:
+        """−Σ c_t · logprobs_t with the coefficients held constant (``logprobs`` keeps its graph)."""
+        return -(self.coefficients.detach().to(logprobs.dtype) * logprobs).sum()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The estimators, usable on their own.
+
+
+def gae_lambda(lengths: Tensor, alpha: float, dtype: torch.dtype = torch.float64) -> Tensor:
+    """λ_i = max(0, 1 − 1/(α L_i)); 0 for an empty trajectory. ``lengths`` [B] → [B] of ``dtype``."""
+    lengths = lengths.to(dtype)
+    lam = 1.0 - 1.0 / (alpha * lengths.clamp(min=1))
+    return torch.where(lengths > 0, lam.clamp(min=0.0), torch.zeros_like(lam))
+
+
+def gae(values: Tensor, rewards: Tensor, action_mask: Tensor, alpha: float) -> tuple[Tensor, Tensor]:
+    """Length-adaptive GAE with γ = 1 over the action tokens only. Returns (advantages [B,T], λ [B]).
+
+    The action tokens of each row are packed to the left in order (observation tokens and padding drop
+    out, so V(a_{k+1}) is the value at the next *action* token), the recurrence A_k = δ_k + λ A_{k+1} is
+    solved for all rows at once by recursive doubling (log2 T vector steps, no loop over tokens), and
+    the result is scattered back to the original positions.
+    """
+    B, T = values.shape
+    lengths = action_mask.sum(dim=1)  # [B] L_i
+    lam = gae_lambda(lengths, alpha, values.dtype)  # [B]
+    rank = action_mask.cumsum(dim=1) - 1  # [B, T] k of each action token (0-based)
+    slot = torch.where(action_mask, rank, torch.full_like(rank, T))  # non-actions go to a spill column
+
+    packed = values.new_zeros(B, T + 1)
+    packed.scatter_(1, slot, torch.where(action_mask, values, torch.zeros_like(values)))
+    v = packed[:, :T]  # [B, T] V(a_k) packed left, 0 past L_i
+    v_next = torch.cat([v[:, 1:], v.new_zeros(B, 1)], dim=1)  # [B, T] V(a_{k+1}), 0 past the end
+    k = torch.arange(T, device=values.device)[None, :]  # [1, T]
+    last = k == (lengths[:, None] - 1)  # [B, T] the terminal action token
+    valid = k < lengths[:, None]  # [B, T]
+    r = torch.where(last, rewards[:, None].to(values.dtype), torch.zeros_like(v))
+    delta = torch.where(valid, r + v_next - v, torch.zeros_like(v))  # [B, T] δ_k
+
+    adv = _discounted_reverse_sum(delta, lam)  # [B, T] A_k = Σ_j λ^(j-k) δ_j
+    advantages = torch.gather(adv, 1, slot.clamp(max=T - 1))  # back to original positions
+    return torch.where(action_mask, advantages, torch.zeros_like(advantages)), lam
+
+
+def _discounted_reverse_sum(x: Tensor, lam: Tensor) -> Tensor:
+    """y_k = Σ_{j≥k} λ^(j−k) x_j per row, by recursive doubling.
+
+    After step s, y_k sums the 2^s terms x_k .. x_{k+2^s−1}; each step adds λ^(2^s) times the window
+    that starts 2^s later. Only products of λ ∈ [0, 1] appear, so it is stable for any length (λ = 0
+    gives y = x), unlike the closed form λ^(−k) Σ λ^j x_j.
+    """
+    y = x.clone()
+    T = x.shape[1]
+    factor = lam[:, None].clone()  # [B, 1] λ^(2^s)
+    shift = 1
+    while shift < T:
+        shifted = torch.cat([y[:, shift:], y.new_zeros(y.shape[0], shift)], dim=1)
+        y = y + factor * shifted
+        factor = factor * factor
+        shift *= 2
+    return y
+
+
+def monte_carlo_returns(rewards: Tensor, action_mask: Tensor) -> Tensor:
+    """Value targets with γ = 1, λ_critic = 1 and a terminal reward: R_i on every action token, and on
+    every observation token that an action token follows (it carries the next action token's return);
+    0 after the last action token and on padding. [B] → [B, T]."""
+    action_at_or_after = action_mask.flip(1).cummax(dim=1).values.flip(1)  # [B, T]
+    r = rewards[:, None].expand_as(action_mask)
+    return torch.where(action_at_or_after, r, torch.zeros_like(r))
+
+
+def explained_variance(values: Tensor, targets: Tensor, mask: Tensor) -> float:
+    """1 − Var(target − V) / Var(target) over the masked tokens; NaN when the targets do not vary."""
+    t = targets[mask]
+    v = values[mask]
+    ok = torch.isfinite(t) & torch.isfinite(v)
+    t, v = t[ok], v[ok]
+    if t.numel() < 2:
+        return float("nan")
+    var_t = t.var(unbiased=False)
+    if var_t <= 0:
+        return float("nan")
+    return float(1.0 - (t - v).var(unbiased=False) / var_t)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation and diagnostics.
+
+_KEYS = ("logprobs", "sampler_logprobs", "values", "rewards", "action_mask")
+
+
+def _validate(batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    missing = [k for k in _KEYS if k not in batch]
+    if missing:
+        raise ConfigError(f"batch is missing {missing}; it needs {list(_KEYS)}")
+    logprobs = batch["logprobs"]
+    if not isinstance(logprobs, torch.Tensor) or logprobs.dim() != 2:
+        raise ConfigError("batch['logprobs'] must be a [B, T] tensor")
+    if logprobs.dtype not in (torch.float32, torch.float64):
+        raise ConfigError(f"batch['logprobs'] must be float32 or float64, got {logprobs.dtype}")
+    B, T = logprobs.shape
+    if B == 0 or T == 0:
+        raise ConfigError(f"batch is empty: logprobs has shape [{B}, {T}]; need B >= 1 and T >= 1")
+    dtype, device = logprobs.dtype, logprobs.device
+    out = [logprobs.detach()]
+    for key in ("sampler_logprobs", "values"):
+        x = batch[key]
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != (B, T):
+            raise ConfigError(f"batch[{key!r}] must have shape [{B}, {T}] like logprobs, got {_shape(x)}")
+        out.append(x.detach().to(device=device, dtype=dtype))
+    rewards = batch["rewards"]
+    if not isinstance(rewards, torch.Tensor) or tuple(rewards.shape) != (B,):
+        raise ConfigError(f"batch['rewards'] must have shape [{B}], got {_shape(rewards)}")
+    out.append(rewards.detach().to(device=device, dtype=dtype))
+    action_mask = batch["action_mask"]
+    if not isinstance(action_mask, torch.Tensor) or tuple(action_mask.shape) != (B, T):
+        raise ConfigError(f"batch['action_mask'] must have shape [{B}, {T}], got {_shape(action_mask)}")
+    action_mask = action_mask.to(device=device, dtype=torch.bool)
+    if not bool(action_mask.any()):
+        raise ConfigError("batch['action_mask'] has no True entry: a batch needs at least one action token")
+    out.append(action_mask)
+    return out[0], out[1], out[2], out[3], out[4]
+
+
+def _shape(x: object) -> str:
+    return str(list(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _stats(
+    sao: SAO,
+    ratio: Tensor,
+    weight: Tensor,
+    advantages: Tensor,
+    values: Tensor,
+    value_targets: Tensor,
+    lam: Tensor,
+    action_mask: Tensor,
+    mask: Tensor,
+) -> dict[str, float]:
+    n = action_mask.sum()
+    lo, hi = sao.ratio
+    r = ratio[action_mask]
+    finite_r = r[torch.isfinite(r)]
+    nonfinite = action_mask & ~(torch.isfinite(ratio) & torch.isfinite(advantages))
+    has_actions = action_mask.any(dim=1)  # [B]
+    admitted = mask.any(dim=1) & has_actions
+    adv = advantages[action_mask]
+    adv = adv[torch.isfinite(adv)]
+    log_ratio = finite_r.log().abs() if finite_r.numel() else finite_r
+
+    def q(x: Tensor, p: float) -> float:
+        return float(torch.quantile(x.double(), p)) if x.numel() else float("nan")
+
+    return {
+        "tokens": float(n),
+        "trajectories": float(action_mask.shape[0]),
+        "masked_share": float((action_mask & (weight == 0) & torch.isfinite(ratio)).sum() / n),
+        "would_be_masked_share": float(
+            (action_mask & torch.isfinite(ratio) & ~((ratio > lo) & (ratio < hi))).sum() / n
+        ),
+        "ratio_min": float(finite_r.min()) if finite_r.numel() else float("nan"),
+        "ratio_mean": float(finite_r.mean()) if finite_r.numel() else float("nan"),
+        "ratio_max": float(finite_r.max()) if finite_r.numel() else float("nan"),
+        "ratio_p99": q(finite_r, 0.99),
+        "abs_log_ratio_mean": float(log_ratio.mean()) if log_ratio.numel() else float("nan"),
+        "abs_log_ratio_max": float(log_ratio.max()) if log_ratio.numel() else float("nan"),
+        "admitted_share": float(admitted.sum() / has_actions.sum()),
+        "advantage_mean": float(adv.mean()) if adv.numel() else float("nan"),
+        "lambda_mean": float(lam[has_actions].mean()),
+        "explained_variance": explained_variance(values, value_targets, action_mask),
+        "nonfinite": float(nonfinite.sum()),
+    }

@@ -1,0 +1,355 @@
+"""SAO.update against slow, obviously-correct references written here, plus property tests."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sao.algorithm import CORRECTIONS, SAO, gae, monte_carlo_returns
+from sao.errors import ConfigError
+
+# ------------------------------------------------------------------------------------------------------
+# References: one trajectory at a time, one token at a time, straight from SPEC §1.
+
+
+def reference_gae(values, rewards, action_mask, alpha):
+    """Per row: list the action positions, run the backward recursion over them in plain Python."""
+    B, T = len(values), len(values[0])
+    adv = [[0.0] * T for _ in range(B)]
+    lams = []
+    for i in range(B):
+        pos = [t for t in range(T) if action_mask[i][t]]
+        L = len(pos)
+        lam = max(0.0, 1.0 - 1.0 / (alpha * L)) if L else 0.0
+        lams.append(lam)
+        a_next = 0.0
+        for k in reversed(range(L)):
+            v_next = values[i][pos[k + 1]] if k + 1 < L else 0.0
+            r = rewards[i] if k == L - 1 else 0.0
+            delta = r + v_next - values[i][pos[k]]
+            a_next = delta + lam * a_next
+            adv[i][pos[k]] = a_next
+    return adv, lams
+
+
+def reference_targets(rewards, action_mask):
+    B, T = len(action_mask), len(action_mask[0])
+    out = [[0.0] * T for _ in range(B)]
+    for i in range(B):
+        for t in range(T):
+            if any(action_mask[i][s] for s in range(t, T)):
+                out[i][t] = rewards[i]
+    return out
+
+
+def random_batch(B, T, seed, dtype=torch.float64, spread=0.3, p_action=0.7):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, T, generator=g) < p_action
+    # Trajectories of different lengths: cut each row at a random length (padding after it).
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask &= torch.arange(T)[None, :] < lengths[:, None]
+    mask[:, 0] |= ~mask.any(dim=1)  # at least one action token per row
+    sampler = -torch.rand(B, T, generator=g, dtype=dtype) * 3
+    return {
+        "logprobs": sampler + torch.randn(B, T, generator=g, dtype=dtype) * spread,
+        "sampler_logprobs": sampler,
+        "values": torch.rand(B, T, generator=g, dtype=dtype),
+        "rewards": (torch.rand(B, generator=g) < 0.5).to(dtype),
+        "action_mask": mask,
+    }
+
+
+# ------------------------------------------------------------------------------------------------------
+# GAE and value targets.
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("alpha", [1.5, 0.05, 10.0])
+def test_gae_matches_slow_reference_with_observation_gaps_and_ragged_lengths(seed, alpha):
+    T = 1 + seed * 7 % 61  # 1 .. 61, crossing several powers of two
+    batch = random_batch(6, T, seed)
+    adv, lam = gae(batch["values"], batch["rewards"], batch["action_mask"], alpha)
+    ref_adv, ref_lam = reference_gae(
+        batch["values"].tolist(), batch["rewards"].tolist(), batch["action_mask"].tolist(), alpha
+    )
+    torch.testing.assert_close(adv, torch.tensor(ref_adv, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lam, torch.tensor(ref_lam, dtype=torch.float64))
+
+
+def test_gae_lambda_is_vapo_rule_with_alpha_one_and_a_half():
+    mask = torch.zeros(3, 10, dtype=torch.bool)
+    mask[0, :1] = True  # L = 1 → λ = 1 − 1/1.5 = 1/3
+    mask[1, :4] = True  # L = 4 → λ = 1 − 1/6
+    mask[2, :10] = True
+    _, lam = gae(torch.zeros(3, 10, dtype=torch.float64), torch.ones(3, dtype=torch.float64), mask, 1.5)
+    assert lam.tolist() == pytest.approx([1 / 3, 5 / 6, 1 - 1 / 15])
+
+
+def test_gae_with_zero_critic_gives_discounted_terminal_reward():
+    """V ≡ 0: A_k = λ^(L−1−k) R, the textbook shape; the observation token in the middle is skipped."""
+    mask = torch.tensor([[True, True, False, True, False]])
+    adv, lam = gae(
+        torch.zeros(1, 5, dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64), mask, 1.5
+    )
+    lam_ = 1 - 1 / 4.5
+    assert adv[0].tolist() == pytest.approx([lam_**2, lam_, 0.0, 1.0, 0.0])
+    assert lam.item() == pytest.approx(lam_)
+
+
+def test_gae_bootstrap_jumps_over_observation_tokens():
+    """A huge value on an observation token must not leak into any advantage."""
+    mask = torch.tensor([[True, False, True]])
+    values = torch.tensor([[0.5, 1e6, 0.25]], dtype=torch.float64)
+    adv, _ = gae(values, torch.tensor([1.0], dtype=torch.float64), mask, 1.5)
+    lam = 1 - 1 / 3
+    d1 = 1.0 - 0.25  # terminal: r + 0 − V(a_2)
+    d0 = 0.25 - 0.5  # r = 0, bootstrap from the next *action* token
+    assert adv[0].tolist() == pytest.approx([d0 + lam * d1, 0.0, d1])
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_value_targets_are_monte_carlo_returns(seed):
+    batch = random_batch(5, 17, seed)
+    got = monte_carlo_returns(batch["rewards"], batch["action_mask"])
+    ref = reference_targets(batch["rewards"].tolist(), batch["action_mask"].tolist())
+    assert got.tolist() == ref
+
+
+def test_observation_token_carries_next_action_tokens_return_and_trailing_ones_zero():
+    mask = torch.tensor([[False, True, False, True, False, False]])
+    got = monte_carlo_returns(torch.tensor([0.7]), mask)
+    assert got[0].tolist() == pytest.approx([0.7, 0.7, 0.7, 0.7, 0.0, 0.0])
+
+
+# ------------------------------------------------------------------------------------------------------
+# Ratio, correction rules, coefficients.
+
+
+def reference_coefficients(batch, band, correction):
+    lo, hi = band
+    lp, slp = batch["logprobs"].tolist(), batch["sampler_logprobs"].tolist()
+    mask = batch["action_mask"].tolist()
+    adv, _ = reference_gae(batch["values"].tolist(), batch["rewards"].tolist(), mask, 1.5)
+    N = sum(map(sum, mask))
+    out = []
+    for i in range(len(mask)):
+        row = []
+        for t in range(len(mask[0])):
+            if not mask[i][t]:
+                row.append(0.0)
+                continue
+            r = math.exp(lp[i][t] - slp[i][t])
+            f = r if correction == "none" or lo < r < hi else 0.0
+            row.append(f * adv[i][t] / N)
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("correction", ["dis", "none"])
+@pytest.mark.parametrize("seed", range(8))
+def test_coefficients_match_reference(correction, seed):
+    batch = random_batch(8, 23, seed, spread=1.0)  # ratios well outside the band on many tokens
+    update = SAO(correction=correction).update(batch)
+    ref = torch.tensor(reference_coefficients(batch, (0.7, 6.0), correction), dtype=torch.float64)
+    torch.testing.assert_close(update.coefficients, ref, rtol=1e-10, atol=1e-14)
+
+
+def test_dis_masks_strictly_outside_the_open_band():
+    lp = torch.log(torch.tensor([[0.69, 0.7, 0.71, 5.99, 6.0, 6.01]], dtype=torch.float64))
+    batch = {
+        "logprobs": lp,
+        "sampler_logprobs": torch.zeros_like(lp),
+        "values": torch.zeros_like(lp),
+        "rewards": torch.tensor([1.0], dtype=torch.float64),
+        "action_mask": torch.ones_like(lp, dtype=torch.bool),
+    }
+    update = SAO().update(batch)
+    assert update.mask[0].tolist() == [False, False, True, True, False, False]
+    assert update.stats["masked_share"] == pytest.approx(4 / 6)
+
+
+def test_arms_share_advantages_and_targets_and_differ_only_on_out_of_band_tokens():
+    batch = random_batch(16, 40, seed=3, spread=1.5)
+    dis, base = SAO(correction="dis").update(batch), SAO(correction="none").update(batch)
+    assert torch.equal(dis.advantages, base.advantages)
+    assert torch.equal(dis.value_targets, base.value_targets)
+    assert torch.equal(dis.ratio, base.ratio)
+    out_of_band = batch["action_mask"] & ~((dis.ratio > 0.7) & (dis.ratio < 6.0))
+    assert out_of_band.any() and (~out_of_band & batch["action_mask"]).any()
+    differ = dis.coefficients != base.coefficients
+    nonzero_adv = dis.advantages != 0
+    assert torch.equal(differ, out_of_band & nonzero_adv)
+    assert dis.stats["masked_share"] == pytest.approx(base.stats["would_be_masked_share"])
+    assert base.stats["masked_share"] == 0.0
+
+
+def test_policy_loss_gradient_is_coefficients_times_score():
+    batch = random_batch(4, 9, seed=1)
+    logprobs = batch["logprobs"].clone().requires_grad_(True)
+    update = SAO().update({**batch, "logprobs": logprobs})
+    update.policy_loss(logprobs).backward()
+    torch.testing.assert_close(logprobs.grad, -update.coefficients)
+
+
+def test_tis_caps_and_seqmask_drops_whole_trajectories():
+    lp = torch.log(torch.tensor([[0.5, 3.0, 1.0], [20.0, 20.0, 20.0]], dtype=torch.float64))
+    batch = {
+        "logprobs": lp,
+        "sampler_logprobs": torch.zeros_like(lp),
+        "values": torch.zeros_like(lp),
+        "rewards": torch.tensor([1.0, 1.0], dtype=torch.float64),
+        "action_mask": torch.ones_like(lp, dtype=torch.bool),
+    }
+    tis = SAO(correction="tis", tis_cap=2.0).update(batch)
+    assert tis.mask.all()
+    ratio_used = tis.coefficients * 6 / tis.advantages
+    torch.testing.assert_close(
+        ratio_used, torch.tensor([[0.5, 2.0, 1.0], [2.0, 2.0, 2.0]], dtype=torch.float64)
+    )
+    seq = SAO(correction="seqmask").update(batch)  # row 0 geo-mean 1.14 inside, row 1 = 20 outside
+    assert seq.mask[0].all() and not seq.mask[1].any()
+    assert seq.stats["admitted_share"] == 0.5
+
+
+# ------------------------------------------------------------------------------------------------------
+# Properties.
+
+
+@st.composite
+def batches(draw):
+    B = draw(st.integers(1, 6))
+    T = draw(st.integers(1, 24))
+    seed = draw(st.integers(0, 2**31 - 1))
+    spread = draw(st.sampled_from([0.0, 0.1, 1.0, 3.0]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    return random_batch(B, T, seed, dtype=dtype, spread=spread)
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=batches(), correction=st.sampled_from(sorted(CORRECTIONS)))
+def test_coefficients_are_zero_exactly_where_the_mask_is_off(batch, correction):
+    update = SAO(correction=correction).update(batch)
+    assert not update.coefficients[~update.mask].any()
+    assert not update.mask[~batch["action_mask"]].any()
+    carries = update.mask & (update.advantages != 0)
+    assert (update.coefficients[carries] != 0).all()
+    for t in (update.advantages, update.value_targets, update.coefficients, update.ratio):
+        assert t.dtype == batch["logprobs"].dtype and t.shape == batch["logprobs"].shape
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=batches())
+def test_baseline_arm_never_masks(batch):
+    update = SAO(correction="none").update(batch)
+    assert torch.equal(update.mask, batch["action_mask"])
+    assert update.stats["masked_share"] == 0.0
+    assert update.stats["admitted_share"] == 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=batches(), k=st.integers(2, 4))
+def test_coefficients_scale_as_one_over_n(batch, k):
+    """Repeating the batch k times multiplies N by k: every coefficient divides by k."""
+    once = SAO().update(batch)
+    many = SAO().update({key: torch.cat([v] * k) for key, v in batch.items()})
+    torch.testing.assert_close(many.coefficients[: batch["rewards"].shape[0]], once.coefficients / k)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=batches())
+def test_at_lag_zero_nothing_is_masked_and_ratio_is_one(batch):
+    batch = {**batch, "logprobs": batch["sampler_logprobs"].clone()}
+    update = SAO().update(batch)
+    assert update.stats["masked_share"] == 0.0
+    assert update.stats["ratio_max"] == pytest.approx(1.0) and update.stats["ratio_min"] == pytest.approx(1.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=batches())
+def test_float32_and_float64_agree(batch):
+    b64 = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+    b32 = {k: v.float() if v.is_floating_point() else v for k, v in batch.items()}
+    u64, u32 = SAO().update(b64), SAO().update(b32)
+    torch.testing.assert_close(u32.advantages.double(), u64.advantages, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Diagnostics, non-finite inputs, validation.
+
+
+def test_stats_report_ratio_quantiles_lambda_and_explained_variance():
+    batch = random_batch(8, 30, seed=5, spread=0.5)
+    update = SAO().update(batch)
+    r = update.ratio[batch["action_mask"]]
+    s = update.stats
+    assert s["ratio_min"] == pytest.approx(r.min().item())
+    assert s["ratio_max"] == pytest.approx(r.max().item())
+    assert s["ratio_mean"] == pytest.approx(r.mean().item())
+    assert s["ratio_p99"] == pytest.approx(torch.quantile(r, 0.99).item())
+    v, g = batch["values"][batch["action_mask"]], update.value_targets[batch["action_mask"]]
+    assert s["explained_variance"] == pytest.approx(
+        1 - ((g - v).var(unbiased=False) / g.var(unbiased=False)).item()
+    )
+    lengths = batch["action_mask"].sum(1).double()
+    assert s["lambda_mean"] == pytest.approx((1 - 1 / (1.5 * lengths)).clamp(min=0).mean().item())
+    assert s["tokens"] == batch["action_mask"].sum().item()
+
+
+def test_perfect_critic_explains_all_variance():
+    batch = random_batch(8, 12, seed=2)
+    targets = monte_carlo_returns(batch["rewards"], batch["action_mask"])
+    update = SAO().update({**batch, "values": targets})
+    assert update.stats["explained_variance"] == pytest.approx(1.0)
+    assert update.advantages.abs().max().item() == pytest.approx(0.0, abs=1e-12)
+
+
+def test_nonfinite_tokens_get_zero_coefficient_and_are_counted():
+    batch = random_batch(4, 10, seed=0)
+    batch["action_mask"][:] = True
+    batch["logprobs"][0, 3] = float("nan")
+    batch["logprobs"][1, 5] = float("inf")
+    batch["values"][2, 9] = float("nan")  # poisons the advantages of row 2 (the recursion carries it back)
+    for correction in ("dis", "none"):
+        update = SAO(correction=correction).update(batch)
+        assert torch.isfinite(update.coefficients).all()
+        assert update.coefficients[0, 3] == 0 and update.coefficients[1, 5] == 0
+        assert not update.coefficients[2].any()
+        assert update.stats["nonfinite"] == 2 + 10
+        assert math.isfinite(update.stats["ratio_max"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"ratio": (1.2, 6.0)}, "ratio"),
+        ({"ratio": (0.7, 0.9)}, "ratio"),
+        ({"ratio": (-0.1, 2.0)}, "ratio"),
+        ({"gae_alpha": 0.0}, "gae_alpha"),
+        ({"gae_alpha": -1.0}, "gae_alpha"),
+        ({"correction": "ppo"}, "correction"),
+        ({"tis_cap": 0.5}, "tis_cap"),
+    ],
+)
+def test_invalid_configuration_names_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        SAO(**kwargs)
+
+
+def test_invalid_batches_name_the_field():
+    good = random_batch(3, 5, seed=0)
+    with pytest.raises(ValueError, match="values"):
+        SAO().update({**good, "values": torch.zeros(3, 4, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="rewards"):
+        SAO().update({**good, "rewards": torch.zeros(4, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="empty"):
+        SAO().update({k: v[:0] for k, v in good.items()})
+    with pytest.raises(ValueError, match="action_mask"):
+        SAO().update({**good, "action_mask": torch.zeros(3, 5, dtype=torch.bool)})
+    with pytest.raises(ValueError, match="missing"):
+        SAO().update({k: v for k, v in good.items() if k != "values"})
+    with pytest.raises(ValueError, match="float32 or float64"):
+        SAO().update({**good, "logprobs": good["logprobs"].half()})
