@@ -92,9 +92,7 @@ def test_gae_lambda_is_vapo_rule_with_alpha_one_and_a_half():
 def test_gae_with_zero_critic_gives_discounted_terminal_reward():
     """V ≡ 0: A_k = λ^(L−1−k) R, the textbook shape; the observation token in the middle is skipped."""
     mask = torch.tensor([[True, True, False, True, False]])
-    adv, lam = gae(
-        torch.zeros(1, 5, dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64), mask, 1.5
-    )
+    adv, lam = gae(torch.zeros(1, 5, dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64), mask, 1.5)
     lam_ = 1 - 1 / 4.5
     assert adv[0].tolist() == pytest.approx([lam_**2, lam_, 0.0, 1.0, 0.0])
     assert lam.item() == pytest.approx(lam_)
@@ -207,9 +205,7 @@ def test_tis_caps_and_seqmask_drops_whole_trajectories():
     tis = SAO(correction="tis", tis_cap=2.0).update(batch)
     assert tis.mask.all()
     ratio_used = tis.coefficients * 6 / tis.advantages
-    torch.testing.assert_close(
-        ratio_used, torch.tensor([[0.5, 2.0, 1.0], [2.0, 2.0, 2.0]], dtype=torch.float64)
-    )
+    torch.testing.assert_close(ratio_used, torch.tensor([[0.5, 2.0, 1.0], [2.0, 2.0, 2.0]], dtype=torch.float64))
     seq = SAO(correction="seqmask").update(batch)  # row 0 geo-mean 1.14 inside, row 1 = 20 outside
     assert seq.mask[0].all() and not seq.mask[1].any()
     assert seq.stats["admitted_share"] == 0.5
@@ -291,9 +287,7 @@ def test_stats_report_ratio_quantiles_lambda_and_explained_variance():
     assert s["ratio_mean"] == pytest.approx(r.mean().item())
     assert s["ratio_p99"] == pytest.approx(torch.quantile(r, 0.99).item())
     v, g = batch["values"][batch["action_mask"]], update.value_targets[batch["action_mask"]]
-    assert s["explained_variance"] == pytest.approx(
-        1 - ((g - v).var(unbiased=False) / g.var(unbiased=False)).item()
-    )
+    assert s["explained_variance"] == pytest.approx(1 - ((g - v).var(unbiased=False) / g.var(unbiased=False)).item())
     lengths = batch["action_mask"].sum(1).double()
     assert s["lambda_mean"] == pytest.approx((1 - 1 / (1.5 * lengths)).clamp(min=0).mean().item())
     assert s["tokens"] == batch["action_mask"].sum().item()

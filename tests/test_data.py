@@ -128,9 +128,7 @@ def test_decontaminate_against_nothing_keeps_everything():
 
 # --- bad files -------------------------------------------------------------------------------------------
 
-GOOD = json.dumps(
-    {"question": "What is one plus one, written as a number please?", "answer": "1+1=2\n#### 2"}
-)
+GOOD = json.dumps({"question": "What is one plus one, written as a number please?", "answer": "1+1=2\n#### 2"})
 
 
 def _write(path: Path, text: str) -> Path:
@@ -188,8 +186,7 @@ def test_blank_lines_skipped_and_gold_is_after_last_marker(tmp_path):
 
 def _records(prefix: str, k: int) -> list[dict[str, str]]:
     return [
-        {"question": f"{prefix} question number {i} about {i} unique things", "answer": f"#### {i}"}
-        for i in range(k)
+        {"question": f"{prefix} question number {i} about {i} unique things", "answer": f"#### {i}"} for i in range(k)
     ]
 
 
@@ -219,9 +216,7 @@ def test_hub_path_goes_through_datasets(monkeypatch):
 
 
 def test_hub_bad_record_names_the_row(monkeypatch):
-    _fake_datasets(
-        monkeypatch, lambda name, config: {"train": [{"question": "q", "answer": "no gold"}], "test": []}
-    )
+    _fake_datasets(monkeypatch, lambda name, config: {"train": [{"question": "q", "answer": "no gold"}], "test": []})
     with pytest.raises(DataError, match=r"hub:openai/gsm8k train row 0: .*gold"):
         load_gsm8k(None)
 
@@ -263,9 +258,7 @@ def _tokenizer(chat_template: str | None):
 
 
 def test_build_messages_is_one_user_turn():
-    assert build_messages("  How many?  ", "Show work.") == [
-        {"role": "user", "content": "How many?\n\nShow work."}
-    ]
+    assert build_messages("  How many?  ", "Show work.") == [{"role": "user", "content": "How many?\n\nShow work."}]
     assert build_messages("How many?", "") == [{"role": "user", "content": "How many?"}]
     assert "####" in DEFAULT_INSTRUCTION
 
@@ -273,9 +266,7 @@ def test_build_messages_is_one_user_turn():
 def test_format_prompt_uses_chat_template():
     question = "Janet has 3 ducks. How many legs?"
     prompt = format_prompt(_tokenizer(CHATML), question)
-    assert (
-        prompt == f"<|im_start|>user\n{question}\n\n{DEFAULT_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
-    )
+    assert prompt == f"<|im_start|>user\n{question}\n\n{DEFAULT_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
     assert "system" not in prompt
 
 

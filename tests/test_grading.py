@@ -386,9 +386,7 @@ def test_module_calls_no_evaluator():
         for alias in node.names
     }
     imported |= {
-        node.module.split(".")[0]
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.module
+        node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
     }
     assert not names & forbidden
     assert not imported & {"sympy", "latex2sympy2", "math_verify", "ast", "subprocess", "os"}

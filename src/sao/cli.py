@@ -1,17 +1,87 @@
 """The `sao` command line: one subcommand per job.
 
-    sao selftest                 the two arms differ only in the mask (no model, a second)
+    sao selftest                        the two arms differ only in the mask (no model, a second)
+    sao train  --preset tiny --out DIR  one arm, one seed: critic warmup, policy steps, train_log.json
 
-Every user mistake (bad option, missing file, band that does not bracket 1, ...) is one line on stderr
-and exit code 2; anything else is a bug and keeps its traceback.
+Every setting of ``sao.config.Config`` is a flag (``--batch-size`` sets ``batch_size``), documented from
+the same place it is defined; a preset supplies the defaults and flags override them. Every user mistake
+(bad option, missing file, band that does not bracket 1, an output folder that holds another run, ...) is
+one line on stderr and exit code 2; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect
+import itertools
 import sys
+import warnings
+from pathlib import Path
+from typing import Any
 
-from sao.errors import SaoError
+from sao.errors import ConfigError, SaoError
+
+# Flags whose spelling differs from the field or that take two values.
+_SPECIAL = {"band": {"nargs": 2, "type": float, "metavar": ("LO", "HI")}}
+
+
+def _field_docs() -> dict[str, str]:
+    """Each Config field's docstring (the string literal right under it), for --help."""
+    from sao import config
+
+    tree = ast.parse(inspect.getsource(config.Config))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in itertools.pairwise(body):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            text = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
+            docs[node.target.id] = text.replace("%", "%%")  # argparse formats help with %
+    return docs
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    from sao.config import PRESETS, Config
+
+    parser.add_argument("--preset", default="protocol", choices=sorted(PRESETS), help="defaults to start from")
+    docs = _field_docs()
+    group = parser.add_argument_group("settings (default: the preset's)")
+    for f in dataclasses.fields(Config):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"default": None, "help": docs.get(f.name, "")}
+        if f.name in _SPECIAL:
+            kwargs.update(_SPECIAL[f.name])
+        elif isinstance(f.default, bool):
+            kwargs["type"] = _bool
+        elif isinstance(f.default, int):
+            kwargs["type"] = int
+        elif isinstance(f.default, float):
+            kwargs["type"] = float
+        group.add_argument(flag, dest=f.name, **kwargs)
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def config_from_args(args: argparse.Namespace):
+    from sao.config import Config
+
+    changes = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name, None) is not None
+    }
+    return Config.preset(args.preset, **changes)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Commands.
 
 
 def _selftest(args: argparse.Namespace) -> int:
@@ -20,15 +90,77 @@ def _selftest(args: argparse.Namespace) -> int:
     return 0 if selftest.run() else 1
 
 
+def _train(args: argparse.Namespace) -> int:
+    from sao.trainer import Trainer
+
+    config = config_from_args(args)
+    trainer = Trainer(config, args.out, resume=args.resume, progress=not args.quiet)
+    print(f"sao train: {config.arm} arm, seed {config.seed}, model {config.model}: {trainer.describe()}")
+    print(f"  data {trainer.split.source}: {_counts(trainer.split.counts)}")
+    records = trainer.run()
+    print(summarize_training(records, config.lag))
+    print(f"  wrote {Path(args.out) / 'train_log.json'} and the adapter in {Path(args.out) / 'adapter'}")
+    for message in trainer.warnings:
+        print("  warning: " + message)
+    return 0
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items())
+
+
+def summarize_training(records: list[dict[str, Any]], lag: int) -> str:
+    """A few lines on what happened: reward first vs last ten policy steps, the mask, lag-0 numerics."""
+    import statistics
+
+    policy = [r for r in records if r["phase"] == "policy"]
+    if not policy:
+        return "  no policy steps were run"
+    head, tail = policy[: min(10, len(policy))], policy[-min(10, len(policy)) :]
+
+    def mean(rows, key):
+        values = [r[key] for r in rows if r[key] is not None and r[key] == r[key]]
+        return statistics.fmean(values) if values else float("nan")
+
+    fresh = [r for r in records if r["staleness"] == 0]
+    stale = [r for r in policy if r["staleness"] > 0]
+    lines = [
+        f"  reward: first {len(head)} policy steps {mean(head, 'reward_mean'):.3f} -> "
+        f"last {len(tail)} {mean(tail, 'reward_mean'):.3f}",
+        f"  masked share {mean(policy, 'masked_share'):.4f} (would-be {mean(policy, 'would_be_masked_share'):.4f}), "
+        f"max ratio {max(r['ratio_max'] for r in policy):.2f}, skipped steps {sum(r['skipped'] for r in policy)}",
+        f"  lag-0 batches: |log ratio| mean {mean(fresh, 'abs_log_ratio_mean'):.2e}, "
+        f"max {max((r['abs_log_ratio_max'] for r in fresh), default=float('nan')):.2e} over {len(fresh)} steps",
+    ]
+    if stale:
+        lines.append(
+            f"  stale batches (lag {lag}): |log ratio| mean {mean(stale, 'abs_log_ratio_mean'):.2e}, "
+            f"explained variance last 10 {mean(tail, 'explained_variance'):.3f}"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sao", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+
     p = sub.add_parser("selftest", help="check that the two arms differ only in the mask")
     p.set_defaults(func=_selftest)
+
+    p = sub.add_parser("train", help="train one arm with one seed")
+    p.add_argument("--out", required=True, help="output folder (train_log.json, checkpoint, adapter)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last step")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_config_flags(p)
+    p.set_defaults(func=_train)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -40,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sao {args.command}: interrupted", file=sys.stderr)
         return 130
 
+
+__all__ = ["ConfigError", "build_parser", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -97,14 +97,10 @@ class DataSplit:
 def _task_from_record(record: Any, split: str, row: int, where: str) -> Task:
     """Validate one record (a JSON object or hub row) and make a Task; ``where`` prefixes any error."""
     if not isinstance(record, Mapping):
-        raise DataError(
-            f"{where}: expected a JSON object with 'question' and 'answer', got {type(record).__name__}"
-        )
+        raise DataError(f"{where}: expected a JSON object with 'question' and 'answer', got {type(record).__name__}")
     for key in ("question", "answer"):
         if key not in record:
-            raise DataError(
-                f"{where}: record has no {key!r} field; each record needs 'question' and 'answer'"
-            )
+            raise DataError(f"{where}: record has no {key!r} field; each record needs 'question' and 'answer'")
         if not isinstance(record[key], str) or not record[key].strip():
             raise DataError(f"{where}: {key!r} must be a non-empty string")
     answer_field = record["answer"]
@@ -130,9 +126,7 @@ def read_jsonl_tasks(path: str | os.PathLike[str], split: str) -> list[Task]:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise DataError(
-            f"{path}: file not found; a data directory needs train.jsonl and test.jsonl"
-        ) from None
+        raise DataError(f"{path}: file not found; a data directory needs train.jsonl and test.jsonl") from None
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
@@ -156,9 +150,7 @@ def read_jsonl_tasks(path: str | os.PathLike[str], split: str) -> list[Task]:
 
 def _load_local(directory: Path) -> tuple[list[Task], list[Task]]:
     if not directory.is_dir():
-        raise DataError(
-            f"{directory}: not a directory; --data needs a directory with train.jsonl and test.jsonl"
-        )
+        raise DataError(f"{directory}: not a directory; --data needs a directory with train.jsonl and test.jsonl")
     train = read_jsonl_tasks(directory / "train.jsonl", "train")
     return train, read_jsonl_tasks(directory / "test.jsonl", "test")
 
@@ -186,9 +178,7 @@ def _load_hub(hub_id: str, *, explicit: bool = False) -> tuple[list[Task], list[
             records: Iterable[Any] = dataset[split]
         except (KeyError, TypeError):
             raise DataError(f"hub:{hub_id} has no {split!r} split; {fix}") from None
-        tasks = [
-            _task_from_record(r, split, i, f"hub:{hub_id} {split} row {i}") for i, r in enumerate(records)
-        ]
+        tasks = [_task_from_record(r, split, i, f"hub:{hub_id} {split} row {i}") for i, r in enumerate(records)]
         if not tasks:
             raise DataError(f"hub:{hub_id} {split} split is empty; {fix}")
         return tasks

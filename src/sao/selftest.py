@@ -78,8 +78,7 @@ def run(verbose: bool = True) -> bool:
         ("both arms get the same value targets", torch.equal(dis.value_targets, base.value_targets)),
         ("both arms see the same ratios", torch.equal(dis.ratio, base.ratio)),
         (
-            f"the batch straddles the band: {int(out_of_band.sum())} of {int(action.sum())} action tokens"
-            " out",
+            f"the batch straddles the band: {int(out_of_band.sum())} of {int(action.sum())} action tokens out",
             bool(out_of_band.any()) and bool((action & ~out_of_band).any()),
         ),
         ("they are exactly the tokens chosen by hand", torch.equal(out_of_band, EXPECTED_OUT_OF_BAND)),

@@ -172,9 +172,7 @@ def _welch(b: np.ndarray, a: np.ndarray) -> tuple[float, float, int]:
     return float(a.mean() - b.mean()), float(half), int(max(a.size, b.size))
 
 
-def _verdict(
-    delta: float, lo: float, hi: float, floor: float | None, seeds: int, unit: str, n: int
-) -> tuple[str, str]:
+def _verdict(delta: float, lo: float, hi: float, floor: float | None, seeds: int, unit: str, n: int) -> tuple[str, str]:
     span = f"delta {delta:+.3f}, 95% interval [{lo:+.3f}, {hi:+.3f}] over {n} {unit}s"
     floor_txt = "no noise floor given" if floor is None else f"noise floor {floor:.3f}"
     excludes_zero = lo > 0 or hi < 0

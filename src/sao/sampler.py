@@ -1,0 +1,221 @@
+"""Drawing trajectories: the plain decode loop and the stale sampler that SPEC §2 asks for.
+
+    draw        prefill the left-padded prompts once, then one token per step from a KV cache:
+                logits in float32 → / τ → log-softmax → a Gumbel-max draw from a seeded generator; the
+                drawn token's log-probability under exactly that distribution is recorded with it.
+                No top-p, top-k or repetition penalty: the ratio needs common support.
+    stale       the sampler is a second LoRA adapter on the same base weights, a frozen copy of the
+                policy's adapter. At policy step k it draws the batch, then — when k is a multiple of
+                LAG — copies the policy (still at version k) into itself. So step k's batch is 0 updates
+                old at k = 0, then 1, 2, …, LAG, 1, 2, …; LAG = 0 refreshes before every draw.
+
+The loop is written here rather than borrowed from ``generate`` so that the distribution, the RNG and the
+recorded log-probability are ours to state and to test. It stops a row at EOS (the EOS token is part of
+the response and carries a log-probability; later positions are padding) and the batch when every row has
+stopped. The GPU engine in ``sao.engine`` keeps this contract and replaces the loop.
+
+Deliberately left out: beam search, speculative decoding, stop strings other than EOS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sao.models import (
+    POLICY_ADAPTER,
+    cache_keyword,
+    logits_fp32,
+    lora_state,
+    position_ids_from,
+    trunk_and_head,
+)
+
+SAMPLER_ADAPTER = "sampler"
+
+
+@dataclass
+class Rollout:
+    """A batch of trajectories as drawn. Prompts left-padded to P, responses right-padded to R."""
+
+    prompt_ids: torch.Tensor  # [B, P] long
+    prompt_mask: torch.Tensor  # [B, P] bool
+    response_ids: torch.Tensor  # [B, R] long, pad after EOS
+    response_mask: torch.Tensor  # [B, R] bool, True through the EOS token
+    sampler_logprobs: torch.Tensor  # [B, R] float32, 0 off the mask
+    truncated: torch.Tensor  # [B] bool: hit max_new_tokens without EOS
+    texts: list[str] = field(default_factory=list)  # decoded responses, special tokens dropped
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(dim=1)
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenize prompt strings (already chat-formatted) into left-padded [B, P] ids and bool mask."""
+    enc = tokenizer(list(prompts), add_special_tokens=False, padding=True, return_tensors="pt")
+    if tokenizer.padding_side != "left":
+        raise ValueError("the tokenizer must pad on the left for batched decoding")
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device).bool()
+
+
+def eos_ids(tokenizer, model: nn.Module | None = None) -> list[int]:
+    """Every token that ends a reply: the tokenizer's EOS and the model's generation-config EOS ids."""
+    ids = {tokenizer.eos_token_id}
+    config = getattr(model, "generation_config", None) if model is not None else None
+    extra = getattr(config, "eos_token_id", None)
+    ids.update(extra if isinstance(extra, list) else [extra])
+    return sorted(i for i in ids if i is not None)
+
+
+def gumbel_draw(logprobs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row from softmax(logprobs) by Gumbel-max: argmax(logp − log(−log u)). [B, V] → [B]."""
+    u = torch.rand(logprobs.shape, generator=generator, device=logprobs.device, dtype=torch.float32)
+    return (logprobs - torch.log(-torch.log(u.clamp_min(1e-20)))).argmax(dim=-1)
+
+
+@torch.no_grad()
+def draw(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    generator: torch.Generator,
+) -> Rollout:
+    """Sample up to ``max_new_tokens`` per prompt with the model's active adapter (the plain path)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+    from transformers import DynamicCache
+
+    trunk, head = trunk_and_head(model)
+    kw = cache_keyword(trunk)
+    B = prompt_ids.shape[0]
+    device = prompt_ids.device
+    eos = torch.tensor(list(eos_token_ids), device=device)
+    cache = DynamicCache()
+    mask = prompt_mask.long()
+    positions = position_ids_from(mask)
+    out = trunk(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{kw: cache})
+    hidden = out.last_hidden_state[:, -1]  # [B, H]
+    next_pos = positions[:, -1] + 1  # [B]
+
+    tokens, logps = [], []
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    alive_masks = []
+    for _ in range(max_new_tokens):
+        logprobs = torch.log_softmax(logits_fp32(head, hidden, temperature), dim=-1)  # [B, V]
+        token = gumbel_draw(logprobs, generator)  # [B]
+        token_logp = logprobs.gather(-1, token[:, None]).squeeze(-1)
+        alive = ~done
+        tokens.append(torch.where(alive, token, torch.full_like(token, pad_token_id)))
+        logps.append(torch.where(alive, token_logp, torch.zeros_like(token_logp)))
+        alive_masks.append(alive)
+        done = done | torch.isin(token, eos)
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, alive.long()[:, None]], dim=1)
+        out = trunk(
+            input_ids=tokens[-1][:, None],
+            attention_mask=mask,
+            position_ids=next_pos[:, None],
+            use_cache=True,
+            **{kw: cache},
+        )
+        hidden = out.last_hidden_state[:, -1]
+        next_pos = next_pos + 1
+
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask.bool(),
+        response_ids=torch.stack(tokens, dim=1),
+        response_mask=torch.stack(alive_masks, dim=1),
+        sampler_logprobs=torch.stack(logps, dim=1),
+        truncated=~done,
+    )
+
+
+def decode(tokenizer, rollout: Rollout) -> list[str]:
+    """Response texts with special tokens (EOS, padding) dropped."""
+    ids = [row[m].tolist() for row, m in zip(rollout.response_ids.cpu(), rollout.response_mask.cpu(), strict=True)]
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+class StaleSampler:
+    """A frozen copy of the policy's LoRA adapter on the same base weights, refreshed every ``lag`` steps.
+
+    ``version`` is the number of policy updates the copy has seen; the trainer's staleness for a batch is
+    ``policy_version − sampler.version`` at the time of the draw.
+    """
+
+    def __init__(self, policy: nn.Module, lag: int):
+        if lag < 0:
+            raise ValueError(f"lag must be >= 0, got {lag}")
+        self.policy = policy
+        self.lag = lag
+        self.version = 0
+        if SAMPLER_ADAPTER not in policy.peft_config:
+            policy.add_adapter(SAMPLER_ADAPTER, policy.peft_config[POLICY_ADAPTER])
+            policy.set_adapter(POLICY_ADAPTER)
+        self._pairs = self._pair_parameters()
+        self.refresh(version=0)
+
+    def _pair_parameters(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        src = lora_state(self.policy, POLICY_ADAPTER)
+        dst = lora_state(self.policy, SAMPLER_ADAPTER)
+        pairs = []
+        for name, p in src.items():
+            twin = name.replace(f".{POLICY_ADAPTER}.", f".{SAMPLER_ADAPTER}.")
+            pairs.append((p, dst[twin]))
+        for _, q in pairs:
+            q.requires_grad_(False)
+        return pairs
+
+    @torch.no_grad()
+    def refresh(self, version: int) -> None:
+        """Copy the policy's adapter into the sampler's; ``version`` is the policy's update count."""
+        for p, q in self._pairs:
+            q.copy_(p)
+        self.version = version
+
+    def refresh_before_draw(self, step: int) -> bool:
+        """LAG = 0: the sampler is the current policy for every draw."""
+        return self.lag == 0
+
+    def refresh_after_draw(self, step: int) -> bool:
+        """LAG ≥ 1: after drawing step k's batch, take the policy's version k when k % LAG == 0."""
+        return self.lag > 0 and step % self.lag == 0
+
+    @contextmanager
+    def active(self):
+        """Run the policy model with the sampler's adapter; the policy adapter is restored afterwards."""
+        self.policy.set_adapter(SAMPLER_ADAPTER, inference_mode=True)
+        try:
+            yield self.policy
+        finally:
+            self.policy.set_adapter(POLICY_ADAPTER)
+            for _, q in self._pairs:
+                q.requires_grad_(False)
+
+    def state_dict(self) -> dict:
+        return {"version": self.version, "weights": [q.detach().cpu().clone() for _, q in self._pairs]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for (_, q), w in zip(self._pairs, state["weights"], strict=True):
+            q.copy_(w.to(q.device))
+        self.version = int(state["version"])
+
+
+def staleness_schedule(lag: int, steps: int) -> list[int]:
+    """Staleness of policy step k's batch when no step is skipped: 0 at k = 0, then 1..LAG cycling."""
+    if lag == 0:
+        return [0] * steps
+    return [0 if k == 0 else (k - 1) % lag + 1 for k in range(steps)]

@@ -1,0 +1,267 @@
+"""The embedded default: a tiny Qwen2-shaped model, a tokenizer built here, and a task generated here.
+
+Everything a run needs without a GPU or a network:
+
+    task        "What is 7+5?" / "Compute 3-8." / "7+5=?" for operands 0..9, ops + and −: 600 distinct
+                questions with numeric gold answers (negatives included), graded by ``sao.grading``.
+    tokenizer   byte-level BPE with no merges (one token per byte) plus ChatML's <|im_start|>/<|im_end|>
+                and a ChatML chat template — Qwen's tokenizer family, so the product's own prompt code
+                (``data.format_prompt``) and loading code (``models.load_base``) run unchanged on it.
+    model       ``Qwen2ForCausalLM`` from a config: 2 layers, width 64 (~0.13M parameters).
+    warm start  a short supervised run on demonstrations from a careless tutor who is right half the time
+                (the other half slips by ±1, ±2 or ±10, in the working and the final line alike). The
+                model learns the facts *and* the carelessness, so its sampled accuracy starts well above 0
+                and well below 1, and RL has a real job: keep the right answer, drop the slips.
+                The result is saved with ``save_pretrained`` into a cache folder keyed by every setting
+                of the warm start, written to a temporary folder first and renamed when complete.
+
+Deliberately left out: anything that would make the toy look like GSM8K. It exists so the whole pipeline
+— sampler, ratios, critic, mask, eval, statistics — runs end to end on a CPU; what it can and cannot say
+about a 1.5B model is said in the docs, not implied here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from sao.data import DataSplit, Task, format_prompt
+
+TINY_INSTRUCTION = "End with #### N."
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PHRASINGS = ("What is {a}{op}{b}?", "Compute {a}{op}{b}.", "{a}{op}{b}=?")
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """Settings of the supervised warm start; every field is part of the cache key."""
+
+    hidden_size: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    steps: int = 700
+    batch_size: int = 64
+    lr: float = 3e-3
+    tutor_accuracy: float = 0.5
+    seed: int = 0
+    version: int = 3  # bump when the task, the tokenizer or the recipe changes
+
+
+def _byte_alphabet() -> list[str]:
+    """The 256 printable stand-ins byte-level BPE uses for bytes (GPT-2's table), in byte order."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer with no merges (one token per byte) plus ChatML's special tokens.
+
+    It is the same family as Qwen's tokenizer, so ``AutoTokenizer`` reloads it as ``Qwen2Tokenizer``
+    from the saved folder and tokenizes exactly as it did in memory (a test checks the round trip).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    for symbol in _byte_alphabet():
+        vocab[symbol] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        padding_side="left",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def all_questions() -> list[Task]:
+    """Every question of the task, in a fixed order: 3 phrasings × 2 ops × 10 × 10 operands."""
+    tasks = []
+    for phrasing in PHRASINGS:
+        for op in "+-":
+            for a in range(10):
+                for b in range(10):
+                    answer = a + b if op == "+" else a - b
+                    question = phrasing.format(a=a, op=op, b=b)
+                    tasks.append(Task(id=f"tiny/{len(tasks)}", question=question, answer=str(answer)))
+    return tasks
+
+
+def make_split(n_train: int, n_test: int, seed: int = 0) -> DataSplit:
+    """Held-out questions and training prompts, disjoint as strings, drawn with fixed seeds."""
+    from sao.errors import DataError
+
+    pool = all_questions()
+    if n_train + n_test > len(pool):
+        raise DataError(f"the tiny task has {len(pool)} questions; asked for {n_train} train + {n_test} held out")
+    order = list(range(len(pool)))
+    random.Random(seed).shuffle(order)
+    test = [pool[i] for i in sorted(order[:n_test])]
+    rest = [pool[i] for i in order[n_test:]]
+    train = sorted(random.Random(seed + 1).sample(rest, n_train), key=lambda t: int(t.id.split("/")[1]))
+    counts = {
+        "train_pool": len(pool) - n_test,
+        "test_pool": len(pool),
+        "test": n_test,
+        "train_contaminated": 0,
+        "train_kept": len(pool) - n_test,
+        "train": n_train,
+    }
+    return DataSplit(train=train, test=test, counts=counts, source="generated:tiny-arithmetic")
+
+
+def tutor_reply(task: Task, rng: random.Random, accuracy: float) -> str:
+    """The careless tutor's worked answer: right with probability ``accuracy``, else a slip."""
+    value = int(task.answer)
+    if rng.random() >= accuracy:
+        value += rng.choice([-10, -2, -1, 1, 2, 10])
+    expression = task.question
+    for prefix, suffix in (("What is ", "?"), ("Compute ", "."), ("", "=?")):
+        if expression.startswith(prefix) and expression.endswith(suffix):
+            expression = expression[len(prefix) : len(expression) - len(suffix)]
+            break
+    return f"{expression}={value}\n#### {value}"
+
+
+@torch.no_grad()
+def sampled_accuracy(model, tokenizer, tasks: list[Task], seed: int, temperature: float = 1.0) -> float:
+    """Share of the questions answered right, one sample each at ``temperature`` (the RL start point)."""
+    from sao import grading
+    from sao.sampler import decode, draw, encode_prompts
+
+    prompts = [format_prompt(tokenizer, t.question, TINY_INSTRUCTION) for t in tasks]
+    ids, mask = encode_prompts(tokenizer, prompts, torch.device("cpu"))
+    rollout = draw(
+        model,
+        ids,
+        mask,
+        max_new_tokens=24,
+        temperature=temperature,
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    texts = decode(tokenizer, rollout)
+    return sum(grading.reward(x, t.answer) for x, t in zip(texts, tasks, strict=True)) / len(tasks)
+
+
+def cache_root() -> Path:
+    """``$SAO_CACHE`` if set, else ``~/.cache/sao``."""
+    return Path(os.environ.get("SAO_CACHE") or Path.home() / ".cache" / "sao")
+
+
+def warm_start_dir(settings: WarmStart = WarmStart()) -> Path:
+    key = hashlib.sha256(json.dumps(asdict(settings), sort_keys=True).encode()).hexdigest()[:12]
+    return cache_root() / f"tiny-{key}"
+
+
+def ensure_model(settings: WarmStart = WarmStart(), progress: bool = True) -> Path:
+    """The warm-started tiny model's directory, training and caching it on first use (~1 minute)."""
+    target = warm_start_dir(settings)
+    if (target / "warmstart.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        _train_and_save(settings, scratch, progress)
+        try:
+            os.rename(scratch, target)
+        except OSError:  # another process finished first: theirs is as good as ours
+            if not (target / "warmstart.json").exists():
+                raise
+    finally:
+        if scratch.exists():
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _train_and_save(settings: WarmStart, out: Path, progress: bool) -> None:
+    from tqdm import tqdm
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(settings.seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=settings.hidden_size,
+        intermediate_size=4 * settings.hidden_size,
+        num_hidden_layers=settings.layers,
+        num_attention_heads=settings.heads,
+        num_key_value_heads=settings.kv_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+    )
+    model = Qwen2ForCausalLM(config)
+    tasks = all_questions()
+    rng = random.Random(settings.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=settings.lr, total_steps=settings.steps, pct_start=0.1
+    )
+    prompts = {t.id: tokenizer(format_prompt(tokenizer, t.question, TINY_INSTRUCTION))["input_ids"] for t in tasks}
+    losses = []
+    start = time.time()
+    model.train()
+    for _ in tqdm(range(settings.steps), desc="tiny warm start", disable=not progress, leave=False):
+        rows, labels = [], []
+        for task in rng.choices(tasks, k=settings.batch_size):
+            p = prompts[task.id]
+            r = tokenizer(tutor_reply(task, rng, settings.tutor_accuracy))["input_ids"] + [tokenizer.eos_token_id]
+            rows.append(p + r)
+            labels.append([-100] * len(p) + r)
+        width = max(map(len, rows))
+        ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows])
+        target = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
+        loss = model(input_ids=ids, labels=target).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+    model.eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    record = {
+        "settings": asdict(settings),
+        "sampled_accuracy": sampled_accuracy(model, tokenizer, tasks, settings.seed),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "loss_first": losses[0],
+        "loss_last_50": sum(losses[-50:]) / len(losses[-50:]),
+        "seconds": time.time() - start,
+    }
+    (out / "warmstart.json").write_text(json.dumps(record, indent=2))

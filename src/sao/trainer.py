@@ -1,0 +1,408 @@
+"""One arm, one seed: critic warmup, then policy steps on stale rollouts. The data path, step by step:
+
+    prompts ──► stale sampler ──► trajectories + sampler_logprobs ──► rewards (sao.grading)
+            ──► teacher-forced pass (logprobs with grad, hidden states detached) ──► value head
+            ──► SAO.update ──► loss = −Σ c·logprobs ──► clip 1.0 ──► AdamW on LoRA
+            ──► critic_steps × squared error on the stored hidden states ──► one log record
+
+Global step g runs 0 .. critic_warmup + steps − 1; the first ``critic_warmup`` steps train only the
+critic, each on a fresh batch; policy step k = g − critic_warmup follows the staleness cycle of
+``sampler.StaleSampler``. Every source of randomness after setup is a generator seeded from (seed, g), and
+the training prompts of step g are a pure function of (seed, g), so a run resumed from the checkpoint of
+step g continues exactly as if it had never stopped.
+
+A step whose loss or gradient norm is not finite is skipped (no optimizer step), counted and logged. After
+each step the checkpoint (adapters, value head, both optimizers, counters, the log so far) and
+``train_log.json`` are written atomically.
+
+Deliberately left out: evaluation (``sao.evaluate``), the two-arm experiment (``sao.recipe``), and
+learning-rate schedules (the page used a constant rate).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sao import grading
+from sao.config import Config
+from sao.data import DEFAULT_INSTRUCTION, DataSplit, Task, format_prompt, load_gsm8k
+from sao.errors import ConfigError
+from sao.io import read_json, save_torch, write_json
+from sao.models import ValueHead, add_lora, describe, load_base, lora_state, pick_device, teacher_forced
+from sao.sampler import Rollout, StaleSampler, decode, draw, encode_prompts, eos_ids
+
+WARMUP, POLICY = "critic-warmup", "policy"
+LOG_FILE, CHECKPOINT_FILE, CONFIG_FILE = "train_log.json", "checkpoint.pt", "config.json"
+
+
+def derived_seed(*parts: Any) -> int:
+    """A 63-bit seed from any tuple of values, stable across processes and machines."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Setup: data, prompts, models.
+
+
+def load_split(config: Config) -> DataSplit:
+    """The training prompts and held-out tasks the config names."""
+    if config.data == "tiny":
+        from sao import tiny
+
+        return tiny.make_split(config.train_prompts, config.test_prompts, config.data_seed)
+    return load_gsm8k(config.data, n_train=config.train_prompts, n_test=config.test_prompts, seed=config.data_seed)
+
+
+def instruction_for(config: Config) -> str:
+    if config.data == "tiny":
+        from sao import tiny
+
+        return tiny.TINY_INSTRUCTION
+    return DEFAULT_INSTRUCTION
+
+
+def model_path(config: Config) -> str:
+    """A hub id or directory; "tiny" is the warm-started stand-in, built and cached on first use."""
+    if config.model == "tiny":
+        from sao import tiny
+
+        return str(tiny.ensure_model())
+    return config.model
+
+
+@dataclass
+class Models:
+    """What a run trains: the policy (base + LoRA), its tokenizer, and the value head."""
+
+    policy: nn.Module
+    tokenizer: Any
+    value_head: ValueHead
+    device: torch.device
+    eos_token_ids: list[int]
+
+    @classmethod
+    def load(cls, config: Config) -> Models:
+        device = pick_device(config.device)
+        base, tokenizer = load_base(model_path(config), device)
+        policy = add_lora(base, rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed)
+        hidden = base.config.hidden_size
+        value_head = ValueHead(hidden).to(device)
+        return cls(policy, tokenizer, value_head, device, eos_ids(tokenizer, base))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The trainer.
+
+
+class Trainer:
+    """Trains one arm with one seed into ``out_dir``; ``run()`` returns the log records."""
+
+    def __init__(
+        self,
+        config: Config,
+        out_dir: str | Path,
+        *,
+        split: DataSplit | None = None,
+        resume: bool = False,
+        progress: bool = True,
+        label: str | None = None,
+    ):
+        self.config = config
+        self.out = Path(out_dir)
+        self.progress = progress
+        self.label = label or f"{config.arm} seed {config.seed}"
+        self.sao = config.sao()
+        self.split = split or load_split(config)
+        if len(self.split.train) < config.batch_size:
+            raise ConfigError(
+                f"--batch-size {config.batch_size} is larger than the {len(self.split.train)} training prompts"
+            )
+        self._check_out_dir(resume)
+        self.models = Models.load(config)
+        write_json(self.out / CONFIG_FILE, self._config_record())  # claimed only once everything loaded
+        tok = self.models.tokenizer
+        instruction = instruction_for(config)
+        self.prompts = {t.id: format_prompt(tok, t.question, instruction) for t in self.split.train}
+        self.lora_params = list(lora_state(self.models.policy).values())
+        self.policy_opt = torch.optim.AdamW(self.lora_params, lr=config.lr, weight_decay=0.0)
+        self.critic_opt = torch.optim.AdamW(self.models.value_head.parameters(), lr=config.critic_lr, weight_decay=0.0)
+        self.sampler = StaleSampler(self.models.policy, config.lag)
+        self.policy_version = 0
+        self.next_step = 0
+        self.records: list[dict[str, Any]] = []
+        self.warnings: list[str] = []
+        if resume and (self.out / CHECKPOINT_FILE).exists():
+            self._load_checkpoint()
+
+    # -- bookkeeping -----------------------------------------------------------------------------------
+
+    @property
+    def total_steps(self) -> int:
+        return self.sao.critic_warmup + self.config.steps
+
+    def _check_out_dir(self, resume: bool) -> None:
+        """Refuse to mix runs: an existing run needs --resume and the same settings; a folder with other
+        files is not ours to write into."""
+        config_file = self.out / CONFIG_FILE
+        if config_file.exists():
+            if not resume:
+                raise ConfigError(
+                    f"output folder {self.out} already holds a run; "
+                    "pass --resume to continue it or choose another --out"
+                )
+            saved = read_json(config_file)
+            if saved != self._config_record():
+                raise ConfigError(f"--resume: the run in {self.out} was started with other settings; use a new --out")
+        elif any(self.out.glob("*")) if self.out.exists() else False:
+            raise ConfigError(f"output folder {self.out} is not empty and holds no sao run; choose another --out")
+
+    def _config_record(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "data": self.split.counts, "source": self.split.source}
+
+    def batch_tasks(self, g: int) -> list[Task]:
+        """Step g's prompts: epoch e's seeded permutation of the training prompts, read in order."""
+        n, b = len(self.split.train), self.config.batch_size
+        orders: dict[int, list[int]] = {}
+        out = []
+        for position in range(g * b, (g + 1) * b):
+            epoch, i = divmod(position, n)
+            if epoch not in orders:
+                rng = torch.Generator().manual_seed(derived_seed(self.config.seed, epoch, "order"))
+                orders[epoch] = torch.randperm(n, generator=rng).tolist()
+            out.append(self.split.train[orders[epoch][i]])
+        return out
+
+    def _generator(self, g: int) -> torch.Generator:
+        device = self.models.device
+        return torch.Generator(device=device).manual_seed(derived_seed(self.config.seed, g, "rollout"))
+
+    # -- one step --------------------------------------------------------------------------------------
+
+    def step(self, g: int) -> dict[str, Any]:
+        config, models = self.config, self.models
+        phase = WARMUP if g < self.sao.critic_warmup else POLICY
+        k = g - self.sao.critic_warmup
+        t0 = time.perf_counter()
+        tasks = self.batch_tasks(g)
+
+        if phase == POLICY and self.sampler.refresh_before_draw(k):
+            self.sampler.refresh(self.policy_version)
+        staleness = self.policy_version - self.sampler.version
+        rollout = self._draw(tasks, g)
+        if phase == POLICY and self.sampler.refresh_after_draw(k):
+            self.sampler.refresh(self.policy_version)
+        rewards = torch.tensor([grading.reward(text, t.answer) for text, t in zip(rollout.texts, tasks, strict=True)])
+        t_sample = time.perf_counter() - t0
+
+        with torch.set_grad_enabled(phase == POLICY):
+            forward = teacher_forced(
+                models.policy,
+                rollout.prompt_ids,
+                rollout.prompt_mask,
+                rollout.response_ids,
+                rollout.response_mask,
+                temperature=config.temperature,
+                micro_batch=config.micro_batch,
+                logprob_chunk=config.logprob_chunk,
+            )
+        with torch.no_grad():
+            values = models.value_head(forward.hidden)  # [B, R]
+        update = self.sao.update(
+            {
+                "logprobs": forward.logprobs.detach(),
+                "sampler_logprobs": rollout.sampler_logprobs,
+                "values": values,
+                "rewards": rewards.to(values),
+                "action_mask": rollout.response_mask,
+            }
+        )
+        grad_norm, skipped, loss_value = float("nan"), False, float("nan")
+        if phase == POLICY:
+            grad_norm, skipped, loss_value = self._policy_step(update, forward.logprobs)
+        critic_loss = self._critic_steps(forward.hidden, update.value_targets, rollout.response_mask)
+
+        record = self._record(g, phase, staleness, rollout, rewards, update, critic_loss, grad_norm, skipped)
+        record.update(loss=loss_value, time=time.perf_counter() - t0, time_sample=t_sample)
+        return record
+
+    def _draw(self, tasks: list[Task], g: int) -> Rollout:
+        models, config = self.models, self.config
+        prompt_ids, prompt_mask = encode_prompts(models.tokenizer, [self.prompts[t.id] for t in tasks], models.device)
+        with self.sampler.active() as model:
+            rollout = draw(
+                model,
+                prompt_ids,
+                prompt_mask,
+                max_new_tokens=config.max_new_tokens,
+                temperature=config.temperature,
+                eos_token_ids=models.eos_token_ids,
+                pad_token_id=models.tokenizer.pad_token_id,
+                generator=self._generator(g),
+            )
+        rollout.texts = decode(models.tokenizer, rollout)
+        return rollout
+
+    def _policy_step(self, update, logprobs: torch.Tensor) -> tuple[float, bool, float]:
+        """Backward, clip, step — unless the loss or the gradient is not finite. (grad_norm, skipped, loss)"""
+        self.policy_opt.zero_grad(set_to_none=True)
+        loss = update.policy_loss(logprobs)
+        if not torch.isfinite(loss):
+            return float("nan"), True, loss.item()
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.lora_params, self.config.grad_clip))
+        if not math.isfinite(grad_norm):
+            self.policy_opt.zero_grad(set_to_none=True)
+            return grad_norm, True, loss.item()
+        self.policy_opt.step()
+        self.policy_opt.zero_grad(set_to_none=True)
+        self.policy_version += 1
+        return grad_norm, False, loss.item()
+
+    def _critic_steps(self, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> float:
+        """``critic_steps`` squared-error updates on the detached hidden states; returns the first loss
+        (the error of the values this step's advantages were computed with)."""
+        first = float("nan")
+        steps = max(self.sao.critic_steps, 1)
+        for i in range(steps):
+            values = self.models.value_head(hidden)[mask]
+            loss = torch.mean((values - targets[mask].float()) ** 2)
+            if i == 0:
+                first = loss.item()
+            if not torch.isfinite(loss):
+                break
+            self.critic_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.critic_opt.step()
+        return first
+
+    def _record(self, g, phase, staleness, rollout, rewards, update, critic_loss, grad_norm, skipped) -> dict:
+        s = update.stats
+        lengths = rollout.lengths.float()
+        ratio = update.ratio[rollout.response_mask]
+        log_ratio = ratio.log()
+        kl = float(((ratio - 1) - log_ratio)[torch.isfinite(log_ratio)].mean())  # KL(sampler‖policy), k3 estimator
+        return {
+            "arm": self.config.arm,
+            "seed": self.config.seed,
+            "step": g,
+            "phase": phase,
+            "policy_step": g - self.sao.critic_warmup if phase == POLICY else None,
+            "staleness": staleness,
+            "policy_version": self.policy_version,
+            "reward_mean": float(rewards.mean()),
+            "masked_share": s["masked_share"],
+            "would_be_masked_share": s["would_be_masked_share"],
+            "ratio_min": s["ratio_min"],
+            "ratio_mean": s["ratio_mean"],
+            "ratio_max": s["ratio_max"],
+            "ratio_p99": s["ratio_p99"],
+            "abs_log_ratio_mean": s["abs_log_ratio_mean"],
+            "abs_log_ratio_max": s["abs_log_ratio_max"],
+            "kl_sampler_policy": kl,
+            "admitted_share": s["admitted_share"],
+            "advantage_mean": s["advantage_mean"],
+            "lambda_mean": s["lambda_mean"],
+            "explained_variance": s["explained_variance"],
+            "nonfinite": s["nonfinite"],
+            "critic_loss": critic_loss,
+            "response_length": float(lengths.mean()),
+            "truncation_share": float(rollout.truncated.float().mean()),
+            "grad_norm": grad_norm,
+            "skipped": skipped,
+        }
+
+    # -- the loop, checkpoints -------------------------------------------------------------------------
+
+    def run(self) -> list[dict[str, Any]]:
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=self.total_steps,
+            initial=self.next_step,
+            desc=f"train {self.label}",
+            disable=not self.progress,
+            dynamic_ncols=True,
+        )
+        for g in range(self.next_step, self.total_steps):
+            record = self.step(g)
+            self.records.append(record)
+            self._reachability(record)
+            self.next_step = g + 1
+            self._save()
+            bar.update(1)
+            bar.set_postfix(
+                reward=f"{record['reward_mean']:.2f}",
+                masked=f"{record['masked_share']:.4f}",
+                ratio_max=f"{record['ratio_max']:.2f}",
+                stale=record["staleness"],
+            )
+        bar.close()
+        self.save_adapter()
+        return self.records
+
+    def _reachability(self, record: dict[str, Any]) -> None:
+        """Warn once, early, when stale batches mask (or would mask) almost nothing: then the correction
+        cannot move an eval, and the rest of the run cannot test it."""
+        stale = [r for r in self.records if r["phase"] == POLICY and r["staleness"] > 0]
+        if self.warnings or len(stale) < max(self.config.lag, 1) or self.config.lag == 0:
+            return
+        share = sum(r["would_be_masked_share"] for r in stale) / len(stale)
+        if share < self.config.dead_band_share:
+            lo, hi = self.config.band
+            message = (
+                f"[{self.label}] the band ({lo}, {hi}) is dead at these settings: over the first {len(stale)} stale "
+                f"steps it would mask {share:.4%} of tokens (threshold {self.config.dead_band_share:.2%}); the two "
+                "arms will run the same experiment. Raise --lr or --lag, or narrow --band, to test the mask."
+            )
+            self.warnings.append(message)
+            from tqdm import tqdm
+
+            tqdm.write("warning: " + message)
+
+    def _save(self) -> None:
+        state = {
+            "next_step": self.next_step,
+            "policy_version": self.policy_version,
+            "policy": {n: p.detach().cpu().clone() for n, p in lora_state(self.models.policy).items()},
+            "sampler": self.sampler.state_dict(),
+            "value_head": self.models.value_head.state_dict(),
+            "policy_opt": self.policy_opt.state_dict(),
+            "critic_opt": self.critic_opt.state_dict(),
+            "records": self.records,
+            "warnings": self.warnings,
+        }
+        save_torch(self.out / CHECKPOINT_FILE, state)
+        write_json(self.out / LOG_FILE, self.records)
+
+    def _load_checkpoint(self) -> None:
+        state = torch.load(self.out / CHECKPOINT_FILE, map_location="cpu", weights_only=False)
+        with torch.no_grad():
+            for name, p in lora_state(self.models.policy).items():
+                p.copy_(state["policy"][name].to(p.device))
+        self.sampler.load_state_dict(state["sampler"])
+        self.models.value_head.load_state_dict(state["value_head"])
+        self.policy_opt.load_state_dict(state["policy_opt"])
+        self.critic_opt.load_state_dict(state["critic_opt"])
+        self.policy_version = state["policy_version"]
+        self.next_step = state["next_step"]
+        self.records = state["records"]
+        self.warnings = state["warnings"]
+
+    def save_adapter(self) -> Path:
+        """The trained policy adapter (PEFT format) and value head, for ``sao eval --adapter``."""
+        path = self.out / "adapter"
+        self.models.policy.save_pretrained(path, selected_adapters=["default"])
+        save_torch(path / "value_head.pt", self.models.value_head.state_dict())
+        return path
+
+    def describe(self) -> str:
+        return describe(self.models.policy)

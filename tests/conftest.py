@@ -1,0 +1,20 @@
+"""Shared fixtures: the warm-started tiny model is built once per machine (cached) and shared."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir():
+    from sao import tiny
+
+    return tiny.ensure_model(progress=False)
+
+
+@pytest.fixture
+def tiny_config(tiny_model_dir):
+    """The tiny preset shrunk for unit tests: small batches, few steps."""
+    from sao.config import Config
+
+    return Config.preset("tiny", batch_size=16, steps=6, critic_warmup=2, micro_batch=16)

@@ -1,0 +1,45 @@
+"""The CLI end to end: one short tiny run per command, and one-line errors for user mistakes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sao.cli import main
+
+
+def test_train_writes_a_complete_log_and_prints_a_summary(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", "--preset", "tiny", "--steps", "3", "--critic-warmup", "2", "--batch-size", "16",
+                 "--lag", "1", "--band", "0.5", "3.0", "--quiet", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "reward:" in text and "lag-0 batches" in text
+    records = json.loads((out / "train_log.json").read_text())
+    assert [r["phase"] for r in records] == ["critic-warmup"] * 2 + ["policy"] * 3
+    saved = json.loads((out / "config.json").read_text())["config"]
+    assert saved["band"] == [0.5, 3.0] and saved["lag"] == 1 and saved["model"] == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--arm", "ppo"], "--arm must be one of"),
+        (["--band", "1.5", "6"], "bracket 1"),
+        (["--lag", "-1"], "--lag must be >= 0"),
+        (["--model", "./no/such/model"], "not a directory"),
+        (["--data", "./no/such/dir"], "not a directory"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(tmp_path, capsys, argv, needle):
+    code = main(["train", "--preset", "tiny", "--quiet", "--out", str(tmp_path / "run"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_failed_start_leaves_the_output_folder_empty(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--quiet", "--model", "./no/such/model", "--out", str(out)]) == 2
+    assert not out.exists() or not any(out.iterdir())
