@@ -21,8 +21,11 @@ lint: install
 test: install lint
 	$(PY) -m pytest
 
+# The whole controlled experiment on the CPU stand-in: base evals, both arms, compare, report (~1-2 min).
 demo: install
 	$(VENV)/bin/sao selftest
+	rm -rf runs/demo
+	$(VENV)/bin/sao recipe --preset tiny --out runs/demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis runs

@@ -2,6 +2,9 @@
 
     sao selftest                        the two arms differ only in the mask (no model, a second)
     sao train  --preset tiny --out DIR  one arm, one seed: critic warmup, policy steps, train_log.json
+    sao eval   --preset tiny [--adapter DIR] [--out FILE]    pass@1 on the held-out tasks
+    sao recipe --preset tiny --out DIR  the whole experiment: both arms, base evals, verdict, report
+    sao report DIR                      rebuild report.md and the plots from an experiment's JSON
 
 Every setting of ``sao.config.Config`` is a flag (``--batch-size`` sets ``batch_size``), documented from
 the same place it is defined; a preset supplies the defaults and flags override them. Every user mistake
@@ -17,6 +20,7 @@ import dataclasses
 import inspect
 import itertools
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -140,6 +144,80 @@ def summarize_training(records: list[dict[str, Any]], lag: int) -> str:
     return "\n".join(lines)
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from sao.evaluate import evaluate, load_adapter
+    from sao.io import write_json
+    from sao.models import load_base, pick_device
+    from sao.sampler import derived_seed, eos_ids
+    from sao.trainer import instruction_for, load_split, model_path
+
+    config = config_from_args(args)
+    split = load_split(config)
+    model, tokenizer = load_base(model_path(config), pick_device(config.device))
+    if args.adapter:
+        model = load_adapter(model, args.adapter)
+    label = "adapter" if args.adapter else "base"
+    result = evaluate(
+        model,
+        tokenizer,
+        split.test,
+        instruction=instruction_for(config),
+        samples=config.eval_samples,
+        temperature=config.eval_temperature,
+        max_new_tokens=config.eval_max_new_tokens,
+        batch=config.eval_batch,
+        seed=derived_seed(config.seed, "eval", args.eval_seed),
+        eos_token_ids=eos_ids(tokenizer, model),
+        label=label,
+        progress=not args.quiet,
+    )
+    print(
+        f"sao eval: pass@1 {result.pass_at_1:.4f} over {len(result.per_task)} tasks x {result.samples} samples "
+        f"at temperature {result.temperature} ({result.seconds:.1f}s, mean reply {result.mean_reply_tokens:.1f} tokens)"
+    )
+    if args.out:
+        write_json(args.out, result.to_dict())
+        print(f"  wrote {args.out}")
+    return 0
+
+
+def _recipe(args: argparse.Namespace) -> int:
+    from sao.recipe import Recipe
+
+    config = config_from_args(args)
+    started = time.perf_counter()
+    recipe = Recipe(config, args.out, resume=args.resume, progress=not args.quiet)
+    print(
+        f"sao recipe: arms dis vs none, {config.train_runs} seed(s) each, {config.base_evals} base evals, "
+        f"model {config.model}, data {recipe.split.source} ({recipe.split.counts['train']} train prompts, "
+        f"{recipe.split.counts['test']} held out, {recipe.split.counts['train_contaminated']} dropped as contaminated)"
+    )
+    results = recipe.run()
+    out = Path(args.out)
+    c = results["compare"]
+    p = results["pass_at_1"]
+    print(f"  base pass@1 {_fmt_list(p['base'])}; dis {_fmt_list(p['dis'])}; none {_fmt_list(p['none'])}")
+    print(f"  verdict: {results['reason']}")
+    if c.get("noise_floor") is not None:
+        print(f"  noise floor {c['noise_floor']:.4f} from {results['noise_floor']['runs']} base evals")
+    for message in results["warnings"]:
+        print("  warning: " + message)
+    print(f"  {time.perf_counter() - started:.0f}s; report: {out / 'report.md'} (plots in {out / 'plots'})")
+    return 0
+
+
+def _fmt_list(values: list[float]) -> str:
+    return ", ".join(f"{v:.3f}" for v in values) if values else "—"
+
+
+def _report(args: argparse.Namespace) -> int:
+    from sao import report
+
+    path = report.write_report(args.dir)
+    print(f"sao report: wrote {path} and plots in {Path(args.dir) / 'plots'}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -156,6 +234,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_config_flags(p)
     p.set_defaults(func=_train)
+
+    p = sub.add_parser("eval", help="pass@1 of the base model, or of a trained adapter, on the held-out tasks")
+    p.add_argument("--adapter", help="a run's adapter/ folder (from sao train); default: the untrained base")
+    p.add_argument("--out", help="write the result (pass@1, per-task scores, examples) to this JSON file")
+    p.add_argument("--eval-seed", type=int, default=0, help="which sampling seed (repeat with 0, 1, 2 for a floor)")
+    p.add_argument("--samples", dest="eval_samples", type=int, default=None, help="samples per task (default 4)")
+    p.add_argument(
+        "--temperature", dest="eval_temperature", type=float, default=None, help="sampling temperature (default 0.7)"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_config_flags(p, skip=("eval_samples", "eval_temperature", "temperature"))
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser("recipe", help="the whole experiment: both arms, base evals, compare, report")
+    p.add_argument("--out", required=True, help="output folder (results.json, train_log.json, report.md, plots/)")
+    p.add_argument("--resume", action="store_true", help="continue the experiment in --out where it stopped")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_config_flags(p, skip=("arm",))
+    p.set_defaults(func=_recipe)
+
+    p = sub.add_parser("report", help="rebuild report.md and plots/ from an experiment folder's JSON files")
+    p.add_argument("dir", help="the experiment folder (holds results.json and train_log.json)")
+    p.set_defaults(func=_report)
     return parser
 
 

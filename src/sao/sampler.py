@@ -19,6 +19,7 @@ Deliberately left out: beam search, speculative decoding, stop strings other tha
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -70,6 +71,12 @@ def eos_ids(tokenizer, model: nn.Module | None = None) -> list[int]:
     extra = getattr(config, "eos_token_id", None)
     ids.update(extra if isinstance(extra, list) else [extra])
     return sorted(i for i in ids if i is not None)
+
+
+def derived_seed(*parts: object) -> int:
+    """A 63-bit seed from any tuple of values, stable across processes and machines."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def gumbel_draw(logprobs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

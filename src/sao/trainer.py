@@ -21,7 +21,6 @@ learning-rate schedules (the page used a constant rate).
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from dataclasses import dataclass
@@ -35,18 +34,18 @@ from sao import grading
 from sao.config import Config
 from sao.data import DEFAULT_INSTRUCTION, DataSplit, Task, format_prompt, load_gsm8k
 from sao.errors import ConfigError
-from sao.io import read_json, save_torch, write_json
+from sao.io import as_json, read_json, save_torch, write_json
 from sao.models import ValueHead, add_lora, describe, load_base, lora_state, pick_device, teacher_forced
-from sao.sampler import Rollout, StaleSampler, decode, draw, encode_prompts, eos_ids
+from sao.sampler import Rollout, StaleSampler, decode, derived_seed, draw, encode_prompts, eos_ids
 
 WARMUP, POLICY = "critic-warmup", "policy"
 LOG_FILE, CHECKPOINT_FILE, CONFIG_FILE = "train_log.json", "checkpoint.pt", "config.json"
 
 
-def derived_seed(*parts: Any) -> int:
-    """A 63-bit seed from any tuple of values, stable across processes and machines."""
-    digest = hashlib.sha256(repr(parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or any allocator error that says so (CPU, MPS)."""
+    oom = getattr(torch.cuda, "OutOfMemoryError", ())
+    return (bool(oom) and isinstance(error, oom)) or "out of memory" in str(error).lower()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -137,9 +136,11 @@ class Trainer:
         self.critic_opt = torch.optim.AdamW(self.models.value_head.parameters(), lr=config.critic_lr, weight_decay=0.0)
         self.sampler = StaleSampler(self.models.policy, config.lag)
         self.policy_version = 0
+        self.micro_batch = config.micro_batch  # halves on out-of-memory and stays halved
         self.next_step = 0
         self.records: list[dict[str, Any]] = []
         self.warnings: list[str] = []
+        self._last_mask_report: int | None = None
         if resume and (self.out / CHECKPOINT_FILE).exists():
             self._load_checkpoint()
 
@@ -160,7 +161,7 @@ class Trainer:
                     "pass --resume to continue it or choose another --out"
                 )
             saved = read_json(config_file)
-            if saved != self._config_record():
+            if saved != as_json(self._config_record()):
                 raise ConfigError(f"--resume: the run in {self.out} was started with other settings; use a new --out")
         elif any(self.out.glob("*")) if self.out.exists() else False:
             raise ConfigError(f"output folder {self.out} is not empty and holds no sao run; choose another --out")
@@ -188,7 +189,6 @@ class Trainer:
     # -- one step --------------------------------------------------------------------------------------
 
     def step(self, g: int) -> dict[str, Any]:
-        config, models = self.config, self.models
         phase = WARMUP if g < self.sao.critic_warmup else POLICY
         k = g - self.sao.critic_warmup
         t0 = time.perf_counter()
@@ -203,6 +203,38 @@ class Trainer:
         rewards = torch.tensor([grading.reward(text, t.answer) for text, t in zip(rollout.texts, tasks, strict=True)])
         t_sample = time.perf_counter() - t0
 
+        forward, update, grad_norm, skipped, loss_value, retries = self._learn_with_retry(rollout, rewards, phase)
+        critic_loss = self._critic_steps(forward.hidden, update.value_targets, rollout.response_mask)
+
+        record = self._record(g, phase, staleness, rollout, rewards, update, critic_loss, grad_norm, skipped)
+        record.update(loss=loss_value, micro_batch=self.micro_batch, oom_retries=retries)
+        record.update(time=time.perf_counter() - t0, time_sample=t_sample)
+        return record
+
+    def _learn_with_retry(self, rollout: Rollout, rewards: torch.Tensor, phase: str):
+        """The teacher-forced pass, SAO.update and the policy step; on out-of-memory the micro-batch halves
+        (for the rest of the run) and the step is retried from its start. The result is the same function
+        of the batch, only its floating-point summation order changes."""
+        retries = 0
+        while True:
+            try:
+                return (*self._learn(rollout, rewards, phase), retries)
+            except RuntimeError as error:
+                if not is_out_of_memory(error) or self.micro_batch == 1:
+                    raise
+                self.policy_opt.zero_grad(set_to_none=True)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                retries += 1
+                self.micro_batch = max(1, self.micro_batch // 2)
+                from tqdm import tqdm
+
+                tqdm.write(
+                    f"[{self.label}] out of memory in the training pass: micro-batch -> {self.micro_batch}, retrying"
+                )
+
+    def _learn(self, rollout: Rollout, rewards: torch.Tensor, phase: str):
+        models, config = self.models, self.config
         with torch.set_grad_enabled(phase == POLICY):
             forward = teacher_forced(
                 models.policy,
@@ -211,7 +243,7 @@ class Trainer:
                 rollout.response_ids,
                 rollout.response_mask,
                 temperature=config.temperature,
-                micro_batch=config.micro_batch,
+                micro_batch=self.micro_batch,
                 logprob_chunk=config.logprob_chunk,
             )
         with torch.no_grad():
@@ -228,11 +260,7 @@ class Trainer:
         grad_norm, skipped, loss_value = float("nan"), False, float("nan")
         if phase == POLICY:
             grad_norm, skipped, loss_value = self._policy_step(update, forward.logprobs)
-        critic_loss = self._critic_steps(forward.hidden, update.value_targets, rollout.response_mask)
-
-        record = self._record(g, phase, staleness, rollout, rewards, update, critic_loss, grad_norm, skipped)
-        record.update(loss=loss_value, time=time.perf_counter() - t0, time_sample=t_sample)
-        return record
+        return forward, update, grad_norm, skipped, loss_value
 
     def _draw(self, tasks: list[Task], g: int) -> Rollout:
         models, config = self.models, self.config
@@ -336,6 +364,7 @@ class Trainer:
             record = self.step(g)
             self.records.append(record)
             self._reachability(record)
+            self._report_masking(record)
             self.next_step = g + 1
             self._save()
             bar.update(1)
@@ -348,6 +377,27 @@ class Trainer:
         bar.close()
         self.save_adapter()
         return self.records
+
+    def _report_masking(self, record: dict[str, Any]) -> None:
+        """At the end of every staleness cycle (every 10 policy steps at lag 0), one line: the masked
+        share so far at each staleness, so a dead or exploding band shows while the run is young."""
+        if not self.progress or record["phase"] != POLICY:
+            return
+        k = record["policy_step"]
+        if not (
+            (self.config.lag > 0 and record["staleness"] == self.config.lag) or (self.config.lag == 0 and k % 10 == 9)
+        ):
+            return
+        policy = [r for r in self.records if r["phase"] == POLICY]
+        parts = []
+        for s in sorted({r["staleness"] for r in policy}):
+            rows = [r for r in policy if r["staleness"] == s]
+            masked = sum(r["masked_share"] for r in rows) / len(rows)
+            would = sum(r["would_be_masked_share"] for r in rows) / len(rows)
+            parts.append(f"{s}: {masked:.4f}" + (f" (would-be {would:.4f})" if would != masked else ""))
+        from tqdm import tqdm
+
+        tqdm.write(f"[{self.label}] policy step {k + 1}: masked share by staleness " + ", ".join(parts))
 
     def _reachability(self, record: dict[str, Any]) -> None:
         """Warn once, early, when stale batches mask (or would mask) almost nothing: then the correction
@@ -372,6 +422,7 @@ class Trainer:
         state = {
             "next_step": self.next_step,
             "policy_version": self.policy_version,
+            "micro_batch": self.micro_batch,
             "policy": {n: p.detach().cpu().clone() for n, p in lora_state(self.models.policy).items()},
             "sampler": self.sampler.state_dict(),
             "value_head": self.models.value_head.state_dict(),
@@ -393,6 +444,7 @@ class Trainer:
         self.policy_opt.load_state_dict(state["policy_opt"])
         self.critic_opt.load_state_dict(state["critic_opt"])
         self.policy_version = state["policy_version"]
+        self.micro_batch = state.get("micro_batch", self.micro_batch)
         self.next_step = state["next_step"]
         self.records = state["records"]
         self.warnings = state["warnings"]

@@ -1,0 +1,169 @@
+"""pass@1 on held-out tasks: k samples per task at a fixed temperature, all drawn together, graded by program.
+
+    per-task score   s_j = (1/k) Σ_i correct(sample_i of task j)        the unit ``stats.compare`` pairs
+    pass@1           mean_j s_j
+
+Every sample of every task goes into one decode batch (``eval_batch`` sequences at a time: 480 = 120 tasks
+× 4 samples at once on a GPU), drawn with the same sampler as training (``sampler.draw``) at the eval
+temperature, from a generator seeded by the caller. The same seed gives the same samples, so an eval that
+was interrupted is simply run again.
+
+Deliberately left out: greedy decoding, pass@k for k > 1, majority voting, LLM judges.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sao import grading
+from sao.data import Task, format_prompt
+from sao.sampler import decode, derived_seed, draw, encode_prompts
+
+
+@dataclass
+class EvalResult:
+    """One eval of one model. ``per_task`` is aligned with ``task_ids``."""
+
+    label: str
+    pass_at_1: float
+    per_task: list[float]
+    task_ids: list[str]
+    samples: int
+    temperature: float
+    seed: int
+    mean_reply_chars: float
+    mean_reply_tokens: float
+    truncation_share: float
+    seconds: float
+    examples: list[dict[str, Any]]  # a few (question, reply, gold, correct) for the report
+    batch: int = 0  # sequences decoded together (after any out-of-memory halving)
+    oom_retries: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EvalResult:
+        return cls(**d)
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    tasks: list[Task],
+    *,
+    instruction: str,
+    samples: int = 4,
+    temperature: float = 0.7,
+    max_new_tokens: int = 256,
+    batch: int = 480,
+    seed: int = 0,
+    eos_token_ids: list[int] | None = None,
+    label: str = "model",
+    progress: bool = False,
+) -> EvalResult:
+    """pass@1 of ``model`` (with whatever adapter is active) over ``tasks``, ``samples`` draws each.
+
+    Out of memory: the eval restarts with half the batch (its samples then differ from a full-batch eval
+    of the same seed, because each batch has its own generator); ``oom_retries`` says how often.
+    """
+    from sao.trainer import is_out_of_memory
+
+    if not tasks:
+        raise ValueError("evaluate needs at least one task")
+    start = time.perf_counter()
+    retries = 0
+    while True:
+        try:
+            result = _evaluate_once(
+                model, tokenizer, tasks, instruction, samples, temperature, max_new_tokens, batch, seed,
+                eos_token_ids, label, progress,
+            )  # fmt: skip
+            break
+        except RuntimeError as error:
+            if not is_out_of_memory(error) or batch == 1:
+                raise
+            retries += 1
+            batch = max(1, batch // 2)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    result.seconds = time.perf_counter() - start
+    result.batch, result.oom_retries = batch, retries
+    return result
+
+
+def _evaluate_once(
+    model, tokenizer, tasks, instruction, samples, temperature, max_new_tokens, batch, seed, eos_token_ids,
+    label, progress,
+) -> EvalResult:  # fmt: skip
+    from tqdm import tqdm
+
+    device = next(model.parameters()).device
+    eos = eos_token_ids or [tokenizer.eos_token_id]
+    prompts = [format_prompt(tokenizer, t.question, instruction) for t in tasks]
+    rows = [(j, i, prompts[j]) for j in range(len(tasks)) for i in range(samples)]  # task-major
+    correct = torch.zeros(len(tasks), dtype=torch.float64)
+    chars = tokens = truncated = 0.0
+    examples: list[dict[str, Any]] = []
+    chunks = range(0, len(rows), batch)
+    for c, first in enumerate(tqdm(chunks, desc=f"eval {label}", disable=not progress, leave=False)):
+        chunk = rows[first : first + batch]
+        ids, mask = encode_prompts(tokenizer, [p for _, _, p in chunk], device)
+        generator = torch.Generator(device=device).manual_seed(derived_seed(seed, c))
+        rollout = draw(
+            model,
+            ids,
+            mask,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            eos_token_ids=eos,
+            pad_token_id=tokenizer.pad_token_id,
+            generator=generator,
+        )
+        texts = decode(tokenizer, rollout)
+        every = max(1, len(tasks) // 6)
+        for (j, i, _), text in zip(chunk, texts, strict=True):
+            ok = grading.math_equal(text, tasks[j].answer)
+            correct[j] += ok
+            chars += len(text)
+            if i == 0 and j % every == 0 and len(examples) < 6:
+                examples.append({"question": tasks[j].question, "reply": text, "gold": tasks[j].answer, "correct": ok})
+        tokens += float(rollout.lengths.sum())
+        truncated += float(rollout.truncated.sum())
+    per_task = (correct / samples).tolist()
+    n = len(rows)
+    return EvalResult(
+        label=label,
+        pass_at_1=float(sum(per_task) / len(per_task)),
+        per_task=per_task,
+        task_ids=[t.id for t in tasks],
+        samples=samples,
+        temperature=temperature,
+        seed=seed,
+        mean_reply_chars=chars / n,
+        mean_reply_tokens=tokens / n,
+        truncation_share=truncated / n,
+        seconds=0.0,
+        examples=examples,
+    )
+
+
+def load_adapter(model: torch.nn.Module, adapter_dir: str | os.PathLike[str]) -> torch.nn.Module:
+    """Wrap a base model with a saved PEFT adapter (from ``sao train``'s ``adapter/`` folder)."""
+    from peft import PeftModel
+
+    from sao.errors import ConfigError
+
+    path = Path(adapter_dir)
+    if not (path / "adapter_config.json").exists():
+        raise ConfigError(f"--adapter {path} holds no adapter_config.json; point it at a run's adapter/ folder")
+    wrapped = PeftModel.from_pretrained(model, path)
+    wrapped.eval()
+    return wrapped

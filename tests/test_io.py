@@ -1,0 +1,48 @@
+"""Files are written whole or not at all: a failed write leaves the previous complete file."""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from sao import io
+from sao.errors import SaoError
+
+
+def test_json_writes_nan_and_inf_as_null_and_tuples_as_lists(tmp_path):
+    path = tmp_path / "x.json"
+    io.write_json(path, {"a": float("nan"), "b": (1, float("inf")), "c": torch.tensor([0.5]), "d": 2.0})
+    assert json.loads(path.read_text()) == {"a": None, "b": [1, None], "c": [0.5], "d": 2.0}
+
+
+@pytest.mark.parametrize("writer", ["json", "torch"])
+def test_disk_full_keeps_the_previous_file_and_says_so_in_one_line(tmp_path, monkeypatch, writer):
+    path = tmp_path / "results.bin"
+    good = {"step": 1, "value": 0.25}
+    write = io.write_json if writer == "json" else io.save_torch
+    write(path, good)
+    before = path.read_bytes()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(io.os, "fsync", full)
+    with pytest.raises(SaoError) as caught:
+        write(path, {"step": 2, "value": math.pi})
+    message = str(caught.value)
+    assert "No space left on device" in message and "--resume" in message and "\n" not in message
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["results.bin"], "no temporary file left behind"
+
+
+def test_an_output_path_that_cannot_be_a_folder_is_an_output_error(tmp_path):
+    blocker = tmp_path / "results"
+    blocker.write_text("a file where the output folder should be")
+    with pytest.raises(io.OutputError, match="could not write"):
+        io.write_json(blocker / "x.json", {"a": 1})
+    assert blocker.read_text().startswith("a file")

@@ -1,0 +1,118 @@
+"""results.json: every curves entry folds its series, the checks are computed from the log, arms share
+everything but the mask, and `sao recipe` runs end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from sao.cli import main
+from sao.config import Config
+from sao.recipe import checks, curves, fold, mean_over_seeds, numeric_keys
+
+
+def test_fold_ignores_missing_values_and_keeps_order():
+    assert fold([None, 2.0, float("nan"), -1.0, 5.0, None]) == {
+        "first": 2.0,
+        "last": 5.0,
+        "mean": 2.0,
+        "max": 5.0,
+        "min": -1.0,
+        "n": 3,
+    }
+    assert fold([None, None])["mean"] is None
+    assert fold([True, 1.0])["n"] == 1, "booleans are flags, not numbers"
+
+
+def _record(step, phase, **values):
+    base = {"arm": "dis", "seed": 17, "step": step, "phase": phase, "staleness": 0, "skipped": False}
+    return {**base, **values}
+
+
+def test_curves_fold_every_numeric_series_of_the_policy_steps():
+    records = [_record(0, "critic-warmup", reward_mean=0.9, ratio_max=1.0, grad_norm=None)]
+    records += [
+        _record(1 + i, "policy", reward_mean=r, ratio_max=m, grad_norm=g)
+        for i, (r, m, g) in enumerate([(0.1, 2.0, 0.5), (0.3, None, 0.25), (0.2, 4.0, float("nan"))])
+    ]
+    folded = curves(records)
+    assert set(folded) == {"staleness", "reward_mean", "ratio_max", "grad_norm"}
+    assert folded["reward_mean"] == fold([0.1, 0.3, 0.2])
+    assert folded["reward_mean"]["first"] == 0.1 and folded["reward_mean"]["last"] == 0.2
+    assert folded["ratio_max"] == {"first": 2.0, "last": 4.0, "mean": 3.0, "max": 4.0, "min": 2.0, "n": 2}
+    assert folded["grad_norm"]["n"] == 2
+
+
+def test_mean_over_seeds_averages_step_by_step():
+    a = [_record(i, "policy", reward_mean=v) for i, v in enumerate([0.0, 0.2, 0.4])]
+    b = [_record(i, "policy", reward_mean=v, seed=18) for i, v in enumerate([0.2, 0.4, None])]
+    merged = mean_over_seeds([a, b])
+    assert [r["reward_mean"] for r in merged] == pytest.approx([0.1, 0.3, 0.4])
+    assert "reward_mean" in numeric_keys(merged)
+
+
+def test_checks_group_the_mask_by_staleness_and_count_faults():
+    config = Config.preset("tiny", grad_clip=1.0)
+    rows = [
+        _record(0, "critic-warmup", explained_variance=0.05, critic_loss=0.3, masked_share=0.0,
+                would_be_masked_share=0.0, ratio_max=1.0, grad_norm=None, nonfinite=0, abs_log_ratio_mean=1e-7,
+                abs_log_ratio_max=2e-6, reward_mean=0.3, response_length=10, truncation_share=0.0),
+    ]  # fmt: skip
+    for i, (s, m, w, g) in enumerate([(1, 0.01, 0.01, 0.5), (2, 0.03, 0.03, 1.5), (1, 0.02, 0.02, float("nan"))]):
+        rows.append(
+            _record(
+                1 + i,
+                "policy",
+                staleness=s,
+                masked_share=m,
+                would_be_masked_share=w,
+                ratio_max=2.0 + i,
+                grad_norm=g,
+                skipped=not math.isfinite(g),
+                nonfinite=3 * (i == 2),
+                explained_variance=0.1,
+                critic_loss=0.2,
+                abs_log_ratio_mean=0.1,
+                abs_log_ratio_max=0.5,
+                reward_mean=0.4,
+                response_length=12,
+                truncation_share=0.0,
+            )
+        )
+    c = checks(rows, config)
+    assert c["masked_share_by_staleness"]["1"]["masked_share"] == pytest.approx(0.015)
+    assert c["masked_share_by_staleness"]["1"]["ratio_max_median"] == pytest.approx(3.0)
+    assert c["masked_share_by_staleness"]["2"]["steps"] == 1
+    assert c["clip_bound_steps"] == 1 and c["clip_ever_bound"] is True
+    assert c["skipped_steps"] == 1 and c["nonfinite_tokens"] == 3
+    assert c["critic_ev_warmup_end"] == 0.05 and c["lag0_abs_log_ratio_max"] == 2e-6
+    assert c["grad_norm_mean"] == pytest.approx(1.0)
+
+
+def test_recipe_end_to_end_arms_share_all_but_the_mask(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "exp"
+    argv = ["recipe", "--preset", "tiny", "--batch-size", "16", "--steps", "6", "--critic-warmup", "2",
+            "--lag", "2", "--lr", "3e-3", "--train-prompts", "64", "--test-prompts", "24", "--eval-samples", "2",
+            "--base-evals", "2", "--quiet", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "verdict:" in printed and "report.md" in printed
+    results = json.loads((out / "results.json").read_text())
+    log = json.loads((out / "train_log.json").read_text())
+    dis = [r for r in log if r["arm"] == "dis"]
+    none = [r for r in log if r["arm"] == "none"]
+    assert len(dis) == len(none) == 8
+    # Same prompts, same sampler seeds, same critic: identical until the first masked token changes a gradient.
+    assert dis[0]["reward_mean"] == none[0]["reward_mean"] and dis[0]["critic_loss"] == none[0]["critic_loss"]
+    assert [r["staleness"] for r in dis] == [r["staleness"] for r in none]
+    for arm in ("dis", "none"):
+        series = [r["reward_mean"] for r in log if r["arm"] == arm and r["phase"] == "policy"]
+        assert results["curves"][arm]["reward_mean"] == pytest.approx(fold(series))
+    assert results["verdict"] in {"improved", "regressed", "flat", "unresolved"} and results["reason"]
+    assert results["compare"]["before"] == "none" and results["compare"]["after"] == "dis"
+    assert len(results["evals"]["base"]) == 2 and results["noise_floor"]["floor"] is not None
+    assert results["data"]["test"] == 24 and len(results["evals"]["dis"][0]["per_task"]) == 24
+    assert set(results["checks"]) == {"dis-s17", "none-s17"}
+    assert (out / "report.md").exists() and (out / "plots").is_dir()

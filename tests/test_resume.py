@@ -1,0 +1,145 @@
+"""A recipe killed with SIGKILL at any point resumes to the same results as one that never stopped.
+
+Each case runs `sao recipe` in a child process that SIGKILLs itself at a chosen moment (inside a training
+step's save, between the checkpoint and the log, in the middle of an eval), then runs it again with
+--resume and compares every number with an uninterrupted run of the same settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SMALL = [
+    "--preset", "tiny", "--batch-size", "16", "--steps", "5", "--critic-warmup", "2", "--lag", "2",
+    "--train-prompts", "64", "--test-prompts", "24", "--eval-samples", "2", "--base-evals", "2", "--quiet",
+]  # fmt: skip
+
+# The child: patch one function to SIGKILL the process at the chosen moment, then run the CLI.
+CHILD = r"""
+import os, signal, sys
+from sao import cli, evaluate, recipe, trainer
+where, label, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+calls = {"n": 0}
+
+def bang():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if where == "after-checkpoint":  # the checkpoint of step `count` is written, its train_log.json is not
+    real_save = trainer.save_torch
+    def save_torch(path, obj):
+        real_save(path, obj)
+        if obj.get("next_step") == count and label in str(path):
+            bang()
+    trainer.save_torch = save_torch
+elif where == "train-step":  # in the middle of step `count` of run `label`
+    real_step = trainer.Trainer.step
+    def step(self, g):
+        if self.label == label and g == count:
+            bang()
+        return real_step(self, g)
+    trainer.Trainer.step = step
+elif where == "eval":  # while drawing the eval of `label`, after its first decode call
+    real_draw = evaluate.draw
+    def draw(*a, **k):
+        out = real_draw(*a, **k)
+        if calls.setdefault("label", None) == label:
+            bang()
+        return out
+    real_eval = evaluate.evaluate
+    def patched(*a, **k):
+        calls["label"] = k.get("label")
+        return real_eval(*a, **k)
+    evaluate.draw = draw
+    recipe.evaluate = patched
+sys.exit(cli.main(sys.argv[4:]))
+"""
+
+VOLATILE = {"time", "time_sample", "seconds", "this_invocation", "wall_time", "versions"}
+
+
+def _strip(obj):
+    if isinstance(obj, dict):
+        return {k: _strip(v) for k, v in obj.items() if k not in VOLATILE}
+    if isinstance(obj, list):
+        return [_strip(v) for v in obj]
+    return obj
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _run(args: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "sao.cli", *args], capture_output=True, text=True, env=_env(), timeout=600
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_dir):
+    out = tmp_path_factory.mktemp("reference") / "exp"
+    _run(["recipe", *SMALL, "--out", str(out)])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("where", "label", "count"),
+    [
+        ("train-step", "dis-s17", 4),  # mid-training, first arm, first policy steps
+        ("after-checkpoint", "none-s17", 3),  # between the checkpoint and the log, second arm
+        ("eval", "dis-s17", 0),  # in the trained arm's eval
+        ("eval", "base-1", 0),  # in the second base eval
+    ],
+)
+def test_killed_recipe_resumes_to_identical_results(reference, tmp_path, where, label, count):
+    out = tmp_path / "exp"
+    killed = subprocess.run(
+        [sys.executable, "-c", CHILD, where, label, str(count), "recipe", *SMALL, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not (out / "results.json").exists()
+    written = {p: p.read_bytes() for p in (out / "evals").glob("*.json")} if (out / "evals").exists() else {}
+
+    refused = _run(["recipe", *SMALL, "--out", str(out)], check=False)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+
+    _run(["recipe", *SMALL, "--out", str(out), "--resume"])
+    for path, data in written.items():
+        assert path.read_bytes() == data, f"{path.name} was rewritten"
+    got = _strip(json.loads((out / "results.json").read_text()))
+    want = _strip(json.loads((reference / "results.json").read_text()))
+    assert got == want
+    got_log = _strip(json.loads((out / "train_log.json").read_text()))
+    want_log = _strip(json.loads((reference / "train_log.json").read_text()))
+    assert got_log == want_log
+    assert (out / "report.md").exists()
+
+
+def test_resume_of_a_finished_trainer_changes_nothing(tiny_config, tmp_path):
+    from sao.io import as_json
+    from sao.trainer import Trainer
+
+    out = tmp_path / "run"
+    first = Trainer(tiny_config, out, progress=False).run()
+    log = (out / "train_log.json").read_bytes()
+    again = Trainer(tiny_config, out, resume=True, progress=False).run()
+    assert as_json(again) == as_json(first)  # NaN != NaN in Python; JSON compares them as null
+    assert (out / "train_log.json").read_bytes() == log
+    assert Path(out / "train_log.json").exists()
