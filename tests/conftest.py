@@ -18,3 +18,18 @@ def tiny_config(tiny_model_dir):
     from sao.config import Config
 
     return Config.preset("tiny", batch_size=16, steps=6, critic_warmup=2, micro_batch=16)
+
+
+@pytest.fixture
+def faults():
+    """Record a passed fault case for the README's table (see tests/faults.py)."""
+    import faults as table
+
+    return table
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if exitstatus == 0:
+        import faults as table
+
+        table.write_readme_table()

@@ -301,7 +301,7 @@ def test_perfect_critic_explains_all_variance():
     assert update.advantages.abs().max().item() == pytest.approx(0.0, abs=1e-12)
 
 
-def test_nonfinite_tokens_get_zero_coefficient_and_are_counted():
+def test_nonfinite_tokens_get_zero_coefficient_and_are_counted(faults):
     batch = random_batch(4, 10, seed=0)
     batch["action_mask"][:] = True
     batch["logprobs"][0, 3] = float("nan")
@@ -314,6 +314,7 @@ def test_nonfinite_tokens_get_zero_coefficient_and_are_counted():
         assert not update.coefficients[2].any()
         assert update.stats["nonfinite"] == 2 + 10
         assert math.isfinite(update.stats["ratio_max"])
+    faults.record("non-finite values", "NaN/inf ratios and values in SAO.update")
 
 
 @pytest.mark.parametrize(

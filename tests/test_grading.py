@@ -322,7 +322,7 @@ def test_marker_beats_any_prose_before_it(n, prose):
 
 
 @pytest.mark.parametrize(("name", "text"), NASTY, ids=[name for name, _ in NASTY])
-def test_nasty_input_is_graded_inside_the_time_bound(name, text):
+def test_nasty_input_is_graded_inside_the_time_bound(name, text, faults):
     grading._extract_value(text)  # no exception from the unguarded core
     calls = {
         "extract_answer": lambda: extract_answer(text),
@@ -336,6 +336,7 @@ def test_nasty_input_is_graded_inside_the_time_bound(name, text):
             call()
             times.append(time.perf_counter() - start)
         assert min(times) < TIME_BOUND_S, f"{name}, {call_name}: {min(times) * 1e3:.1f} ms"
+    faults.record("hostile replies", name)
 
 
 def test_nasty_corpus_expectations():
@@ -354,7 +355,7 @@ def test_nasty_corpus_expectations():
     assert answers["vulgar fraction"] is None
 
 
-def test_no_code_is_evaluated(tmp_path):
+def test_no_code_is_evaluated(tmp_path, faults):
     target = tmp_path / "pwned"
     payloads = [
         f"__import__('os').system('touch {target}')",
@@ -371,6 +372,7 @@ def test_no_code_is_evaluated(tmp_path):
     assert not target.exists()
     # a payload that would print 18 is not 18: no number in it counts as evaluated
     assert extract_answer("__import__('os').system('echo $((9*2))')") == "2"
+    faults.record("hostile replies", "code in the reply")
 
 
 def test_module_calls_no_evaluator():

@@ -21,7 +21,7 @@ def test_json_writes_nan_and_inf_as_null_and_tuples_as_lists(tmp_path):
 
 
 @pytest.mark.parametrize("writer", ["json", "torch"])
-def test_disk_full_keeps_the_previous_file_and_says_so_in_one_line(tmp_path, monkeypatch, writer):
+def test_disk_full_keeps_the_previous_file_and_says_so_in_one_line(tmp_path, monkeypatch, writer, faults):
     path = tmp_path / "results.bin"
     good = {"step": 1, "value": 0.25}
     write = io.write_json if writer == "json" else io.save_torch
@@ -38,11 +38,13 @@ def test_disk_full_keeps_the_previous_file_and_says_so_in_one_line(tmp_path, mon
     assert "No space left on device" in message and "--resume" in message and "\n" not in message
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["results.bin"], "no temporary file left behind"
+    faults.record("full disk / unwritable output", f"ENOSPC in {writer} write")
 
 
-def test_an_output_path_that_cannot_be_a_folder_is_an_output_error(tmp_path):
+def test_an_output_path_that_cannot_be_a_folder_is_an_output_error(tmp_path, faults):
     blocker = tmp_path / "results"
     blocker.write_text("a file where the output folder should be")
     with pytest.raises(io.OutputError, match="could not write"):
         io.write_json(blocker / "x.json", {"a": 1})
     assert blocker.read_text().startswith("a file")
+    faults.record("full disk / unwritable output", "output path blocked by a file")

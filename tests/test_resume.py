@@ -104,7 +104,7 @@ def reference(tmp_path_factory, tiny_model_dir):
         ("eval", "base-1", 0),  # in the second base eval
     ],
 )
-def test_killed_recipe_resumes_to_identical_results(reference, tmp_path, where, label, count):
+def test_killed_recipe_resumes_to_identical_results(reference, tmp_path, where, label, count, faults):
     out = tmp_path / "exp"
     killed = subprocess.run(
         [sys.executable, "-c", CHILD, where, label, str(count), "recipe", *SMALL, "--out", str(out)],
@@ -130,6 +130,7 @@ def test_killed_recipe_resumes_to_identical_results(reference, tmp_path, where, 
     want_log = _strip(json.loads((reference / "train_log.json").read_text()))
     assert got_log == want_log
     assert (out / "report.md").exists()
+    faults.record("killed process", f"{where} {label} {count}")
 
 
 def test_resume_of_a_finished_trainer_changes_nothing(tiny_config, tmp_path):

@@ -54,7 +54,7 @@ def test_log_has_every_spec_field_and_is_valid_json(tiny_config, tmp_path):
     assert (out / "adapter" / "adapter_config.json").exists()
 
 
-def test_step_with_an_injected_nan_is_skipped_and_counted(tiny_config, tmp_path, monkeypatch):
+def test_step_with_an_injected_nan_is_skipped_and_counted(tiny_config, tmp_path, monkeypatch, faults):
     real = models_module.teacher_forced
     calls = {"n": 0}
 
@@ -76,6 +76,7 @@ def test_step_with_an_injected_nan_is_skipped_and_counted(tiny_config, tmp_path,
     assert not all(torch.equal(a, b) for a, b in zip(before, mid, strict=True))
     assert trainer.policy_version == 1
     assert trainer.step(4)["skipped"] is False
+    faults.record("non-finite values", "NaN log-probabilities in a policy step")
 
 
 def test_output_folder_with_another_run_is_refused(tiny_config, tmp_path):
@@ -111,7 +112,7 @@ def test_reward_rises_on_the_tiny_preset(tiny_model_dir, tmp_path):
     assert sum(r["skipped"] for r in records) == 0
 
 
-def test_out_of_memory_halves_the_micro_batch_and_retries_the_step(tiny_config, tmp_path, monkeypatch):
+def test_out_of_memory_halves_the_micro_batch_and_retries_the_step(tiny_config, tmp_path, monkeypatch, faults):
     """An allocator failure in the training pass: the step is retried at half the micro-batch, logged,
     and gives the same update as a run that never ran out (the loss is a sum over rows)."""
     real = models_module.teacher_forced
@@ -136,6 +137,7 @@ def test_out_of_memory_halves_the_micro_batch_and_retries_the_step(tiny_config, 
         assert a["reward_mean"] == b["reward_mean"]
         assert a["masked_share"] == b["masked_share"]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4, nan_ok=True)
+    faults.record("out of memory", "allocator failure in the training pass")
 
 
 def test_other_runtime_errors_are_not_swallowed(tiny_config, tmp_path, monkeypatch):
@@ -148,7 +150,7 @@ def test_other_runtime_errors_are_not_swallowed(tiny_config, tmp_path, monkeypat
         trainer.step(0)
 
 
-def test_same_seed_gives_the_same_train_log_twice(tiny_config, tmp_path):
+def test_same_seed_gives_the_same_train_log_twice(tiny_config, tmp_path, faults):
     logs = []
     for name in ("a", "b"):
         Trainer(tiny_config, tmp_path / name, progress=False).run()
@@ -157,3 +159,4 @@ def test_same_seed_gives_the_same_train_log_twice(tiny_config, tmp_path):
     assert logs[0] == logs[1]
     other = Trainer(tiny_config.replace(seed=18), tmp_path / "c", progress=False).run()
     assert [r["reward_mean"] for r in other] != [r["reward_mean"] for r in logs[0]]
+    faults.record("determinism", "same seed twice")

@@ -260,10 +260,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _silence_library_progress_bars() -> None:
+    """--quiet: no weight-loading or download bars from the Hugging Face libraries either."""
+    import os
+
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "quiet", False):
+        _silence_library_progress_bars()
     try:
         return int(args.func(args))
     except SaoError as error:

@@ -127,10 +127,10 @@ class Trainer:
             )
         self._check_out_dir(resume)
         self.models = Models.load(config)
-        write_json(self.out / CONFIG_FILE, self._config_record())  # claimed only once everything loaded
         tok = self.models.tokenizer
         instruction = instruction_for(config)
         self.prompts = {t.id: format_prompt(tok, t.question, instruction) for t in self.split.train}
+        write_json(self.out / CONFIG_FILE, self._config_record())  # claimed only once everything loaded
         self.lora_params = list(lora_state(self.models.policy).values())
         self.policy_opt = torch.optim.AdamW(self.lora_params, lr=config.lr, weight_decay=0.0)
         self.critic_opt = torch.optim.AdamW(self.models.value_head.parameters(), lr=config.critic_lr, weight_decay=0.0)

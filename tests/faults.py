@@ -1,0 +1,84 @@
+"""The README's fault table, written by the test suite: each fault test records its case once its
+assertions have passed; at the end of a full run the table between the markers in README.md is rebuilt.
+
+A kind's row says what every recorded case proved; the count is the number of cases that passed. The table
+is only rewritten when every kind below was exercised (a partial run such as ``pytest -k`` leaves it alone),
+and its text is deterministic (no timings), so a clean checkout stays clean after ``make test``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+START, END = "<!-- fault-table:start -->", "<!-- fault-table:end -->"
+
+# kind → (what was thrown at it, what happened in every passing case)
+KINDS: dict[str, tuple[str, str]] = {
+    "hostile replies": (
+        "megabyte replies, power towers, huge exponents, deep or unclosed braces, unicode digits and look-alikes, "
+        "NUL bytes, thousands of numbers, code in the reply",
+        "no exception, every call under the grader's 50 ms bound, nothing evaluated",
+    ),
+    "bad data": (
+        "missing, empty, truncated or malformed JSONL, a record with no gold answer, fewer prompts than asked",
+        "one-line error naming the file and line, exit code 2, no traceback, output folder left empty",
+    ),
+    "bad configuration": (
+        "unknown --arm, a band that does not bracket 1, lag below 0, a model path that does not exist, "
+        "a tokenizer without a chat template, an output folder holding another run or other files",
+        "one-line error saying what to change, exit code 2, no traceback, nothing written or overwritten",
+    ),
+    "non-finite values": (
+        "NaN log-probabilities injected into a step; NaN/inf ratios, values and advantages in SAO.update",
+        "the step is skipped and counted (skipped, nonfinite in the log); tokens get coefficient 0; the run goes on",
+    ),
+    "killed process": (
+        "SIGKILL mid-training, between a checkpoint and its log, inside a trained arm's eval, inside a base eval",
+        "--resume finishes with results.json and train_log.json identical to an uninterrupted run",
+    ),
+    "out of memory": (
+        "an allocator failure in the training pass",
+        "micro-batch halved and the step retried, logged (micro_batch, oom_retries); same update as without it",
+    ),
+    "full disk / unwritable output": (
+        "ENOSPC during a JSON write and a checkpoint write, an output path blocked by a file",
+        "one-line error that says to rerun with --resume; the previous complete file is intact, no temp file left",
+    ),
+    "determinism": (
+        "the same seed trained twice on the CPU",
+        "identical train_log.json (timings aside); another seed differs",
+    ),
+}
+
+_recorded: dict[str, set[str]] = defaultdict(set)
+
+
+def record(kind: str, case: str) -> None:
+    """Call at the end of a passing fault test."""
+    if kind not in KINDS:
+        raise KeyError(f"unknown fault kind {kind!r}")
+    _recorded[kind].add(case)
+
+
+def table() -> str:
+    lines = ["| fault class | cases | what was tried | what happened |", "| --- | ---: | --- | --- |"]
+    for kind, (tried, happened) in KINDS.items():
+        lines.append(f"| {kind} | {len(_recorded[kind])} | {tried} | {happened} |")
+    return "\n".join(lines)
+
+
+def write_readme_table() -> bool:
+    """Rewrite the table in README.md when every kind was exercised; True when written."""
+    if not all(_recorded[k] for k in KINDS) or not README.exists():
+        return False
+    text = README.read_text()
+    if START not in text or END not in text:
+        return False
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    new = f"{head}{START}\n{table()}\n{END}{tail}"
+    if new != text:
+        README.write_text(new)
+    return True
