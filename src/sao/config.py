@@ -94,8 +94,11 @@ class Config:
     """Rows per full-vocabulary log-softmax chunk (memory only)."""
     eval_batch: int = 480
     """Sequences decoded together during eval (all samples of 120 tasks × 4 at once on a GPU)."""
-    engine: str = "plain"
-    """Rollout engine: "plain" (the reference decode loop) or "graph" (static cache + CUDA graph, GPU)."""
+    engine: str = "local"
+    """Where batches come from: "local" (the stale sampler in this process, reproducible) or "ray"
+    (asynchronous rollout workers, for throughput; see sao.distributed)."""
+    decoder: str = "plain"
+    """How tokens are decoded: "plain" (the reference loop) or "graph" (static KV cache + CUDA graph, GPU)."""
     dead_band_share: float = 0.001
     """Reachability warning threshold: a masked share below this (0.1%) on stale batches means the band
     is dead at these settings."""
@@ -129,8 +132,10 @@ class Config:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
-        if self.engine not in ("plain", "graph"):
-            raise ConfigError(f"--engine must be 'plain' or 'graph', got {self.engine!r}")
+        if self.engine not in ("local", "ray"):
+            raise ConfigError(f"--engine must be 'local' or 'ray', got {self.engine!r}")
+        if self.decoder not in ("plain", "graph"):
+            raise ConfigError(f"--decoder must be 'plain' or 'graph', got {self.decoder!r}")
 
     def sao(self) -> SAO:
         """The algorithm object these settings describe."""

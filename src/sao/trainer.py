@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,66 @@ class Models:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Where batches come from.
+
+
+@dataclass
+class Batch:
+    """One optimizer step's trajectories and how stale each one is (policy updates between the adapter
+    that wrote it and the policy that trains on it)."""
+
+    tasks: list[Task]
+    rollout: Rollout
+    staleness: list[int]
+    info: dict[str, Any] = field(default_factory=dict)  # source counters, logged with the step
+
+
+class LocalStaleSource:
+    """The default source: the trainer's seeded prompt stream drawn by the stale sampler, in the trainer's
+    own process. Step g's batch is a pure function of (seed, g) and the adapters, so runs reproduce and
+    resume exactly."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.sampler = StaleSampler(trainer.models.policy, trainer.config.lag)
+
+    def next_batch(self, g: int, phase: str) -> Batch:
+        t = self.trainer
+        k = g - t.sao.critic_warmup
+        if phase == POLICY and self.sampler.refresh_before_draw(k):
+            self.sampler.refresh(t.policy_version)
+        staleness = t.policy_version - self.sampler.version
+        tasks = t.batch_tasks(g)
+        generator = torch.Generator(device=t.models.device).manual_seed(derived_seed(t.config.seed, g, "rollout"))
+        with self.sampler.active() as model:
+            rollout = t.draw_rollout(model, [t.prompts[task.id] for task in tasks], generator)
+        if phase == POLICY and self.sampler.refresh_after_draw(k):
+            self.sampler.refresh(t.policy_version)
+        return Batch(tasks=tasks, rollout=rollout, staleness=[staleness] * len(tasks))
+
+    def after_update(self, policy_version: int) -> None:
+        """Nothing to publish: the sampler copies the policy on its own schedule at draw time."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+    def close(self) -> None:
+        pass
+
+
+def make_source(trainer: Trainer):
+    """``--engine local`` (default, reproducible) or ``--engine ray`` (asynchronous rollout workers)."""
+    if trainer.config.engine == "ray":
+        from sao.distributed import RaySource
+
+        return RaySource(trainer)
+    return LocalStaleSource(trainer)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The trainer.
 
 
@@ -134,8 +194,8 @@ class Trainer:
         self.lora_params = list(lora_state(self.models.policy).values())
         self.policy_opt = torch.optim.AdamW(self.lora_params, lr=config.lr, weight_decay=0.0)
         self.critic_opt = torch.optim.AdamW(self.models.value_head.parameters(), lr=config.critic_lr, weight_decay=0.0)
-        self.sampler = StaleSampler(self.models.policy, config.lag)
         self.policy_version = 0
+        self.source = make_source(self)
         self.micro_batch = config.micro_batch  # halves on out-of-memory and stays halved
         self.next_step = 0
         self.records: list[dict[str, Any]] = []
@@ -182,31 +242,29 @@ class Trainer:
             out.append(self.split.train[orders[epoch][i]])
         return out
 
-    def _generator(self, g: int) -> torch.Generator:
-        device = self.models.device
-        return torch.Generator(device=device).manual_seed(derived_seed(self.config.seed, g, "rollout"))
-
     # -- one step --------------------------------------------------------------------------------------
 
     def step(self, g: int) -> dict[str, Any]:
         phase = WARMUP if g < self.sao.critic_warmup else POLICY
-        k = g - self.sao.critic_warmup
         t0 = time.perf_counter()
-        tasks = self.batch_tasks(g)
-
-        if phase == POLICY and self.sampler.refresh_before_draw(k):
-            self.sampler.refresh(self.policy_version)
-        staleness = self.policy_version - self.sampler.version
-        rollout = self._draw(tasks, g)
-        if phase == POLICY and self.sampler.refresh_after_draw(k):
-            self.sampler.refresh(self.policy_version)
-        rewards = torch.tensor([grading.reward(text, t.answer) for text, t in zip(rollout.texts, tasks, strict=True)])
+        batch = self.source.next_batch(g, phase)
+        rollout = batch.rollout
+        rewards = torch.tensor(
+            [grading.reward(text, t.answer) for text, t in zip(rollout.texts, batch.tasks, strict=True)]
+        )
         t_sample = time.perf_counter() - t0
 
         forward, update, grad_norm, skipped, loss_value, retries = self._learn_with_retry(rollout, rewards, phase)
+        if not skipped and phase == POLICY:
+            self.source.after_update(self.policy_version)
         critic_loss = self._critic_steps(forward.hidden, update.value_targets, rollout.response_mask)
 
-        record = self._record(g, phase, staleness, rollout, rewards, update, critic_loss, grad_norm, skipped)
+        record = self._record(g, phase, max(batch.staleness), rollout, rewards, update, critic_loss, grad_norm, skipped)
+        histogram: dict[str, int] = {}
+        for s in sorted(batch.staleness):
+            histogram[str(s)] = histogram.get(str(s), 0) + 1
+        record.update(staleness_mean=sum(batch.staleness) / len(batch.staleness), staleness_hist=histogram)
+        record.update(batch.info)
         record.update(loss=loss_value, micro_batch=self.micro_batch, oom_retries=retries)
         record.update(time=time.perf_counter() - t0, time_sample=t_sample)
         return record
@@ -262,20 +320,20 @@ class Trainer:
             grad_norm, skipped, loss_value = self._policy_step(update, forward.logprobs)
         return forward, update, grad_norm, skipped, loss_value
 
-    def _draw(self, tasks: list[Task], g: int) -> Rollout:
+    def draw_rollout(self, model: nn.Module, prompts: list[str], generator: torch.Generator) -> Rollout:
+        """Sample one reply per prompt string with ``model`` (whatever adapter is active) and decode it."""
         models, config = self.models, self.config
-        prompt_ids, prompt_mask = encode_prompts(models.tokenizer, [self.prompts[t.id] for t in tasks], models.device)
-        with self.sampler.active() as model:
-            rollout = draw(
-                model,
-                prompt_ids,
-                prompt_mask,
-                max_new_tokens=config.max_new_tokens,
-                temperature=config.temperature,
-                eos_token_ids=models.eos_token_ids,
-                pad_token_id=models.tokenizer.pad_token_id,
-                generator=self._generator(g),
-            )
+        prompt_ids, prompt_mask = encode_prompts(models.tokenizer, prompts, models.device)
+        rollout = draw(
+            model,
+            prompt_ids,
+            prompt_mask,
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            eos_token_ids=models.eos_token_ids,
+            pad_token_id=models.tokenizer.pad_token_id,
+            generator=generator,
+        )
         rollout.texts = decode(models.tokenizer, rollout)
         return rollout
 
@@ -375,6 +433,7 @@ class Trainer:
                 stale=record["staleness"],
             )
         bar.close()
+        self.source.close()
         self.save_adapter()
         return self.records
 
@@ -424,7 +483,7 @@ class Trainer:
             "policy_version": self.policy_version,
             "micro_batch": self.micro_batch,
             "policy": {n: p.detach().cpu().clone() for n, p in lora_state(self.models.policy).items()},
-            "sampler": self.sampler.state_dict(),
+            "source": self.source.state_dict(),
             "value_head": self.models.value_head.state_dict(),
             "policy_opt": self.policy_opt.state_dict(),
             "critic_opt": self.critic_opt.state_dict(),
@@ -439,7 +498,7 @@ class Trainer:
         with torch.no_grad():
             for name, p in lora_state(self.models.policy).items():
                 p.copy_(state["policy"][name].to(p.device))
-        self.sampler.load_state_dict(state["sampler"])
+        self.source.load_state_dict(state["source"])
         self.models.value_head.load_state_dict(state["value_head"])
         self.policy_opt.load_state_dict(state["policy_opt"])
         self.critic_opt.load_state_dict(state["critic_opt"])
