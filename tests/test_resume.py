@@ -46,7 +46,7 @@ elif where == "train-step":  # in the middle of step `count` of run `label`
         return real_step(self, g)
     trainer.Trainer.step = step
 elif where == "eval":  # while drawing the eval of `label`, after its first decode call
-    real_draw = evaluate.draw
+    real_draw = evaluate.sample
     def draw(*a, **k):
         out = real_draw(*a, **k)
         if calls.setdefault("label", None) == label:
@@ -56,7 +56,7 @@ elif where == "eval":  # while drawing the eval of `label`, after its first deco
     def patched(*a, **k):
         calls["label"] = k.get("label")
         return real_eval(*a, **k)
-    evaluate.draw = draw
+    evaluate.sample = draw
     recipe.evaluate = patched
 sys.exit(cli.main(sys.argv[4:]))
 """

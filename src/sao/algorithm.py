@@ -117,19 +117,23 @@ class SAO:
             raise ConfigError(f"critic_warmup must be >= 0, got {self.critic_warmup}")
 
     @torch.no_grad()
-    def update(self, batch: Mapping[str, Tensor]) -> Update:
+    def update(self, batch: Mapping[str, Tensor], *, normalizer: float | None = None) -> Update:
         """Advantages, value targets and policy-gradient coefficients for one batch.
 
         ``batch`` holds ``logprobs``, ``sampler_logprobs``, ``values`` and ``action_mask`` as [B, T]
         tensors (``action_mask`` bool) and ``rewards`` as [B]. float32 or float64; the output has the
         dtype and device of ``logprobs``.
+
+        ``normalizer`` is N, the action-token count of the whole batch; leave it None unless ``batch`` is
+        a micro-batch of a larger one. Every rule is per trajectory, so micro-batch updates with the
+        whole batch's N give exactly the whole batch's coefficients (the stats are the micro-batch's).
         """
         logprobs, sampler_logprobs, values, rewards, action_mask = _validate(batch)
         ratio, weight = self._ratio_and_weight(logprobs, sampler_logprobs, action_mask)
         advantages, lam = gae(values, rewards, action_mask, self.gae_alpha)
         value_targets = monte_carlo_returns(rewards, action_mask)
 
-        n_tokens = action_mask.sum()
+        n_tokens = action_mask.sum() if normalizer is None else torch.tensor(float(normalizer), dtype=ratio.dtype)
         finite = torch.isfinite(ratio) & torch.isfinite(advantages)
         mask = action_mask & finite & (weight != 0)  # [B, T] tokens that carry gradient
         zero = torch.zeros_like(ratio)

@@ -4,7 +4,8 @@
     sao train  --preset tiny --out DIR  one arm, one seed: critic warmup, policy steps, train_log.json
     sao eval   --preset tiny [--adapter DIR] [--out FILE]    pass@1 on the held-out tasks
     sao recipe --preset tiny --out DIR  the whole experiment: both arms, base evals, verdict, report
-    sao report DIR                      rebuild report.md and the plots from an experiment's JSON
+    sao sweep  --preset tiny --lags 1 4 8 16 --lrs 1e-3 3e-3 --train-runs 2 --out DIR   where the ratio breaks
+    sao report DIR                      rebuild report.md (or sweep.md) and the plots from the JSON
 
 Every setting of ``sao.config.Config`` is a flag (``--batch-size`` sets ``batch_size``), documented from
 the same place it is defined; a preset supplies the defaults and flags override them. Every user mistake
@@ -102,7 +103,7 @@ def _train(args: argparse.Namespace) -> int:
     print(f"sao train: {config.arm} arm, seed {config.seed}, model {config.model}: {trainer.describe()}")
     print(f"  data {trainer.split.source}: {_counts(trainer.split.counts)}")
     records = trainer.run()
-    print(summarize_training(records, config.lag))
+    print(summarize_training(records, trainer.max_staleness))
     print(f"  wrote {Path(args.out) / 'train_log.json'} and the adapter in {Path(args.out) / 'adapter'}")
     for message in trainer.warnings:
         print("  warning: " + message)
@@ -138,17 +139,18 @@ def summarize_training(records: list[dict[str, Any]], lag: int) -> str:
     ]
     if stale:
         lines.append(
-            f"  stale batches (lag {lag}): |log ratio| mean {mean(stale, 'abs_log_ratio_mean'):.2e}, "
+            f"  stale batches (staleness up to {lag}): |log ratio| mean {mean(stale, 'abs_log_ratio_mean'):.2e}, "
             f"explained variance last 10 {mean(tail, 'explained_variance'):.3f}"
         )
     return "\n".join(lines)
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from sao.evaluate import evaluate, load_adapter
+    from sao.evaluate import load_adapter
     from sao.io import write_json
     from sao.models import load_base, pick_device
-    from sao.sampler import derived_seed, eos_ids
+    from sao.recipe import pass_at_1
+    from sao.sampler import derived_seed
     from sao.trainer import instruction_for, load_split, model_path
 
     config = config_from_args(args)
@@ -157,20 +159,8 @@ def _eval(args: argparse.Namespace) -> int:
     if args.adapter:
         model = load_adapter(model, args.adapter)
     label = "adapter" if args.adapter else "base"
-    result = evaluate(
-        model,
-        tokenizer,
-        split.test,
-        instruction=instruction_for(config),
-        samples=config.eval_samples,
-        temperature=config.eval_temperature,
-        max_new_tokens=config.eval_max_new_tokens,
-        batch=config.eval_batch,
-        seed=derived_seed(config.seed, "eval", args.eval_seed),
-        eos_token_ids=eos_ids(tokenizer, model),
-        label=label,
-        progress=not args.quiet,
-    )
+    seed = derived_seed(config.seed, "eval", args.eval_seed)
+    result = pass_at_1(config, model, tokenizer, split.test, instruction_for(config), seed, label, not args.quiet)
     print(
         f"sao eval: pass@1 {result.pass_at_1:.4f} over {len(result.per_task)} tasks x {result.samples} samples "
         f"at temperature {result.temperature} ({result.seconds:.1f}s, mean reply {result.mean_reply_tokens:.1f} tokens)"
@@ -206,14 +196,46 @@ def _recipe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    import shlex
+
+    from sao.sweep import Grid, Sweep
+
+    config = config_from_args(args)
+    bands = tuple(_band(text) for text in args.bands)
+    grid = Grid(lags=tuple(args.lags), lrs=tuple(args.lrs), bands=bands, arms=tuple(args.arms))
+    command = "sao " + shlex.join(args.argv)
+    sweep = Sweep(config, grid, args.out, resume=args.resume, progress=not args.quiet, command=command)
+    cells = grid.cells()
+    print(
+        f"sao sweep: {len(cells)} cells x {len(grid.arms)} arms x {config.train_runs} seed(s) "
+        f"= {len(cells) * len(grid.arms) * config.train_runs} runs, {config.base_evals} shared base evals"
+    )
+    summary = sweep.run()
+    for cell in summary["cells"]:
+        for name, c in cell["compare"].items():
+            print(f"  {cell['name']:<28} {name}: {c['reason']}")
+    print(f"  report: {Path(args.out) / 'sweep.md'} (plots in {Path(args.out) / 'plots'})")
+    return 0
+
+
+def _band(text: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--bands takes LO,HI pairs like 0.7,6.0; got {text!r}") from None
+    return lo, hi
+
+
 def _fmt_list(values: list[float]) -> str:
     return ", ".join(f"{v:.3f}" for v in values) if values else "—"
 
 
 def _report(args: argparse.Namespace) -> int:
-    from sao import report
+    from sao import report, sweep_report
 
-    path = report.write_report(args.dir)
+    is_sweep = (Path(args.dir) / "sweep.json").exists()
+    path = sweep_report.write(args.dir) if is_sweep else report.write_report(args.dir)
     print(f"sao report: wrote {path} and plots in {Path(args.dir) / 'plots'}")
     return 0
 
@@ -254,6 +276,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p, skip=("arm",))
     p.set_defaults(func=_recipe)
 
+    p = sub.add_parser("sweep", help="a grid over lag x lr x band x arm, seeds per cell, shared base evals")
+    p.add_argument("--out", required=True, help="output folder (sweep.json, sweep.md, plots/, cells/)")
+    p.add_argument("--lags", type=int, nargs="+", default=[1, 4, 8, 16], help="sampler lags (default 1 4 8 16)")
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3], help="policy learning rates")
+    p.add_argument("--bands", nargs="+", default=["0.7,6.0"], help="IS bands as LO,HI (default 0.7,6.0)")
+    p.add_argument(
+        "--arms", nargs="+", default=["dis", "none"], help="correction rules; 'none' is the baseline (dis tis seqmask)"
+    )
+    p.add_argument("--resume", action="store_true", help="continue the sweep in --out where it stopped")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_config_flags(p, skip=("arm", "lag", "lr", "band"))
+    p.set_defaults(func=_sweep)
+
     p = sub.add_parser("report", help="rebuild report.md and plots/ from an experiment folder's JSON files")
     p.add_argument("dir", help="the experiment folder (holds results.json and train_log.json)")
     p.set_defaults(func=_report)
@@ -274,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if getattr(args, "quiet", False):
         _silence_library_progress_bars()
     try:

@@ -88,8 +88,9 @@ class Config:
     # --- machinery (no effect on results beyond floating-point order) ------------------------------------
     device: str = "auto"
     """"auto" picks CUDA when available, else the CPU."""
-    micro_batch: int = 16
-    """Rows per forward in the teacher-forced pass (memory only; the loss is a sum, so it is exact)."""
+    micro_batch: int = 0
+    """Rows per forward+backward in the training pass; 0 = as many as fit in free GPU memory (the whole batch
+    on the CPU). Memory only: the loss is a sum over rows, so every micro-batch size gives the same update."""
     logprob_chunk: int = 1024
     """Rows per full-vocabulary log-softmax chunk (memory only)."""
     eval_batch: int = 480
@@ -97,8 +98,25 @@ class Config:
     engine: str = "local"
     """Where batches come from: "local" (the stale sampler in this process, reproducible) or "ray"
     (asynchronous rollout workers, for throughput; see sao.distributed)."""
-    decoder: str = "plain"
-    """How tokens are decoded: "plain" (the reference loop) or "graph" (static KV cache + CUDA graph, GPU)."""
+    max_staleness: int = 4
+    """--engine ray: the oldest a trajectory may be when it is put in a batch (policy updates since the
+    adapter that wrote it); older ones are dropped and counted. Equal to the default LAG, so both engines
+    train on the same staleness range (0..4)."""
+    rollout_workers: int = 2
+    """--engine ray: rollout workers (Ray actors), each with its own copy of the model."""
+    ray_address: str | None = None
+    """--engine ray: address of a running Ray cluster to join ("auto", "ray://host:10001", "host:6379");
+    None starts a local one for the run and stops it afterwards."""
+    worker_cpus: float = 1.0
+    """--engine ray: CPUs Ray reserves for each rollout worker (also its torch thread count)."""
+    worker_gpus: float = 0.0
+    """--engine ray: GPUs Ray reserves for each rollout worker; > 0 puts the worker's model on CUDA,
+    fractions share a GPU between workers."""
+    rollout_batch: int = 8
+    """--engine ray: prompts per worker draw call (small, so that trajectories arrive continuously)."""
+    decoder: str = "auto"
+    """How tokens are decoded: "plain" (the reference loop), "graph" (sao.engine: static KV cache, the decode
+    step as a CUDA graph on a GPU, eager elsewhere), or "auto": graph on a GPU, plain on the CPU."""
     dead_band_share: float = 0.001
     """Reachability warning threshold: a masked share below this (0.1%) on stale batches means the band
     is dead at these settings."""
@@ -119,7 +137,7 @@ class Config:
             "base_evals": self.base_evals >= 0,
             "train_runs": self.train_runs >= 1,
             "lora_rank": self.lora_rank >= 1,
-            "micro_batch": self.micro_batch >= 1,
+            "micro_batch": self.micro_batch >= 0,
             "logprob_chunk": self.logprob_chunk >= 1,
             "eval_batch": self.eval_batch >= 1,
         }
@@ -134,8 +152,25 @@ class Config:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
         if self.engine not in ("local", "ray"):
             raise ConfigError(f"--engine must be 'local' or 'ray', got {self.engine!r}")
-        if self.decoder not in ("plain", "graph"):
-            raise ConfigError(f"--decoder must be 'plain' or 'graph', got {self.decoder!r}")
+        if self.max_staleness < 0:
+            raise ConfigError(f"--max-staleness must be >= 0 (0 = only fresh trajectories), got {self.max_staleness}")
+        if self.rollout_workers < 1 or self.rollout_batch < 1:
+            raise ConfigError(
+                f"--rollout-workers and --rollout-batch must be >= 1, got {self.rollout_workers} and "
+                f"{self.rollout_batch}"
+            )
+        for name in ("worker_cpus", "worker_gpus"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+        if self.ray_address is not None and not self.ray_address.strip():
+            raise ConfigError("--ray-address must not be empty (leave it out to start a local Ray cluster)")
+        if self.decoder not in ("auto", "plain", "graph"):
+            raise ConfigError(f"--decoder must be 'auto', 'plain' or 'graph', got {self.decoder!r}")
+
+    def uses_engine(self, device_type: str) -> bool:
+        """Whether rollouts and evals go through ``sao.engine`` on this device."""
+        return self.decoder == "graph" or (self.decoder == "auto" and device_type == "cuda")
 
     def sao(self) -> SAO:
         """The algorithm object these settings describe."""

@@ -23,7 +23,7 @@ import torch
 
 from sao import grading
 from sao.data import Task, format_prompt
-from sao.sampler import decode, derived_seed, draw, encode_prompts
+from sao.sampler import decode, derived_seed, encode_prompts, sample
 
 
 @dataclass
@@ -69,7 +69,8 @@ def evaluate(
     label: str = "model",
     progress: bool = False,
 ) -> EvalResult:
-    """pass@1 of ``model`` (with whatever adapter is active) over ``tasks``, ``samples`` draws each.
+    """pass@1 of ``model`` (with whatever adapter is active, or a ``sao.engine.Engine``) over ``tasks``,
+    ``samples`` draws each.
 
     Out of memory: the eval restarts with half the batch (its samples then differ from a full-batch eval
     of the same seed, because each batch has its own generator); ``oom_retries`` says how often.
@@ -105,7 +106,7 @@ def _evaluate_once(
 ) -> EvalResult:  # fmt: skip
     from tqdm import tqdm
 
-    device = next(model.parameters()).device
+    device = model.device if not isinstance(model, torch.nn.Module) else next(model.parameters()).device
     eos = eos_token_ids or [tokenizer.eos_token_id]
     prompts = [format_prompt(tokenizer, t.question, instruction) for t in tasks]
     rows = [(j, i, prompts[j]) for j in range(len(tasks)) for i in range(samples)]  # task-major
@@ -117,7 +118,7 @@ def _evaluate_once(
         chunk = rows[first : first + batch]
         ids, mask = encode_prompts(tokenizer, [p for _, _, p in chunk], device)
         generator = torch.Generator(device=device).manual_seed(derived_seed(seed, c))
-        rollout = draw(
+        rollout = sample(
             model,
             ids,
             mask,

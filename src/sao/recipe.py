@@ -35,7 +35,7 @@ from sao.config import Config
 from sao.errors import ConfigError
 from sao.evaluate import EvalResult, evaluate
 from sao.io import as_json, read_json, write_json
-from sao.models import load_base, pick_device
+from sao.models import POLICY_ADAPTER, load_base, pick_device
 from sao.sampler import derived_seed, eos_ids
 from sao.trainer import POLICY, Trainer, instruction_for, load_split, model_path
 
@@ -47,6 +47,84 @@ def run_label(arm: str, seed: int) -> str:
     return f"{arm}-s{seed}"
 
 
+def claim_out_dir(out: Path, marker: str, record: dict[str, Any], resume: bool) -> None:
+    """Refuse to mix experiments: a folder with ``marker`` needs --resume and the same settings; a folder
+    holding anything else is not ours to write into. Writes nothing."""
+    path = out / marker
+    if path.exists():
+        if not resume:
+            raise ConfigError(f"output folder {out} already holds an experiment; pass --resume or choose another --out")
+        if read_json(path) != as_json(record):
+            raise ConfigError(f"--resume: the experiment in {out} was started with other settings")
+    elif out.exists() and any(out.iterdir()):
+        raise ConfigError(f"output folder {out} is not empty and holds no sao experiment; choose another --out")
+
+
+def pass_at_1(config: Config, model, tokenizer, tasks, instruction: str, seed: int, label: str, progress: bool):
+    """The protocol's eval of ``model`` on ``tasks`` with the config's eval settings (through ``sao.engine``
+    when the config's decoder says so for this device)."""
+    eos = eos_ids(tokenizer, model)
+    device = next(model.parameters()).device
+    if config.uses_engine(device.type):
+        from sao.engine import Engine
+
+        adapter = POLICY_ADAPTER if hasattr(model, "peft_config") else None
+        model = Engine(model, adapter=adapter)
+    return evaluate(
+        model,
+        tokenizer,
+        tasks,
+        instruction=instruction,
+        samples=config.eval_samples,
+        temperature=config.eval_temperature,
+        max_new_tokens=config.eval_max_new_tokens,
+        batch=config.eval_batch,
+        seed=seed,
+        eos_token_ids=eos,
+        label=label,
+        progress=progress,
+    )
+
+
+def train_and_eval(
+    config: Config, run_dir: Path, eval_file: Path, split: Any, instruction: str, label: str, progress: bool
+) -> EvalResult:
+    """Train one arm/seed into ``run_dir`` (resuming if it exists) and eval it into ``eval_file``; a finished
+    eval file is read back instead."""
+    if eval_file.exists():
+        return EvalResult.from_dict(read_json(eval_file))
+    trainer = Trainer(config, run_dir, split=split, resume=run_dir.exists(), progress=progress, label=label)
+    trainer.run()
+    models = trainer.models
+    seed = derived_seed(config.seed, "eval")
+    result = pass_at_1(config, models.policy, models.tokenizer, split.test, instruction, seed, label, progress)
+    write_json(eval_file, result.to_dict())
+    del trainer, models
+    gc.collect()
+    return result
+
+
+def base_evals(config: Config, split: Any, instruction: str, evals_dir: Path, progress: bool) -> list[EvalResult]:
+    """The untrained base evaluated ``base_evals`` times with different sampling seeds (the noise floor)."""
+    results, todo = [], []
+    for i in range(config.base_evals):
+        path = evals_dir / f"base-{i}.json"
+        if path.exists():
+            results.append(EvalResult.from_dict(read_json(path)))
+        else:
+            todo.append(i)
+    if todo:
+        base, tokenizer = load_base(model_path(config), pick_device(config.device))
+        for i in todo:
+            seed = derived_seed(config.seed, "base-eval", i)
+            result = pass_at_1(config, base, tokenizer, split.test, instruction, seed, f"base-{i}", progress)
+            write_json(evals_dir / f"base-{i}.json", result.to_dict())
+            results.append(result)
+        del base
+        gc.collect()
+    return sorted(results, key=lambda r: r.label)
+
+
 class Recipe:
     """One experiment in ``out_dir``. ``run()`` returns the results dict it also writes."""
 
@@ -54,112 +132,34 @@ class Recipe:
         self.config = config
         self.out = Path(out_dir)
         self.progress = progress
-        self.resume = resume
-        self._check_out_dir()
+        self.record = {"config": config.to_dict()}
+        claim_out_dir(self.out, "recipe.json", self.record, resume)
         self.split = load_split(config)
         self.instruction = instruction_for(config)
         self.seeds = [config.seed + s for s in range(config.train_runs)]
 
-    def _check_out_dir(self) -> None:
-        marker = self.out / "recipe.json"
-        record = {"config": self.config.to_dict()}
-        if marker.exists():
-            if not self.resume:
-                raise ConfigError(
-                    f"output folder {self.out} already holds an experiment; pass --resume or choose another --out"
-                )
-            if read_json(marker) != as_json(record):
-                raise ConfigError(f"--resume: the experiment in {self.out} was started with other settings")
-        elif self.out.exists() and any(self.out.iterdir()):
-            raise ConfigError(
-                f"output folder {self.out} is not empty and holds no sao experiment; choose another --out"
-            )
-        self._marker = (marker, record)
-
-    # -- pieces ----------------------------------------------------------------------------------------
-
-    def _eval_file(self, label: str) -> Path:
-        return self.out / "evals" / f"{label}.json"
-
     def _train_and_eval(self, arm: str, seed: int) -> EvalResult:
         label = run_label(arm, seed)
-        done = self._eval_file(label)
-        if done.exists():
-            return EvalResult.from_dict(read_json(done))
-        run_dir = self.out / "runs" / label
         config = self.config.replace(arm=arm, seed=seed)
-        trainer = Trainer(
-            config, run_dir, split=self.split, resume=run_dir.exists(), progress=self.progress, label=label
-        )
-        trainer.run()
-        models = trainer.models
-        result = evaluate(
-            models.policy,
-            models.tokenizer,
-            self.split.test,
-            instruction=self.instruction,
-            samples=config.eval_samples,
-            temperature=config.eval_temperature,
-            max_new_tokens=config.eval_max_new_tokens,
-            batch=config.eval_batch,
-            seed=derived_seed(seed, "eval"),
-            eos_token_ids=models.eos_token_ids,
-            label=label,
-            progress=self.progress,
-        )
-        write_json(done, result.to_dict())
-        del trainer, models
-        gc.collect()
-        return result
-
-    def _base_evals(self) -> list[EvalResult]:
-        results, todo = [], []
-        for i in range(self.config.base_evals):
-            path = self._eval_file(f"base-{i}")
-            if path.exists():
-                results.append(EvalResult.from_dict(read_json(path)))
-            else:
-                todo.append(i)
-        if todo:
-            base, tokenizer = load_base(model_path(self.config), pick_device(self.config.device))
-            for i in todo:
-                result = evaluate(
-                    base,
-                    tokenizer,
-                    self.split.test,
-                    instruction=self.instruction,
-                    samples=self.config.eval_samples,
-                    temperature=self.config.eval_temperature,
-                    max_new_tokens=self.config.eval_max_new_tokens,
-                    batch=self.config.eval_batch,
-                    seed=derived_seed(self.config.seed, "base-eval", i),
-                    eos_token_ids=eos_ids(tokenizer, base),
-                    label=f"base-{i}",
-                    progress=self.progress,
-                )
-                write_json(self._eval_file(f"base-{i}"), result.to_dict())
-                results.append(result)
-            del base
-            gc.collect()
-        return sorted(results, key=lambda r: r.label)
+        run_dir, eval_file = self.out / "runs" / label, self.out / "evals" / f"{label}.json"
+        return train_and_eval(config, run_dir, eval_file, self.split, self.instruction, label, self.progress)
 
     # -- the whole experiment --------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
         start = time.perf_counter()
-        marker, record = self._marker
-        write_json(marker, record)
+        write_json(self.out / "recipe.json", self.record)
         arm_evals: dict[str, list[EvalResult]] = {arm: [] for arm in ARMS}
         for seed in self.seeds:
             for arm in ARMS:
                 arm_evals[arm].append(self._train_and_eval(arm, seed))
-        base_evals = self._base_evals()
+        base = base_evals(self.config, self.split, self.instruction, self.out / "evals", self.progress)
         records = []
         for seed in self.seeds:
             for arm in ARMS:
                 records.extend(read_json(self.out / "runs" / run_label(arm, seed) / "train_log.json"))
         write_json(self.out / "train_log.json", records)
-        results = build_results(self.config, self.split, base_evals, arm_evals, records, self.out)
+        results = build_results(self.config, self.split, base, arm_evals, records, self.out)
         results["wall_time"]["this_invocation"] = time.perf_counter() - start
         write_json(self.out / "results.json", results)
         from sao import report

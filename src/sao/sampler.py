@@ -55,6 +55,40 @@ class Rollout:
     def lengths(self) -> torch.Tensor:
         return self.response_mask.sum(dim=1)
 
+    @staticmethod
+    def concat(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
+        """Stack rollouts drawn separately (different prompt and response widths) into one batch.
+
+        Prompts are re-padded on the left to the widest P, responses on the right to the widest R, with
+        ``pad_token_id``, mask False and sampler log-probability 0 in the new padding; ``truncated`` and
+        ``texts`` are concatenated in order. The result lives on the first rollout's device.
+        """
+        if not rollouts:
+            raise ValueError("Rollout.concat needs at least one rollout")
+        if any(r.texts for r in rollouts) and any(len(r.texts) != r.prompt_ids.shape[0] for r in rollouts):
+            raise ValueError("Rollout.concat: either every rollout carries one text per row, or none does")
+        device = rollouts[0].prompt_ids.device
+        P = max(r.prompt_ids.shape[1] for r in rollouts)
+        R = max(r.response_ids.shape[1] for r in rollouts)
+
+        def pad(t: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
+            t = t.to(device)
+            extra = width - t.shape[1]
+            if extra == 0:
+                return t
+            filler = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=device)
+            return torch.cat([filler, t] if left else [t, filler], dim=1)
+
+        return Rollout(
+            prompt_ids=torch.cat([pad(r.prompt_ids, P, pad_token_id, True) for r in rollouts]),
+            prompt_mask=torch.cat([pad(r.prompt_mask.bool(), P, False, True) for r in rollouts]),
+            response_ids=torch.cat([pad(r.response_ids, R, pad_token_id, False) for r in rollouts]),
+            response_mask=torch.cat([pad(r.response_mask.bool(), R, False, False) for r in rollouts]),
+            sampler_logprobs=torch.cat([pad(r.sampler_logprobs, R, 0.0, False) for r in rollouts]),
+            truncated=torch.cat([r.truncated.to(device) for r in rollouts]),
+            texts=[text for r in rollouts for text in r.texts],
+        )
+
 
 def encode_prompts(tokenizer, prompts: Sequence[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenize prompt strings (already chat-formatted) into left-padded [B, P] ids and bool mask."""
@@ -147,6 +181,13 @@ def draw(
         sampler_logprobs=torch.stack(logps, dim=1),
         truncated=~done,
     )
+
+
+def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **kwargs) -> Rollout:
+    """``draw`` with a model, or ``Engine.generate`` when ``model`` is a ``sao.engine.Engine``."""
+    if hasattr(model, "generate") and not isinstance(model, nn.Module):
+        return model.generate(prompt_ids, prompt_mask, **kwargs)
+    return draw(model, prompt_ids, prompt_mask, **kwargs)
 
 
 def decode(tokenizer, rollout: Rollout) -> list[str]:

@@ -35,8 +35,27 @@ from sao.config import Config
 from sao.data import DEFAULT_INSTRUCTION, DataSplit, Task, format_prompt, load_gsm8k
 from sao.errors import ConfigError
 from sao.io import as_json, read_json, save_torch, write_json
-from sao.models import ValueHead, add_lora, describe, load_base, lora_state, pick_device, teacher_forced
-from sao.sampler import Rollout, StaleSampler, decode, derived_seed, draw, encode_prompts, eos_ids
+from sao.models import (
+    TeacherForced,
+    ValueHead,
+    add_lora,
+    auto_micro_batch,
+    describe,
+    load_base,
+    lora_state,
+    pick_device,
+    teacher_forced,
+)
+from sao.sampler import (
+    SAMPLER_ADAPTER,
+    Rollout,
+    StaleSampler,
+    decode,
+    derived_seed,
+    encode_prompts,
+    eos_ids,
+    sample,
+)
 
 WARMUP, POLICY = "critic-warmup", "policy"
 LOG_FILE, CHECKPOINT_FILE, CONFIG_FILE = "train_log.json", "checkpoint.pt", "config.json"
@@ -121,6 +140,11 @@ class LocalStaleSource:
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
         self.sampler = StaleSampler(trainer.models.policy, trainer.config.lag)
+        self.engine = None
+        if trainer.config.uses_engine(trainer.models.device.type):
+            from sao.engine import Engine
+
+            self.engine = Engine(trainer.models.policy, adapter=SAMPLER_ADAPTER)  # reads the sampler adapter
 
     def next_batch(self, g: int, phase: str) -> Batch:
         t = self.trainer
@@ -130,8 +154,12 @@ class LocalStaleSource:
         staleness = t.policy_version - self.sampler.version
         tasks = t.batch_tasks(g)
         generator = torch.Generator(device=t.models.device).manual_seed(derived_seed(t.config.seed, g, "rollout"))
-        with self.sampler.active() as model:
-            rollout = t.draw_rollout(model, [t.prompts[task.id] for task in tasks], generator)
+        prompts = [t.prompts[task.id] for task in tasks]
+        if self.engine is not None:
+            rollout = t.draw_rollout(self.engine, prompts, generator)
+        else:
+            with self.sampler.active() as model:
+                rollout = t.draw_rollout(model, prompts, generator)
         if phase == POLICY and self.sampler.refresh_after_draw(k):
             self.sampler.refresh(t.policy_version)
         return Batch(tasks=tasks, rollout=rollout, staleness=[staleness] * len(tasks))
@@ -190,12 +218,12 @@ class Trainer:
         tok = self.models.tokenizer
         instruction = instruction_for(config)
         self.prompts = {t.id: format_prompt(tok, t.question, instruction) for t in self.split.train}
-        write_json(self.out / CONFIG_FILE, self._config_record())  # claimed only once everything loaded
         self.lora_params = list(lora_state(self.models.policy).values())
         self.policy_opt = torch.optim.AdamW(self.lora_params, lr=config.lr, weight_decay=0.0)
         self.critic_opt = torch.optim.AdamW(self.models.value_head.parameters(), lr=config.critic_lr, weight_decay=0.0)
         self.policy_version = 0
         self.source = make_source(self)
+        write_json(self.out / CONFIG_FILE, self._config_record())  # claimed only once everything loaded
         self.micro_batch = config.micro_batch  # halves on out-of-memory and stays halved
         self.next_step = 0
         self.records: list[dict[str, Any]] = []
@@ -278,13 +306,14 @@ class Trainer:
             try:
                 return (*self._learn(rollout, rewards, phase), retries)
             except RuntimeError as error:
-                if not is_out_of_memory(error) or self.micro_batch == 1:
+                rows = self.micro_batch or len(rollout.response_mask)
+                if not is_out_of_memory(error) or rows == 1:
                     raise
                 self.policy_opt.zero_grad(set_to_none=True)
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 retries += 1
-                self.micro_batch = max(1, self.micro_batch // 2)
+                self.micro_batch = max(1, rows // 2)
                 from tqdm import tqdm
 
                 tqdm.write(
@@ -292,39 +321,79 @@ class Trainer:
                 )
 
     def _learn(self, rollout: Rollout, rewards: torch.Tensor, phase: str):
+        """One teacher-forced pass, micro-batch by micro-batch: forward (with gradients on policy steps),
+        the micro-batch's coefficients from ``SAO.update`` with the whole batch's N, backward, free. Only one
+        micro-batch's activations are ever alive, and the accumulated gradient is exactly the whole batch's
+        −Σ c·∇logprobs. The whole batch's update (stats, value targets) is then computed from the kept
+        log-probabilities and hidden states — pure tensor math, no second pass."""
         models, config = self.models, self.config
-        with torch.set_grad_enabled(phase == POLICY):
-            forward = teacher_forced(
-                models.policy,
-                rollout.prompt_ids,
-                rollout.prompt_mask,
-                rollout.response_ids,
-                rollout.response_mask,
-                temperature=config.temperature,
-                micro_batch=self.micro_batch,
-                logprob_chunk=config.logprob_chunk,
-            )
-        with torch.no_grad():
-            values = models.value_head(forward.hidden)  # [B, R]
+        policy_step = phase == POLICY
+        mask = rollout.response_mask
+        n_tokens = float(mask.sum())
+        rows = self.micro_batch or auto_micro_batch(
+            models.policy, rollout.prompt_ids.shape[1] + mask.shape[1], len(mask)
+        )
+        logprobs, hidden, values = [], [], []
+        loss_value, finite = 0.0, True
+        if policy_step:
+            self.policy_opt.zero_grad(set_to_none=True)
+        for start in range(0, len(mask), rows):
+            part = slice(start, start + rows)
+            with torch.set_grad_enabled(policy_step):
+                forward = teacher_forced(
+                    models.policy,
+                    rollout.prompt_ids[part],
+                    rollout.prompt_mask[part],
+                    rollout.response_ids[part],
+                    mask[part],
+                    temperature=config.temperature,
+                    logprob_chunk=config.logprob_chunk,
+                )
+            with torch.no_grad():
+                part_values = models.value_head(forward.hidden)  # [b, R]
+            if policy_step and finite:
+                update = self.sao.update(
+                    {
+                        "logprobs": forward.logprobs.detach(),
+                        "sampler_logprobs": rollout.sampler_logprobs[part],
+                        "values": part_values,
+                        "rewards": rewards[part].to(part_values),
+                        "action_mask": mask[part],
+                    },
+                    normalizer=n_tokens,
+                )
+                loss = update.policy_loss(forward.logprobs)
+                loss_value += loss.item()
+                if torch.isfinite(loss):
+                    loss.backward()
+                else:
+                    finite = False  # the step will be skipped; finish the pass for the stats and the critic
+            logprobs.append(forward.logprobs.detach())
+            hidden.append(forward.hidden)
+            values.append(part_values)
+            del forward
+        forward = TeacherForced(logprobs=torch.cat(logprobs), hidden=torch.cat(hidden))
         update = self.sao.update(
             {
-                "logprobs": forward.logprobs.detach(),
+                "logprobs": forward.logprobs,
                 "sampler_logprobs": rollout.sampler_logprobs,
-                "values": values,
-                "rewards": rewards.to(values),
-                "action_mask": rollout.response_mask,
+                "values": torch.cat(values),
+                "rewards": rewards.to(forward.logprobs),
+                "action_mask": mask,
             }
         )
-        grad_norm, skipped, loss_value = float("nan"), False, float("nan")
-        if phase == POLICY:
-            grad_norm, skipped, loss_value = self._policy_step(update, forward.logprobs)
+        grad_norm, skipped = float("nan"), False
+        if policy_step:
+            grad_norm, skipped = self._policy_step(finite)
+        else:
+            loss_value = float("nan")
         return forward, update, grad_norm, skipped, loss_value
 
-    def draw_rollout(self, model: nn.Module, prompts: list[str], generator: torch.Generator) -> Rollout:
-        """Sample one reply per prompt string with ``model`` (whatever adapter is active) and decode it."""
+    def draw_rollout(self, model, prompts: list[str], generator: torch.Generator) -> Rollout:
+        """Sample one reply per prompt string with ``model`` (whatever adapter is active; or an ``Engine``)."""
         models, config = self.models, self.config
         prompt_ids, prompt_mask = encode_prompts(models.tokenizer, prompts, models.device)
-        rollout = draw(
+        rollout = sample(
             model,
             prompt_ids,
             prompt_mask,
@@ -337,21 +406,20 @@ class Trainer:
         rollout.texts = decode(models.tokenizer, rollout)
         return rollout
 
-    def _policy_step(self, update, logprobs: torch.Tensor) -> tuple[float, bool, float]:
-        """Backward, clip, step — unless the loss or the gradient is not finite. (grad_norm, skipped, loss)"""
-        self.policy_opt.zero_grad(set_to_none=True)
-        loss = update.policy_loss(logprobs)
-        if not torch.isfinite(loss):
-            return float("nan"), True, loss.item()
-        loss.backward()
+    def _policy_step(self, loss_finite: bool) -> tuple[float, bool]:
+        """Clip and step on the accumulated gradient — unless the loss or the gradient is not finite, in
+        which case nothing is applied. Returns (grad_norm, skipped)."""
+        if not loss_finite:
+            self.policy_opt.zero_grad(set_to_none=True)
+            return float("nan"), True
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.lora_params, self.config.grad_clip))
         if not math.isfinite(grad_norm):
             self.policy_opt.zero_grad(set_to_none=True)
-            return grad_norm, True, loss.item()
+            return grad_norm, True
         self.policy_opt.step()
         self.policy_opt.zero_grad(set_to_none=True)
         self.policy_version += 1
-        return grad_norm, False, loss.item()
+        return grad_norm, False
 
     def _critic_steps(self, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> float:
         """``critic_steps`` squared-error updates on the detached hidden states; returns the first loss
@@ -418,24 +486,31 @@ class Trainer:
             disable=not self.progress,
             dynamic_ncols=True,
         )
-        for g in range(self.next_step, self.total_steps):
-            record = self.step(g)
-            self.records.append(record)
-            self._reachability(record)
-            self._report_masking(record)
-            self.next_step = g + 1
-            self._save()
-            bar.update(1)
-            bar.set_postfix(
-                reward=f"{record['reward_mean']:.2f}",
-                masked=f"{record['masked_share']:.4f}",
-                ratio_max=f"{record['ratio_max']:.2f}",
-                stale=record["staleness"],
-            )
-        bar.close()
-        self.source.close()
+        try:
+            for g in range(self.next_step, self.total_steps):
+                record = self.step(g)
+                self.records.append(record)
+                self._reachability(record)
+                self._report_masking(record)
+                self.next_step = g + 1
+                self._save()
+                bar.update(1)
+                bar.set_postfix(
+                    reward=f"{record['reward_mean']:.2f}",
+                    masked=f"{record['masked_share']:.4f}",
+                    ratio_max=f"{record['ratio_max']:.2f}",
+                    stale=record["staleness"],
+                )
+        finally:
+            bar.close()
+            self.source.close()  # rollout workers stop even when a step fails
         self.save_adapter()
         return self.records
+
+    @property
+    def max_staleness(self) -> int:
+        """The largest staleness a batch can have: LAG for the stale sampler, the bound for Ray workers."""
+        return self.config.max_staleness if self.config.engine == "ray" else self.config.lag
 
     def _report_masking(self, record: dict[str, Any]) -> None:
         """At the end of every staleness cycle (every 10 policy steps at lag 0), one line: the masked
@@ -443,10 +518,11 @@ class Trainer:
         if not self.progress or record["phase"] != POLICY:
             return
         k = record["policy_step"]
-        if not (
-            (self.config.lag > 0 and record["staleness"] == self.config.lag) or (self.config.lag == 0 and k % 10 == 9)
-        ):
+        cycle_end = record["staleness"] == self.max_staleness > 0 or (self.max_staleness == 0 and (k + 1) % 10 == 0)
+        due = self._last_mask_report is None or k + 1 - self._last_mask_report >= 10 or k + 1 == self.config.steps
+        if not (cycle_end and due):
             return
+        self._last_mask_report = k + 1
         policy = [r for r in self.records if r["phase"] == POLICY]
         parts = []
         for s in sorted({r["staleness"] for r in policy}):
@@ -462,7 +538,7 @@ class Trainer:
         """Warn once, early, when stale batches mask (or would mask) almost nothing: then the correction
         cannot move an eval, and the rest of the run cannot test it."""
         stale = [r for r in self.records if r["phase"] == POLICY and r["staleness"] > 0]
-        if self.warnings or len(stale) < max(self.config.lag, 1) or self.config.lag == 0:
+        if self.warnings or len(stale) < max(self.max_staleness, 1) or self.max_staleness == 0:
             return
         share = sum(r["would_be_masked_share"] for r in stale) / len(stale)
         if share < self.config.dead_band_share:
