@@ -14,8 +14,10 @@ It prints one table, each row side by side with its baseline and, on a GPU, its 
                       teacher-forced pass (what the IS band sees when nothing is stale)
     train step        64 × (prompt + reply) tokens, forward + backward of the LoRA policy: plain = full
                       logits and a float32 log-softmax, micro-batch 16 (as measured for this project);
-                      sao = the trainer's pass (chunked, checkpointed log-probs, micro-batch from free
-                      memory); floor = 6 · parameters · tokens at the bf16 peak (790 TFLOP/s on an H200)
+                      sao = the trainer's pass (chunked, checkpointed log-probs) at every micro-batch of 8..64,
+                      with and without activation checkpointing — the row is the fastest under 30 GiB,
+                      each candidate listed below it; floor = 6 · parameters · tokens at the bf16 peak
+                      (790 TFLOP/s on an H200)
     protocol          projected wall time of the full protocol: 2 arms × (10 + 40) rollout batches of 64,
                       2 × 40 training steps, 5 evals of 480 samples
 
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 
 from sao.engine import Engine
-from sao.models import add_lora, lora_state, teacher_forced
+from sao.models import add_lora, lora_state, set_activation_checkpointing, teacher_forced
 from sao.sampler import draw
 
 H200_BF16_FLOPS = 790e12  # dense bf16 peak used for the floor (the issue's figure)
@@ -165,6 +167,9 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="the tiny preset on the CPU")
     parser.add_argument("--out", help="write the figures as JSON")
     parser.add_argument("--skip-hf-generate", action="store_true", help="leave out the HF generate row")
+    parser.add_argument(
+        "--record", help="append the table, with date, device and command, to this file (BENCHMARKS.md)"
+    )
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     tiny = args.tiny or device.type == "cpu"
@@ -227,19 +232,34 @@ def main() -> int:
 
     # training step, 64 × (P + N) tokens
     tokens = fast.response_ids
-    train = {}
-    for name, fn, mb in (("plain", plain_train_step, 16), ("sao", sao_train_step, None)):
-        if mb is None:
-            from sao.models import auto_micro_batch
 
-            mb = auto_micro_batch(policy, P + N, 64)
-        fn(policy, ids[:mb], mask[:mb], tokens[:mb], mb)  # warm-up
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        t = timed(lambda: fn(policy, ids, mask, tokens, mb), device, 3)  # noqa: B023
+    def measure(fn, mb: int, checkpointing: bool = False) -> dict | None:
+        set_activation_checkpointing(policy, checkpointing)
+        try:
+            fn(policy, ids[:mb], mask[:mb], tokens[:mb], mb)  # warm-up
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            t = timed(lambda: fn(policy, ids, mask, tokens, mb), device, 3)
+        except RuntimeError as error:  # out of memory: this candidate does not fit
+            if "out of memory" not in str(error).lower():
+                raise
+            policy.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            return None
+        finally:
+            set_activation_checkpointing(policy, False)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-        train[name] = {"seconds": t, "peak_gib": peak, "micro_batch": mb}
-        print(f"train step {name}: {t:.3f}s, micro-batch {mb}, peak {peak} GiB", flush=True)
+        row = {"seconds": t, "peak_gib": peak, "micro_batch": mb, "checkpointing": checkpointing}
+        print(f"train step micro-batch {mb}{' +ckpt' if checkpointing else ''}: {t:.3f}s, peak {peak} GiB", flush=True)
+        return row
+
+    train = {"plain": measure(plain_train_step, 16)}
+    # sao's pass: every micro-batch that fits, with and without activation checkpointing; the reported one is
+    # the fastest under the 30 GiB budget (on the CPU: the fastest)
+    candidates = [measure(sao_train_step, mb, ck) for ck in (False, True) for mb in (8, 16, 32, 64)]
+    train["sao_candidates"] = [c for c in candidates if c is not None]
+    fits = [c for c in train["sao_candidates"] if c["peak_gib"] is None or c["peak_gib"] <= 30]
+    train["sao"] = min(fits or train["sao_candidates"], key=lambda c: c["seconds"])
     tokens_per_step = 64 * (P + N)
     train["floor_s"] = 6 * params * tokens_per_step / H200_BF16_FLOPS if device.type == "cuda" else None
     figures["train"] = train
@@ -259,7 +279,13 @@ def main() -> int:
         }
     figures["protocol"] = proj
     figures["bench_seconds"] = time.perf_counter() - started
-    print_table(figures)
+    text = table(figures)
+    print("\n" + text + "\n")
+    if args.record:
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        command = "python bench/bench.py " + " ".join(a for a in sys.argv[1:])
+        with open(args.record, "a", encoding="utf-8") as handle:
+            handle.write(f"\n## {stamp} — {figures['device']}\n\n`{command}`\n\n{text}\n")
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1) + "\n")
     return 0
@@ -269,40 +295,46 @@ def _f(x, fmt: str = ".1f") -> str:
     return "—" if x is None else format(x, fmt)
 
 
-def print_table(f: dict) -> None:
+def table(f: dict) -> str:
+    """The figures as a markdown table (and a header line), as printed and as recorded."""
+    lines: list[str] = []
+    add = lines.append
     gpu = f["device"] != "cpu"
-    print()
-    print(f"device: {f['device']}; model: {'tiny preset' if f['tiny'] else 'Qwen2.5-1.5B shape, random weights, bf16'}"
+    add(f"device: {f['device']}; model: {'tiny preset' if f['tiny'] else 'Qwen2.5-1.5B shape, random weights, bf16'}"
           f" ({f['parameters'] / 1e6:.1f}M parameters); bench took {f['bench_seconds']:.0f}s")  # fmt: skip
-    print()
-    print("| what | plain HF + PEFT | HF generate | sao | speed-up | floor |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    add("")
+    add("| what | plain HF + PEFT | HF generate | sao | speed-up | floor |")
+    add("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in f["decode"]:
         hf = _f(r.get("hf_generate_tok_s"), ".0f")
         floor = f"{_f(r['floor_ms_per_step'], '.2f')} ms" if gpu else "—"
-        print(f"| decode batch {r['batch']}, tokens/s | {r['plain_tok_s']:.0f} | {hf} | {r['sao_tok_s']:.0f} | "
+        add(f"| decode batch {r['batch']}, tokens/s | {r['plain_tok_s']:.0f} | {hf} | {r['sao_tok_s']:.0f} | "
               f"{r['sao_tok_s'] / r['plain_tok_s']:.1f}x | — |")  # fmt: skip
         hf_ms = _f(r.get("hf_generate_ms_per_step"), ".2f")
-        print(f"| decode batch {r['batch']}, ms/step | {r['plain_ms_per_step']:.2f} | {hf_ms} | "
+        add(f"| decode batch {r['batch']}, ms/step | {r['plain_ms_per_step']:.2f} | {hf_ms} | "
               f"{r['sao_ms_per_step']:.2f} | | {floor} |")  # fmt: skip
         if gpu and r["floor_ms_per_step"]:
             share = r["floor_ms_per_step"] / r["sao_ms_per_step"]
-            print(f"| decode batch {r['batch']}, share of floor | | | {share:.1%} | | |")
+            add(f"| decode batch {r['batch']}, share of floor | | | {share:.1%} | | |")
     lag = f["lag0"]
     fmt = lambda d: f"{d['mean']:.3g} / {d['p99']:.3g} / {d['max']:.3g}"  # noqa: E731
     hf_lag = fmt(lag["hf_generate"]) if "hf_generate" in lag else "—"
-    print(f"| lag-0 \\|log ratio\\| mean / p99 / max | {fmt(lag['plain'])} | {hf_lag} | {fmt(lag['sao'])} | | |")
+    add(f"| lag-0 \\|log ratio\\| mean / p99 / max | {fmt(lag['plain'])} | {hf_lag} | {fmt(lag['sao'])} | | |")
     t = f["train"]
     plain, sao = t["plain"], t["sao"]
-    print(f"| train step, s | {plain['seconds']:.3f} (micro-batch {plain['micro_batch']}) | | "
-          f"{sao['seconds']:.3f} (micro-batch {sao['micro_batch']}) | {plain['seconds'] / sao['seconds']:.2f}x | "
-          f"{_f(t['floor_s'], '.3f')} s |")  # fmt: skip
+    how = f"micro-batch {sao['micro_batch']}" + (", checkpointed" if sao.get("checkpointing") else "")
+    add(f"| train step, s | {plain['seconds']:.3f} (micro-batch {plain['micro_batch']}) | | "
+          f"{sao['seconds']:.3f} ({how}) | {plain['seconds'] / sao['seconds']:.2f}x | "
+          f"{_f(t['floor_s'], '.3f')}{' s' if t['floor_s'] else ''} |")  # fmt: skip
     if gpu:
-        print(f"| train step peak memory, GiB | {_f(t['plain']['peak_gib'])} | | {_f(t['sao']['peak_gib'])} | | |")
+        add(f"| train step peak memory, GiB | {_f(t['plain']['peak_gib'])} | | {_f(t['sao']['peak_gib'])} | | |")
+    for c in t.get("sao_candidates", []):
+        how = f"micro-batch {c['micro_batch']}" + (", checkpointed" if c["checkpointing"] else "")
+        add(f"| sao train step, {how} | | | {c['seconds']:.3f} s, {_f(c['peak_gib'])} GiB | | |")
     p = f["protocol"]
-    print(f"| full protocol projected, min | {p['plain']['total_s'] / 60:.1f} | | {p['sao']['total_s'] / 60:.1f} | "
+    add(f"| full protocol projected, min | {p['plain']['total_s'] / 60:.1f} | | {p['sao']['total_s'] / 60:.1f} | "
           f"{p['plain']['total_s'] / p['sao']['total_s']:.1f}x | |")  # fmt: skip
-    print()
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -122,3 +122,33 @@ def test_stale_sampler_is_a_frozen_copy_until_refreshed(policy):
     with sampler.active() as m:
         refreshed = _rollout(m, tokenizer, seed=1)
     assert torch.equal(refreshed.response_ids, fresh.response_ids) and sampler.version == 7
+
+
+def test_activation_checkpointing_saves_less_and_keeps_the_gradient(policy):
+    """With checkpointing on, the forward keeps a fraction of the activations for the backward (counted
+    through autograd's saved-tensor hooks) and the LoRA gradient is the same."""
+    from sao.models import set_activation_checkpointing
+
+    model, tokenizer = policy
+    rollout = _rollout(model, tokenizer)
+    saved, grads = [], []
+    for enabled in (False, True):
+        set_activation_checkpointing(model, enabled)
+        count = {"numel": 0}
+
+        def pack(tensor, count=count):
+            count["numel"] += tensor.numel()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            tf = teacher_forced(
+                model, rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask
+            )
+        tf.logprobs.sum().backward()
+        saved.append(count["numel"])
+        grads.append([p.grad.clone() for p in lora_state(model).values()])
+        model.zero_grad(set_to_none=True)
+    set_activation_checkpointing(model, False)
+    assert saved[1] < 0.7 * saved[0], saved
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)

@@ -118,3 +118,12 @@ def test_bad_inputs_raise_config_errors():
         compare(np.zeros(5), np.array([0, 0, np.nan, 0, 0]))
     with pytest.raises(ConfigError, match=">= 2"):
         noise_floor(0.02, 1)
+
+
+def test_a_noise_level_dip_under_a_rising_proxy_is_not_flagged():
+    rng = np.random.default_rng(3)
+    before = rng.uniform(0, 1, 120)
+    after = before + rng.normal(-0.005, 0.2, 120)  # a dip well inside its interval
+    c = compare(before, after, proxy=(0.4, 0.5))
+    assert c.ci_low < 0 < c.ci_high and c.proxy_delta == pytest.approx(0.1)
+    assert not c.proxy_diverges and "proxy" not in c.reason

@@ -177,3 +177,24 @@ def test_micro_batches_give_the_whole_batch_update(tiny_config, tmp_path):
         assert whole["loss"] == pytest.approx(parts["loss"], rel=1e-4, abs=1e-9, nan_ok=True)
     for a, b in zip(runs[16][-1], runs[4][-1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # Adam rescales tiny order-of-sum differences
+
+
+def test_a_dead_band_is_reported_early_and_a_live_one_is_not(tiny_config, tmp_path):
+    """At lr 1e-7 four stale batches move no token out of (0.7, 6.0): one warning, in words, after the
+    first four stale batches (the run is 10 steps long). At 3e-3 the band binds and nothing is said."""
+    dead = Trainer(tiny_config.replace(lr=1e-7, lag=2, steps=10), tmp_path / "dead", progress=False)
+    records = []
+    for g in range(dead.total_steps):
+        records.append(dead.step(g))
+        dead.records.append(records[-1])
+        dead._reachability(records[-1])
+        if dead.warnings:
+            break
+    stale = [r for r in records if r["phase"] == "policy" and r["staleness"] > 0]
+    assert len(stale) == 4 and len(records) < dead.total_steps, "warned early, not at the end"
+    assert len(dead.warnings) == 1 and "is dead at these settings" in dead.warnings[0]
+    assert "Raise --lr or --lag" in dead.warnings[0]
+    live = Trainer(tiny_config.replace(lr=3e-3, lag=2, steps=10), tmp_path / "live", progress=False)
+    live.run()
+    assert live.warnings == []
+    assert max(r["would_be_masked_share"] for r in live.records) > 0.001

@@ -204,7 +204,7 @@ def _sweep(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     bands = tuple(_band(text) for text in args.bands)
     grid = Grid(lags=tuple(args.lags), lrs=tuple(args.lrs), bands=bands, arms=tuple(args.arms))
-    command = "sao " + shlex.join(args.argv)
+    command = "sao " + shlex.join(a for a in args.argv if a != "--resume")  # what regenerates it from scratch
     sweep = Sweep(config, grid, args.out, resume=args.resume, progress=not args.quiet, command=command)
     cells = grid.cells()
     print(

@@ -108,6 +108,24 @@ def lora_state(policy: nn.Module, adapter: str = POLICY_ADAPTER) -> dict[str, to
     return {n: p for n, p in policy.named_parameters() if "lora_" in n and marker in n}
 
 
+def set_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
+    """Recompute each decoder layer in the backward instead of storing its activations.
+
+    Hugging Face only checkpoints layers whose ``training`` flag is set, and the policy runs in eval mode
+    (no dropout: the teacher-forced pass must be the function the sampler drew from). So the flag is set on
+    the decoder layers alone, not recursively: their dropout children stay in eval mode."""
+    lm = causal_lm(model)
+    kwargs = {"use_reentrant": False}
+    if hasattr(lm, "activation_checkpointing_enable"):  # the newer name for the same switch
+        lm.activation_checkpointing_enable(kwargs) if enabled else lm.activation_checkpointing_disable()
+    elif enabled:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        lm.gradient_checkpointing_disable()
+    for layer in lm.get_decoder().layers:
+        layer.training = enabled
+
+
 class ValueHead(nn.Module):
     """V(h) = w · h + b, zero-initialised: the critic starts at V ≡ 0 and learns from the MC returns."""
 

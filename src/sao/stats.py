@@ -16,7 +16,8 @@ SPEC §4, in symbols. Per task j a model's score s_j is its mean correctness ove
   ``unresolved``, and ``reason`` says why in words.
 
 An optional proxy (e.g. training reward before and after) is reported beside the target; a proxy that
-rises while the target falls is flagged, because that is what over-optimising a proxy looks like.
+rises while the target falls — its whole interval below zero, not a noise-level dip — is flagged, because
+that is what over-optimising a proxy looks like.
 
 Left out on purpose: multiple-comparison corrections across many cells (a sweep reports each cell's
 interval and says so) and bootstrap intervals (the t interval over tasks is what the page used).
@@ -119,7 +120,7 @@ def compare(
     if proxy is not None:
         p_before, p_after = (float(np.mean(np.asarray(x, dtype=np.float64))) for x in proxy)
         proxy_delta = p_after - p_before
-        diverges = proxy_delta > 0 and delta < 0
+        diverges = proxy_delta > 0 and hi < 0  # the proxy rose while the target fell beyond its interval
         if diverges:
             reason += (
                 f" Warning: the proxy rose by {proxy_delta:+.3f} while the target fell by {delta:+.3f};"

@@ -152,12 +152,23 @@ class Sweep:
         base = base_evals(self.config, self.split, self.instruction, self.out / "evals", self.progress)
         summary = summarize(self.config, self.grid, cells, base, results)
         summary["command"] = self.command
-        summary["wall_time_s"] = time.perf_counter() - start
+        summary["wall_time_s"] = compute_seconds(base, results)  # summed from the files: a resume does not reset it
+        summary["this_invocation_s"] = time.perf_counter() - start
         write_json(self.out / "sweep.json", summary)
         from sao import sweep_report
 
         sweep_report.write(self.out)
         return summary
+
+
+def compute_seconds(base: list, results: dict) -> float:
+    """Seconds spent training and evaluating, summed over every run and eval of the sweep (from their files,
+    so a resumed sweep reports the whole sweep, not its last invocation)."""
+    total = sum(e.seconds for e in base)
+    for arms in results.values():
+        for rows in arms.values():
+            total += sum(result.seconds + sum(r["time"] for r in log) for _, result, log in rows)
+    return total
 
 
 def summarize(config: Config, grid: Grid, cells: list[dict], base: list, results: dict) -> dict[str, Any]:

@@ -675,7 +675,7 @@ def _config_section(sweep: dict[str, Any]) -> list[str]:
     else:
         out += ["sweep.json records no versions.", ""]
     if "wall_time_s" in sweep:
-        out += [f"Wall time of the sweep: {fmt_seconds(sweep.get('wall_time_s'))}.", ""]
+        out += [f"Time spent training and evaluating, summed over runs: {fmt_seconds(sweep.get('wall_time_s'))}.", ""]
     return out
 
 

@@ -1,15 +1,17 @@
 """One arm, one seed: critic warmup, then policy steps on stale rollouts. The data path, step by step:
 
-    prompts ──► stale sampler ──► trajectories + sampler_logprobs ──► rewards (sao.grading)
-            ──► teacher-forced pass (logprobs with grad, hidden states detached) ──► value head
-            ──► SAO.update ──► loss = −Σ c·logprobs ──► clip 1.0 ──► AdamW on LoRA
+    prompts ──► source (stale sampler, or Ray workers) ──► trajectories + sampler_logprobs ──► rewards
+            ──► teacher-forced pass, micro-batch by micro-batch (logprobs with grad, hidden detached)
+            ──► value head ──► SAO.update ──► loss = −Σ c·logprobs ──► backward
+            ──► clip 1.0 ──► AdamW on LoRA
             ──► critic_steps × squared error on the stored hidden states ──► one log record
 
 Global step g runs 0 .. critic_warmup + steps − 1; the first ``critic_warmup`` steps train only the
 critic, each on a fresh batch; policy step k = g − critic_warmup follows the staleness cycle of
-``sampler.StaleSampler``. Every source of randomness after setup is a generator seeded from (seed, g), and
-the training prompts of step g are a pure function of (seed, g), so a run resumed from the checkpoint of
-step g continues exactly as if it had never stopped.
+``sampler.StaleSampler`` (``--engine local``, the default; ``--engine ray`` takes batches from
+asynchronous workers instead, see ``sao.distributed``). With the local source every source of randomness
+after setup is a generator seeded from (seed, g), and the training prompts of step g are a pure function of
+(seed, g), so a run resumed from the checkpoint of step g continues exactly as if it had never stopped.
 
 A step whose loss or gradient norm is not finite is skipped (no optimizer step), counted and logged. After
 each step the checkpoint (adapters, value head, both optimizers, counters, the log so far) and
@@ -44,6 +46,7 @@ from sao.models import (
     load_base,
     lora_state,
     pick_device,
+    set_activation_checkpointing,
     teacher_forced,
 )
 from sao.sampler import (
@@ -112,6 +115,8 @@ class Models:
         device = pick_device(config.device)
         base, tokenizer = load_base(model_path(config), device)
         policy = add_lora(base, rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed)
+        if config.grad_checkpoint:
+            set_activation_checkpointing(policy, True)
         hidden = base.config.hidden_size
         value_head = ValueHead(hidden).to(device)
         return cls(policy, tokenizer, value_head, device, eos_ids(tokenizer, base))
@@ -535,10 +540,11 @@ class Trainer:
         tqdm.write(f"[{self.label}] policy step {k + 1}: masked share by staleness " + ", ".join(parts))
 
     def _reachability(self, record: dict[str, Any]) -> None:
-        """Warn once, early, when stale batches mask (or would mask) almost nothing: then the correction
-        cannot move an eval, and the rest of the run cannot test it."""
+        """Check once, early — after the first max(LAG, 4) stale batches — whether they mask (or would mask)
+        almost nothing; if so, warn: the correction cannot move an eval, and the rest of the run cannot test
+        it. Later batches are not re-checked, so the warning means the same thing in every run."""
         stale = [r for r in self.records if r["phase"] == POLICY and r["staleness"] > 0]
-        if self.warnings or len(stale) < max(self.max_staleness, 1) or self.max_staleness == 0:
+        if record["phase"] != POLICY or record["staleness"] == 0 or len(stale) != max(self.max_staleness, 4):
             return
         share = sum(r["would_be_masked_share"] for r in stale) / len(stale)
         if share < self.config.dead_band_share:

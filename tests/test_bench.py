@@ -1,0 +1,60 @@
+"""The bench's table renders every row for a GPU run and for a CPU run (the GPU path cannot run in CI, so
+its formatting is checked here on figures shaped like the ones it produces)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("sao_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _figures(gpu: bool) -> dict:
+    decode = []
+    for batch, plain, sao in ((64, 20.0, 1.0), (480, 60.0, 3.0)):
+        row = {"batch": batch, "plain_s": plain, "sao_s": sao, "floor_ms_per_step": 0.9 if gpu else None}
+        row |= {"plain_tok_s": batch * 256 / plain, "sao_tok_s": batch * 256 / sao}
+        row |= {"plain_ms_per_step": 1e3 * plain / 256, "sao_ms_per_step": 1e3 * sao / 256}
+        if batch == 64:
+            row |= {"hf_generate_tok_s": 900.0, "hf_generate_ms_per_step": 70.0}
+        decode.append(row)
+    gap = {"mean": 0.01, "p99": 0.05, "max": 0.08}
+    return {
+        "device": "NVIDIA H200" if gpu else "cpu",
+        "tiny": not gpu,
+        "parameters": 1.54e9,
+        "decode": decode,
+        "lag0": {"plain": gap, "sao": gap, "hf_generate": gap},
+        "train": {
+            "plain": {"seconds": 1.0, "peak_gib": 41.0 if gpu else None, "micro_batch": 16},
+            "sao": {"seconds": 0.5, "peak_gib": 25.0 if gpu else None, "micro_batch": 32},
+            "floor_s": 0.29 if gpu else None,
+        },
+        "protocol": {
+            "plain": {"total_s": 2400.0, "rollouts_s": 2000.0, "evals_s": 300.0, "train_s": 100.0},
+            "sao": {"total_s": 300.0, "rollouts_s": 100.0, "evals_s": 15.0, "train_s": 185.0},
+        },
+        "bench_seconds": 300.0,
+    }
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_table_has_every_row_side_by_side(bench, gpu):
+    text = bench.table(_figures(gpu))
+    assert "| decode batch 64, tokens/s | 819 | 900 | 16384 | 20.0x | — |" in text
+    assert "| decode batch 480, ms/step | 234.38 |" in text
+    assert "| train step, s | 1.000 (micro-batch 16) | | 0.500 (micro-batch 32) | 2.00x |" in text
+    assert "| full protocol projected, min | 40.0 | | 5.0 | 8.0x | |" in text
+    assert ("share of floor" in text) == gpu and ("peak memory" in text) == gpu
+    if gpu:
+        assert "| decode batch 64, share of floor | | | 23.0% | | |" in text
