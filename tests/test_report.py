@@ -5,11 +5,11 @@ and the page is the same on a rebuild."""
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import pytest
 
+from helpers import assert_png_linked
 from sao import report
 from sao.errors import DataError
 
@@ -178,12 +178,7 @@ def _row(text: str, first_cell: str) -> list[str]:
 @pytest.mark.parametrize("stem", PLOTS)
 def test_every_plot_is_a_real_png_and_is_linked(built, stem):
     folder, text = built
-    data = (folder / "plots" / f"{stem}.png").read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
-    assert width >= 600 and height >= 300
-    assert len(data) > 10_000  # drawn, not an empty canvas
-    assert f"](plots/{stem}.png)" in text
+    assert_png_linked(folder, text, stem, min_bytes=10_000)
 
 
 def test_report_states_the_verdict_reason_and_the_numbers(built):

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import copy
 import json
-import struct
 from pathlib import Path
 
 import pytest
 
+from helpers import assert_png_linked
 from sao import sweep_report
 from sao.errors import DataError
 from sao.report import fmt, fmt_interval, fmt_share, fmt_signed
@@ -140,12 +140,7 @@ def _key(lag: int) -> tuple[str, str, str]:
 @pytest.mark.parametrize("stem", PLOTS)
 def test_every_plot_is_a_real_png_and_is_linked(built, stem):
     folder, text = built
-    data = (folder / "plots" / f"{stem}.png").read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
-    assert width >= 600 and height >= 300
-    assert len(data) > 5_000  # drawn, not an empty canvas
-    assert f"](plots/{stem}.png)" in text
+    assert_png_linked(folder, text, stem, min_bytes=5_000)
 
 
 def test_header_states_question_command_rule_and_base(built):

@@ -558,9 +558,10 @@ def _curves_section(results: dict[str, Any]) -> list[str]:
     return out + _table(["series", "arm", "first", "last", "mean", "max", "min", "steps"], rows)
 
 
-def _plots_section() -> list[str]:
+def _plots_section(captions: dict[str, str] = PLOTS) -> list[str]:
+    """The plots embedded with relative links, each with its caption (shared with the sweep report)."""
     out = ["## Plots", ""]
-    for stem, caption in PLOTS.items():
+    for stem, caption in captions.items():
         out += [f"![{stem}](plots/{stem}.png)", "", f"*{caption}*", ""]
     return out
 

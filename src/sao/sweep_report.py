@@ -38,6 +38,7 @@ from sao.report import (
     _label,
     _mean,
     _num,
+    _plots_section,
     _plural,
     _read,
     _save,
@@ -654,13 +655,6 @@ def _base_section(sweep: dict[str, Any]) -> list[str]:
     ]
 
 
-def _plots_section() -> list[str]:
-    out = ["## Plots", ""]
-    for stem, caption in PLOTS.items():
-        out += [f"![{stem}](plots/{stem}.png)", "", f"*{caption}*", ""]
-    return out
-
-
 def _config_section(sweep: dict[str, Any]) -> list[str]:
     out = []
     config = sweep.get("config") or {}
@@ -710,7 +704,7 @@ def render(sweep: dict[str, Any]) -> str:
         _summary_section(sweep, arms),
         _arm_section(sweep, arms),
         _compare_section(sweep),
-        _plots_section(),
+        _plots_section(PLOTS),
         _config_section(sweep),
     ):
         lines += section
