@@ -8,7 +8,7 @@ It prints one table, each row side by side with its baseline and, on a GPU, its 
 
     decode            tokens/s and ms per step at batch 64 and 480 (every reply forced to full length),
                       plain = ``sampler.draw`` (HF forward + DynamicCache + PEFT, what ``--decoder plain``
-                      runs), HF = ``model.generate`` reading log-probs off ``scores``, sao = ``sao.engine``;
+                      runs), HF = ``model.generate`` reading log-probs off ``scores``, sao = ``sao.rollout.engine``;
                       floor = weights + KV cache read once per step at the measured copy bandwidth
     lag-0 |log ratio| mean / p99 / max of each sampler's recorded log-probabilities against the
                       teacher-forced pass (what the IS band sees when nothing is stale)
@@ -36,9 +36,10 @@ from pathlib import Path
 
 import torch
 
-from sao.engine import Engine
-from sao.models import add_lora, lora_state, set_activation_checkpointing, teacher_forced
-from sao.sampler import draw
+from sao.model.forward import teacher_forced
+from sao.model.policy import add_lora, lora_state, set_activation_checkpointing
+from sao.rollout.engine import Engine
+from sao.rollout.sampler import draw
 
 H200_BF16_FLOPS = 790e12  # dense bf16 peak used for the floor (the issue's figure)
 
@@ -56,8 +57,8 @@ def qwen_1p5b_config():
 def build(tiny: bool, device: torch.device):
     """(policy with a non-trivial LoRA adapter, vocab size, prompt length, new tokens, parameter count)."""
     if tiny:
-        from sao import tiny as tiny_mod
-        from sao.models import load_base
+        from sao.model.policy import load_base
+        from sao.tasks import tiny as tiny_mod
 
         base, _ = load_base(tiny_mod.ensure_model(progress=False), device)
         prompt_len, new_tokens = 48, 20
@@ -124,8 +125,12 @@ def hf_generate(policy, ids, mask, new_tokens: int, seed: int):
 def lag0_gap(policy, ids, mask, tokens, logp, micro: int) -> dict[str, float]:
     response_mask = torch.ones_like(tokens, dtype=torch.bool)
     with torch.no_grad():
-        tf = teacher_forced(policy, ids, mask, tokens, response_mask, micro_batch=micro)
-    gap = (tf.logprobs - logp).abs().flatten().float()
+        parts = [
+            teacher_forced(policy, ids[s : s + micro], mask[s : s + micro], tokens[s : s + micro],
+                           response_mask[s : s + micro]).logprobs
+            for s in range(0, len(ids), micro)
+        ]  # fmt: skip
+    gap = (torch.cat(parts) - logp).abs().flatten().float()
     return {"mean": float(gap.mean()), "p99": float(torch.quantile(gap[:1_000_000], 0.99)), "max": float(gap.max())}
 
 

@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
-    from sao import tiny
+    from sao.tasks import tiny
 
     return tiny.ensure_model(progress=False)
 
@@ -15,7 +15,7 @@ def tiny_model_dir():
 @pytest.fixture
 def tiny_config(tiny_model_dir):
     """The tiny preset shrunk for unit tests: small batches, few steps."""
-    from sao.config import Config
+    from sao.core.config import Config
 
     return Config.preset("tiny", batch_size=16, steps=6, critic_warmup=2, micro_batch=16)
 

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sao.algorithm import CORRECTIONS, SAO, gae, monte_carlo_returns
-from sao.errors import ConfigError
+from sao.core.algorithm import CORRECTIONS, SAO, gae, monte_carlo_returns
+from sao.core.errors import ConfigError
 
 # ------------------------------------------------------------------------------------------------------
 # References: one trajectory at a time, one token at a time, straight from SPEC §1.

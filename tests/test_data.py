@@ -1,4 +1,4 @@
-"""sao.data: the GSM8K split (counts, determinism, decontamination), file validation, the hub path and
+"""sao.tasks.gsm8k: the GSM8K split (counts, determinism, decontamination), file validation, the hub path and
 prompt formatting. No network: the hub is a fake module and the tokenizer is built locally."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sao.data import (
+from sao.core.errors import DataError
+from sao.tasks.gsm8k import (
     DEFAULT_INSTRUCTION,
     Task,
     build_messages,
@@ -20,7 +21,6 @@ from sao.data import (
     read_jsonl_tasks,
     word_ngrams,
 )
-from sao.errors import DataError
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "gsm8k"
 

@@ -1,4 +1,4 @@
-"""sao.engine: the static-cache decoder keeps the sampler contract and agrees with the teacher-forced pass at
+"""sao.rollout.engine: the static-cache decoder keeps the sampler contract and agrees with the teacher-forced pass at
 least as tightly as the plain loop. On the CPU it runs eagerly; the CUDA-graph test runs only on a GPU."""
 
 from __future__ import annotations
@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sao import tiny
-from sao.data import format_prompt
-from sao.engine import Engine
-from sao.errors import ConfigError
-from sao.models import add_lora, load_base, lora_state, teacher_forced
-from sao.sampler import SAMPLER_ADAPTER, StaleSampler, draw, encode_prompts
+from sao.core.errors import ConfigError
+from sao.model.forward import teacher_forced
+from sao.model.policy import add_lora, load_base, lora_state
+from sao.rollout.engine import Engine
+from sao.rollout.sampler import SAMPLER_ADAPTER, PlainDecoder, StaleSampler, draw, encode_prompts
+from sao.tasks import tiny
+from sao.tasks.gsm8k import format_prompt
 
 
 def _policy(model_dir, dtype=torch.float32, device="cpu", lora_scale=0.05):
@@ -86,8 +87,8 @@ def test_engine_reads_the_stale_samplers_adapter_by_reference(tiny_model_dir):
     for refreshed in (False, True):
         if refreshed:
             sampler.refresh(version=1)
-        with sampler.active() as model:
-            want = draw(model, ids, mask, **_kwargs(tokenizer), generator=torch.Generator().manual_seed(5))
+        sampler_decoder = PlainDecoder(policy, SAMPLER_ADAPTER)
+        want = sampler_decoder.generate(ids, mask, **_kwargs(tokenizer), generator=torch.Generator().manual_seed(5))
         got = engine.generate(ids, mask, **_kwargs(tokenizer), generator=torch.Generator().manual_seed(5))
         assert torch.equal(got.response_ids, want.response_ids), f"refreshed={refreshed}"
 

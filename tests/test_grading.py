@@ -1,4 +1,4 @@
-"""sao.grading: the GSM8K reward. Real gold answers, hard replies, fuzzing, hostile inputs, a time bound."""
+"""sao.core.grading: the GSM8K reward. Real gold answers, hard replies, fuzzing, hostile inputs, a time bound."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import sao.grading as grading
+import sao.core.grading as grading
 from grading_corpus import NASTY
-from sao.grading import MAX_DIGITS, WINDOW, extract_answer, math_equal, reward
+from sao.core.grading import MAX_DIGITS, WINDOW, extract_answer, math_equal, reward
 
 GSM8K_TEST = Path(__file__).resolve().parents[1] / "data" / "gsm8k" / "test.jsonl"
 TIME_BOUND_S = 0.05  # the bound the module docstring states, per call

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from sao import io
-from sao.errors import SaoError
+from sao.core import io
+from sao.core.errors import SaoError
 
 
 def test_json_writes_nan_and_inf_as_null_and_tuples_as_lists(tmp_path):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sao.models import ValueHead, add_lora, load_base, lora_state, teacher_forced, token_logprobs
-from sao.sampler import StaleSampler, draw, encode_prompts
+from sao.model.forward import teacher_forced, token_logprobs
+from sao.model.policy import ValueHead, add_lora, load_base, lora_state
+from sao.rollout.sampler import SAMPLER_ADAPTER, PlainDecoder, StaleSampler, encode_prompts
 
 
 @pytest.fixture
@@ -15,12 +16,11 @@ def policy(tiny_model_dir):
     return add_lora(base), tokenizer
 
 
-def _rollout(policy, tokenizer, n=6, seed=0):
+def _rollout(policy, tokenizer, n=6, seed=0, adapter=None):
     prompts = [f"<|im_start|>user\nWhat is {i}+{i + 1}?<|im_end|>\n<|im_start|>assistant\n" for i in range(n)]
     prompts[0] = "<|im_start|>user\nCompute 7-9. End with #### N.<|im_end|>\n<|im_start|>assistant\n"  # longer
     ids, mask = encode_prompts(tokenizer, prompts, torch.device("cpu"))
-    return draw(
-        policy,
+    return PlainDecoder(policy, adapter).generate(
         ids,
         mask,
         max_new_tokens=12,
@@ -58,8 +58,9 @@ def test_teacher_forced_pass_reproduces_the_samplers_logprobs_at_lag_zero(policy
     assert gap.max() < 1e-4, f"|log ratio| max {gap.max():.2e}"
     assert (tf.logprobs[~m] == 0).all()
     assert tf.hidden.shape[:2] == m.shape and not tf.hidden.requires_grad
-    micro = teacher_forced(model, rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, m, micro_batch=2)
-    torch.testing.assert_close(micro.logprobs, tf.logprobs, atol=1e-5, rtol=0)
+    rows = [teacher_forced(model, *(t[i : i + 2] for t in (rollout.prompt_ids, rollout.prompt_mask,
+                                                              rollout.response_ids, m))) for i in range(0, len(m), 2)]  # fmt: skip
+    torch.testing.assert_close(torch.cat([r.logprobs for r in rows]), tf.logprobs, atol=1e-5, rtol=0)
 
 
 def test_sampler_records_the_logprob_of_the_drawn_token_and_stops_at_eos(policy):
@@ -114,20 +115,18 @@ def test_stale_sampler_is_a_frozen_copy_until_refreshed(policy):
         for p in lora_state(model).values():
             p.add_(0.05 * torch.randn_like(p))
     fresh = _rollout(model, tokenizer, seed=1)
-    with sampler.active() as m:
-        stale = _rollout(m, tokenizer, seed=1)
+    stale = _rollout(model, tokenizer, seed=1, adapter=SAMPLER_ADAPTER)
     assert not torch.equal(fresh.sampler_logprobs, stale.sampler_logprobs)
     assert all(p.requires_grad for p in lora_state(model).values()), "the policy adapter is trainable again"
     sampler.refresh(version=7)
-    with sampler.active() as m:
-        refreshed = _rollout(m, tokenizer, seed=1)
+    refreshed = _rollout(model, tokenizer, seed=1, adapter=SAMPLER_ADAPTER)
     assert torch.equal(refreshed.response_ids, fresh.response_ids) and sampler.version == 7
 
 
 def test_activation_checkpointing_saves_less_and_keeps_the_gradient(policy):
     """With checkpointing on, the forward keeps a fraction of the activations for the backward (counted
     through autograd's saved-tensor hooks) and the LoRA gradient is the same."""
-    from sao.models import set_activation_checkpointing
+    from sao.model.policy import set_activation_checkpointing
 
     model, tokenizer = policy
     rollout = _rollout(model, tokenizer)

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from sao.config import Config
-from sao.errors import ConfigError
-from sao.sampler import Rollout
+from sao.core.config import Config
+from sao.core.errors import ConfigError
+from sao.rollout.sampler import Rollout
 
 RAY_DAEMONS = ("raylet", "gcs_server")
 
@@ -66,7 +66,8 @@ def test_concat_repads_ragged_rollouts():
 def test_concat_equals_one_batch_through_the_model(tiny_model_dir):
     """Re-padding changes no log-probability: the teacher-forced pass over a concatenation of separately
     padded rollouts matches the pass over each one alone."""
-    from sao.models import load_base, teacher_forced
+    from sao.model.forward import teacher_forced
+    from sao.model.policy import load_base
 
     model, tok = load_base(tiny_model_dir, torch.device("cpu"))
     a = _rollout([[40, 41, 42], [43]], [[50, 51], [52, 53, 54]], P=3, R=3, pad=tok.pad_token_id)
@@ -103,7 +104,7 @@ def test_settings_are_validated_and_reach_the_command_line():
 
 
 def test_missing_ray_is_a_one_line_config_error(monkeypatch):
-    from sao.distributed import import_ray
+    from sao.rollout.ray_workers import import_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` raise ImportError
     with pytest.raises(ConfigError, match=r"pip install 'sao\[ray\]'"):
@@ -152,7 +153,7 @@ def _check_ledger(source, records, batch_size: int) -> tuple[list[int], set[int]
 
 
 def test_async_run_bounds_staleness_survives_a_killed_worker_and_cleans_up(ray_module, tiny_model_dir, tmp_path):
-    from sao.trainer import Trainer
+    from sao.train.trainer import Trainer
 
     K = 2
     config = Config.preset(
@@ -199,7 +200,7 @@ def test_too_stale_trajectories_are_dropped_and_a_resumed_run_uses_no_draw_twice
     no draw is used twice across the two halves."""
     import time
 
-    from sao.trainer import Trainer
+    from sao.train.trainer import Trainer
 
     config = Config.preset(
         "tiny", engine="ray", batch_size=16, steps=3, critic_warmup=1, rollout_workers=2, max_staleness=0
@@ -212,10 +213,10 @@ def test_too_stale_trajectories_are_dropped_and_a_resumed_run_uses_no_draw_twice
         time.sleep(0.5)  # a slow trainer: the fleet keeps drawing with the old adapter meanwhile
         publish(version)
 
-    def dies_at_step_3(g: int, phase: str):
+    def dies_at_step_3(g: int, phase: str, policy_version: int):
         if g == 3:
             raise KeyboardInterrupt
-        return next_batch(g, phase)
+        return next_batch(g, phase, policy_version)
 
     source.after_update, source.next_batch = slow_publish, dies_at_step_3
     with pytest.raises(KeyboardInterrupt):

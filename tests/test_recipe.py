@@ -1,5 +1,5 @@
 """results.json: every curves entry folds its series, the checks are computed from the log, arms share
-everything but the mask, and `sao recipe` runs end to end."""
+everything but the mask, `sao recipe` runs end to end, and it is exactly the one-cell `sao sweep`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import math
 import pytest
 
 from sao.cli import main
-from sao.config import Config
-from sao.recipe import checks, curves, fold, mean_over_seeds, numeric_keys
+from sao.experiment.results import checks, curves, fold, mean_over_seeds, numeric_keys
 
 
 def test_fold_ignores_missing_values_and_keeps_order():
@@ -54,7 +53,6 @@ def test_mean_over_seeds_averages_step_by_step():
 
 
 def test_checks_group_the_mask_by_staleness_and_count_faults():
-    config = Config.preset("tiny", grad_clip=1.0)
     rows = [
         _record(0, "critic-warmup", explained_variance=0.05, critic_loss=0.3, masked_share=0.0,
                 would_be_masked_share=0.0, ratio_max=1.0, grad_norm=None, nonfinite=0, abs_log_ratio_mean=1e-7,
@@ -81,7 +79,7 @@ def test_checks_group_the_mask_by_staleness_and_count_faults():
                 truncation_share=0.0,
             )
         )
-    c = checks(rows, config)
+    c = checks(rows, grad_clip=1.0)
     assert c["masked_share_by_staleness"]["1"]["masked_share"] == pytest.approx(0.015)
     assert c["masked_share_by_staleness"]["1"]["ratio_max_median"] == pytest.approx(3.0)
     assert c["masked_share_by_staleness"]["2"]["steps"] == 1
@@ -91,14 +89,19 @@ def test_checks_group_the_mask_by_staleness_and_count_faults():
     assert c["grad_norm_mean"] == pytest.approx(1.0)
 
 
-def test_recipe_end_to_end_arms_share_all_but_the_mask(tiny_model_dir, tmp_path, capsys):
-    out = tmp_path / "exp"
-    argv = ["recipe", "--preset", "tiny", "--batch-size", "16", "--steps", "6", "--critic-warmup", "2",
-            "--lag", "2", "--lr", "3e-3", "--train-prompts", "64", "--test-prompts", "24", "--eval-samples", "2",
-            "--base-evals", "2", "--quiet", "--out", str(out)]  # fmt: skip
-    assert main(argv) == 0
-    printed = capsys.readouterr().out
-    assert "verdict:" in printed and "report.md" in printed
+SMALL = ["--preset", "tiny", "--batch-size", "16", "--steps", "6", "--critic-warmup", "2", "--lr", "3e-3",
+         "--train-prompts", "64", "--test-prompts", "24", "--eval-samples", "2", "--base-evals", "2", "--quiet"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def recipe_run(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("recipe") / "exp"
+    assert main(["recipe", *SMALL, "--lag", "2", "--out", str(out)]) == 0
+    return out
+
+
+def test_recipe_end_to_end_arms_share_all_but_the_mask(recipe_run):
+    out = recipe_run
     results = json.loads((out / "results.json").read_text())
     log = json.loads((out / "train_log.json").read_text())
     dis = [r for r in log if r["arm"] == "dis"]
@@ -107,12 +110,36 @@ def test_recipe_end_to_end_arms_share_all_but_the_mask(tiny_model_dir, tmp_path,
     # Same prompts, same sampler seeds, same critic: identical until the first masked token changes a gradient.
     assert dis[0]["reward_mean"] == none[0]["reward_mean"] and dis[0]["critic_loss"] == none[0]["critic_loss"]
     assert [r["staleness"] for r in dis] == [r["staleness"] for r in none]
+    (cell,) = results["cells"]
+    assert cell["name"] == "lag2-lr0.003-band0.7-6" and results["grid"]["arms"] == ["dis", "none"]
     for arm in ("dis", "none"):
         series = [r["reward_mean"] for r in log if r["arm"] == arm and r["phase"] == "policy"]
-        assert results["curves"][arm]["reward_mean"] == pytest.approx(fold(series))
+        assert cell["arms"][arm]["curves"]["reward_mean"] == pytest.approx(fold(series))
     assert results["verdict"] in {"improved", "regressed", "flat", "unresolved"} and results["reason"]
-    assert results["compare"]["before"] == "none" and results["compare"]["after"] == "dis"
-    assert len(results["evals"]["base"]) == 2 and results["noise_floor"]["floor"] is not None
-    assert results["data"]["test"] == 24 and len(results["evals"]["dis"][0]["per_task"]) == 24
-    assert set(results["checks"]) == {"dis-s17", "none-s17"}
+    main_comparison = cell["compare"]["dis_vs_none"]
+    assert main_comparison["before"] == "none" and main_comparison["after"] == "dis"
+    assert results["verdict"] == main_comparison["verdict"] and results["primary"]["comparison"] == "dis_vs_none"
+    assert len(results["base"]["evals"]) == 2 and results["base"]["noise_floor"] is not None
+    assert results["data"]["test"] == 24 and len(cell["arms"]["dis"]["evals"][0]["per_task"]) == 24
+    assert set(cell["arms"]["dis"]["runs"]) == {"dis-s17"} and set(cell["arms"]["none"]["runs"]) == {"none-s17"}
     assert (out / "report.md").exists() and (out / "plots").is_dir()
+
+
+@pytest.mark.slow
+def test_recipe_is_the_one_cell_sweep(recipe_run, tmp_path, capsys):
+    """`sao sweep` over the recipe's one cell and arms runs the same code path: the same results.json (the
+    command that wrote it and the timings aside) and the same train_log.json."""
+    out = tmp_path / "sweep"
+    argv = ["sweep", *SMALL, "--lags", "2", "--lrs", "3e-3", "--arms", "dis", "none", "--out", str(out)]
+    assert main(argv) == 0
+    assert "dis_vs_none verdict:" in capsys.readouterr().out
+
+    def strip(obj):
+        volatile = {"time", "time_sample", "seconds", "this_invocation", "wall_time", "command", "rollouts_per_s"}
+        if isinstance(obj, dict):
+            return {k: strip(v) for k, v in obj.items() if k not in volatile}
+        return [strip(v) for v in obj] if isinstance(obj, list) else obj
+
+    for name in ("results.json", "train_log.json", "experiment.json"):
+        sweep, recipe = (json.loads((d / name).read_text()) for d in (out, recipe_run))
+        assert strip(sweep) == strip(recipe), name

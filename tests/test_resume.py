@@ -24,7 +24,9 @@ SMALL = [
 # The child: patch one function to SIGKILL the process at the chosen moment, then run the CLI.
 CHILD = r"""
 import os, signal, sys
-from sao import cli, evaluate, recipe, trainer
+from sao import cli
+from sao.experiment import evaluate, runner
+from sao.train import checkpoint, trainer
 where, label, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 calls = {"n": 0}
 
@@ -32,12 +34,12 @@ def bang():
     os.kill(os.getpid(), signal.SIGKILL)
 
 if where == "after-checkpoint":  # the checkpoint of step `count` is written, its train_log.json is not
-    real_save = trainer.save_torch
+    real_save = checkpoint.save_torch
     def save_torch(path, obj):
         real_save(path, obj)
         if obj.get("next_step") == count and label in str(path):
             bang()
-    trainer.save_torch = save_torch
+    checkpoint.save_torch = save_torch
 elif where == "train-step":  # in the middle of step `count` of run `label`
     real_step = trainer.Trainer.step
     def step(self, g):
@@ -46,7 +48,7 @@ elif where == "train-step":  # in the middle of step `count` of run `label`
         return real_step(self, g)
     trainer.Trainer.step = step
 elif where == "eval":  # while drawing the eval of `label`, after its first decode call
-    real_draw = evaluate.sample
+    real_draw = evaluate.draw_batch
     def draw(*a, **k):
         out = real_draw(*a, **k)
         if calls.setdefault("label", None) == label:
@@ -56,8 +58,8 @@ elif where == "eval":  # while drawing the eval of `label`, after its first deco
     def patched(*a, **k):
         calls["label"] = k.get("label")
         return real_eval(*a, **k)
-    evaluate.sample = draw
-    recipe.evaluate = patched
+    evaluate.draw_batch = draw
+    runner.evaluate = patched
 sys.exit(cli.main(sys.argv[4:]))
 """
 
@@ -115,7 +117,7 @@ def test_killed_recipe_resumes_to_identical_results(reference, tmp_path, where, 
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert not (out / "results.json").exists()
-    written = {p: p.read_bytes() for p in (out / "evals").glob("*.json")} if (out / "evals").exists() else {}
+    written = {p: p.read_bytes() for p in out.glob("**/evals/*.json")}
 
     refused = _run(["recipe", *SMALL, "--out", str(out)], check=False)
     assert refused.returncode == 2 and "--resume" in refused.stderr
@@ -134,8 +136,8 @@ def test_killed_recipe_resumes_to_identical_results(reference, tmp_path, where, 
 
 
 def test_resume_of_a_finished_trainer_changes_nothing(tiny_config, tmp_path):
-    from sao.io import as_json
-    from sao.trainer import Trainer
+    from sao.core.io import as_json
+    from sao.train.trainer import Trainer
 
     out = tmp_path / "run"
     first = Trainer(tiny_config, out, progress=False).run()

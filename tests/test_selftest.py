@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sao import algorithm, selftest
 from sao.cli import main
+from sao.core import algorithm, selftest
 
 
 def test_selftest_passes_and_exits_zero(capsys):

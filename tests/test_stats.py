@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sao.errors import ConfigError
-from sao.stats import compare, noise_floor, run_std_of
+from sao.core.errors import ConfigError
+from sao.core.stats import compare, noise_floor, run_std_of
 
 
 def test_noise_floor_reproduces_the_recipe_page():

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from sao.cli import main
-from sao.errors import ConfigError
-from sao.sweep import Grid, cell_name, divergence, interval
+from sao.core.errors import ConfigError
+from sao.experiment.results import divergence, interval
+from sao.experiment.runner import Grid, cell_name
 
 
 def _policy(rewards, skipped=(), nonfinite=0):
@@ -68,20 +69,20 @@ def test_small_sweep_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "dis_vs_none" in printed and "tis_vs_none" in printed
-    summary = json.loads((out / "sweep.json").read_text())
+    summary = json.loads((out / "results.json").read_text())
     assert [c["name"] for c in summary["cells"]] == ["lag1-lr0.003-band0.7-6", "lag4-lr0.003-band0.7-6"]
     assert summary["command"].startswith("sao sweep --preset tiny --lags 1 4")
     for cell in summary["cells"]:
         assert set(cell["arms"]) == {"dis", "none", "tis"}
         assert set(cell["compare"]) == {"dis_vs_none", "tis_vs_none"}
         for arm in cell["arms"].values():
-            assert len(arm["pass_at_1"]) == 2 and len(arm["kl_per_step"]) == 2 and len(arm["kl_per_step"][0]) == 4
+            assert len(arm["pass_at_1"]) == 2 and len(arm["runs"]) == 2 and arm["curves"]["reward_mean"]["n"] == 4
             lo, hi = arm["pass_at_1_ci"]
             assert lo <= arm["pass_at_1_mean"] <= hi
     # every run of a cell trained with that cell's lag: its log shows the staleness cycle of that lag
     log = json.loads((out / "cells" / "lag4-lr0.003-band0.7-6" / "runs" / "dis-s17" / "train_log.json").read_text())
     assert [r["staleness"] for r in log if r["phase"] == "policy"] == [0, 1, 2, 3]
-    assert (out / "sweep.md").exists()
+    assert (out / "report.md").exists()
     # resuming a finished sweep recomputes the summary from the files and trains nothing
     before = (out / "cells" / "lag1-lr0.003-band0.7-6" / "evals" / "none-s18.json").read_bytes()
     assert main([*argv, "--resume"]) == 0

@@ -7,8 +7,9 @@ import json
 
 import torch
 
-from sao import grading, tiny
-from sao.models import load_base
+from sao.core import grading
+from sao.model.policy import load_base
+from sao.tasks import tiny
 
 
 def test_tokenizer_round_trips_through_save_and_autotokenizer(tmp_path):

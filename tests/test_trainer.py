@@ -8,11 +8,11 @@ import statistics
 import pytest
 import torch
 
-from sao import models as models_module
-from sao import trainer as trainer_module
-from sao.errors import ConfigError
-from sao.sampler import staleness_schedule
-from sao.trainer import Trainer
+from sao.core.errors import ConfigError
+from sao.model import forward as forward_module
+from sao.rollout.sampler import staleness_schedule
+from sao.train import learn as learn_module
+from sao.train.trainer import Trainer
 
 SPEC_FIELDS = {
     "step", "phase", "staleness", "reward_mean", "masked_share", "would_be_masked_share", "ratio_min",
@@ -55,7 +55,7 @@ def test_log_has_every_spec_field_and_is_valid_json(tiny_config, tmp_path):
 
 
 def test_step_with_an_injected_nan_is_skipped_and_counted(tiny_config, tmp_path, monkeypatch, faults):
-    real = models_module.teacher_forced
+    real = forward_module.teacher_forced
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -65,7 +65,7 @@ def test_step_with_an_injected_nan_is_skipped_and_counted(tiny_config, tmp_path,
             out.logprobs = out.logprobs * torch.tensor(float("nan"))
         return out
 
-    monkeypatch.setattr(trainer_module, "teacher_forced", poisoned)
+    monkeypatch.setattr(learn_module, "teacher_forced", poisoned)
     trainer = Trainer(tiny_config, tmp_path / "run", progress=False)
     before = [p.detach().clone() for p in trainer.lora_params]
     trainer.step(0), trainer.step(1), trainer.step(2)
@@ -102,7 +102,7 @@ def test_reward_rises_on_the_tiny_preset(tiny_model_dir, tmp_path):
     64 binary rewards at p ≈ 0.35 is ~0.019, so the difference of two such means has sd ~0.027; a margin
     of 0.08 is ~3 sd of that noise below the smallest rise measured and far above 0.
     """
-    from sao.config import Config
+    from sao.core.config import Config
 
     records = Trainer(Config.preset("tiny"), tmp_path / "run", progress=False).run()
     rewards = [r["reward_mean"] for r in records if r["phase"] == "policy"]
@@ -115,7 +115,7 @@ def test_reward_rises_on_the_tiny_preset(tiny_model_dir, tmp_path):
 def test_out_of_memory_halves_the_micro_batch_and_retries_the_step(tiny_config, tmp_path, monkeypatch, faults):
     """An allocator failure in the training pass: the step is retried at half the micro-batch, logged,
     and gives the same update as a run that never ran out (the loss is a sum over rows)."""
-    real = models_module.teacher_forced
+    real = forward_module.teacher_forced
     state = {"failed": 0}
 
     def flaky(model, prompt_ids, *args, **kwargs):
@@ -127,7 +127,7 @@ def test_out_of_memory_halves_the_micro_batch_and_retries_the_step(tiny_config, 
     config = tiny_config.replace(micro_batch=16, steps=2)
     clean = Trainer(config, tmp_path / "clean", progress=False)
     clean_records = [clean.step(g) for g in range(4)]
-    monkeypatch.setattr(trainer_module, "teacher_forced", flaky)
+    monkeypatch.setattr(learn_module, "teacher_forced", flaky)
     flaky_run = Trainer(config, tmp_path / "flaky", progress=False)
     records = [flaky_run.step(g) for g in range(4)]
     assert records[0]["oom_retries"] == 2 and records[0]["micro_batch"] == 4
@@ -144,7 +144,7 @@ def test_other_runtime_errors_are_not_swallowed(tiny_config, tmp_path, monkeypat
     def broken(*args, **kwargs):
         raise RuntimeError("shape mismatch")
 
-    monkeypatch.setattr(trainer_module, "teacher_forced", broken)
+    monkeypatch.setattr(learn_module, "teacher_forced", broken)
     trainer = Trainer(tiny_config, tmp_path / "run", progress=False)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         trainer.step(0)
@@ -187,7 +187,7 @@ def test_a_dead_band_is_reported_early_and_a_live_one_is_not(tiny_config, tmp_pa
     for g in range(dead.total_steps):
         records.append(dead.step(g))
         dead.records.append(records[-1])
-        dead._reachability(records[-1])
+        dead.check_reachability()
         if dead.warnings:
             break
     stale = [r for r in records if r["phase"] == "policy" and r["staleness"] > 0]

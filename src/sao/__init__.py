@@ -6,8 +6,8 @@ The pure parts (no model) are importable without transformers:
     update = SAO(ratio=(0.7, 6.0)).update(batch)
 """
 
-from sao.algorithm import SAO, Update
-from sao.stats import Comparison, compare
+from sao.core.algorithm import SAO, Update
+from sao.core.stats import Comparison, compare
 
 __all__ = ["SAO", "Comparison", "Update", "compare"]
 __version__ = "0.1.0"

@@ -6,9 +6,11 @@
     sao recipe --preset tiny --out DIR  the whole experiment: both arms, base evals, verdict, report
     sao sweep  --preset tiny --lags 1 4 8 16 --lrs 1e-3 3e-3 --train-runs 2 --out DIR   where the ratio breaks
     sao report DIR                      rebuild report.md (or sweep.md) and the plots from the JSON
+    sao export RUN --merge OUT          fold a run's adapter into its base: a plain HF model folder to serve
 
-Every setting of ``sao.config.Config`` is a flag (``--batch-size`` sets ``batch_size``), documented from
-the same place it is defined; a preset supplies the defaults and flags override them. Every user mistake
+Every setting of ``sao.core.config.Config`` is a flag (``--batch-size`` sets ``batch_size``), documented from
+the same place it is defined (the field's metadata); a preset supplies the defaults, ``--config FILE`` (YAML or
+JSON; a run's own config.json replays it) overrides them, and flags override both. Every user mistake
 (bad option, missing file, band that does not bracket 1, an output folder that holds another run, ...) is
 one line on stderr and exit code 2; anything else is a bug and keeps its traceback.
 """
@@ -16,40 +18,37 @@ one line on stderr and exit code 2; anything else is a bug and keeps its traceba
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
-import itertools
 import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-from sao.errors import ConfigError, SaoError
+from sao.core.config import read_config_file
+from sao.core.errors import ConfigError, SaoError
 
 # Flags whose spelling differs from the field or that take two values.
 _SPECIAL = {"band": {"nargs": 2, "type": float, "metavar": ("LO", "HI")}}
 
 
 def _field_docs() -> dict[str, str]:
-    """Each Config field's docstring (the string literal right under it), for --help."""
-    from sao import config
+    """Each Config field's doc (its metadata, see ``Config.help``), for --help."""
+    from sao.core.config import Config
 
-    tree = ast.parse(inspect.getsource(config.Config))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, nxt in itertools.pairwise(body):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            text = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
-            docs[node.target.id] = text.replace("%", "%%")  # argparse formats help with %
-    return docs
+    return {f.name: Config.help(f.name).replace("%", "%%") for f in dataclasses.fields(Config)}  # argparse uses %
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    from sao.config import PRESETS, Config
+    from sao.core.config import PRESETS, Config
 
     parser.add_argument("--preset", default="protocol", choices=sorted(PRESETS), help="defaults to start from")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="settings from a YAML or JSON file: a flat mapping of the settings below, or a run's config.json "
+        "(or experiment.json) as it is, to replay it; the file overrides the preset, flags override the file",
+    )
     docs = _field_docs()
     group = parser.add_argument_group("settings (default: the preset's)")
     for f in dataclasses.fields(Config):
@@ -77,12 +76,14 @@ def _bool(text: str) -> bool:
 
 
 def config_from_args(args: argparse.Namespace):
-    from sao.config import Config
+    """The run's Config: the preset's defaults, then --config FILE's settings, then the flags given."""
+    from sao.core.config import Config
 
+    from_file = read_config_file(args.config)[0] if getattr(args, "config", None) else {}
     changes = {
         f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name, None) is not None
     }
-    return Config.preset(args.preset, **changes)
+    return Config.preset(args.preset, **{**from_file, **changes})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -90,13 +91,13 @@ def config_from_args(args: argparse.Namespace):
 
 
 def _selftest(args: argparse.Namespace) -> int:
-    from sao import selftest
+    from sao.core import selftest
 
     return 0 if selftest.run() else 1
 
 
 def _train(args: argparse.Namespace) -> int:
-    from sao.trainer import Trainer
+    from sao.train.trainer import Trainer
 
     config = config_from_args(args)
     trainer = Trainer(config, args.out, resume=args.resume, progress=not args.quiet)
@@ -146,12 +147,12 @@ def summarize_training(records: list[dict[str, Any]], lag: int) -> str:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from sao.evaluate import load_adapter
-    from sao.io import write_json
-    from sao.models import load_base, pick_device
-    from sao.recipe import pass_at_1
-    from sao.sampler import derived_seed
-    from sao.trainer import instruction_for, load_split, model_path
+    from sao.core.io import write_json
+    from sao.experiment.evaluate import load_adapter
+    from sao.experiment.runner import pass_at_1
+    from sao.model.policy import load_base, pick_device
+    from sao.rollout.sampler import derived_seed
+    from sao.tasks import instruction_for, load_split, model_path
 
     config = config_from_args(args)
     split = load_split(config)
@@ -172,50 +173,58 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _recipe(args: argparse.Namespace) -> int:
-    from sao.recipe import Recipe
+    """The one-cell experiment: the config's lag, lr and band; the recipe arm dis against the baseline none."""
+    from sao.experiment.runner import Grid
 
     config = config_from_args(args)
-    started = time.perf_counter()
-    recipe = Recipe(config, args.out, resume=args.resume, progress=not args.quiet)
-    print(
-        f"sao recipe: arms dis vs none, {config.train_runs} seed(s) each, {config.base_evals} base evals, "
-        f"model {config.model}, data {recipe.split.source} ({recipe.split.counts['train']} train prompts, "
-        f"{recipe.split.counts['test']} held out, {recipe.split.counts['train_contaminated']} dropped as contaminated)"
-    )
-    results = recipe.run()
-    out = Path(args.out)
-    c = results["compare"]
-    p = results["pass_at_1"]
-    print(f"  base pass@1 {_fmt_list(p['base'])}; dis {_fmt_list(p['dis'])}; none {_fmt_list(p['none'])}")
-    print(f"  verdict: {results['reason']}")
-    if c.get("noise_floor") is not None:
-        print(f"  noise floor {c['noise_floor']:.4f} from {results['noise_floor']['runs']} base evals")
-    for message in results["warnings"]:
-        print("  warning: " + message)
-    print(f"  {time.perf_counter() - started:.0f}s; report: {out / 'report.md'} (plots in {out / 'plots'})")
-    return 0
+    return _experiment(args, config, Grid.recipe(config))
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    import shlex
-
-    from sao.sweep import Grid, Sweep
+    """The grid from --lags/--lrs/--bands/--arms, else from a --config file's grid, else the defaults."""
+    from sao.experiment.runner import Grid
 
     config = config_from_args(args)
-    bands = tuple(_band(text) for text in args.bands)
-    grid = Grid(lags=tuple(args.lags), lrs=tuple(args.lrs), bands=bands, arms=tuple(args.arms))
-    command = "sao " + shlex.join(a for a in args.argv if a != "--resume")  # what regenerates it from scratch
-    sweep = Sweep(config, grid, args.out, resume=args.resume, progress=not args.quiet, command=command)
-    cells = grid.cells()
-    print(
-        f"sao sweep: {len(cells)} cells x {len(grid.arms)} arms x {config.train_runs} seed(s) "
-        f"= {len(cells) * len(grid.arms) * config.train_runs} runs, {config.base_evals} shared base evals"
+    saved = (read_config_file(args.config)[1] if args.config else None) or {}
+    defaults = Grid()
+    grid = Grid(
+        lags=tuple(args.lags or saved.get("lags") or defaults.lags),
+        lrs=tuple(args.lrs or saved.get("lrs") or defaults.lrs),
+        bands=tuple(_band(t) for t in args.bands) if args.bands else tuple(saved.get("bands") or defaults.bands),
+        arms=tuple(args.arms or saved.get("arms") or defaults.arms),
     )
-    summary = sweep.run()
-    for cell in summary["cells"]:
+    return _experiment(args, config, grid)
+
+
+def _experiment(args: argparse.Namespace, config, grid) -> int:
+    import shlex
+
+    from sao.experiment.runner import Experiment
+
+    started = time.perf_counter()
+    command = "sao " + shlex.join(a for a in args.argv if a != "--resume")  # what regenerates it from scratch
+    experiment = Experiment(config, grid, args.out, resume=args.resume, progress=not args.quiet, command=command)
+    cells, counts = grid.cells(), experiment.split.counts
+    print(
+        f"sao {args.command}: {len(cells)} cell(s) x arms {' '.join(grid.arms)} x {config.train_runs} seed(s) "
+        f"= {len(cells) * len(grid.arms) * config.train_runs} runs, {config.base_evals} base evals; model "
+        f"{config.model}, data {experiment.split.source} ({counts['train']} train prompts, {counts['test']} held out, "
+        f"{counts['train_contaminated']} dropped as contaminated)"
+    )
+    results = experiment.run()
+    out = Path(args.out)
+    print(f"  base pass@1 {_fmt_list(results['base']['pass_at_1'])}")
+    for cell in results["cells"]:
+        where = f"{cell['name']}: " if len(cells) > 1 else ""
+        passes = "; ".join(f"{arm} {_fmt_list(a['pass_at_1'])}" for arm, a in cell["arms"].items())
+        print(f"  {where}pass@1 {passes}")
         for name, c in cell["compare"].items():
-            print(f"  {cell['name']:<28} {name}: {c['reason']}")
-    print(f"  report: {Path(args.out) / 'sweep.md'} (plots in {Path(args.out) / 'plots'})")
+            print(f"  {where}{name} verdict: {c['reason']}")
+    if results["base"]["noise_floor"] is not None:
+        print(f"  noise floor {results['base']['noise_floor']:.4f} from {results['base']['runs']} base evals")
+    for message in results["warnings"]:
+        print("  warning: " + message)
+    print(f"  {time.perf_counter() - started:.0f}s; report: {out / 'report.md'} (plots in {out / 'plots'})")
     return 0
 
 
@@ -232,11 +241,25 @@ def _fmt_list(values: list[float]) -> str:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from sao import report, sweep_report
+    from sao.experiment import report
 
-    is_sweep = (Path(args.dir) / "sweep.json").exists()
-    path = sweep_report.write(args.dir) if is_sweep else report.write_report(args.dir)
+    path = report.write(args.dir)
     print(f"sao report: wrote {path} and plots in {Path(args.dir) / 'plots'}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from sao.core.io import read_json
+    from sao.model.artifacts import EXPORT_INFO, find_adapter_dir, merge
+
+    adapter_dir = find_adapter_dir(args.run)
+    out = merge(adapter_dir, args.merge, base_model_path=args.base_model)
+    info = read_json(out / EXPORT_INFO)
+    print(
+        f"sao export: wrote the merged model ({info['dtype']}, {info['parameters'] / 1e6:.2f}M parameters) and "
+        f"tokenizer to {out} from {adapter_dir} on {info['base_model']} "
+        f"(merge relative error {info['merge_relative_error']:.1e}, see {EXPORT_INFO})"
+    )
     return 0
 
 
@@ -269,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p, skip=("eval_samples", "eval_temperature", "temperature"))
     p.set_defaults(func=_eval)
 
-    p = sub.add_parser("recipe", help="the whole experiment: both arms, base evals, compare, report")
+    p = sub.add_parser("recipe", help="the experiment (a one-cell sweep): both arms, base evals, compare, report")
     p.add_argument("--out", required=True, help="output folder (results.json, train_log.json, report.md, plots/)")
     p.add_argument("--resume", action="store_true", help="continue the experiment in --out where it stopped")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -277,13 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_recipe)
 
     p = sub.add_parser("sweep", help="a grid over lag x lr x band x arm, seeds per cell, shared base evals")
-    p.add_argument("--out", required=True, help="output folder (sweep.json, sweep.md, plots/, cells/)")
-    p.add_argument("--lags", type=int, nargs="+", default=[1, 4, 8, 16], help="sampler lags (default 1 4 8 16)")
-    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3], help="policy learning rates")
-    p.add_argument("--bands", nargs="+", default=["0.7,6.0"], help="IS bands as LO,HI (default 0.7,6.0)")
-    p.add_argument(
-        "--arms", nargs="+", default=["dis", "none"], help="correction rules; 'none' is the baseline (dis tis seqmask)"
-    )
+    p.add_argument("--out", required=True, help="output folder (results.json, report.md, plots/, cells/)")
+    p.add_argument("--lags", type=int, nargs="+", help="sampler lags (default 1 4 8 16)")
+    p.add_argument("--lrs", type=float, nargs="+", help="policy learning rates (default 1e-3 3e-3)")
+    p.add_argument("--bands", nargs="+", help="IS bands as LO,HI (default 0.7,6.0)")
+    p.add_argument("--arms", nargs="+", help="correction rules; 'none' is the baseline (default dis none; tis seqmask)")
     p.add_argument("--resume", action="store_true", help="continue the sweep in --out where it stopped")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_config_flags(p, skip=("arm", "lag", "lr", "band"))
@@ -292,6 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="rebuild report.md and plots/ from an experiment folder's JSON files")
     p.add_argument("dir", help="the experiment folder (holds results.json and train_log.json)")
     p.set_defaults(func=_report)
+
+    p = sub.add_parser("export", help="merge a trained adapter into its base model: a plain HF model folder")
+    p.add_argument("run", help="a sao train output folder (holding adapter/), or an adapter folder itself")
+    p.add_argument("--merge", required=True, metavar="OUT", help="new or empty folder for the merged model")
+    p.add_argument(
+        "--base-model", metavar="PATH", help="the base model's hub id or folder (default: the one the adapter names)"
+    )
+    p.set_defaults(func=_export)
     return parser
 
 
@@ -322,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-__all__ = ["ConfigError", "build_parser", "main"]
+__all__ = ["ConfigError", "build_parser", "main", "read_config_file"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sao.errors import ConfigError
+from sao.core.errors import ConfigError
 
 Tensor = torch.Tensor
 

@@ -15,10 +15,10 @@ from its test split. This module turns either the Hugging Face hub copy (``opena
 Both samples are returned sorted by their row index in the source, so a split is a plain function of
 ``(source, n_train, n_test, seed)``. Task ids are ``gsm8k/<split>/<row>`` (0-based row among the non-blank
 lines of a file, or among the rows of the hub split), so the hub and an identical local copy give the
-same ids. Every problem with the data raises :class:`~sao.errors.DataError` with one line naming the file
+same ids. Every problem with the data raises :class:`~sao.core.errors.DataError` with one line naming the file
 and line.
 
-Deliberately left out: grading (``sao.grading`` compares answers; the gold here is the raw text after the
+Deliberately left out: grading (``sao.core.grading`` compares answers; the gold here is the raw text after the
 last ``####``, e.g. ``"1,000"``, not a parsed number), shuffling for training (the trainer orders its
 batches with its own seed), few-shot prompts and system turns (the model's chat template supplies its
 default system turn), and deduplication within the training split.
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sao.errors import DataError
+from sao.core.errors import DataError
 
 __all__ = [
     "DEFAULT_INSTRUCTION",

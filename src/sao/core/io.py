@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from sao.errors import SaoError
+from sao.core.errors import SaoError
 
 
 class OutputError(SaoError, OSError):

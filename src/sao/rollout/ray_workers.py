@@ -1,15 +1,15 @@
 """``--engine ray``: asynchronous rollout workers on Ray, with bounded staleness.
 
-The default engine (``LocalStaleSource`` in ``sao.trainer``) *simulates* staleness: one process, a frozen
+The default engine (``LocalStaleSource`` in ``sao.rollout.source``) *simulates* staleness: one process, a frozen
 copy of the adapter refreshed every LAG steps, so every run reproduces exactly. This module is the regime
 it stands in for: a rollout fleet that never waits for the trainer.
 
     workers   N Ray actors (``RolloutWorker``), each with its own copy of the base model + LoRA adapter
               at the version it last received. A worker draws ``rollout_batch`` prompts per call with
-              ``sao.sampler.draw`` (the same sampler, temperature and EOS ids as the local path), seeded
+              ``sao.rollout.sampler.draw`` (the same sampler, temperature and EOS ids as the local path), seeded
               per call, and returns the trajectories tagged with its adapter version.
-    prompts   the trainer's seeded prompt stream (the same per-epoch permutation as
-              ``Trainer.batch_tasks``); prompt draw number s carries sequence number s.
+    prompts   the seeded prompt stream (``PromptOrder``, the order the local source reads); prompt draw
+              number s carries sequence number s.
     pump      a driver thread keeps one draw call in flight on every worker (``ray.wait``) and files the
               finished trajectories into a buffer while the trainer is busy with its step. It stops
               issuing when (max_staleness + 1) × batch_size trajectories are buffered or in flight: the
@@ -56,9 +56,11 @@ from typing import Any
 
 import torch
 
-from sao.errors import ConfigError
-from sao.models import add_lora, load_base, lora_state
-from sao.sampler import Rollout, decode, derived_seed, draw, encode_prompts, eos_ids
+from sao.core.config import Config
+from sao.core.errors import ConfigError
+from sao.model.policy import add_lora, eos_ids, load_base, lora_state
+from sao.rollout.sampler import Rollout, decode, derived_seed, draw, encode_prompts
+from sao.rollout.source import Batch, PromptOrder
 
 MAX_CONSECUTIVE_DEATHS = 3  # a worker slot that dies this often in a row without delivering stops the run
 SLOW_START_WARNING_S = 120.0  # say so when no worker has delivered after this long (cluster too small?)
@@ -196,25 +198,34 @@ class _Slot:
 class RaySource:
     """Batches from asynchronous Ray rollout workers, admitted under ``config.max_staleness``.
 
-    The same interface as ``sao.trainer.LocalStaleSource``. Not bit-reproducible (arrival order depends on
+    A ``sao.rollout.source.Source``, like ``LocalStaleSource``. Not bit-reproducible (arrival order depends on
     timing); ``state_dict`` keeps the prompt-stream position, the draws still pending and the counters.
     ``batches`` and ``dropped`` record the sequence numbers of every batch and every dropped trajectory.
     """
 
-    def __init__(self, trainer):
+    def __init__(
+        self,
+        config: Config,
+        *,
+        model_path: str,
+        policy: torch.nn.Module,
+        pad_token_id: int,
+        prompts: dict[str, str],
+        order: PromptOrder,
+        label: str = "ray",
+        progress: bool = True,
+    ):
         ray = self.ray = import_ray()
-        self.trainer = trainer
-        c = self.config = trainer.config
-        self.tasks = {t.id: t for t in trainer.split.train}
-        self._orders: dict[int, list[int]] = {}
+        c = self.config = config
+        self.policy, self.pad_token_id, self.prompts, self.order = policy, pad_token_id, prompts, order
+        self.device = next(policy.parameters()).device
+        self.label, self.progress = label, progress
         self.cap = (c.max_staleness + 1) * c.batch_size
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
             self._init_ray()
-        from sao.trainer import model_path
-
-        dtype = next(trainer.models.policy.parameters()).dtype
-        self._model_path = model_path(c)
+        dtype = next(policy.parameters()).dtype
+        self._model_path = model_path
         self._settings = {
             "device": "cuda" if c.worker_gpus > 0 else "cpu",
             "dtype": str(dtype).removeprefix("torch."),  # the trainer's: the ratio compares the same function
@@ -281,14 +292,8 @@ class RaySource:
     # -- the prompt stream -----------------------------------------------------------------------------
 
     def task_id(self, seq: int) -> str:
-        """Prompt draw ``seq``: epoch e's seeded permutation of the training prompts, read in order (the
-        same order ``Trainer.batch_tasks`` reads)."""
-        train = self.trainer.split.train
-        epoch, i = divmod(seq, len(train))
-        if epoch not in self._orders:
-            rng = torch.Generator().manual_seed(derived_seed(self.config.seed, epoch, "order"))
-            self._orders[epoch] = torch.randperm(len(train), generator=rng).tolist()
-        return train[self._orders[epoch][i]].id
+        """Prompt draw ``seq``: the same seeded order the local source reads."""
+        return self.order.id_at(seq)
 
     def _next_job(self) -> dict[str, Any]:
         seqs = []
@@ -301,7 +306,7 @@ class RaySource:
         ids = [self.task_id(s) for s in seqs]
         self.calls += 1
         seed = derived_seed(self.config.seed, "ray-rollout", self.calls, tuple(seqs))
-        return {"seqs": seqs, "task_ids": ids, "prompts": [self.trainer.prompts[i] for i in ids], "seed": seed}
+        return {"seqs": seqs, "task_ids": ids, "prompts": [self.prompts[i] for i in ids], "seed": seed}
 
     # -- the pump (a driver thread) --------------------------------------------------------------------
 
@@ -358,22 +363,20 @@ class RaySource:
     # -- the trainer's side ----------------------------------------------------------------------------
 
     def _publish(self, version: int) -> None:
-        weights = {n: p.detach().cpu().clone() for n, p in lora_state(self.trainer.models.policy).items()}
+        weights = {n: p.detach().cpu().clone() for n, p in lora_state(self.policy).items()}
         ref = self.ray.put(weights)
         with self._cond:
             self._adapter = [version, ref]
 
-    def next_batch(self, g: int, phase: str):
-        from sao.trainer import Batch
-
+    def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:
         if self._closed:
             raise RuntimeError("RaySource.next_batch after close()")
         if self._thread is None:  # first batch: after any checkpoint was loaded, so the version is right
-            self._publish(self.trainer.policy_version)
+            self._publish(policy_version)
             self._thread = threading.Thread(target=self._pump, name="sao-ray-pump", daemon=True)
             self._thread.start()
         B, K = self.config.batch_size, self.config.max_staleness
-        version = self.trainer.policy_version
+        version = policy_version
         start, waited_for, dropped, warned = time.perf_counter(), 0, 0, False
         with self._cond:
             while True:
@@ -421,10 +424,9 @@ class RaySource:
                 "buffered": len(self._buffer),
                 "rollouts_per_s": self.counts["received"] / (time.perf_counter() - self._started_at),
             }
-        device = self.trainer.models.device
-        rollout = _to(Rollout.concat([t.rollout for t in chosen], self.trainer.models.tokenizer.pad_token_id), device)
+        rollout = _to(Rollout.concat([t.rollout for t in chosen], self.pad_token_id), self.device)
         return Batch(
-            tasks=[self.tasks[t.task_id] for t in chosen],
+            task_ids=[t.task_id for t in chosen],
             rollout=rollout,
             staleness=[version - t.version for t in chosen],
             info=info,
@@ -472,7 +474,7 @@ class RaySource:
         )
 
     def _say(self, message: str, always: bool = False) -> None:
-        if always or self.trainer.progress:
+        if always or self.progress:
             from tqdm import tqdm
 
-            tqdm.write(f"[{self.trainer.label}] {message}")
+            tqdm.write(f"[{self.label}] {message}")

@@ -21,9 +21,12 @@ from typing import Any
 
 import torch
 
-from sao import grading
-from sao.data import Task, format_prompt
-from sao.sampler import decode, derived_seed, encode_prompts, sample
+from sao.core import grading
+from sao.core.errors import ConfigError
+from sao.rollout.sampler import derived_seed
+from sao.rollout.source import Decoder, Sampling, draw_batch
+from sao.tasks.gsm8k import Task, format_prompt
+from sao.train.learn import is_out_of_memory
 
 
 @dataclass
@@ -55,7 +58,7 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module,
+    decoder: Decoder,
     tokenizer: Any,
     tasks: list[Task],
     *,
@@ -69,14 +72,12 @@ def evaluate(
     label: str = "model",
     progress: bool = False,
 ) -> EvalResult:
-    """pass@1 of ``model`` (with whatever adapter is active, or a ``sao.engine.Engine``) over ``tasks``,
-    ``samples`` draws each.
+    """pass@1 of what ``decoder`` draws (the plain loop over a model, or a ``sao.rollout.engine.Engine``) over
+    ``tasks``, ``samples`` draws each.
 
     Out of memory: the eval restarts with half the batch (its samples then differ from a full-batch eval
     of the same seed, because each batch has its own generator); ``oom_retries`` says how often.
     """
-    from sao.trainer import is_out_of_memory
-
     if not tasks:
         raise ValueError("evaluate needs at least one task")
     start = time.perf_counter()
@@ -84,7 +85,7 @@ def evaluate(
     while True:
         try:
             result = _evaluate_once(
-                model, tokenizer, tasks, instruction, samples, temperature, max_new_tokens, batch, seed,
+                decoder, tokenizer, tasks, instruction, samples, temperature, max_new_tokens, batch, seed,
                 eos_token_ids, label, progress,
             )  # fmt: skip
             break
@@ -101,13 +102,12 @@ def evaluate(
 
 
 def _evaluate_once(
-    model, tokenizer, tasks, instruction, samples, temperature, max_new_tokens, batch, seed, eos_token_ids,
+    decoder, tokenizer, tasks, instruction, samples, temperature, max_new_tokens, batch, seed, eos_token_ids,
     label, progress,
 ) -> EvalResult:  # fmt: skip
     from tqdm import tqdm
 
-    device = model.device if not isinstance(model, torch.nn.Module) else next(model.parameters()).device
-    eos = eos_token_ids or [tokenizer.eos_token_id]
+    sampling = Sampling(max_new_tokens, temperature, eos_token_ids or [tokenizer.eos_token_id], tokenizer.pad_token_id)
     prompts = [format_prompt(tokenizer, t.question, instruction) for t in tasks]
     rows = [(j, i, prompts[j]) for j in range(len(tasks)) for i in range(samples)]  # task-major
     correct = torch.zeros(len(tasks), dtype=torch.float64)
@@ -116,19 +116,9 @@ def _evaluate_once(
     chunks = range(0, len(rows), batch)
     for c, first in enumerate(tqdm(chunks, desc=f"eval {label}", disable=not progress, leave=False)):
         chunk = rows[first : first + batch]
-        ids, mask = encode_prompts(tokenizer, [p for _, _, p in chunk], device)
-        generator = torch.Generator(device=device).manual_seed(derived_seed(seed, c))
-        rollout = sample(
-            model,
-            ids,
-            mask,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            eos_token_ids=eos,
-            pad_token_id=tokenizer.pad_token_id,
-            generator=generator,
-        )
-        texts = decode(tokenizer, rollout)
+        generator = torch.Generator(device=decoder.device).manual_seed(derived_seed(seed, c))
+        rollout = draw_batch(decoder, tokenizer, [p for _, _, p in chunk], sampling, generator)
+        texts = rollout.texts
         every = max(1, len(tasks) // 6)
         for (j, i, _), text in zip(chunk, texts, strict=True):
             ok = grading.math_equal(text, tasks[j].answer)
@@ -159,8 +149,6 @@ def _evaluate_once(
 def load_adapter(model: torch.nn.Module, adapter_dir: str | os.PathLike[str]) -> torch.nn.Module:
     """Wrap a base model with a saved PEFT adapter (from ``sao train``'s ``adapter/`` folder)."""
     from peft import PeftModel
-
-    from sao.errors import ConfigError
 
     path = Path(adapter_dir)
     if not (path / "adapter_config.json").exists():

@@ -39,9 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sao.errors import ConfigError
-from sao.models import causal_lm, lora_state, position_ids_from
-from sao.sampler import Rollout
+from sao.core.errors import ConfigError
+from sao.model.forward import position_ids_from
+from sao.model.policy import causal_lm, lora_state
+from sao.rollout.sampler import Rollout
 
 SUPPORTED = ("qwen2", "llama", "mistral")
 

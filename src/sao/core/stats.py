@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy import stats as sps
 
-from sao.errors import ConfigError
+from sao.core.errors import ConfigError
 
 ArrayLike = Sequence[float] | Sequence[Sequence[float]] | np.ndarray
 

@@ -1,35 +1,27 @@
-"""The models: a Hugging Face causal LM with a LoRA adapter (the policy), a linear value head on its trunk
-(the critic), and the one teacher-forced pass that feeds both.
+"""The models a run trains: a Hugging Face causal LM with a LoRA adapter (the policy) and a linear value
+head on its trunk (the critic).
 
     policy    base LM (hub id or local path) + LoRA rank 16, alpha 32 on every linear layer of attention
               and MLP (q, k, v, o, gate, up, down projections), built right after ``torch.manual_seed(17)``
     critic    V(s_t) = w · h_t + b on the trunk's last hidden state h_t, zero-initialised, reading
               ``h.detach()`` so that the critic never trains the trunk
-    pass      one forward over prompt + response: for every response token y_t, log π(y_t | y_<t) and h_t,
-              both taken at the position that predicts y_t (so V is the value of the state the token was
-              chosen in)
+    Models    the two together with the tokenizer and the token ids that end a reply
 
-Per-token log-probabilities are computed over the vocabulary in chunks of rows (``logprob_chunk``) with
-activation checkpointing, so neither the forward nor the backward ever holds a full-vocabulary float32
-log-softmax of the whole batch. Positions are taken from the attention mask (left-padded prompts), exactly
-as the sampler does, so that at lag 0 the two agree up to numerics.
-
+The pass that feeds both is ``sao.model.forward``; saving and merging adapters is ``sao.model.artifacts``.
 Deliberately left out: value heads with their own trunk, full fine-tuning, quantisation and multi-GPU
-sharding; the fast GPU decoder lives in ``sao.engine``.
+sharding; the fast GPU decoder lives in ``sao.rollout.engine``.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from sao.errors import ConfigError
+from sao.core.errors import ConfigError
 
 DEFAULT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
 # Every linear layer of a Qwen2/Llama-style block; the ones a model lacks are skipped.
@@ -102,6 +94,20 @@ def add_lora(model: nn.Module, rank: int = 16, alpha: int = 32, seed: int = 17, 
     return policy
 
 
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The underlying *ForCausalLM, through a PEFT wrapper if there is one."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def eos_ids(tokenizer, model: nn.Module | None = None) -> list[int]:
+    """Every token that ends a reply: the tokenizer's EOS and the model's generation-config EOS ids."""
+    ids = {tokenizer.eos_token_id}
+    config = getattr(model, "generation_config", None) if model is not None else None
+    extra = getattr(config, "eos_token_id", None)
+    ids.update(extra if isinstance(extra, list) else [extra])
+    return sorted(i for i in ids if i is not None)
+
+
 def lora_state(policy: nn.Module, adapter: str = POLICY_ADAPTER) -> dict[str, torch.Tensor]:
     """The adapter's LoRA tensors by parameter name (references, not copies)."""
     marker = f".{adapter}."
@@ -140,101 +146,35 @@ class ValueHead(nn.Module):
         return self.linear(hidden.float()).squeeze(-1)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Pieces of the LM the sampler and the teacher-forced pass share.
-
-
-def causal_lm(model: nn.Module) -> nn.Module:
-    """The underlying *ForCausalLM, through a PEFT wrapper if there is one."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def trunk_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """(decoder trunk that returns last_hidden_state, lm_head)."""
-    lm = causal_lm(model)
-    return lm.get_decoder(), lm.get_output_embeddings()
-
-
-def cache_keyword(trunk: nn.Module) -> str:
-    """transformers renamed ``past_key_values`` to ``cache``; use whichever this version takes."""
-    return "cache" if "cache" in inspect.signature(trunk.forward).parameters else "past_key_values"
-
-
-def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding: cumsum(mask) − 1, clamped at 0. [B, T] → [B, T]."""
-    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
-
-
-def logits_fp32(head: nn.Module, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Full-vocabulary logits in float32, divided by the temperature. [..., H] → [..., V]."""
-    logits = head(hidden).float()
-    return logits / temperature if temperature != 1.0 else logits
-
-
-def _chunk_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
-    logits = logits_fp32(head, hidden, temperature)  # [n, V]
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def token_logprobs(
-    head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk: int = 1024
-) -> torch.Tensor:
-    """log softmax(head(h) / τ)[target] for N rows, ``chunk`` rows at a time. [N, H], [N] → [N] float32.
-
-    With gradients on, each chunk is checkpointed: its [chunk, V] logits are recomputed in the backward
-    instead of being stored, so peak memory holds one chunk of logits, not N.
-    """
-    out = []
-    for start in range(0, hidden.shape[0], chunk):
-        h, y = hidden[start : start + chunk], targets[start : start + chunk]
-        if torch.is_grad_enabled() and h.requires_grad:
-            out.append(checkpoint(_chunk_logprobs, head, h, y, temperature, use_reentrant=False))
-        else:
-            out.append(_chunk_logprobs(head, h, y, temperature))
-    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
-
-
 @dataclass
-class TeacherForced:
-    """The pass over prompt + response. ``logprobs`` keeps its graph when computed with gradients."""
+class Models:
+    """What a run trains: the policy (base + LoRA), its tokenizer, and the value head, on one device."""
 
-    logprobs: torch.Tensor  # [B, R] float32, 0 where response_mask is False
-    hidden: torch.Tensor  # [B, R, H] detached, the critic's input
+    policy: nn.Module
+    tokenizer: Any
+    value_head: ValueHead
+    device: torch.device
+    eos_token_ids: list[int]
 
-
-def teacher_forced(
-    model: nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    response_ids: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    micro_batch: int | None = None,
-    logprob_chunk: int = 1024,
-) -> TeacherForced:
-    """One forward over [prompt | response] (prompts left-padded, responses right-padded).
-
-    Shapes: prompt_ids/prompt_mask [B, P], response_ids/response_mask [B, R]. Rows are processed
-    ``micro_batch`` at a time (all graphs are kept, so the result is one pass over the batch); the hidden
-    state at position P − 1 + t is the one that predicts response token t.
-    """
-    trunk, head = trunk_and_head(model)
-    B, P = prompt_ids.shape
-    R = response_ids.shape[1]
-    step = micro_batch or B
-    logprobs, hiddens = [], []
-    for s in range(0, B, step):
-        ids = torch.cat([prompt_ids[s : s + step], response_ids[s : s + step]], dim=1)  # [b, P+R]
-        mask = torch.cat([prompt_mask[s : s + step], response_mask[s : s + step]], dim=1).long()
-        out = trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask), use_cache=False)
-        h = out.last_hidden_state[:, P - 1 : P + R - 1]  # [b, R, H]
-        rmask = response_mask[s : s + step].bool()  # [b, R]
-        lp = h.new_zeros(rmask.shape, dtype=torch.float32)
-        lp = lp.masked_scatter(rmask, token_logprobs(head, h[rmask], ids[:, P:][rmask], temperature, logprob_chunk))
-        logprobs.append(lp)
-        hiddens.append(h.detach())
-    return TeacherForced(logprobs=torch.cat(logprobs), hidden=torch.cat(hiddens))
+    @classmethod
+    def load(
+        cls,
+        model_path: str,
+        *,
+        device: str = "auto",
+        lora_rank: int = 16,
+        lora_alpha: int = 32,
+        seed: int = 17,
+        grad_checkpoint: bool = False,
+    ) -> Models:
+        """Base model and tokenizer from ``model_path``, a fresh LoRA adapter (seeded), a zero value head."""
+        torch_device = pick_device(device)
+        base, tokenizer = load_base(model_path, torch_device)
+        policy = add_lora(base, rank=lora_rank, alpha=lora_alpha, seed=seed)
+        if grad_checkpoint:
+            set_activation_checkpointing(policy, True)
+        value_head = ValueHead(base.config.hidden_size).to(torch_device)
+        return cls(policy, tokenizer, value_head, torch_device, eos_ids(tokenizer, base))
 
 
 # Activation bytes a LoRA training pass keeps per token, per layer, per unit of hidden size (bf16, SDPA

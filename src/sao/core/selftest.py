@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from sao.algorithm import SAO
+from sao.core.algorithm import SAO
 
 
 def handmade_batch() -> dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@
 Everything a run needs without a GPU or a network:
 
     task        "What is 7+5?" / "Compute 3-8." / "7+5=?" for operands 0..9, ops + and −: 600 distinct
-                questions with numeric gold answers (negatives included), graded by ``sao.grading``.
+                questions with numeric gold answers (negatives included), graded by ``sao.core.grading``.
     tokenizer   byte-level BPE with no merges (one token per byte) plus ChatML's <|im_start|>/<|im_end|>
                 and a ChatML chat template — Qwen's tokenizer family, so the product's own prompt code
                 (``data.format_prompt``) and loading code (``models.load_base``) run unchanged on it.
@@ -34,7 +34,10 @@ from pathlib import Path
 
 import torch
 
-from sao.data import DataSplit, Task, format_prompt
+from sao.core import grading
+from sao.core.errors import DataError
+from sao.rollout.sampler import decode, draw, encode_prompts
+from sao.tasks.gsm8k import DataSplit, Task, format_prompt
 
 TINY_INSTRUCTION = "End with #### N."
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -119,8 +122,6 @@ def all_questions() -> list[Task]:
 
 def make_split(n_train: int, n_test: int, seed: int = 0) -> DataSplit:
     """Held-out questions and training prompts, disjoint as strings, drawn with fixed seeds."""
-    from sao.errors import DataError
-
     pool = all_questions()
     if n_train + n_test > len(pool):
         raise DataError(f"the tiny task has {len(pool)} questions; asked for {n_train} train + {n_test} held out")
@@ -156,9 +157,6 @@ def tutor_reply(task: Task, rng: random.Random, accuracy: float) -> str:
 @torch.no_grad()
 def sampled_accuracy(model, tokenizer, tasks: list[Task], seed: int, temperature: float = 1.0) -> float:
     """Share of the questions answered right, one sample each at ``temperature`` (the RL start point)."""
-    from sao import grading
-    from sao.sampler import decode, draw, encode_prompts
-
     prompts = [format_prompt(tokenizer, t.question, TINY_INSTRUCTION) for t in tasks]
     ids, mask = encode_prompts(tokenizer, prompts, torch.device("cpu"))
     rollout = draw(

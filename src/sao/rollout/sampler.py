@@ -12,7 +12,8 @@
 The loop is written here rather than borrowed from ``generate`` so that the distribution, the RNG and the
 recorded log-probability are ours to state and to test. It stops a row at EOS (the EOS token is part of
 the response and carries a log-probability; later positions are padding) and the batch when every row has
-stopped. The GPU engine in ``sao.engine`` keeps this contract and replaces the loop.
+stopped. ``PlainDecoder`` puts the loop behind the ``Decoder`` protocol (``sao.rollout.source``); the GPU engine in
+``sao.rollout.engine`` keeps the same contract.
 
 Deliberately left out: beam search, speculative decoding, stop strings other than EOS.
 """
@@ -21,20 +22,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from sao.models import (
-    POLICY_ADAPTER,
-    cache_keyword,
-    logits_fp32,
-    lora_state,
-    position_ids_from,
-    trunk_and_head,
-)
+from sao.model.forward import cache_keyword, logits_fp32, position_ids_from, trunk_and_head
+from sao.model.policy import POLICY_ADAPTER, lora_state
 
 SAMPLER_ADAPTER = "sampler"
 
@@ -96,15 +90,6 @@ def encode_prompts(tokenizer, prompts: Sequence[str], device: torch.device) -> t
     if tokenizer.padding_side != "left":
         raise ValueError("the tokenizer must pad on the left for batched decoding")
     return enc["input_ids"].to(device), enc["attention_mask"].to(device).bool()
-
-
-def eos_ids(tokenizer, model: nn.Module | None = None) -> list[int]:
-    """Every token that ends a reply: the tokenizer's EOS and the model's generation-config EOS ids."""
-    ids = {tokenizer.eos_token_id}
-    config = getattr(model, "generation_config", None) if model is not None else None
-    extra = getattr(config, "eos_token_id", None)
-    ids.update(extra if isinstance(extra, list) else [extra])
-    return sorted(i for i in ids if i is not None)
 
 
 def derived_seed(*parts: object) -> int:
@@ -183,11 +168,24 @@ def draw(
     )
 
 
-def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **kwargs) -> Rollout:
-    """``draw`` with a model, or ``Engine.generate`` when ``model`` is a ``sao.engine.Engine``."""
-    if hasattr(model, "generate") and not isinstance(model, nn.Module):
-        return model.generate(prompt_ids, prompt_mask, **kwargs)
-    return draw(model, prompt_ids, prompt_mask, **kwargs)
+class PlainDecoder:
+    """The reference decoder (``draw``) behind the ``Decoder`` protocol: the model runs with ``adapter`` active
+    (None: whatever is active), and the policy's own adapter is active again afterwards."""
+
+    def __init__(self, model: nn.Module, adapter: str | None = None):
+        self.model, self.adapter = model, adapter
+        self.device = next(model.parameters()).device
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> Rollout:
+        if self.adapter is None or not hasattr(self.model, "set_adapter"):
+            return draw(self.model, prompt_ids, prompt_mask, **settings)
+        self.model.set_adapter(self.adapter, inference_mode=True)
+        try:
+            return draw(self.model, prompt_ids, prompt_mask, **settings)
+        finally:
+            self.model.set_adapter(POLICY_ADAPTER)
+            for p in lora_state(self.model, self.adapter).values():
+                p.requires_grad_(False)  # set_adapter marks the active adapter trainable
 
 
 def decode(tokenizer, rollout: Rollout) -> list[str]:
@@ -240,17 +238,6 @@ class StaleSampler:
     def refresh_after_draw(self, step: int) -> bool:
         """LAG ≥ 1: after drawing step k's batch, take the policy's version k when k % LAG == 0."""
         return self.lag > 0 and step % self.lag == 0
-
-    @contextmanager
-    def active(self):
-        """Run the policy model with the sampler's adapter; the policy adapter is restored afterwards."""
-        self.policy.set_adapter(SAMPLER_ADAPTER, inference_mode=True)
-        try:
-            yield self.policy
-        finally:
-            self.policy.set_adapter(POLICY_ADAPTER)
-            for _, q in self._pairs:
-                q.requires_grad_(False)
 
     def state_dict(self) -> dict:
         return {"version": self.version, "weights": [q.detach().cpu().clone() for _, q in self._pairs]}

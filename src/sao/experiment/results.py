@@ -1,0 +1,244 @@
+"""results.json: the logs and evals of an experiment folded into numbers, and the comparisons over them.
+
+    curves       every numeric series of the policy steps folded to first / last / mean / max / min
+                 (per run, and step-wise averaged over seeds per arm)
+    checks       the page's checks, computed: critic explained variance, gradient norms and whether the clip
+                 bound, non-finite and skipped counts, the masked share by staleness, lag-0 numerics
+    divergence   a run diverged when a step was skipped for a non-finite value, a token was non-finite, or its
+                 last-10 training reward fell below half its first-10
+    compare      per cell, every rule against the baseline ``none`` (``sao.core.stats.compare``, seeds paired
+                 by index) and every arm against the base model, under the base evals' noise floor
+
+Everything is computed from the files a run wrote, so a resumed experiment summarises the whole of it.
+Deliberately left out: statistics beyond ``compare`` and any presentation (``sao.experiment.report``).
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import statistics
+from typing import Any
+
+import torch
+
+from sao.core import stats
+from sao.experiment.evaluate import EvalResult
+from sao.rollout.source import POLICY
+
+FOLDED_SKIP = {"seed", "step", "policy_step", "policy_version"}
+BASELINE = "none"
+
+
+def fold(series: list[Any]) -> dict[str, float | None]:
+    """first / last / mean / max / min of a series, ignoring missing (None/NaN) entries."""
+    values = [float(v) for v in series if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    if not values:
+        return {"first": None, "last": None, "mean": None, "max": None, "min": None, "n": 0}
+    return {
+        "first": values[0],
+        "last": values[-1],
+        "mean": statistics.fmean(values),
+        "max": max(values),
+        "min": min(values),
+        "n": len(values),
+    }
+
+
+def numeric_keys(records: list[dict[str, Any]]) -> list[str]:
+    keys: list[str] = []
+    for r in records:
+        for k, v in r.items():
+            if k in FOLDED_SKIP or k in keys:
+                continue
+            if (isinstance(v, (int, float)) and not isinstance(v, bool)) or v is None:
+                keys.append(k)
+    return [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in records)]
+
+
+def curves(records: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Every numeric series of the policy steps, folded. (Warmup steps take no policy step.)"""
+    policy = [r for r in records if r["phase"] == POLICY]
+    return {k: fold([r.get(k) for r in policy]) for k in numeric_keys(policy)}
+
+
+def mean_over_seeds(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Step-wise mean of several seeds' policy records (one seed: the records themselves)."""
+    if len(runs) == 1:
+        return [r for r in runs[0] if r["phase"] == POLICY]
+    policy = [[r for r in run if r["phase"] == POLICY] for run in runs]
+    out = []
+    for rows in zip(*policy, strict=False):
+        merged: dict[str, Any] = {"phase": POLICY}
+        for k in numeric_keys(list(rows)):
+            vals = [r[k] for r in rows if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])]
+            merged[k] = statistics.fmean(vals) if vals else None
+        out.append(merged)
+    return out
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
+    vals = [r[key] for r in rows if r.get(key) is not None and math.isfinite(r[key])]
+    return statistics.fmean(vals) if vals else None
+
+
+def checks(records: list[dict[str, Any]], grad_clip: float) -> dict[str, Any]:
+    """The page's checks, computed: critic, gradient, non-finite, the mask by staleness, lag-0 numerics."""
+    warm = [r for r in records if r["phase"] != POLICY]
+    policy = [r for r in records if r["phase"] == POLICY]
+    last10 = policy[-10:]
+    grad = [r["grad_norm"] for r in policy if r["grad_norm"] is not None and math.isfinite(r["grad_norm"])]
+    by_staleness: dict[str, dict[str, float]] = {}
+    for s in sorted({r["staleness"] for r in policy}):
+        rows = [r for r in policy if r["staleness"] == s]
+        by_staleness[str(s)] = {
+            "steps": len(rows),
+            "masked_share": statistics.fmean(r["masked_share"] for r in rows),
+            "would_be_masked_share": statistics.fmean(r["would_be_masked_share"] for r in rows),
+            "ratio_max_median": statistics.median(r["ratio_max"] for r in rows),
+        }
+    fresh = [r for r in records if r["staleness"] == 0]
+    return {
+        "critic_ev_warmup_end": warm[-1]["explained_variance"] if warm else None,
+        "critic_ev_last10": _mean(last10, "explained_variance"),
+        "critic_loss_warmup_end": warm[-1]["critic_loss"] if warm else None,
+        "critic_loss_last10": _mean(last10, "critic_loss"),
+        "grad_norm_mean": statistics.fmean(grad) if grad else None,
+        "grad_norm_max": max(grad) if grad else None,
+        "clip_bound_steps": sum(g > grad_clip for g in grad),
+        "clip_ever_bound": any(g > grad_clip for g in grad),
+        "nonfinite_tokens": sum(r["nonfinite"] for r in records),
+        "skipped_steps": sum(bool(r["skipped"]) for r in records),
+        "masked_share_by_staleness": by_staleness,
+        "masked_share_max": max((r["masked_share"] for r in policy), default=None),
+        "lag0_abs_log_ratio_mean": _mean(fresh, "abs_log_ratio_mean"),
+        "lag0_abs_log_ratio_max": max((r["abs_log_ratio_max"] for r in fresh), default=None),
+        "reward_first10": _mean(policy[:10], "reward_mean"),
+        "reward_last10": _mean(last10, "reward_mean"),
+        "response_length_last10": _mean(last10, "response_length"),
+        "truncation_share_last10": _mean(last10, "truncation_share"),
+    }
+
+
+def divergence(records: list[dict[str, Any]]) -> list[str]:
+    """Why a run counts as diverged (empty: it did not). See the module docstring for the rule."""
+    policy = [r for r in records if r["phase"] == POLICY]
+    reasons = []
+    skipped = sum(bool(r["skipped"]) for r in policy)
+    if skipped:
+        reasons.append(f"{skipped} step(s) skipped for a non-finite loss or gradient")
+    nonfinite = sum(r["nonfinite"] or 0 for r in records)
+    if nonfinite:
+        reasons.append(f"{int(nonfinite)} non-finite token(s)")
+    if len(policy) >= 20:
+        first = statistics.fmean(r["reward_mean"] for r in policy[:10])
+        last = statistics.fmean(r["reward_mean"] for r in policy[-10:])
+        if last < 0.5 * first:
+            reasons.append(f"training reward collapsed {first:.3f} -> {last:.3f}")
+    return reasons
+
+
+def interval(values: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the 95% t interval of a mean (a single value has a zero-width interval)."""
+    from scipy import stats as sps
+
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, mean, mean
+    half = sps.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def versions() -> dict[str, str]:
+    import numpy
+    import peft
+    import scipy
+    import transformers
+
+    import sao
+
+    out = {
+        "sao": sao.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "numpy": numpy.__version__,
+        "scipy": scipy.__version__,
+    }
+    out["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.machine()})"
+    return out
+
+
+def summarize_arm(runs: list[tuple[int, EvalResult, list[dict[str, Any]]]], arm: str, grad_clip: float) -> dict:
+    """One arm of one cell over its seeds: pass@1 with its interval, the evals, the curves, each run's checks."""
+    passes = [result.pass_at_1 for _, result, _ in runs]
+    mean, lo, hi = interval(passes)
+    return {
+        "pass_at_1": passes,
+        "pass_at_1_mean": mean,
+        "pass_at_1_ci": [lo, hi],
+        "evals": [result.to_dict() for _, result, _ in runs],
+        "curves": curves(mean_over_seeds([log for _, _, log in runs])),
+        "runs": {f"{arm}-s{seed}": run_summary(seed, log, grad_clip) for seed, _, log in runs},
+    }
+
+
+def run_summary(seed: int, log: list[dict[str, Any]], grad_clip: float) -> dict[str, Any]:
+    return {"seed": seed, "checks": checks(log, grad_clip), "curves": curves(log), "diverged": divergence(log)}
+
+
+def compare_cell(arms: dict[str, dict[str, Any]], base_per_task: list[float] | None, floor: dict) -> tuple[dict, dict]:
+    """(every rule against ``none``, every arm against the base model) for one cell."""
+    run_std, runs = floor["run_std"], floor["runs"]
+
+    def scores(arm: str) -> list[list[float]]:
+        return [e["per_task"] for e in arms[arm]["evals"]]
+
+    def reward_last10(arm: str) -> list[float]:
+        return [run["checks"]["reward_last10"] for run in arms[arm]["runs"].values()]
+
+    comparisons = {}
+    for arm in arms:
+        if arm == BASELINE:
+            continue
+        c = stats.compare(scores(BASELINE), scores(arm), run_std=run_std, run_std_runs=runs,
+                          proxy=(reward_last10(BASELINE), reward_last10(arm)))  # fmt: skip
+        comparisons[f"{arm}_vs_{BASELINE}"] = {"before": BASELINE, "after": arm, **c.to_dict()}
+    vs_base = {}
+    if base_per_task is not None:
+        for arm in arms:
+            c = stats.compare(base_per_task, scores(arm), run_std=run_std, run_std_runs=runs)
+            vs_base[arm] = {"before": "base", "after": arm, **c.to_dict()}
+    return comparisons, vs_base
+
+
+def base_block(base: list[EvalResult]) -> dict[str, Any]:
+    """The base evals and the noise floor they give (none with fewer than two evals)."""
+    passes = [e.pass_at_1 for e in base]
+    run_std = runs = floor = None
+    if len(passes) >= 2:
+        run_std, runs = stats.run_std_of(passes)
+        floor = stats.noise_floor(run_std, runs)
+    return {"evals": [e.to_dict() for e in base], "pass_at_1": passes, "run_std": run_std, "runs": runs,
+            "noise_floor": floor}  # fmt: skip
+
+
+def base_per_task(base: list[EvalResult]) -> list[float] | None:
+    if not base:
+        return None
+    return [statistics.fmean(col) for col in zip(*(e.per_task for e in base), strict=True)]
+
+
+def primary(cells: list[dict[str, Any]]) -> tuple[str, str]:
+    """The comparison the experiment is about: the first cell's first rule against ``none``."""
+    cell = cells[0]
+    return cell["name"], next(iter(cell["compare"]))
+
+
+def question(arms: list[str], cells: int) -> str:
+    rules = ", ".join(a for a in arms if a != BASELINE)
+    if cells == 1 and arms == ["dis", BASELINE]:
+        return "Does masking tokens outside the IS band (dis) beat the plain ratio (none) on held-out pass@1?"
+    where = f"over {cells} cells of lag x lr x band" if cells > 1 else "in this cell"
+    return f"Does each correction rule ({rules}) beat the plain ratio (none) on held-out pass@1, {where}?"

@@ -1,0 +1,190 @@
+"""Where a training batch comes from: the two seams between the trainer and rollout generation.
+
+    Decoder      draws one reply per left-padded prompt and records each drawn token's log-probability
+                 under the exact distribution it was drawn from. ``PlainDecoder`` (the reference loop) or
+                 ``sao.rollout.engine.Engine`` (static KV cache, CUDA graph); ``make_decoder`` picks one.
+    Source       hands the trainer one ``Batch`` per step and hears about each policy update (the publish
+                 hook). ``LocalStaleSource`` (here: the stale sampler in this process, reproducible) or
+                 ``sao.rollout.ray_workers.RaySource`` (asynchronous workers, for throughput).
+    PromptOrder  the seeded order every source reads the training prompts in.
+
+A source is built from what it needs — the policy model, the prompts, the settings, a publish hook — and
+never sees the trainer. Step g's local batch is a pure function of (seed, g) and the adapters, so a run
+resumed from a checkpoint continues exactly as if it had never stopped.
+
+Deliberately left out: rewards (the trainer grades what a source returns) and the update itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from sao.rollout.engine import Engine
+from sao.rollout.sampler import (
+    SAMPLER_ADAPTER,
+    PlainDecoder,
+    Rollout,
+    StaleSampler,
+    decode,
+    derived_seed,
+    encode_prompts,
+)
+
+WARMUP, POLICY = "critic-warmup", "policy"
+
+
+class Decoder(Protocol):
+    """Anything that samples replies the way ``sao.rollout.sampler.draw`` does, on ``device``."""
+
+    device: torch.device
+
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,  # [B, P] left-padded
+        prompt_mask: torch.Tensor,  # [B, P] bool
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        generator: torch.Generator,
+    ) -> Rollout: ...
+
+
+@dataclass
+class Batch:
+    """One optimizer step's trajectories: which prompts, what was drawn, and how stale each row is (policy
+    updates between the adapter that wrote it and the policy that trains on it)."""
+
+    task_ids: list[str]
+    rollout: Rollout
+    staleness: list[int]
+    info: dict[str, Any] = field(default_factory=dict)  # the source's counters, logged with the step
+
+
+class Source(Protocol):
+    """Where the trainer's batches come from."""
+
+    def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:
+        """Global step ``step``'s batch; ``phase`` is WARMUP or POLICY; ``policy_version`` counts updates."""
+        ...
+
+    def after_update(self, policy_version: int) -> None:
+        """The publish hook: the policy has just taken its ``policy_version``-th update."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How rollouts are drawn: the settings every decoder call of a run shares."""
+
+    max_new_tokens: int
+    temperature: float
+    eos_token_ids: list[int]
+    pad_token_id: int
+
+    def as_kwargs(self) -> dict[str, Any]:
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "eos_token_ids": self.eos_token_ids,
+            "pad_token_id": self.pad_token_id,
+        }
+
+
+class PromptOrder:
+    """Training prompts read in order through epoch e's seeded permutation: position p is prompt
+    ``ids[perm_e[p mod n]]`` with e = p div n. A pure function of (ids, seed, p)."""
+
+    def __init__(self, ids: list[str], seed: int):
+        self.ids, self.seed = list(ids), seed
+        self._perms: dict[int, list[int]] = {}
+
+    def id_at(self, position: int) -> str:
+        epoch, i = divmod(position, len(self.ids))
+        if epoch not in self._perms:
+            rng = torch.Generator().manual_seed(derived_seed(self.seed, epoch, "order"))
+            self._perms[epoch] = torch.randperm(len(self.ids), generator=rng).tolist()
+        return self.ids[self._perms[epoch][i]]
+
+    def batch(self, step: int, size: int) -> list[str]:
+        """Step ``step``'s prompt ids: positions step·size .. (step+1)·size − 1."""
+        return [self.id_at(p) for p in range(step * size, (step + 1) * size)]
+
+
+def make_decoder(model: nn.Module, adapter: str | None, kind: str) -> Decoder:
+    """"graph" → ``Engine`` over ``adapter``; "plain" → the reference loop; "auto" → graph on a GPU, plain on
+    the CPU (the engine's eager CPU path draws the same tokens, only slower to set up)."""
+    device = next(model.parameters()).device
+    if kind == "graph" or (kind == "auto" and device.type == "cuda"):
+        return Engine(model, adapter=adapter)
+    return PlainDecoder(model, adapter)
+
+
+def draw_batch(decoder: Decoder, tokenizer: Any, prompts: list[str], sampling: Sampling, generator) -> Rollout:
+    """Encode chat-formatted prompt strings, draw one reply each, and keep the decoded texts."""
+    device = generator.device
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)  # [B, P]
+    rollout = decoder.generate(prompt_ids, prompt_mask, generator=generator, **sampling.as_kwargs())
+    rollout.texts = decode(tokenizer, rollout)
+    return rollout
+
+
+class LocalStaleSource:
+    """The default source: the stale sampler (a frozen second adapter, refreshed every ``lag`` policy steps)
+    drawing the seeded prompt stream in this process. Staleness 0 at the first policy step, then 1..LAG."""
+
+    def __init__(
+        self,
+        policy: nn.Module,
+        tokenizer: Any,
+        prompts: dict[str, str],
+        order: PromptOrder,
+        *,
+        lag: int,
+        batch_size: int,
+        critic_warmup: int,
+        sampling: Sampling,
+        seed: int,
+        decoder: str = "auto",
+    ):
+        self.tokenizer, self.prompts, self.order = tokenizer, prompts, order
+        self.batch_size, self.critic_warmup, self.sampling, self.seed = batch_size, critic_warmup, sampling, seed
+        self.sampler = StaleSampler(policy, lag)
+        self.decoder = make_decoder(policy, SAMPLER_ADAPTER, decoder)  # reads the sampler's adapter
+        self.device = next(policy.parameters()).device
+
+    def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:
+        k = step - self.critic_warmup  # policy step
+        if phase == POLICY and self.sampler.refresh_before_draw(k):
+            self.sampler.refresh(policy_version)
+        staleness = policy_version - self.sampler.version
+        task_ids = self.order.batch(step, self.batch_size)
+        generator = torch.Generator(device=self.device).manual_seed(derived_seed(self.seed, step, "rollout"))
+        prompts = [self.prompts[i] for i in task_ids]
+        rollout = draw_batch(self.decoder, self.tokenizer, prompts, self.sampling, generator)
+        if phase == POLICY and self.sampler.refresh_after_draw(k):
+            self.sampler.refresh(policy_version)
+        return Batch(task_ids=task_ids, rollout=rollout, staleness=[staleness] * len(task_ids))
+
+    def after_update(self, policy_version: int) -> None:
+        """Nothing to publish: the sampler copies the policy on its own schedule at draw time."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,166 @@
+"""The learning half of a step: the teacher-forced pass, ``SAO.update``, the policy step and the critic.
+
+    pass      micro-batch by micro-batch: forward (with gradients on policy steps) → values from the
+              detached hidden states → ``SAO.update`` of the micro-batch with the whole batch's N →
+              loss = −Σ c·logprobs → backward → free. Every rule is per trajectory, so the accumulated
+              gradient is exactly the whole batch's, and only one micro-batch's activations are alive.
+    update    the whole batch's ``SAO.update`` (stats, value targets) from the kept log-probabilities and
+              values: pure tensor math, no second forward.
+    step      clip the gradient to ``grad_clip`` and step AdamW — unless the loss or the gradient norm is
+              not finite, in which case nothing is applied (the step is counted as skipped).
+    critic    ``critic_steps`` squared-error updates of the value head toward the Monte Carlo targets, on
+              the stored hidden states (the trunk is never trained by the critic).
+    retry     on out-of-memory the micro-batch halves (for the rest of the run) and the pass is retried
+              from its start: the same function of the batch, only the float summation order changes.
+
+This is the only micro-batching in sao. Deliberately left out: gradient accumulation across batches,
+learning-rate schedules and mixed-precision loss scaling (LoRA in bf16 needs none).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from sao.core.algorithm import SAO, Update
+from sao.model.forward import TeacherForced, teacher_forced
+from sao.model.policy import Models
+from sao.rollout.sampler import Rollout
+
+T = TypeVar("T")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or any allocator error that says so (CPU, MPS)."""
+    oom = getattr(torch.cuda, "OutOfMemoryError", ())
+    return (bool(oom) and isinstance(error, oom)) or "out of memory" in str(error).lower()
+
+
+def with_oom_retry(attempt: Callable[[int], T], rows: int, on_retry: Callable[[int], None]) -> tuple[T, int, int]:
+    """Run ``attempt(rows)``; on out-of-memory halve ``rows``, call ``on_retry(rows)`` and try again (down to
+    one row). Returns (result, rows it succeeded with, retries). Any other error propagates."""
+    retries = 0
+    while True:
+        try:
+            return attempt(rows), rows, retries
+        except RuntimeError as error:
+            if not is_out_of_memory(error) or rows == 1:
+                raise
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            retries += 1
+            rows = max(1, rows // 2)
+            on_retry(rows)
+
+
+@dataclass
+class PassResult:
+    forward: TeacherForced  # logprobs [B, R] (detached) and hidden [B, R, H] of the whole batch
+    update: Update  # the whole batch's SAO.update
+    loss: float  # Σ over micro-batches of −Σ c·logprobs (NaN on critic-only steps)
+    finite: bool  # False: a micro-batch's loss was not finite, so no gradient may be applied
+
+
+def policy_gradient_pass(
+    models: Models,
+    sao: SAO,
+    rollout: Rollout,
+    rewards: torch.Tensor,  # [B]
+    *,
+    rows: int,
+    with_policy_gradient: bool,
+    temperature: float,
+    logprob_chunk: int,
+) -> PassResult:
+    """The teacher-forced pass and the policy gradient, ``rows`` trajectories at a time (see the module doc).
+    On a critic-only step no gradient is taken and ``loss`` is NaN."""
+    mask = rollout.response_mask  # [B, R]
+    n_tokens = float(mask.sum())  # N of the whole batch
+    logprobs, hidden, values = [], [], []
+    loss_total, finite = 0.0, True
+    for start in range(0, len(mask), rows):
+        part = slice(start, start + rows)
+        with torch.set_grad_enabled(with_policy_gradient):
+            forward = teacher_forced(
+                models.policy,
+                rollout.prompt_ids[part],
+                rollout.prompt_mask[part],
+                rollout.response_ids[part],
+                mask[part],
+                temperature=temperature,
+                logprob_chunk=logprob_chunk,
+            )
+        with torch.no_grad():
+            part_values = models.value_head(forward.hidden)  # [b, R]
+        if with_policy_gradient and finite:
+            part_batch = {
+                "logprobs": forward.logprobs.detach(),
+                "sampler_logprobs": rollout.sampler_logprobs[part],
+                "values": part_values,
+                "rewards": rewards[part].to(part_values),
+                "action_mask": mask[part],
+            }
+            loss = sao.update(part_batch, normalizer=n_tokens).policy_loss(forward.logprobs)
+            loss_total += loss.item()
+            if torch.isfinite(loss):
+                loss.backward()
+            else:
+                finite = False  # the step will be skipped; finish the pass for the stats and the critic
+        logprobs.append(forward.logprobs.detach())
+        hidden.append(forward.hidden)
+        values.append(part_values)
+        del forward
+    forward = TeacherForced(logprobs=torch.cat(logprobs), hidden=torch.cat(hidden))
+    whole_batch = {
+        "logprobs": forward.logprobs,
+        "sampler_logprobs": rollout.sampler_logprobs,
+        "values": torch.cat(values),
+        "rewards": rewards.to(forward.logprobs),
+        "action_mask": mask,
+    }
+    update = sao.update(whole_batch)
+    return PassResult(forward, update, loss_total if with_policy_gradient else float("nan"), finite)
+
+
+def apply_policy_step(
+    optimizer: torch.optim.Optimizer, params: list[nn.Parameter], grad_clip: float, loss_finite: bool
+) -> tuple[float, bool]:
+    """Clip and step on the accumulated gradient, unless the loss or the gradient norm is not finite.
+    Returns (grad_norm, skipped); the gradient is cleared either way."""
+    grad_norm, skipped = float("nan"), True
+    if loss_finite:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+        if math.isfinite(grad_norm):
+            optimizer.step()
+            skipped = False
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, skipped
+
+
+def critic_steps(
+    value_head: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    hidden: torch.Tensor,  # [B, R, H] detached
+    targets: torch.Tensor,  # [B, R] Monte Carlo returns
+    action_mask: torch.Tensor,  # [B, R]
+    steps: int,
+) -> float:
+    """``steps`` squared-error updates toward the targets on action tokens; returns the first loss (the error
+    of the values this step's advantages were computed with). One step is always measured, even at 0."""
+    first = float("nan")
+    for i in range(max(steps, 1)):
+        values = value_head(hidden)[action_mask]  # [N]
+        loss = torch.mean((values - targets[action_mask].float()) ** 2)
+        if i == 0:
+            first = loss.item()
+        if not torch.isfinite(loss):
+            break
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return first

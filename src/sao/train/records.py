@@ -1,0 +1,107 @@
+"""What a step leaves behind: its log record, and the reachability checks read off the records so far.
+
+    record          one flat dict per step (SPEC §5): phase, staleness, reward, masked and would-be masked
+                    share, ratio quantiles, KL(sampler‖policy), advantage, λ, explained variance, critic loss,
+                    length, truncation, grad norm, skipped — plus whatever the source counted
+    reachability    once, after the first max(LAG, 4) stale batches: if they would mask almost nothing, warn
+                    in words that the band is dead and the two arms will run the same experiment
+    masking report  at the end of each staleness cycle (at most every 10 policy steps), one line of the masked
+                    share so far at each staleness, so a dead or exploding band shows while the run is young
+
+Deliberately left out: writing files (``sao.train.checkpoint``) and folding records into results
+(``sao.experiment.results``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sao.core.algorithm import Update
+from sao.rollout.sampler import Rollout
+from sao.rollout.source import POLICY
+
+
+def step_record(
+    *,
+    step: int,
+    phase: str,
+    policy_step: int | None,
+    policy_version: int,
+    staleness: list[int],
+    rollout: Rollout,
+    rewards: torch.Tensor,
+    update: Update,
+    critic_loss: float,
+    grad_norm: float,
+    skipped: bool,
+) -> dict[str, Any]:
+    """The log record of one step (before the caller adds arm, seed, timings and the source's counters)."""
+    s = update.stats
+    ratio = update.ratio[rollout.response_mask]  # [N]
+    log_ratio = ratio.log()
+    kl = float(((ratio - 1) - log_ratio)[torch.isfinite(log_ratio)].mean())  # KL(sampler‖policy), k3 estimator
+    histogram: dict[str, int] = {}
+    for value in sorted(staleness):
+        histogram[str(value)] = histogram.get(str(value), 0) + 1
+    return {
+        "step": step,
+        "phase": phase,
+        "policy_step": policy_step,
+        "staleness": max(staleness),
+        "policy_version": policy_version,
+        "reward_mean": float(rewards.mean()),
+        **{k: s[k] for k in ("masked_share", "would_be_masked_share", "ratio_min", "ratio_mean", "ratio_max")},
+        **{k: s[k] for k in ("ratio_p99", "abs_log_ratio_mean", "abs_log_ratio_max")},
+        "kl_sampler_policy": kl,
+        **{k: s[k] for k in ("admitted_share", "advantage_mean", "lambda_mean", "explained_variance", "nonfinite")},
+        "critic_loss": critic_loss,
+        "response_length": float(rollout.lengths.float().mean()),
+        "truncation_share": float(rollout.truncated.float().mean()),
+        "grad_norm": grad_norm,
+        "skipped": skipped,
+        "staleness_mean": sum(staleness) / len(staleness),
+        "staleness_hist": histogram,
+    }
+
+
+def dead_band_warning(
+    records: list[dict[str, Any]], max_staleness: int, threshold: float, band: tuple[float, float], label: str
+) -> str | None:
+    """The reachability warning, on the record that completes the first max(LAG, 4) stale batches (None on
+    every other record, so it is raised at most once and means the same thing in every run)."""
+    record = records[-1]
+    stale = [r for r in records if r["phase"] == POLICY and r["staleness"] > 0]
+    if record["phase"] != POLICY or record["staleness"] == 0 or len(stale) != max(max_staleness, 4):
+        return None
+    share = sum(r["would_be_masked_share"] for r in stale) / len(stale)
+    if share >= threshold:
+        return None
+    lo, hi = band
+    return (
+        f"[{label}] the band ({lo}, {hi}) is dead at these settings: over the first {len(stale)} stale "
+        f"steps it would mask {share:.4%} of tokens (threshold {threshold:.2%}); the two "
+        "arms will run the same experiment. Raise --lr or --lag, or narrow --band, to test the mask."
+    )
+
+
+def masking_line(records: list[dict[str, Any]], max_staleness: int, last_report: int | None, steps: int) -> str | None:
+    """The masked share so far at each staleness, when the latest record ends a staleness cycle and the last
+    line is at least 10 policy steps old (or the run ends); None otherwise."""
+    record = records[-1]
+    if record["phase"] != POLICY:
+        return None
+    k = record["policy_step"]
+    cycle_end = record["staleness"] == max_staleness > 0 or (max_staleness == 0 and (k + 1) % 10 == 0)
+    due = last_report is None or k + 1 - last_report >= 10 or k + 1 == steps
+    if not (cycle_end and due):
+        return None
+    policy = [r for r in records if r["phase"] == POLICY]
+    parts = []
+    for s in sorted({r["staleness"] for r in policy}):
+        rows = [r for r in policy if r["staleness"] == s]
+        masked = sum(r["masked_share"] for r in rows) / len(rows)
+        would = sum(r["would_be_masked_share"] for r in rows) / len(rows)
+        parts.append(f"{s}: {masked:.4f}" + (f" (would-be {would:.4f})" if would != masked else ""))
+    return f"policy step {k + 1}: masked share by staleness " + ", ".join(parts)

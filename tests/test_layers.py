@@ -1,0 +1,87 @@
+"""The package's layers are real: every import (module level or inside a function) goes down the order
+core → model → rollout → tasks → train → experiment → cli, or stays within its layer, and no two modules
+import each other, directly or around a loop."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "sao"
+LAYERS = ("core", "model", "rollout", "tasks", "train", "experiment", "cli")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> int:
+    """Rank of a module's layer; the top-level ``sao`` package (re-exports of core) counts as core."""
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 else 0
+
+
+def imports(path: Path, modules: set[str]) -> set[str]:
+    """Every sao module ``path`` imports anywhere in its body (``from sao.x import y`` names module
+    sao.x.y when that is a module, else sao.x)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "sao"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "sao":
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.add(child if child in modules else node.module)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: imports(path, set(files)) - {name} for name, path in files.items()}
+
+
+def test_the_layers_are_the_folders():
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(LAYERS) - {"cli"}
+    assert {p.name for p in PACKAGE.glob("*.py")} == {"__init__.py", "cli.py"}
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = [f"{m} -> {dep}" for m, deps in graph().items() for dep in deps if layer(dep) > layer(m)]
+    assert upward == [], "imports must go down the layers:\n" + "\n".join(sorted(upward))
+
+
+def test_there_is_no_import_cycle():
+    edges, cycles = graph(), []
+
+    def visit(node: str, path: list[str]) -> None:
+        for dep in sorted(edges.get(node, ())):
+            if dep in path:
+                cycles.append(" -> ".join([*path[path.index(dep) :], dep]))
+            elif dep not in seen:
+                seen.add(dep)
+                visit(dep, [*path, dep])
+
+    for start in sorted(edges):
+        seen = {start}
+        visit(start, [start])
+    assert cycles == [], "import cycles:\n" + "\n".join(sorted(set(cycles)))
+
+
+@pytest.mark.parametrize("bad", ["sao.train.trainer", "sao.cli"])
+def test_the_checks_catch_an_upward_import(tmp_path, bad):
+    """The checker itself: a core module that imports a higher layer is reported."""
+    fake = tmp_path / "sao" / "core" / "x.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text(f"def f():\n    import {bad}\n")
+    found = imports(fake, {bad})
+    assert found == {bad} and layer(bad) > layer("sao.core.x")
+
+
+def test_the_public_api_still_imports_from_the_top():
+    from sao import SAO, compare
+
+    assert SAO().correction == "dis" and callable(compare)
