@@ -51,7 +51,10 @@ def test_log_has_every_spec_field_and_is_valid_json(tiny_config, tmp_path):
     assert [r["phase"] for r in records[:2]] == ["critic-warmup"] * 2
     assert all(r["grad_norm"] is None for r in records[:2]), "warmup steps take no policy step"
     assert all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in records[2:])
-    assert (out / "adapter" / "adapter_config.json").exists()
+    adapter = out / "adapter"
+    assert {"adapter_config.json", "value_head.safetensors", "value_head.json", "tokenizer.json"} <= {
+        p.name for p in adapter.iterdir()
+    }
 
 
 def test_step_with_an_injected_nan_is_skipped_and_counted(tiny_config, tmp_path, monkeypatch, faults):

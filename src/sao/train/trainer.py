@@ -28,6 +28,7 @@ from tqdm import tqdm
 from sao.core import grading
 from sao.core.config import Config
 from sao.core.errors import ConfigError
+from sao.model import artifacts
 from sao.model.policy import Models, auto_micro_batch, describe, lora_state
 from sao.rollout.source import POLICY, WARMUP, LocalStaleSource, PromptOrder, Sampling, Source
 from sao.tasks import DataSplit, instruction_for, load_split, model_path
@@ -220,13 +221,11 @@ class Trainer:
         self.next_step, self.records, self.warnings = state["next_step"], state["records"], state["warnings"]
 
     def save_adapter(self) -> Path:
-        """The trained policy adapter (PEFT format) and value head, for ``sao eval --adapter``."""
-        from sao.core.io import save_torch
-
-        path = self.out / "adapter"
-        self.models.policy.save_pretrained(path, selected_adapters=["default"])
-        save_torch(path / "value_head.pt", self.models.value_head.state_dict())
-        return path
+        """OUT/adapter/: the policy adapter (PEFT), the tokenizer and the value head (safetensors + its size),
+        loadable with plain ``PeftModel.from_pretrained`` and ``AutoTokenizer``; ``sao export`` merges it."""
+        m = self.models
+        return artifacts.save_adapter(m.policy, m.tokenizer, m.value_head, self.out / "adapter",
+                                      base_model=self.model_path)  # fmt: skip
 
     def describe(self) -> str:
         return describe(self.models.policy)

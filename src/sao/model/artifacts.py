@@ -1,0 +1,308 @@
+"""What a trained run leaves for people to use: the adapter folder, and a merged model for serving engines.
+
+    adapter folder   PEFT's own files for the "default" (policy) adapter only (adapter_config.json,
+                     adapter_model.safetensors), the tokenizer, ``value_head.safetensors`` (keys
+                     ``linear.weight`` [1, H], ``linear.bias`` [1]) and ``value_head.json`` (H, dtype,
+                     parameter count, the base model). Plain ``PeftModel.from_pretrained`` and
+                     ``AutoTokenizer.from_pretrained`` load it; no pickle anywhere.
+    merged model     base + adapter folded into ordinary weights by PEFT's ``merge_and_unload`` in the base's
+                     own dtype, saved as safetensors with the tokenizer and ``sao_export.json``; plain
+                     ``AutoModelForCausalLM.from_pretrained`` (or any engine that reads HF folders) loads it.
+
+Both are written into a hidden temporary sibling folder and renamed into place when complete, so a crash
+never leaves a folder under the final name that looks complete but is not (a killed process can leave a
+``.NAME.*.partial`` sibling behind; it is never read).
+
+A merge into bf16 weights can round a small adapter's change away (a bf16 weight has 8 bits of mantissa;
+a LoRA update far below one ulp of the weight it is added to vanishes). ``sao_export.json`` therefore records
+how much of the adapter's weight change the merged weights really carry (``merge_relative_error``).
+
+Deliberately left out: merging in a dtype other than the base's, quantised exports, pushing to a hub,
+sharded or multi-device merges (the merge runs on the CPU), and copying the value head into the merged
+folder (a serving engine has no use for the critic; it stays in the adapter folder).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sao.core.errors import ConfigError
+from sao.core.io import OutputError, write_json
+from sao.model.policy import POLICY_ADAPTER, ValueHead
+
+VALUE_HEAD_WEIGHTS = "value_head.safetensors"
+VALUE_HEAD_INFO = "value_head.json"
+EXPORT_INFO = "sao_export.json"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Folders that appear complete or not at all.
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under ``root`` and the folders themselves, so the rename publishes data on disk."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _staged_folder(final: Path, *, replace: bool) -> Iterator[Path]:
+    """Yield an empty hidden sibling of ``final`` to write into; on success rename it to ``final``.
+
+    ``replace=True`` swaps out an existing folder (moved aside, then deleted once the new one is in place);
+    ``replace=False`` accepts only a missing or empty ``final``. On any failure the staging folder is
+    removed and ``final`` is as it was. An OS error (disk full, read-only folder) becomes an ``OutputError``.
+    """
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
+    except OSError as error:
+        raise OutputError(f"could not create a folder beside {final}: {error.strerror or error}") from None
+    try:
+        yield staging
+        _fsync_tree(staging)
+        if final.is_dir() and any(final.iterdir()):
+            if not replace:
+                raise ConfigError(f"{final} is not empty; pass a new or empty folder")
+            aside = final.parent / f".{final.name}.{uuid.uuid4().hex[:8]}.old"
+            os.rename(final, aside)
+            try:
+                os.rename(staging, final)
+            except OSError:
+                os.rename(aside, final)
+                raise
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(staging, final)  # onto a missing path or an empty folder
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise OutputError(f"could not write {final}: {error.strerror or error}") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _first_line(error: BaseException) -> str:
+    """One line of an error's text: the first, or the first naming a mismatch (torch's state-dict errors open
+    with a line that says nothing)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return next((line for line in lines if "mismatch" in line), lines[0]) if lines else type(error).__name__
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The adapter folder.
+
+
+def save_adapter(
+    policy: nn.Module,
+    tokenizer: Any,
+    value_head: ValueHead,
+    path: str | os.PathLike[str],
+    *,
+    base_model: str,
+) -> Path:
+    """Write the policy adapter, the tokenizer and the value head to ``path`` (replacing what is there).
+
+    Only the "default" adapter is written (a policy may also hold the stale sampler's "sampler" adapter).
+    ``base_model`` is the hub id or directory the adapter was trained on; it is recorded in
+    ``value_head.json`` and as ``base_model_name_or_path`` in ``adapter_config.json``, so the folder names
+    one base. Returns ``path``.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{path} is a file; the adapter is written as a folder")
+    state = {name: t.detach().to("cpu").contiguous() for name, t in value_head.state_dict().items()}
+    weight = state["linear.weight"]  # [1, H]
+    hidden_size = int(weight.shape[-1])
+    info = {
+        "format": "sao value head: V(h) = linear(h) on the base model's last hidden state, one value per token",
+        "hidden_size": hidden_size,
+        "dtype": str(weight.dtype).removeprefix("torch."),
+        "parameters": sum(t.numel() for t in state.values()),
+        "base_model": base_model,
+        "weights": VALUE_HEAD_WEIGHTS,
+    }
+    with _staged_folder(path, replace=True) as staging:
+        # save_embedding_layers=False: LoRA never targets the embeddings here, and "auto" would look the base
+        # model up on the hub to compare vocabulary sizes.
+        policy.save_pretrained(staging, selected_adapters=[POLICY_ADAPTER], save_embedding_layers=False)
+        config_file = staging / ADAPTER_CONFIG
+        adapter_config = json.loads(config_file.read_text(encoding="utf-8"))
+        adapter_config["base_model_name_or_path"] = base_model
+        config_file.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        tokenizer.save_pretrained(staging)
+        save_file(state, str(staging / VALUE_HEAD_WEIGHTS), metadata={"format": "pt"})
+        write_json(staging / VALUE_HEAD_INFO, info)
+    return path
+
+
+def load_value_head(path: str | os.PathLike[str]) -> ValueHead:
+    """The value head saved by ``save_adapter`` in the adapter folder ``path``, on the CPU in its saved dtype.
+
+    A missing or malformed ``value_head.json`` or ``value_head.safetensors`` is a one-line ``ConfigError``
+    naming the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    info_file, weights_file = folder / VALUE_HEAD_INFO, folder / VALUE_HEAD_WEIGHTS
+    for file in (info_file, weights_file):
+        if not file.is_file():
+            raise ConfigError(f"{file} is missing; save the adapter with sao.model.artifacts.save_adapter")
+    try:
+        info = json.loads(info_file.read_text(encoding="utf-8"))
+        hidden_size, dtype_name = info["hidden_size"], info["dtype"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ConfigError(f"{info_file} is malformed ({_first_line(error)})") from None
+    dtype = getattr(torch, str(dtype_name), None)
+    if not isinstance(hidden_size, int) or hidden_size <= 0 or not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"{info_file} is malformed (hidden_size {hidden_size!r}, dtype {dtype_name!r})")
+    try:
+        state = load_file(str(weights_file))
+    except (OSError, SafetensorError) as error:
+        raise ConfigError(f"{weights_file} is malformed ({_first_line(error)})") from None
+    expected = {"linear.weight": (1, hidden_size), "linear.bias": (1,)}
+    found = {name: tuple(t.shape) for name, t in state.items()}
+    if found != expected:
+        raise ConfigError(f"{weights_file} holds {found}; expected {expected} (hidden_size from {VALUE_HEAD_INFO})")
+    head = ValueHead(hidden_size).to(dtype)
+    head.load_state_dict(state)
+    return head
+
+
+def find_adapter_dir(run: str | os.PathLike[str]) -> Path:
+    """The adapter folder of ``run``: ``run/adapter`` for a ``sao train`` output folder, or ``run`` itself."""
+    run = Path(run)
+    for candidate in (run / "adapter", run):
+        if (candidate / ADAPTER_CONFIG).is_file():
+            return candidate
+    raise ConfigError(f"{run} holds neither adapter/{ADAPTER_CONFIG} nor {ADAPTER_CONFIG}; pass a sao train folder")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The merged model.
+
+
+def _merge_error(peft_model: nn.Module) -> tuple[float, int]:
+    """‖(W_merged − W) − ΔW‖ / ‖ΔW‖ over every LoRA layer, and the number of layers, computed before the merge.
+
+    W_merged is what PEFT's merge writes, ``W + ΔW`` rounded to W's dtype; ΔW = scale · B A in float32.
+    0 means the merged weights carry the adapter's change exactly (up to float32 rounding); 1 means a bf16
+    merge rounded it away entirely."""
+    from peft.tuners.lora import LoraLayer
+
+    error_sq = change_sq = 0.0
+    layers = 0
+    with torch.no_grad():
+        for module in peft_model.modules():
+            if not isinstance(module, LoraLayer) or POLICY_ADAPTER not in module.lora_A:
+                continue
+            weight = module.get_base_layer().weight  # [out, in]
+            delta = module.get_delta_weight(POLICY_ADAPTER).float()  # [out, in]
+            carried = (weight.float() + delta).to(weight.dtype).float() - weight.float()  # [out, in]
+            error_sq += float((carried - delta).square().sum())
+            change_sq += float(delta.square().sum())
+            layers += 1
+    return (math.sqrt(error_sq / change_sq) if change_sq > 0 else 0.0), layers
+
+
+def merge(
+    adapter_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    base_model_path: str | None = None,
+) -> Path:
+    """Fold the adapter in ``adapter_dir`` into its base model and save a plain HF model folder in ``out_dir``.
+
+    The base is ``base_model_path`` when given, else ``base_model_name_or_path`` from the adapter's
+    ``adapter_config.json``; it is loaded in its own dtype (``dtype="auto"``) on the CPU. ``out_dir`` must be
+    missing or empty. The tokenizer comes from the adapter folder (from the base when the folder has none,
+    as in runs saved before the folder carried one). Returns ``out_dir``.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConfigError(f"{out_dir} exists and is not empty; pass a new or empty folder for the merged model")
+    config_file = adapter_dir / ADAPTER_CONFIG
+    if not config_file.is_file():
+        raise ConfigError(f"{config_file} is missing; pass an adapter folder written by sao train")
+    try:
+        adapter_config = json.loads(config_file.read_text(encoding="utf-8"))
+        recorded_base = adapter_config.get("base_model_name_or_path")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
+        raise ConfigError(f"{config_file} is malformed ({_first_line(error)})") from None
+    base = base_model_path or recorded_base
+    if not base:
+        raise ConfigError(f"{config_file} names no base model; pass --base-model PATH")
+    hint = "pass --base-model PATH" if base_model_path is None else "check --base-model"
+    local = os.path.expanduser(base)
+    if not os.path.isdir(local) and (base.startswith(("/", ".", "~")) or base.count("/") > 1):
+        raise ConfigError(f"the base model folder {base!r} does not exist; {hint}")
+
+    try:
+        base_lm = AutoModelForCausalLM.from_pretrained(local if os.path.isdir(local) else base, dtype="auto")
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"could not load the base model {base!r} ({_first_line(error)}); {hint}") from None
+    dtype = next(base_lm.parameters()).dtype
+    try:
+        peft_model = PeftModel.from_pretrained(base_lm, adapter_dir)
+    except (OSError, ValueError, RuntimeError, KeyError) as error:
+        detail = _first_line(error)
+        raise ConfigError(f"the adapter in {adapter_dir} does not fit {base!r} ({detail}); {hint}") from None
+    relative_error, lora_layers = _merge_error(peft_model)
+    merged = peft_model.merge_and_unload()
+    tokenizer_from_adapter = (adapter_dir / "tokenizer_config.json").is_file()
+    tokenizer_source = str(adapter_dir) if tokenizer_from_adapter else base
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"could not load a tokenizer from {tokenizer_source} ({_first_line(error)})") from None
+
+    info = {
+        "base_model": base,
+        "adapter": adapter_dir.name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "parameters": sum(p.numel() for p in merged.parameters()),
+        "lora_layers_merged": lora_layers,
+        "lora_rank": adapter_config.get("r"),
+        "lora_alpha": adapter_config.get("lora_alpha"),
+        "tokenizer_from": "adapter" if tokenizer_from_adapter else "base",
+        "merge_relative_error": relative_error,
+        "merge_relative_error_means": "||(W_merged - W_base) - scale*B@A|| / ||scale*B@A|| over all LoRA layers: "
+        "0 = the merged weights carry the adapter's change exactly, 1 = rounding to the dtype erased it",
+    }
+    with _staged_folder(out_dir, replace=False) as staging:
+        merged.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        write_json(staging / EXPORT_INFO, info)
+    return out_dir
+
+
+__all__ = ["find_adapter_dir", "load_value_head", "merge", "save_adapter"]
