@@ -4,14 +4,14 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test test-fast lint docs demo bench clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,hub,ray]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,hub,ray,track]"
 	touch $(STAMP)
 
 lint: install
@@ -20,6 +20,14 @@ lint: install
 
 test: install lint
 	$(PY) -m pytest
+
+# The edit loop: every test that builds or trains no model (under a minute).
+test-fast: install
+	$(PY) -m pytest -m "not slow"
+
+# Regenerate the README's fault table from the fault tests (make test only checks it).
+docs: install
+	SAO_WRITE_DOCS=1 $(PY) -m pytest -m faults
 
 # The whole controlled experiment on the CPU stand-in: base evals, both arms, compare, report (~1-2 min).
 demo: install

@@ -1,8 +1,27 @@
-"""Shared fixtures: the warm-started tiny model is built once per machine (cached) and shared."""
+"""Shared fixtures, and the markers that split the suite.
+
+Every test that builds or trains the tiny model (it asks for ``tiny_model_dir``, ``tiny_config`` or a Ray
+cluster) is marked ``slow`` here, so ``make test-fast`` (``pytest -m "not slow"``) is the edit loop with no
+training at all. Every test that records a fault case for the README's table (it asks for ``faults``) is
+marked ``faults``: ``make docs`` reruns those and rewrites the table; a full ``make test`` only checks it.
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+SLOW_FIXTURES = {"tiny_model_dir", "tiny_config", "ray_module", "recipe_run"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names & SLOW_FIXTURES:
+            item.add_marker(pytest.mark.slow)
+        if "faults" in names:
+            item.add_marker(pytest.mark.faults)
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +48,16 @@ def faults():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if exitstatus == 0:
-        import faults as table
+    """With every fault kind exercised: ``SAO_WRITE_DOCS=1`` (``make docs``) rewrites the README's table;
+    otherwise a table that differs from what the tests just proved fails the run."""
+    if exitstatus != 0:
+        return
+    import faults as table
 
+    if not table.complete():
+        return
+    if os.environ.get("SAO_WRITE_DOCS") == "1":
         table.write_readme_table()
+    elif not table.readme_is_current():
+        print("\nREADME.md's fault table differs from the cases that passed: run `make docs` and commit it.")
+        session.exitstatus = 1

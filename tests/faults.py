@@ -1,9 +1,10 @@
-"""The README's fault table, written by the test suite: each fault test records its case once its
-assertions have passed; at the end of a full run the table between the markers in README.md is rebuilt.
+"""The README's fault table, generated from the test suite: each fault test records its case once its
+assertions have passed. When every kind below was exercised, ``make docs`` (``SAO_WRITE_DOCS=1``) rebuilds
+the table between the markers in README.md, and any other full run fails if the README's table is not the
+one the tests just proved. The test suite itself never writes a tracked file.
 
-A kind's row says what every recorded case proved; the count is the number of cases that passed. The table
-is only rewritten when every kind below was exercised (a partial run such as ``pytest -k`` leaves it alone),
-and its text is deterministic (no timings), so a clean checkout stays clean after ``make test``.
+A kind's row says what every recorded case proved; the count is the number of cases that passed. Its text
+is deterministic (no timings).
 """
 
 from __future__ import annotations
@@ -69,16 +70,24 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def write_readme_table() -> bool:
-    """Rewrite the table in README.md when every kind was exercised; True when written."""
-    if not all(_recorded[k] for k in KINDS) or not README.exists():
-        return False
-    text = README.read_text()
-    if START not in text or END not in text:
-        return False
+def complete() -> bool:
+    """Whether every kind was exercised (a partial run such as ``pytest -k`` proves only some)."""
+    return all(_recorded[k] for k in KINDS)
+
+
+def _with_table(text: str) -> str:
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    new = f"{head}{START}\n{table()}\n{END}{tail}"
-    if new != text:
-        README.write_text(new)
-    return True
+    return f"{head}{START}\n{table()}\n{END}{tail}"
+
+
+def readme_is_current() -> bool:
+    text = README.read_text()
+    return _with_table(text) == text
+
+
+def write_readme_table() -> None:
+    """Rewrite the table in README.md (``make docs``)."""
+    text = README.read_text()
+    if _with_table(text) != text:
+        README.write_text(_with_table(text))
