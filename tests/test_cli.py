@@ -10,9 +10,12 @@ from sao.cli import main
 
 
 def test_train_writes_a_complete_log_and_prints_a_summary(tiny_model_dir, tmp_path, capsys):
+    """One `sao train` end to end, watched through TensorBoard: the events hold every step's reward."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     out = tmp_path / "run"
-    code = main(["train", "--preset", "tiny", "--steps", "3", "--critic-warmup", "2", "--batch-size", "16",
-                 "--lag", "1", "--band", "0.5", "3.0", "--quiet", "--out", str(out)])  # fmt: skip
+    code = main(["train", "--preset", "tiny", "--steps", "3", "--critic-warmup", "2", "--batch-size", "16", "--lag",
+                 "1", "--band", "0.5", "3.0", "--quiet", "--track", "tensorboard", "--out", str(out)])  # fmt: skip
     assert code == 0
     text = capsys.readouterr().out
     assert "reward:" in text and "lag-0 batches" in text
@@ -20,6 +23,10 @@ def test_train_writes_a_complete_log_and_prints_a_summary(tiny_model_dir, tmp_pa
     assert [r["phase"] for r in records] == ["critic-warmup"] * 2 + ["policy"] * 3
     saved = json.loads((out / "config.json").read_text())["config"]
     assert saved["band"] == [0.5, 3.0] and saved["lag"] == 1 and saved["model"] == "tiny"
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("train/reward_mean")]
+    assert logged == [(r["step"], pytest.approx(r["reward_mean"], rel=1e-6)) for r in records]
 
 
 @pytest.mark.parametrize(

@@ -58,8 +58,8 @@ def test_teacher_forced_pass_reproduces_the_samplers_logprobs_at_lag_zero(policy
     assert gap.max() < 1e-4, f"|log ratio| max {gap.max():.2e}"
     assert (tf.logprobs[~m] == 0).all()
     assert tf.hidden.shape[:2] == m.shape and not tf.hidden.requires_grad
-    rows = [teacher_forced(model, *(t[i : i + 2] for t in (rollout.prompt_ids, rollout.prompt_mask,
-                                                              rollout.response_ids, m))) for i in range(0, len(m), 2)]  # fmt: skip
+    tensors = (rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, m)
+    rows = [teacher_forced(model, *(t[i : i + 2] for t in tensors)) for i in range(0, len(m), 2)]
     torch.testing.assert_close(torch.cat([r.logprobs for r in rows]), tf.logprobs, atol=1e-5, rtol=0)
 
 

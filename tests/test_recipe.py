@@ -89,8 +89,10 @@ def test_checks_group_the_mask_by_staleness_and_count_faults():
     assert c["grad_norm_mean"] == pytest.approx(1.0)
 
 
-SMALL = ["--preset", "tiny", "--batch-size", "16", "--steps", "6", "--critic-warmup", "2", "--lr", "3e-3",
-         "--train-prompts", "64", "--test-prompts", "24", "--eval-samples", "2", "--base-evals", "2", "--quiet"]  # fmt: skip
+SMALL = [
+    "--preset", "tiny", "--batch-size", "16", "--steps", "6", "--critic-warmup", "2", "--lr", "3e-3",
+    "--train-prompts", "64", "--test-prompts", "24", "--eval-samples", "2", "--base-evals", "2", "--quiet",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -267,7 +267,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sao", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="sao", description=(__doc__ or "sao").splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("selftest", help="check that the two arms differ only in the mask")

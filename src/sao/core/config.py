@@ -167,6 +167,11 @@ class Config:
         "Reachability warning threshold: a masked share below this (0.1%) on stale batches means the band is dead at "
         "these settings.",
     )
+    track: str | None = option(
+        None,
+        'Experiment tracking: "tensorboard" (OUT/tensorboard/), "trackio" (its local store) or "wandb" (offline only); '
+        "each logs every step record and the eval. None: train_log.json alone. Not compared on --resume.",
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # types first, so that the range checks below compare numbers
@@ -215,10 +220,8 @@ class Config:
             raise ConfigError("--ray-address must not be empty (leave it out to start a local Ray cluster)")
         if self.decoder not in ("auto", "plain", "graph"):
             raise ConfigError(f"--decoder must be 'auto', 'plain' or 'graph', got {self.decoder!r}")
-
-    def uses_engine(self, device_type: str) -> bool:
-        """Whether rollouts and evals go through ``sao.rollout.engine`` on this device."""
-        return self.decoder == "graph" or (self.decoder == "auto" and device_type == "cuda")
+        if self.track not in (None, "tensorboard", "trackio", "wandb"):
+            raise ConfigError(f"--track must be 'tensorboard', 'trackio' or 'wandb', got {self.track!r}")
 
     def sao(self) -> SAO:
         """The algorithm object these settings describe."""

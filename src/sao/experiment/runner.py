@@ -29,7 +29,7 @@ from typing import Any
 
 from sao.core.config import Config
 from sao.core.errors import ConfigError
-from sao.core.io import as_json, read_json, write_json
+from sao.core.io import read_json, write_json
 from sao.experiment import report, results
 from sao.experiment.evaluate import EvalResult, evaluate
 from sao.model.policy import POLICY_ADAPTER, eos_ids, load_base, pick_device
@@ -127,7 +127,7 @@ class Experiment:
         if marker.exists():
             if not resume:
                 raise ConfigError(f"output folder {self.out} already holds an experiment; pass --resume or a new --out")
-            if read_json(marker) != as_json(self.settings):
+            if not checkpoint.same_settings(read_json(marker), self.settings):
                 raise ConfigError(f"--resume: the experiment in {self.out} was started with other settings")
         elif self.out.exists() and any(self.out.iterdir()):
             raise ConfigError(f"output folder {self.out} is not empty and holds no sao experiment; choose a new --out")
@@ -165,10 +165,14 @@ class Experiment:
             config = self._run_config(cell, arm, seed)
             trainer = Trainer(config, run_dir, split=self.split, resume=run_dir.exists(), progress=self.progress,
                               label=f"{cell['name']} {label}" if len(self.grid.cells()) > 1 else label)  # fmt: skip
-            trainer.run()
-            m = trainer.models
-            result = pass_at_1(config, m.policy, m.tokenizer, self.split.test, self.instruction,
-                               derived_seed(seed, "eval"), label, self.progress)  # fmt: skip
+            try:
+                trainer.run(close_tracker=False)
+                m = trainer.models
+                result = pass_at_1(config, m.policy, m.tokenizer, self.split.test, self.instruction,
+                                   derived_seed(seed, "eval"), label, self.progress)  # fmt: skip
+                trainer.tracker.log_eval("held-out", result.to_dict(), trainer.total_steps)
+            finally:
+                trainer.tracker.close()
             write_json(eval_file, result.to_dict())
             del trainer, m
             gc.collect()

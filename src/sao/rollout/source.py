@@ -123,7 +123,7 @@ class PromptOrder:
 
 
 def make_decoder(model: nn.Module, adapter: str | None, kind: str) -> Decoder:
-    """"graph" → ``Engine`` over ``adapter``; "plain" → the reference loop; "auto" → graph on a GPU, plain on
+    """ "graph" → ``Engine`` over ``adapter``; "plain" → the reference loop; "auto" → graph on a GPU, plain on
     the CPU (the engine's eager CPU path draws the same tokens, only slower to set up)."""
     device = next(model.parameters()).device
     if kind == "graph" or (kind == "auto" and device.type == "cuda"):

@@ -32,10 +32,27 @@ def claim(out: Path, record: dict[str, Any], resume: bool) -> None:
             raise ConfigError(
                 f"output folder {out} already holds a run; pass --resume to continue it or choose another --out"
             )
-        if read_json(config_file) != as_json(record):
-            raise ConfigError(f"--resume: the run in {out} was started with other settings; use a new --out")
+        if same_settings(read_json(config_file), record):
+            return
+        raise ConfigError(f"--resume: the run in {out} was started with other settings; use a new --out")
     elif out.exists() and any(out.iterdir()):
         raise ConfigError(f"output folder {out} is not empty and holds no sao run; choose another --out")
+
+
+# Settings that change how a run is watched, not what it computes: a resume may change them.
+NOT_COMPARED_ON_RESUME = ("track",)
+
+
+def same_settings(saved: Any, record: dict[str, Any]) -> bool:
+    """Whether a saved settings record (config.json, experiment.json) is ``record``, watching aside."""
+
+    def comparable(value: Any) -> Any:
+        value = as_json(value)
+        if isinstance(value, dict) and isinstance(value.get("config"), dict):
+            value["config"] = {k: v for k, v in value["config"].items() if k not in NOT_COMPARED_ON_RESUME}
+        return value
+
+    return comparable(saved) == comparable(record)
 
 
 def write_config(out: Path, record: dict[str, Any]) -> None:

@@ -36,6 +36,7 @@ from sao.tasks.gsm8k import format_prompt
 from sao.train import checkpoint
 from sao.train.learn import apply_policy_step, critic_steps, policy_gradient_pass, with_oom_retry
 from sao.train.records import dead_band_warning, masking_line, step_record
+from sao.train.tracking import make_tracker
 
 
 class Trainer:
@@ -84,6 +85,7 @@ class Trainer:
         self._last_mask_report: int | None = None
         if resume:
             self._restore(checkpoint.load(self.out))
+        self.tracker = make_tracker(config.track, self.out, self.label, config.to_dict())  # after the claim
 
     def _make_source(self) -> Source:
         """``--engine local`` (default, reproducible) or ``--engine ray`` (asynchronous rollout workers)."""
@@ -159,7 +161,9 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------------------
 
-    def run(self) -> list[dict[str, Any]]:
+    def run(self, close_tracker: bool = True) -> list[dict[str, Any]]:
+        """Every remaining step, a checkpoint after each, then the adapter. ``close_tracker`` False leaves the
+        tracker open for the caller's eval."""
         bar = tqdm(total=self.total_steps, initial=self.next_step, desc=f"train {self.label}",
                    disable=not self.progress, dynamic_ncols=True)  # fmt: skip
         try:
@@ -169,12 +173,15 @@ class Trainer:
                 self.check_reachability()
                 self.next_step = g + 1
                 checkpoint.save(self.out, self._state(), self.records)
+                self.tracker.log_step(record, g)  # after the save: a killed run never shows a step twice
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['reward_mean']:.2f}", masked=f"{record['masked_share']:.4f}",
                                 ratio_max=f"{record['ratio_max']:.2f}", stale=record["staleness"])  # fmt: skip
         finally:
             bar.close()
             self.source.close()  # rollout workers stop even when a step fails
+            if close_tracker:
+                self.tracker.close()
         self.save_adapter()
         return self.records
 

@@ -1,0 +1,221 @@
+"""Settings you can replay, and help text from the fields' own docs.
+
+Checks that each Config field's doc lives in its metadata (and reaches --help without reading source),
+that --config FILE (YAML or JSON, flat or a file sao wrote) sits between the preset and the flags, that a
+run's own config.json replays it bit for bit, that values are type-checked, and that every bad file is a
+one-line error with exit code 2. Deliberately left out: the sweep grid's meaning (the sweep checks it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import sao.cli
+from sao.cli import build_parser, config_from_args, main, read_config_file
+from sao.core.config import Config, check_type, option
+from sao.core.errors import ConfigError
+
+TIMING_KEYS = {"time", "time_sample", "waited_s", "rollouts_per_s"}
+SMALL_RUN = ["--preset", "tiny", "--steps", "2", "--critic-warmup", "1", "--batch-size", "8",
+             "--train-prompts", "32", "--test-prompts", "8", "--quiet"]  # fmt: skip
+
+
+def _args(*argv: str):
+    return build_parser().parse_args(["train", "--out", "unused", *argv])
+
+
+def _help_text(command: str, capsys) -> str:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines; compare word sequences
+
+
+# --- help from metadata ---------------------------------------------------------------------------------
+
+
+def test_every_field_has_its_doc_in_metadata():
+    for f in dataclasses.fields(Config):
+        assert f.metadata["help"].strip(), f.name
+        assert Config.help(f.name) == " ".join(f.metadata["help"].split())
+    assert Config.help("lr") == "AdamW on the LoRA adapter. The page's round 1 (round 2 is 1e-4)."
+    with pytest.raises(ConfigError, match="unknown setting 'no_such'"):
+        Config.help("no_such")
+
+
+def test_train_help_shows_each_fields_doc_including_percent_signs(capsys):
+    text = _help_text("train", capsys)
+    assert f"--lr LR {Config.help('lr')}" in text
+    assert Config.help("dead_band_share") in text  # holds "(0.1%)": escaped for argparse, shown as written
+    assert "--config FILE" in text
+
+
+def test_cli_reads_no_source_to_build_help():
+    source = Path(sao.cli.__file__).read_text()
+    assert "import ast" not in source and "getsource" not in source and "import inspect" not in source
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch with no -OO bytecode cached: ~10-20 s on 2 cores
+def test_help_texts_survive_python_OO():
+    # -OO strips docstrings; metadata is ordinary data and stays.
+    code = "from sao.core.config import Config; print(Config.help('lr'))"
+    result = subprocess.run([sys.executable, "-OO", "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == Config.help("lr")
+
+
+def test_option_gives_each_instance_its_own_mutable_default():
+    field = option([1, 2], "a list")
+    first, second = field.default_factory(), field.default_factory()
+    assert first == [1, 2] and first is not second and field.metadata["help"] == "a list"
+
+
+# --- precedence and formats ------------------------------------------------------------------------------
+
+
+def test_preset_then_file_then_flags(tmp_path):
+    path = tmp_path / "settings.yaml"
+    path.write_text("lr: 0.002\nsteps: 5\nband: [0.5, 3.0]\n")
+    config = config_from_args(_args("--preset", "tiny", "--config", str(path), "--steps", "7"))
+    assert config.lr == 0.002  # the file beats the preset's 1e-3
+    assert config.steps == 7  # the flag beats the file's 5
+    assert config.band == (0.5, 3.0)
+    assert config.model == "tiny" and config.critic_lr == 1e-3  # preset values the file does not name
+    assert config.batch_size == Config().batch_size  # neither preset nor file: the protocol default
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml", ".json"])
+def test_yaml_and_json_read_the_same_settings(tmp_path, suffix):
+    values = {"lr": 0.0005, "data": None, "grad_checkpoint": True, "band": [0.6, 5.0], "arm": "tis", "lag": 2}
+    path = tmp_path / f"settings{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps(values))
+    else:
+        path.write_text("lr: 5.0e-4\ndata: null\ngrad_checkpoint: true\nband: [0.6, 5]\narm: tis\nlag: 2\n")
+    read, grid = read_config_file(path)
+    assert grid is None
+    assert read == {**values, "band": (0.6, 5.0)}
+    assert isinstance(read["band"][1], float)
+
+
+def test_yaml_reads_exponent_numbers_without_a_dot_as_floats(tmp_path):
+    path = tmp_path / "settings.yaml"
+    path.write_text("lr: 1e-5\ncritic_lr: 3E-4\n")
+    assert read_config_file(path)[0] == {"lr": 1e-5, "critic_lr": 3e-4}
+
+
+def test_a_file_sao_wrote_is_read_as_it_is_with_its_grid(tmp_path):
+    record = {
+        "config": {**Config.preset("tiny").to_dict(), "lr": 0.003},
+        "grid": {"lags": [1, 4], "lrs": [0.001], "bands": [[0.7, 6.0]], "arms": ["dis", "none"]},
+        "data": {"train": 480},
+        "source": "tiny",
+    }
+    path = tmp_path / "experiment.json"
+    path.write_text(json.dumps(record))
+    values, grid = read_config_file(path)
+    assert grid == record["grid"]
+    assert Config.preset("protocol", **values) == Config.preset("tiny", lr=0.003)
+
+
+# --- replaying a real run --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_runs_config_json_replays_it_bit_for_bit(tiny_model_dir, tmp_path):
+    import torch
+
+    torch.set_num_threads(1)  # the two runs must take the same floating-point path; one thread is also the fastest
+    first, second = tmp_path / "run", tmp_path / "replay"
+    assert main(["train", *SMALL_RUN, "--out", str(first)]) == 0
+    assert main(["train", "--quiet", "--config", str(first / "config.json"), "--out", str(second)]) == 0
+
+    assert json.loads((second / "config.json").read_text()) == json.loads((first / "config.json").read_text())
+    original = json.loads((first / "train_log.json").read_text())
+    replayed = json.loads((second / "train_log.json").read_text())
+    assert len(original) == len(replayed) == 3
+    for a, b in zip(original, replayed, strict=True):
+        assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == {
+            k: v for k, v in b.items() if k not in TIMING_KEYS
+        }
+
+    # A flag on top of the file changes that setting and nothing else.
+    base = config_from_args(_args("--config", str(first / "config.json"))).to_dict()
+    changed = config_from_args(_args("--config", str(first / "config.json"), "--lr", "0.002")).to_dict()
+    assert {k for k in base if base[k] != changed[k]} == {"lr"} and changed["lr"] == 0.002
+
+
+# --- types -----------------------------------------------------------------------------------------------
+
+
+def test_values_are_type_checked_and_ints_widen_to_floats():
+    assert Config(lr=1).lr == 1.0 and isinstance(Config(lr=1).lr, float)
+    assert Config(band=[0.5, 3]).band == (0.5, 3.0)
+    assert Config(ray_address=None).ray_address is None and Config(data="tiny").data == "tiny"
+    assert check_type("steps", 3) == 3
+    bad = [
+        ("lr", "fast", "'lr' must be a number"),
+        ("steps", 2.5, "'steps' must be an integer"),
+        ("steps", True, "'steps' must be an integer"),
+        ("band", [1.0], "'band' must be a pair of numbers"),
+        ("band", "0.7,6.0", "'band' must be a pair of numbers"),
+        ("grad_checkpoint", 1, "'grad_checkpoint' must be true or false"),
+        ("data", 3, "'data' must be a string or null"),
+        ("arm", ["dis"], "'arm' must be a string"),
+    ]
+    for name, value, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            Config(**{name: value})
+
+
+# --- one-line errors -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "needles"),
+    [
+        ("unknown.yaml", "lrr: 0.1\n", ["unknown setting 'lrr'", "did you mean 'lr'"]),
+        ("unknown.json", '{"config": {"lr": 0.1, "warp": 9}}', ["unknown setting 'warp'"]),
+        ("list.yaml", "- lr\n- 0.1\n", ["expected a mapping", "a list"]),
+        ("empty.yaml", "", ["expected a mapping", "nothing"]),
+        ("nested.json", '{"config": [1, 2]}', ["'config' must be a mapping"]),
+        ("bad.yaml", "lr: [0.1\n", ["not valid YAML", "line"]),
+        ("bad.json", '{"lr": 0.1,}', ["not valid JSON", "line 1"]),
+        ("type.json", '{"lr": "fast"}', ["'lr' must be a number", "'fast'"]),
+        ("band.yaml", "band: [0.7]\n", ["'band' must be a pair of numbers"]),
+        ("settings.toml", "lr = 0.1\n", ["expected a .yaml, .yml or .json file"]),
+    ],
+)
+def test_bad_files_are_one_line_errors_naming_the_file(tmp_path, capsys, name, text, needles):
+    path = tmp_path / name
+    path.write_text(text)
+    out = tmp_path / "run"
+    code = main(["train", "--preset", "tiny", "--config", str(path), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert str(path) in err
+    for needle in needles:
+        assert needle in err
+    assert not out.exists()
+
+
+def test_a_missing_file_is_a_one_line_error(tmp_path, capsys):
+    path = tmp_path / "nowhere.yaml"
+    code = main(["eval", "--preset", "tiny", "--config", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"--config {path}: no such file" in err
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "recipe", "sweep"])
+def test_every_command_with_settings_takes_a_config_file(command, tmp_path):
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps({"seed": 5, "base_evals": 1}))
+    argv = [command, "--config", str(path)] + ([] if command == "eval" else ["--out", str(tmp_path / "x")])
+    config = config_from_args(build_parser().parse_args(argv))
+    assert config.seed == 5 and config.base_evals == 1
