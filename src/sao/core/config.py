@@ -65,6 +65,37 @@ class Config:
         0, "Seed of the held-out and training draws; fixed so that every run scores the same tasks."
     )
 
+    # --- agents and your own tasks ------------------------------------------------------------------------
+    env: str | None = option(
+        None,
+        'The environment each trajectory talks to: None = one reply graded by the task\'s reward (the page\'s '
+        'protocol); "gsm8k" (the same, as an environment), "gsm8k-calc" (a calculator tool), "tiny-calc" (the CPU '
+        'preset\'s calculator task), "skyrl:<id>" (a SkyRL-Gym environment, e.g. skyrl:gsm8k_multi_turn), or '
+        '"module:Class" (your own, built as Class(task_id, fields)).',
+    )
+    max_turns: int = option(
+        4, "Actions per trajectory at most (an environment may end it sooner); hitting it ends it as truncated."
+    )
+    max_total_tokens: int = option(
+        1024,
+        "Response tokens per trajectory at most, actions and observations together (--max-new-tokens caps each "
+        "action); hitting it ends the trajectory as truncated.",
+    )
+    prompt_field: str | None = option(
+        None, 'With --data FILE or a hub dataset: the field holding the prompt text (default "question").'
+    )
+    answer_field: str | None = option(
+        None, 'With --data FILE or a hub dataset: the field holding the gold answer (default "answer").'
+    )
+    messages_field: str | None = option(
+        None, "With --data: a field holding the prompt as chat messages instead of --prompt-field."
+    )
+    reward: str | None = option(
+        None,
+        'Your reward, "module:function" called as function(completion, task) -> float; default: the GSM8K grader '
+        "(exact numeric match of the final answer).",
+    )
+
     # --- the algorithm (SAO) -----------------------------------------------------------------------------
     arm: str = option(
         "dis", 'Correction rule: "dis" (recipe: mask outside the band), "none" (baseline), "tis", "seqmask".'
@@ -220,6 +251,10 @@ class Config:
             raise ConfigError("--ray-address must not be empty (leave it out to start a local Ray cluster)")
         if self.decoder not in ("auto", "plain", "graph"):
             raise ConfigError(f"--decoder must be 'auto', 'plain' or 'graph', got {self.decoder!r}")
+        if self.max_turns < 1 or self.max_total_tokens < 1:
+            raise ConfigError(
+                f"--max-turns and --max-total-tokens must be >= 1, got {self.max_turns} and {self.max_total_tokens}"
+            )
         if self.track not in (None, "tensorboard", "trackio", "wandb"):
             raise ConfigError(f"--track must be 'tensorboard', 'trackio' or 'wandb', got {self.track!r}")
 
