@@ -1,265 +1,457 @@
-"""report.write_report on a small hand-made experiment: every plot is a real PNG and linked, the page states
-the verdict and the numbers as results.json holds them, missing values read "—", bad input is a DataError,
-and the page is the same on a rebuild."""
+"""report.write on hand-made experiment folders: one cell × 2 arms × 2 seeds (a `sao recipe`) and 4 cells (2 lags ×
+2 lrs) × 3 arms × 2 seeds (a `sao sweep`). Every plot is a real PNG linked from report.md, the verdict and every
+number read as results.json holds them, a missing value reads "—", malformed input is a one-line DataError naming
+the file, and a rebuild gives the same page."""
 
 from __future__ import annotations
 
+import ast
+import copy
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from helpers import assert_png_linked
-from sao import report
-from sao.errors import DataError
+from sao.core.errors import DataError
+from sao.experiment import report
+from sao.experiment.report import fmt, fmt_interval, fmt_share, fmt_signed
 
-PLOTS = ("reward", "masked_share", "ratio_max", "explained_variance", "response_length", "kl", "evals")
-SEEDS = (17, 18)
+PLOTS = ("reward", "masked_share", "ratio_max", "evals")
+SEEDS = [17, 18]
 WARMUP, POLICY_STEPS = 2, 6
+BAND = [0.7, 6.0]
+GRID_DIVERGED = ("lag4-lr0.003-band0.7-6", "none", 18)  # the baseline collapses in one run of one cell
+GRID_IMPROVED = "lag4-lr0.003-band0.7-6"  # and there the recipe arm separates
+DEAD_BAND_WARNING = "[dis-s17] the band (0.7, 6.0) is dead at these settings: <0.1% masked"  # one cell only
 
 
-def _records() -> list[dict]:
-    records = []
-    for arm in ("dis", "none"):
-        for seed in SEEDS:
-            for g in range(WARMUP + POLICY_STEPS):
-                policy = g >= WARMUP
-                stale = (g - WARMUP) % 3 if policy else 0
-                wobble = 0.01 * ((g * 7 + seed) % 5)
-                masked = 0.002 * stale + wobble / 10 if policy else 0.0
-                records.append(
-                    {
-                        "arm": arm,
-                        "seed": seed,
-                        "step": g,
-                        "phase": "policy" if policy else "critic-warmup",
-                        "policy_step": g - WARMUP if policy else None,
-                        "staleness": stale,
-                        "reward_mean": 0.3 + 0.02 * g + wobble + (0.03 * policy if arm == "dis" else 0.0),
-                        "masked_share": masked if arm == "dis" else 0.0,
-                        "would_be_masked_share": masked * 1.3,
-                        "ratio_max": 1.0 + stale * 1.7 + wobble,
-                        "explained_variance": None if g == 3 else -0.05 + 0.01 * g,  # a NaN stored as null
-                        "response_length": 14.0 - 0.1 * g + wobble,
-                        "kl_sampler_policy": 0.001 * stale + wobble / 100,
-                        "grad_norm": 0.1 + wobble if policy else None,
-                        "nonfinite": 0.0,
-                        "skipped": False,
-                        "time": 0.5,
-                    }
-                )
-    return records
+def _name(lag: int, lr: float) -> str:
+    return f"lag{lag}-lr{lr:g}-band{BAND[0]:g}-{BAND[1]:g}"
 
 
-def _checks(arm: str, seed: int) -> dict:
+def _records(cell: str, arm: str, seed: int, k: int) -> list[dict]:
+    out = []
+    for g in range(WARMUP + POLICY_STEPS):
+        policy = g >= WARMUP
+        stale = (g - WARMUP) % 3 if policy else 0
+        wobble = 0.01 * ((g * 7 + seed + k) % 5)
+        masked = 0.002 * stale + wobble / 10 if policy else 0.0
+        out.append({
+            "cell": cell, "arm": arm, "seed": seed, "step": g, "phase": "policy" if policy else "critic-warmup",
+            "policy_step": g - WARMUP if policy else None, "staleness": stale,
+            "reward_mean": 0.3 + 0.02 * g + wobble + (0.03 * policy if arm == "dis" else 0.0),
+            "masked_share": 0.0 if arm == "none" else masked, "would_be_masked_share": masked * 1.3,
+            "ratio_min": 0.5, "ratio_mean": 1.0, "ratio_max": 1.0 + stale * 1.7 + wobble + k, "ratio_p99": 1.5,
+            "kl_sampler_policy": 0.001 * stale + wobble / 100,
+            "explained_variance": None if g == 3 else -0.05 + 0.01 * g,  # a NaN stored as null
+            "critic_loss": 0.25, "response_length": 14.0 - 0.1 * g + wobble, "truncation_share": 0.0,
+            "grad_norm": 0.1 + wobble if policy else None, "skipped": False, "time": 0.5,
+        })  # fmt: skip
+    return out
+
+
+def _checks(arm: str, seed: int, k: int) -> dict:
     by_staleness = {
         str(s): {
             "steps": 2,
-            "masked_share": (0.002 * s + 0.001 * (seed % 3)) if arm == "dis" else 0.0,
+            "masked_share": 0.0 if arm == "none" else 0.002 * s + 0.001 * (seed % 3) + 0.0001 * k,
             "would_be_masked_share": 0.0026 * s + 0.0001 * (seed - 16),
-            "ratio_max_median": 1.0 + 1.7 * s,
+            "ratio_max_median": 1.0 + 1.7 * s + k,
         }
         for s in range(3)
     }
     return {
-        # a value the recipe could not compute (a run without warmup) must read "—", not "None"
+        # a value the runner could not compute (a run without warmup) must read "—", not "None"
         "critic_ev_warmup_end": None if (arm, seed) == ("none", 18) else -0.0421,
-        "critic_ev_last10": -0.0312,
-        "critic_loss_warmup_end": 0.2355,
-        "critic_loss_last10": 0.2593,
-        "grad_norm_mean": 0.1148,
-        "grad_norm_max": 0.3404,
-        "clip_bound_steps": 0,
-        "clip_ever_bound": False,
-        "nonfinite_tokens": 0.0,
-        "skipped_steps": 0,
-        "masked_share_by_staleness": by_staleness,
-        "masked_share_max": 0.0292 if arm == "dis" else 0.0,
-        "lag0_abs_log_ratio_mean": 3.2e-07,
-        "lag0_abs_log_ratio_max": 6.2e-06,
-        "reward_first10": 0.303,
-        "reward_last10": 0.468,
-        "response_length_last10": 13.84,
-        "truncation_share_last10": 0.0,
-    }
+        "critic_ev_last10": -0.0312, "critic_loss_warmup_end": 0.2355, "critic_loss_last10": 0.2593,
+        "grad_norm_mean": 0.1148, "grad_norm_max": 0.3404, "clip_bound_steps": 0, "clip_ever_bound": False,
+        "nonfinite_tokens": 0.0, "skipped_steps": 0, "masked_share_by_staleness": by_staleness,
+        "masked_share_max": 0.0 if arm == "none" else 0.0292, "lag0_abs_log_ratio_mean": 3.2e-07,
+        "lag0_abs_log_ratio_max": 6.2e-06, "reward_first10": 0.303 + 0.01 * k, "reward_last10": 0.468,
+        "response_length_last10": 13.84, "truncation_share_last10": 0.0,
+    }  # fmt: skip
 
 
-def _fold(first: float, last: float) -> dict:
-    return {"first": first, "last": last, "mean": (first + last) / 2, "max": last, "min": first, "n": POLICY_STEPS}
+def _fold(first: float | None, last: float | None) -> dict:
+    mean = None if first is None else (first + last) / 2
+    return {"first": first, "last": last, "mean": mean, "max": last, "min": first, "n": POLICY_STEPS}
 
 
 def _eval(label: str, pass_at_1: float, reply: str = "2+2=4\n#### 4") -> dict:
     return {
-        "label": label,
-        "pass_at_1": pass_at_1,
-        "samples": 4,
-        "mean_reply_tokens": 14.02,
-        "truncation_share": 0.0,
-        "seconds": 0.9,
+        "label": label, "pass_at_1": pass_at_1, "per_task": [1.0, 0.0], "task_ids": [0, 1], "samples": 4,
+        "temperature": 0.7, "seed": 123, "mean_reply_chars": 30.1, "mean_reply_tokens": 14.02 + pass_at_1,
+        "truncation_share": 0.0, "seconds": 0.9, "batch": 480, "oom_retries": 0,
         "examples": [
             {"question": "What is 2+2?", "reply": reply, "gold": "4", "correct": True},
             {"question": "What is 3-5?", "reply": "3-5=2\n#### 2", "gold": "-2", "correct": False},
+            {"question": "What is 1+1?", "reply": "#### 2", "gold": "2", "correct": True},
+            {"question": "What is 9-1?", "reply": "#### 8", "gold": "8", "correct": True},  # the fourth is not shown
         ],
-    }
+    }  # fmt: skip
 
 
-def _results() -> dict:
-    compare = {
-        "before": "none",
-        "after": "dis",
-        "delta": 0.012345,
-        "ci_low": -0.0211,
-        "ci_high": 0.04578,
-        "noise_floor": 0.13219,
-        "verdict": "unresolved",
-        "reason": "unresolved: delta +0.012, 95% interval [-0.021, +0.046] over 2 seeds covers 0.",
-        "unit": "seed",
-        "n": 2,
-        "before_mean": 0.49,
-        "after_mean": 0.5023,
-        "proxy_delta": -0.004,
-        "proxy_diverges": False,
-    }
-    vs_base = {
-        arm: {**compare, "delta": d, "ci_low": d - 0.05, "ci_high": d + 0.05, "before_mean": 0.41, "after_mean": a}
-        for arm, d, a in (("dis", 0.0923, 0.5023), ("none", 0.08, 0.49))
-    }
-    keys = ("reward_mean", "masked_share", "would_be_masked_share", "ratio_max", "explained_variance")
-    curves = {arm: {k: _fold(0.1, 0.2) for k in keys} for arm in ("dis", "none")}
-    curves["dis"]["kl_sampler_policy"] = _fold(0.0, 0.004)
-    curves["none"]["response_length"] = {"first": None, "last": None, "mean": None, "max": None, "min": None, "n": 0}
+def _comparison(after: str, before: str, k: int, *, verdict: str = "unresolved", floor: float | None = 0.13219) -> dict:
+    delta = 0.012345 + 0.01 * k if verdict != "improved" else 0.1234
+    half = 0.0334 if verdict != "improved" else 0.05
     return {
+        "before": before, "after": after, "delta": delta, "ci_low": delta - half, "ci_high": delta + half,
+        "noise_floor": floor, "verdict": verdict, "reason": f"{verdict}: delta {delta:+.3f} over 2 seeds (made up).",
+        "unit": "seed", "n": 2, "before_mean": 0.49, "after_mean": 0.49 + delta, "proxy_delta": -0.004 + 0.001 * k,
+        "proxy_diverges": False,
+    }  # fmt: skip
+
+
+def _experiment(lags: list[int], lrs: list[float], arms: list[str], *, base_evals: int) -> tuple[dict, list[dict]]:
+    """results.json and train_log.json of a finished run, every value derived from (cell, arm, seed)."""
+    cells, log, wall = [], [], {"train": {}, "eval": {}}
+    base = [_eval(f"base-{i}", 0.40 + 0.01 * i) for i in range(base_evals)]
+    floor = 0.13219 if base_evals >= 2 else None
+    for lr in lrs:
+        for lag in lags:
+            name = _name(lag, lr)
+            cell = {"name": name, "lag": lag, "lr": lr, "band": BAND, "arms": {}, "compare": {}, "vs_base": {}}
+            for a, arm in enumerate(arms):
+                k = len(cells) * 10 + a
+                passes = [round(0.48 + 0.003 * k + 0.02 * i, 4) for i in range(len(SEEDS))]
+                runs = {}
+                for seed in SEEDS:
+                    label = f"{arm}-s{seed}"
+                    collapsed = (name, arm, seed) == GRID_DIVERGED
+                    diverged = ["training reward collapsed 0.300 -> 0.100"] if collapsed else []
+                    runs[label] = {"seed": seed, "checks": _checks(arm, seed, k), "curves": {}, "diverged": diverged}
+                    log += _records(name, arm, seed, k)
+                    wall["train"][f"{name} {label}"] = 35.8 + k
+                    wall["eval"][f"{name} {label}"] = 0.9
+                curves = {key: _fold(0.1, 0.2 + 0.001 * k) for key in report.KEY_SERIES}
+                if arm == "none":
+                    curves["response_length"] = _fold(None, None)
+                mean = sum(passes) / len(passes)
+                cell["arms"][arm] = {
+                    "pass_at_1": passes, "pass_at_1_mean": mean, "pass_at_1_ci": [mean - 0.2123, mean + 0.2123],
+                    "evals": [_eval(f"{arm}-s{s}", p, reply="a|b\nc" if arm == "dis" else "2+2=4\n#### 4")
+                              for s, p in zip(SEEDS, passes, strict=True)],
+                    "curves": curves, "runs": runs,
+                }  # fmt: skip
+                if arm != "none":
+                    verdict = "improved" if (name == GRID_IMPROVED and arm == "dis") else "unresolved"
+                    cell["compare"][f"{arm}_vs_none"] = _comparison(arm, "none", k, verdict=verdict, floor=floor)
+                if base:
+                    cell["vs_base"][arm] = {**_comparison(arm, "base", k), "before_mean": 0.405}
+            cells.append(cell)
+    primary = {"cell": cells[-1]["name"], "comparison": "dis_vs_none"}
+    main = cells[-1]["compare"]["dis_vs_none"]
+    config = {"model": "tiny", "data": "tiny", "band": BAND, "lag": lags[0], "lr": lrs[0], "grad_clip": 1.0,
+              "base_evals": base_evals, "dead_band_share": 0.001, "train_runs": len(SEEDS)}  # fmt: skip
+    results = {
         "question": "Does masking tokens outside the IS band (dis) beat the plain ratio (none) on held-out pass@1?",
+        "command": "sao recipe --preset tiny --out runs/demo" if len(cells) == 1 else None,
         "versions": {"sao": "0.1.0", "python": "3.11.7", "torch": "2.4.0"},
-        "config": {"model": "tiny", "data": "tiny", "band": [0.7, 6.0], "lag": 4, "lr": 1e-3, "grad_clip": 1.0},
-        "data": {"source": "generated", "train": 480, "test": 120},
-        "evals": {
-            "base": [_eval("base-0", 0.40), _eval("base-1", 0.42)],
-            "dis": [_eval("dis-s17", 0.51, reply="a|b\nc"), _eval("dis-s18", 0.4946)],
-            "none": [_eval("none-s17", 0.48), _eval("none-s18", 0.50)],
+        "config": config,
+        "grid": {"lags": lags, "lrs": lrs, "bands": [BAND], "arms": arms},
+        "seeds": SEEDS,
+        "data": {"source": "generated:tiny-arithmetic", "train": 480, "test": 120, "train_contaminated": 0},
+        "base": {
+            "evals": base,
+            "pass_at_1": [e["pass_at_1"] for e in base],
+            "run_std": 0.0217 if floor else None,
+            "runs": base_evals if floor else None,
+            "noise_floor": floor,
         },
-        "pass_at_1": {"base": [0.40, 0.42], "dis": [0.51, 0.4946], "none": [0.48, 0.50]},
-        "noise_floor": {"base_pass_at_1": [0.40, 0.42], "run_std": 0.01414, "runs": 2, "floor": 0.13219},
-        "compare": compare,
-        "verdict": compare["verdict"],
-        "reason": compare["reason"],
-        "vs_base": vs_base,
-        "curves": curves,
-        "checks": {f"{arm}-s{seed}": _checks(arm, seed) for arm in ("dis", "none") for seed in SEEDS},
-        "warnings": ["[dis-s17] the band (0.7, 6.0) is dead at these settings"],
-        "wall_time": {"train": {"dis-s17": 35.8}, "eval": {"base-0": 0.9}, "train_total": 35.8, "eval_total": 0.9},
+        "cells": cells,
+        "primary": primary,
+        "verdict": main["verdict"],
+        "reason": main["reason"],
+        "warnings": [DEAD_BAND_WARNING] if len(cells) == 1 else [],
+        "wall_time": {**wall, "train_total": 321.0, "eval_total": 9.5, "compute_total": 330.5, "this_invocation": 12.0},
     }
+    return results, log
 
 
-def _write_experiment(folder: Path) -> Path:
+def _one_cell() -> tuple[dict, list[dict]]:
+    return _experiment([4], [1e-3], ["dis", "none"], base_evals=3)
+
+
+def _grid() -> tuple[dict, list[dict]]:
+    return _experiment([1, 4], [1e-3, 3e-3], ["dis", "none", "tis"], base_evals=0)
+
+
+EXPERIMENTS = {"one_cell": _one_cell, "grid": _grid}
+
+
+def _write_folder(folder: Path, experiment: tuple[dict, list[dict]]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "results.json").write_text(json.dumps(_results(), indent=1))
-    (folder / "train_log.json").write_text(json.dumps(_records(), indent=1))
+    results, log = experiment
+    (folder / "results.json").write_text(json.dumps(results, indent=1))
+    (folder / "train_log.json").write_text(json.dumps(log))
     return folder
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory) -> tuple[Path, str]:
-    folder = _write_experiment(tmp_path_factory.mktemp("experiment"))
-    path = report.write_report(folder)
+@pytest.fixture(scope="module", params=sorted(EXPERIMENTS))
+def built(request, tmp_path_factory) -> tuple[str, Path, str]:
+    folder = _write_folder(tmp_path_factory.mktemp(request.param), EXPERIMENTS[request.param]())
+    path = report.write(folder)
     assert path == folder / "report.md"
-    return folder, path.read_text(encoding="utf-8")
+    return request.param, folder, path.read_text(encoding="utf-8")
 
 
-def _row(text: str, first_cell: str) -> list[str]:
-    """The cells of the markdown table row whose first cell is ``first_cell``."""
-    for line in text.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-        if line.startswith("|") and cells[0] == first_cell:
-            return cells
-    raise AssertionError(f"no table row {first_cell!r}")
+def _rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in text.splitlines() if line[:1] == "|"]
+
+
+def _row(text: str, *first: str) -> list[str]:
+    """The cells of the one table row that starts with the cells ``first``."""
+    found = [r for r in _rows(text) if r[: len(first)] == list(first)]
+    assert len(found) == 1, f"{len(found)} table rows start with {first}"
+    return found[0]
+
+
+def _section(text: str, heading: str) -> str:
+    return text.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
 
 
 @pytest.mark.parametrize("stem", PLOTS)
 def test_every_plot_is_a_real_png_and_is_linked(built, stem):
-    folder, text = built
-    assert_png_linked(folder, text, stem, min_bytes=10_000)
+    _, folder, text = built
+    assert_png_linked(folder, text, stem, min_bytes=5_000)
 
 
-def test_report_states_the_verdict_reason_and_the_numbers(built):
-    _, text = built
-    c = _results()["compare"]
-    assert "**unresolved**" in text
-    assert c["reason"] in text
-    assert f"{c['delta']:+.4f}" == "+0.0123"  # the format the page promises, spelled out once
-    assert _row(text, "delta")[1] == f"{c['delta']:+.4f}"
-    assert _row(text, "95% interval")[1] == f"[{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]"
-    assert _row(text, "noise floor")[1] == f"±{c['noise_floor']:.4f}"
-    assert _row(text, "unit, n")[1] == "seed, 2"
-    assert _row(text, "proxy delta (training reward, last 10 steps)")[1] == "-0.0040"
-    assert _row(text, "dis-s18")[1] == "0.4946"
-    assert _row(text, "**base mean**")[1] == "**0.4100**"
+def test_the_verdict_and_every_comparison_read_as_results_json_holds_them(built):
+    kind, _, text = built
+    results, _ = EXPERIMENTS[kind]()
+    assert f"## Verdict: **{results['verdict']}**" in text
+    assert results["reason"] in _section(text, "Verdict")
+    for cell in results["cells"]:
+        for key, c in cell["compare"].items():
+            primary = results["primary"] == {"cell": cell["name"], "comparison": key}
+            name = f"{c['after']} − none" + (" (primary)" if primary else "")
+            verdict = f"**{c['verdict']}**" if c["verdict"] == "improved" else c["verdict"]
+            floor = f"±{fmt_share(c['noise_floor'])}" if c["noise_floor"] is not None else "±—"
+            assert _row(text, cell["name"], name, fmt_share(c["before_mean"]))[3:] == [
+                fmt_share(c["after_mean"]), fmt_signed(c["delta"]), fmt_interval(c["ci_low"], c["ci_high"]), floor,
+                "seed (2)", verdict,
+            ]  # fmt: skip
+            assert f"- {cell['name']}, {name}: {c['reason']}" in text
+            assert _row(text, cell["name"], name, fmt_signed(c["proxy_delta"]))[3] == "no"
+    assert fmt_signed(0.012345) == "+0.0123"  # the format the page promises, spelled out once
 
 
-def test_masked_share_by_staleness_is_the_mean_over_seeds(built):
-    _, text = built
-    results = _results()
-    row = _row(text, "2")  # staleness 2
-    dis = [results["checks"][f"dis-s{s}"]["masked_share_by_staleness"]["2"]["masked_share"] for s in SEEDS]
-    none = [results["checks"][f"none-s{s}"]["masked_share_by_staleness"]["2"]["would_be_masked_share"] for s in SEEDS]
-    assert row[2] == f"{sum(dis) / 2:.4f}"
-    assert row[4] == f"{sum(none) / 2:.4f}"
-    assert results["warnings"][0] in text
+def test_pass_at_1_per_cell_and_arm_with_seeds_and_divergence(built):
+    kind, _, text = built
+    results, _ = EXPERIMENTS[kind]()
+    for cell in results["cells"]:
+        for arm, a in cell["arms"].items():
+            flags = [(cell["name"], arm, s) == GRID_DIVERGED for s in SEEDS]
+            per_seed = ", ".join(fmt_share(v) + ("†" if f else "") for v, f in zip(a["pass_at_1"], flags, strict=True))
+            tokens = sum(e["mean_reply_tokens"] for e in a["evals"]) / len(a["evals"])
+            row = _row(text, cell["name"], arm, fmt_share(a["pass_at_1_mean"]))
+            lo, hi = a["pass_at_1_ci"]
+            assert row[3:7] == [f"[{fmt_share(lo)}, {fmt_share(hi)}]", per_seed, fmt(tokens), "0.0000"]
+            assert row[7] == f"{sum(flags)}/2" + (" [d1]" if any(flags) else "")
+    if kind == "grid":
+        assert "- [d1] lag4-lr0.003-band0.7-6, none: none-s18: training reward collapsed 0.300 -> 0.100" in text
+        assert "results.json holds no base eval, so no noise floor." in text
+    else:
+        assert _row(text, "base-1")[1:] == ["0.4100", fmt(14.43), "0.0000"]
+        assert _row(text, "**base mean**")[1] == "**0.4100**"
+        assert "run_std 0.0217 over 3 runs gives the noise floor ±0.1322" in text
+        assert "No run diverged." in text
+
+
+def test_each_arm_against_the_base(built):
+    kind, _, text = built
+    results, _ = EXPERIMENTS[kind]()
+    section = _section(text, "Each arm against the base")
+    if kind == "grid":
+        assert "holds no comparison with the base" in section
+        return
+    cell = results["cells"][0]
+    for arm, c in cell["vs_base"].items():
+        assert _row(section, cell["name"], arm)[2:] == [
+            "0.4050", fmt_share(c["after_mean"]), fmt_signed(c["delta"]), fmt_interval(c["ci_low"], c["ci_high"]),
+            f"±{fmt_share(c['noise_floor'])}", "seed (2)", c["verdict"],
+        ]  # fmt: skip
+        assert f"- {cell['name']}, {arm}: {c['reason']}" in section
+
+
+def test_reachability_reads_the_curves_and_averages_staleness_over_seeds(built):
+    kind, _, text = built
+    results, _ = EXPERIMENTS[kind]()
+    section = _section(text, "Reachability")
+    for cell in results["cells"]:
+        arms = list(cell["arms"])
+        for arm in arms:
+            curves = cell["arms"][arm]["curves"]
+            row = _row(section, cell["name"], arm)
+            assert row[3] == fmt_share(curves["masked_share"]["max"])
+            assert row[7:9] == [fmt(curves["kl_sampler_policy"]["mean"]), fmt(curves["kl_sampler_policy"]["max"])]
+        row = _row(section, cell["name"], "2")  # staleness 2
+        for i, arm in enumerate(arms):
+            key = "would_be_masked_share" if arm == "none" else "masked_share"
+            runs = cell["arms"][arm]["runs"].values()
+            values = [r["checks"]["masked_share_by_staleness"]["2"][key] for r in runs]
+            assert row[3 + 2 * i] == fmt_share(sum(values) / len(values))
+    if kind == "grid":
+        assert "No reachability warning was raised during training." in section
+    else:
+        assert "> [dis-s17] the band (0.7, 6.0) is dead at these settings: &lt;0.1% masked" in section
+
+
+def test_checks_curves_wall_time_and_configuration(built):
+    kind, _, text = built
+    results, _ = EXPERIMENTS[kind]()
+    cell = results["cells"][-1]
+    header = _row(text, "cell", "run")
+    row = _row(text, cell["name"], "dis-s17")
+    assert row[header.index("critic loss, warmup end → last 10")] == "0.2355 → 0.2593"
+    assert row[header.index("clip at 1.0 ever bound")] == "no"
+    assert row[header.index("non-finite tokens")] == "0"
+    assert row[header.index("lag-0 \\|log ratio\\| max")] == "6.2e-06"
+    fold = cell["arms"]["dis"]["curves"]["reward_mean"]
+    expected = [fmt_share(fold[k]) for k in ("first", "last", "mean", "max", "min")]
+    assert _row(text, "reward_mean", cell["name"], "dis")[3:] == [*expected, "6"]
+    seconds = results["wall_time"]["train"][f"{cell['name']} dis-s17"]
+    assert _row(text, f"train {cell['name']} dis-s17")[1] == f"{seconds:.1f} s"
+    assert _row(text, "**compute, total**")[1] == "330 s (5.5 min)"
+    assert _row(text, "train_runs")[1] == "2" and _row(text, "torch")[1] == "2.4.0"
+    assert "Data: source generated:tiny-arithmetic, train 480, test 120, train_contaminated 0." in text
+    assert (len(results["cells"]) > 1) == ("| lag |" not in _section(text, "Configuration"))
 
 
 def test_missing_values_render_as_a_dash(built):
-    _, text = built
-    row = _row(text, "critic EV at warmup end")
-    labels = _row(text, "check")[1:]
-    assert row[1 + labels.index("none-s18")] == "—"
-    assert row[1 + labels.index("dis-s17")] == "-0.0421"
-    assert _row(text, "response_length")[2:7] == ["—"] * 5
+    _, _, text = built
+    header = _row(text, "cell", "run")
+    for line in (r for r in _rows(text) if len(r) == len(header) and r[1] == "none-s18"):
+        assert line[header.index("critic EV at warmup end")] == "—"
+    for row in (r for r in _rows(text) if r[0] == "response_length" and r[2] == "none"):
+        assert row[3:8] == ["—"] * 5
     assert "None" not in text and "nan" not in text.lower()
 
 
-def test_example_replies_are_escaped_for_a_table(built):
-    _, text = built
-    assert "a\\|b<br>c" in text
-    assert "2+2=4<br>#### 4" in text
+def test_the_summary_is_written_from_the_verdicts_for_a_grid_only(built):
+    kind, _, text = built
+    if kind == "one_cell":
+        assert "**Summary**" not in text
+        return
+    summary = next(line for line in text.splitlines() if line.startswith("**Summary**"))
+    assert "1 of 8 comparisons separated: dis − none improved at lag 4, lr 0.003, band (0.7, 6.0) (+0.1234" in summary
+    assert "`none` diverged in a seed of 1 of 4 cells: lag 4, lr 0.003, band (0.7, 6.0) (1/2)." in summary
+    assert "no correction for multiple comparisons across the 8 comparisons" in text
 
 
-def test_rebuilding_gives_the_same_page(built):
-    folder, text = built
-    assert report.write_report(folder).read_text(encoding="utf-8") == text
+def test_the_command_is_shown_only_when_recorded(built):
+    kind, _, text = built
+    results, _ = EXPERIMENTS[kind]()
+    if results["command"]:
+        assert f"```\n{results['command']}\n```" in text
+    else:
+        assert "```" not in text and "Regenerate" not in text
 
 
-def test_a_missing_results_file_is_a_data_error(tmp_path):
-    folder = _write_experiment(tmp_path / "x")
-    (folder / "results.json").unlink()
-    with pytest.raises(DataError, match=r"results\.json is missing"):
-        report.write_report(folder)
-    assert not (folder / "report.md").exists()
+def test_example_replies_are_escaped_and_three_per_model(built):
+    kind, _, text = built
+    results, _ = EXPERIMENTS[kind]()
+    section = _section(text, "Example eval replies")
+    assert "a\\|b<br>c" in section and "2+2=4<br>#### 4" in section
+    labels = [row[0] for row in _rows(section)[2:]]
+    first = [e[0]["label"] for e in ([results["base"]["evals"]] if results["base"]["evals"] else [])]
+    first += [arm["evals"][0]["label"] for arm in results["cells"][0]["arms"].values()]
+    assert labels == [label for label in first for _ in range(3)]
+
+
+def test_rebuilding_gives_the_same_page_and_plots(built):
+    _, folder, text = built
+    pngs = {stem: (folder / "plots" / f"{stem}.png").read_bytes() for stem in PLOTS}
+    assert report.write(folder).read_text(encoding="utf-8") == text
+    assert {stem: (folder / "plots" / f"{stem}.png").read_bytes() for stem in PLOTS} == pngs
+    assert report.render(*report.load(folder)) == text
+
+
+def _malformed(edit) -> tuple[dict, list[dict]]:
+    results, log = copy.deepcopy(_one_cell())
+    edit(results, log)
+    return results, log
 
 
 @pytest.mark.parametrize(
     "name, content, match",
     [
-        ("train_log.json", None, "missing"),
-        ("results.json", "{not json", "not readable JSON"),
-        ("results.json", "[1, 2]", "JSON dict"),
-        ("results.json", '{"verdict": "flat"}', "lacks 'compare'"),
-        ("train_log.json", '[{"arm": "dis"}]', "record 0 lacks"),
+        ("results.json", None, r"results\.json is missing"),
+        ("train_log.json", None, r"train_log\.json is missing"),
+        ("results.json", "{not json", r"results\.json is not readable JSON"),
+        ("train_log.json", "", r"train_log\.json is not readable JSON"),
+        ("results.json", "[1, 2]", r"results\.json: the top level should be a JSON object \(found: list\)"),
+        ("train_log.json", "{}", r"train_log\.json: the top level should be a JSON list \(found: object\)"),
+        ("results.json", '{"verdict": "flat", "config": {}}', r"results\.json lacks 'cells'"),
+        ("results.json", '{"verdict": "flat", "config": {}, "cells": []}', r"results\.json holds no cell"),
+        (None, lambda r, _: r["cells"][0]["arms"]["dis"].update(curves=[1, 2]),
+         r"results\.json: cells\[0\]\.arms\.dis\.curves should be a JSON object \(found: list\)"),
+        (None, lambda r, _: r["cells"][0].update(band=[0.7]), r"cells\[0\]\.band should be a two-number list"),
+        (None, lambda r, _: r["cells"][0]["compare"].update(dis_vs_none="flat"), r"compare\.dis_vs_none should be"),
+        (None, lambda r, _: r["base"].update(evals={}), r"base\.evals should be a JSON list"),
+        (None, lambda _, log: log[3].pop("cell"), r"train_log\.json lacks '\[3\]\.cell'"),
+        (None, lambda _, log: log[0].update(step="one"), r"train_log\.json: \[0\]\.step should be a number"),
     ],
-)
-def test_malformed_input_is_a_one_line_data_error(tmp_path, name, content, match):
-    folder = _write_experiment(tmp_path / "x")
-    if content is None:
-        (folder / name).unlink()
+)  # fmt: skip
+def test_malformed_input_is_a_one_line_data_error_naming_the_file(tmp_path, name, content, match):
+    if name is None:
+        folder = _write_folder(tmp_path / "x", _malformed(content))
     else:
-        (folder / name).write_text(content)
+        folder = _write_folder(tmp_path / "x", _one_cell())
+        (folder / name).unlink() if content is None else (folder / name).write_text(content)
     with pytest.raises(DataError, match=match) as error:
-        report.write_report(folder)
-    assert "\n" not in str(error.value)
+        report.write(folder)
+    assert "\n" not in str(error.value) and str(folder) in str(error.value)
+    assert not (folder / "report.md").exists() and not (folder / "plots").exists()
+
+
+def test_render_checks_its_input_too():
+    results, log = _malformed(lambda r, _: r["cells"][0]["arms"]["none"]["runs"]["none-s17"].update(checks=[]))
+    with pytest.raises(DataError, match=r"results\.json: cells\[0\]\.arms\.none\.runs\.none-s17\.checks should be"):
+        report.render(results, log)
+
+
+def _nulled(value, key=None):
+    """Every number set to null (NaN is stored as null), except the ones that place a cell or a step."""
+    if key in ("lag", "lr", "band", "step", "seed"):
+        return value
+    if isinstance(value, dict):
+        return {k: _nulled(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nulled(v) for v in value]
+    return None if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def test_a_run_whose_every_number_is_null_still_renders(tmp_path):
+    results, log = _one_cell()
+    text = report.write(_write_folder(tmp_path / "x", (_nulled(results), _nulled(log)))).read_text(encoding="utf-8")
+    assert_png_linked(tmp_path / "x", text, "evals", min_bytes=5_000)
+    row = _row(_section(text, "Verdict"), "lag4-lr0.001-band0.7-6", "dis − none (primary)", "—", "—")
+    assert row[4:7] == ["—", "[—, —]", "±—"]
+    grid = report.render(*map(_nulled, _grid()))
+    assert "None" not in text + grid and "nan" not in (text + grid).lower()
 
 
 def test_formatting_helpers():
-    assert report.fmt(None) == report.fmt(float("nan")) == "—"
-    assert report.fmt(6.0) == "6.0" and report.fmt(0.123456) == "0.1235" and report.fmt(3) == "3"
-    assert report.fmt(True) == "yes" and report.fmt([0.7, 6.0]) == "(0.7, 6.0)"
-    assert report.fmt_share(0.0123) == "0.0123" and report.fmt_share(3e-6) == "3.0e-06"
-    assert report.fmt_signed(-0.00404) == "-0.0040"
+    assert fmt(None) == fmt(float("nan")) == "—"
+    assert fmt(6.0) == "6.0" and fmt(0.123456) == "0.1235" and fmt(3) == "3"
+    assert fmt(True) == "yes" and fmt([0.7, 6.0]) == "(0.7, 6.0)"
+    assert fmt_share(0.0123) == "0.0123" and fmt_share(3e-6) == "3.0e-06" and fmt_share("x") == "—"
+    assert fmt_signed(-0.00404) == "-0.0040" and fmt_interval(None, 0.5) == "[—, +0.5000]"
+    assert report.fmt_count(2.0) == "2" and report.fmt_seconds(150) == "150 s (2.5 min)"
+
+
+def test_the_module_imports_only_the_standard_library_sao_core_and_matplotlib_lazily():
+    tree = ast.parse(Path(report.__file__).read_text(encoding="utf-8"))
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    anywhere = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+    def roots(nodes):
+        return {(n.module if isinstance(n, ast.ImportFrom) else a.name) for n in nodes for a in n.names}
+
+    stdlib = sys.stdlib_module_names | {"__future__"}
+    assert {m for m in roots(top) if m.split(".")[0] not in stdlib} == {"sao.core.errors"}  # no matplotlib at import
+    lazy = {m for m in roots(anywhere) - roots(top)}
+    assert lazy and all(m.startswith("matplotlib") for m in lazy)

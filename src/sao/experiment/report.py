@@ -1,15 +1,15 @@
-"""report.md and plots/ for one experiment folder, built from its results.json and train_log.json alone.
+"""report.md and plots/ for one experiment folder — a `sao recipe` or a `sao sweep` — from its JSON alone.
 
-The recipe writes every number into JSON; this module only lays those numbers out for a reader: seven
-plots (training reward, masked share by staleness, worst ratio against the band, critic explained variance,
-response length, sampler–policy KL, and the evals with the paired delta) and a markdown page that states the
-verdict in words and shows the tables behind it. Nothing is computed here that could disagree with
-results.json: the verdict, the interval, the floor and every check are read, not recomputed; the only
-arithmetic is averaging over seeds for display. Rebuilding from the same JSON gives the same report.md.
+A recipe is a one-cell sweep, so one page serves both: a cell is one (lag, lr, band) setting; in every cell each
+arm trains with the same seeds and is compared with the baseline ``none`` (and with the untrained base). The
+module only lays out what results.json and train_log.json hold: four plots (training reward, masked share by
+staleness, the worst ratio against the band, pass@1 with the paired deltas), one small panel per cell, and a
+page that states the verdict in words with the tables behind it. Verdicts, intervals, floors, folds and checks
+are read, never recomputed; the only arithmetic is averaging over seeds for display, and counting.
 
-Deliberately left out: statistics (``sao.stats`` owns them), any judgement beyond the verdict the recipe
-wrote, and HTML output. This module needs only matplotlib: it imports nothing from the training side (recipe,
-trainer, io), so rebuilding a page never loads a model.
+Deliberately left out: statistics (``sao.core.stats`` owns them), correction for multiple comparisons (the page
+says each interval is its own), judgement beyond the recorded verdicts, HTML, and imports above ``sao.core``:
+matplotlib loads only when plots are drawn; no torch (``sao.core.io`` imports it, hence the own atomic write).
 """
 
 from __future__ import annotations
@@ -21,57 +21,45 @@ import math
 import os
 import statistics
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from matplotlib.figure import Figure
-from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+from sao.core.errors import DataError
 
-from sao.errors import DataError
-
-ARMS = ("dis", "none")  # the recipe arm, then the baseline (delta = dis − none)
+BASELINE = "none"  # every other arm is compared against it
 POLICY = "policy"  # the phase of a policy step; anything else is the critic-only warmup
-COLORS = {"dis": "#1f6fb4", "none": "#e0700f", "base": "#808080"}
-ARM_NAMES = {"dis": "dis (recipe: mask outside band)", "none": "none (baseline: plain ratio)"}
-PLOTS = {  # file stem → caption in report.md
-    "reward": "Training reward per step (thin: each seed; thick: mean over seeds; grey: critic warmup).",
-    "masked_share": "Masked share by staleness (left) and per step (right): recipe masked vs baseline would-be.",
-    "ratio_max": "Largest current/sampler probability ratio per step, log scale; dashed: the band edges.",
-    "explained_variance": "Critic explained variance of the per-token return per step.",
-    "response_length": "Mean response length (tokens) per step.",
-    "kl": "KL(sampler ‖ policy) per step (k3 estimate over generated tokens).",
-    "evals": "Held-out pass@1 (left) and the paired deltas with 95% intervals against the noise floor (right).",
+COLORS = {"dis": "#1f6fb4", "none": "#e0700f", "tis": "#2a9d3f", "seqmask": "#8e44ad", "base": "#808080"}
+SPARE_COLORS = ("#17becf", "#bcbd22", "#e377c2", "#8c564b")  # any further arm, in grid order
+SEPARATED = ("improved", "regressed")
+PLOTS = {  # file stem → caption in report.md; every plot has one panel per cell but the last
+    "reward": "Training reward per step (thin: each seed; thick: the mean over seeds; grey: the critic warmup).",
+    "masked_share": "Masked share by staleness, mean over seeds (hatched: what the band would have masked on `none`).",
+    "ratio_max": "Largest trainer/sampler ratio per step, log scale (thick: mean over seeds); dashed: the band edges.",
+    "evals": "pass@1 per cell and arm with its 95% interval (dots: seeds, ×: diverged; grey: base mean ± noise "
+    "floor), and each arm's paired delta against `none` with its 95% interval (shaded: ± noise floor).",
 }
-KEY_SERIES = (
-    "reward_mean",
-    "masked_share",
-    "would_be_masked_share",
-    "ratio_max",
-    "explained_variance",
-    "response_length",
-    "kl_sampler_policy",
-)
+KEY_SERIES = ("reward_mean", "masked_share", "would_be_masked_share", "ratio_max", "explained_variance",
+              "response_length", "kl_sampler_policy")  # fmt: skip
 SHARE_SERIES = {"reward_mean", "masked_share", "would_be_masked_share"}
-CONFIG_KEYS = (
-    "model", "data", "band", "lag", "lr", "critic_lr", "steps", "critic_warmup", "critic_steps", "batch_size",
-    "train_runs", "seed", "base_evals", "eval_samples", "eval_temperature", "temperature", "max_new_tokens",
-    "grad_clip", "lora_rank", "lora_alpha", "gae_alpha", "dead_band_share", "engine",
-)  # fmt: skip
+CONFIG_KEYS = ("model", "data", "band", "lag", "lr", "critic_lr", "steps", "critic_warmup", "critic_steps",
+               "batch_size", "train_runs", "seed", "base_evals", "eval_samples", "eval_temperature", "temperature",
+               "max_new_tokens", "grad_clip", "lora_rank", "lora_alpha", "gae_alpha", "dead_band_share", "tis_cap",
+               "engine")  # fmt: skip
+WALL_TOTALS = {"train_total": "**train, total**", "eval_total": "**eval, total**",
+               "compute_total": "**compute, total**", "this_invocation": "this invocation"}  # fmt: skip
 EXAMPLES_PER_MODEL = 3
 DASH = "—"
-DPI = 120
-
 
 # ---------------------------------------------------------------------------------------------------------
 # Formatting: every number in report.md goes through one of these.
 
 
-def _num(x: Any) -> float | None:
-    """A finite float, or None for anything else (None, NaN, bool, text)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    return float(x) if math.isfinite(x) else None
+def _num(x: Any, missing: float | None = None) -> float | None:
+    """A finite float, or ``missing`` for anything else (None, NaN, bool, text); plots pass NaN: a gap."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        return missing
+    return float(x)
 
 
 def fmt(x: Any) -> str:
@@ -104,11 +92,6 @@ def fmt_share(x: Any) -> str:
     return f"{v:.1e}" if v != 0 and abs(v) < 5e-5 else f"{v:.4f}"
 
 
-def _share_pct(x: Any) -> str:
-    v = _num(x)
-    return DASH if v is None else f"{fmt_share(v)} ({v:.2%})"
-
-
 def fmt_signed(x: Any) -> str:
     """A delta of pass@1 with its sign, e.g. +0.0604."""
     v = _num(x)
@@ -126,72 +109,35 @@ def fmt_seconds(x: Any) -> str:
     return f"{v:.1f} s" if v < 120 else f"{v:.0f} s ({v / 60:.1f} min)"
 
 
+def _share_pct(x: Any) -> str:
+    v = _num(x)
+    return DASH if v is None else f"{fmt_share(v)} ({v:.2%})"
+
+
 def _cell(x: Any) -> str:
     """Text made safe for one markdown table cell."""
     text = str(x).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
     return text.replace("\r\n", "\n").replace("\n", "<br>")
 
 
-def _table(header: list[str], rows: Iterable[list[str]], *, numeric: bool = True) -> list[str]:
-    """A markdown table; after the first column, cells align right (``numeric``) or left (text)."""
-    rule = [":---"] + ["---:" if numeric else ":---"] * (len(header) - 1)
+def _text(x: Any) -> str:
+    """Text made safe for a markdown paragraph or list item (no HTML, one line)."""
+    return " ".join(str(x).replace("&", "&amp;").replace("<", "&lt;").split())
+
+
+def _table(header: list[str], rows: Iterable[list[str]], text: int = 2) -> list[str]:
+    """A markdown table: the first ``text`` columns align left, the numbers after them right."""
+    rule = [":---" if i < text else "---:" for i in range(len(header))]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return [*lines, ""]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Reading the experiment.
-
-
-def _read(path: Path, kind: type) -> Any:
-    if not path.is_file():
-        raise DataError(f"{path} is missing: run `sao recipe` into this folder first")
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{path} is not readable JSON ({e.__class__.__name__}: {e})".splitlines()[0]) from None
-    if not isinstance(value, kind):
-        raise DataError(f"{path} should hold a JSON {kind.__name__}, found {type(value).__name__}")
-    return value
-
-
-def load(out_dir: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(results, train_log) of an experiment folder, checked for the fields the report cannot do without."""
-    out = Path(out_dir)
-    results = _read(out / "results.json", dict)
-    log = _read(out / "train_log.json", list)
-    for key, kind in (("verdict", str), ("compare", dict), ("pass_at_1", dict), ("config", dict)):
-        if not isinstance(results.get(key), kind):
-            raise DataError(f"{out / 'results.json'} lacks '{key}' (a {kind.__name__}): not a sao results file")
-    for i, r in enumerate(log):
-        if not (isinstance(r, dict) and all(k in r for k in ("arm", "seed", "step", "phase"))):
-            raise DataError(f"{out / 'train_log.json'} record {i} lacks arm/seed/step/phase: not a sao train log")
-    return results, log
-
-
-def _arms(names: Iterable[str]) -> list[str]:
-    present = set(names)
-    return [a for a in ARMS if a in present] + sorted(present - set(ARMS))
-
-
-def _runs(log: list[dict[str, Any]]) -> dict[str, dict[int, list[dict[str, Any]]]]:
-    """arm → seed → that run's records in step order."""
-    out: dict[str, dict[int, list[dict[str, Any]]]] = {}
-    for arm in _arms(r["arm"] for r in log):
-        seeds = sorted({r["seed"] for r in log if r["arm"] == arm})
-        out[arm] = {
-            s: sorted((r for r in log if r["arm"] == arm and r["seed"] == s), key=lambda r: r["step"]) for s in seeds
-        }
-    return out
+    return [*lines, *("| " + " | ".join(row) + " |" for row in rows), ""]
 
 
 def _plural(n: Any, word: str) -> str:
     return f"{fmt_count(n)} {word}{'' if _num(n) == 1 else 's'}"
 
 
-def _label(arm: str, seed: int) -> str:
-    return f"{arm}-s{seed}"
+def _join(items: list[str]) -> str:
+    return "; ".join(items[:-1]) + "; and " + items[-1] if len(items) > 1 else "".join(items)
 
 
 def _mean(values: Iterable[Any]) -> float | None:
@@ -199,448 +145,537 @@ def _mean(values: Iterable[Any]) -> float | None:
     return statistics.fmean(vals) if vals else None
 
 
-def _color(arm: str) -> str:
-    return COLORS.get(arm, "#444444")
+def _pair(x: Any) -> tuple[float | None, float | None]:
+    return (_num(x[0]), _num(x[1])) if isinstance(x, list) and len(x) == 2 else (None, None)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Plots.
+# Reading and checking the folder. A schema is a type, a (test, words) pair, a dict (a JSON object whose
+# listed keys, where present and not null, have that shape; "key!" is required; "*" is every value) or a
+# one-item list (a JSON list of that shape).
+
+NUMBER = (lambda v: _num(v) is not None, "a number")
+BAND = (lambda v: isinstance(v, list) and len(v) == 2 and all(_num(x) is not None for x in v), "a two-number list")
+EVAL = {"examples": [{}]}
+FOLDS = {"*": {}}  # series → {"first", "last", "mean", "max", "min", "n"}
+RUN = {"checks": {"masked_share_by_staleness": {"*": {}}}, "curves": FOLDS, "diverged": list}
+ARM = {"pass_at_1": list, "pass_at_1_ci": list, "evals": [EVAL], "curves": FOLDS, "runs": {"*": RUN}}
+CELL = {"name!": str, "lag!": NUMBER, "lr!": NUMBER, "band!": BAND, "arms!": {"*": ARM}, "compare": {"*": {}},
+        "vs_base": {"*": {}}}  # fmt: skip
+RESULTS = {"config!": {}, "verdict!": str, "cells!": [CELL], "grid": {}, "seeds": list, "data": {}, "versions": {},
+           "base": {"evals": [EVAL], "pass_at_1": list}, "primary": {}, "warnings": list,
+           "wall_time": {"train": {}, "eval": {}}}  # fmt: skip
+RECORD = {"cell!": str, "arm!": str, "seed!": NUMBER, "step!": NUMBER, "phase!": str}
+JSON_NAMES = {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}
 
 
-def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    ys = [_num(r.get(key)) for r in rows]
-    return [r["step"] for r in rows], [math.nan if y is None else y for y in ys]
+def _check(value: Any, schema: Any, where: str, path: Any) -> None:
+    if isinstance(schema, tuple):
+        ok, want = schema[0](value), schema[1]
+    else:
+        kind = dict if isinstance(schema, dict) else list if isinstance(schema, list) else schema
+        ok, want = isinstance(value, kind), f"a JSON {JSON_NAMES[kind]}"
+    if not ok:
+        found = JSON_NAMES.get(type(value), "number" if isinstance(value, (int, float)) else type(value).__name__)
+        raise DataError(f"{path}: {where or 'the top level'} should be {want} (found: {found}); not a sao file")
+    if isinstance(schema, list):
+        for i, item in enumerate(value):
+            _check(item, schema[0], f"{where}[{i}]", path)
+    elif isinstance(schema, dict):
+        for key, sub in schema.items():
+            items = value.items() if key == "*" else [(key.rstrip("!"), value.get(key.rstrip("!")))]
+            for name, v in items:
+                here = f"{where}.{name}" if where else str(name)
+                if v is not None:
+                    _check(v, sub, here, path)
+                elif key.endswith("!"):
+                    raise DataError(f"{path} lacks '{here}': not a sao file")
 
 
-def _seed_mean(seeds: dict[int, list[dict[str, Any]]], key: str) -> tuple[list[int], list[float]]:
-    by_step: dict[int, list[Any]] = {}
-    for rows in seeds.values():
-        for r in rows:
-            by_step.setdefault(r["step"], []).append(r.get(key))
-    steps = sorted(by_step)
-    means = [_mean(by_step[s]) for s in steps]
-    return steps, [math.nan if m is None else m for m in means]
+def _validate(results: Any, log: Any, results_path: Any, log_path: Any) -> None:
+    _check(results, RESULTS, "", results_path)
+    if not results["cells"]:
+        raise DataError(f"{results_path} holds no cell: not a finished sao run")
+    _check(log, [RECORD], "", log_path)
 
 
-def _shade_warmup(ax, log: list[dict[str, Any]]) -> None:
-    steps = [r["step"] for r in log if r["phase"] != POLICY]
-    if steps:
-        ax.axvspan(min(steps) - 0.5, max(steps) + 0.5, color="0.88", zorder=0, label="critic warmup (no policy step)")
+def load(out_dir: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(results, train_log) of an experiment folder, checked for the shape the report relies on."""
+    paths, loaded = (Path(out_dir) / "results.json", Path(out_dir) / "train_log.json"), []
+    for path in paths:
+        if not path.is_file():
+            raise DataError(f"{path} is missing: run `sao recipe` or `sao sweep` into this folder first")
+        try:
+            loaded.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataError(f"{path} is not readable JSON ({e.__class__.__name__}: {e})".splitlines()[0]) from None
+    _validate(*loaded, *paths)
+    return loaded[0], loaded[1]
 
 
-def _plot_steps(ax, runs, log, key: str | Callable[[str], str], *, name: Callable[[str], str] | None = None) -> None:
-    """Each seed a thin line, each arm's mean over seeds a thick one; ``key`` may depend on the arm."""
-    _shade_warmup(ax, log)
-    for arm, seeds in runs.items():
-        k = key(arm) if callable(key) else key
-        label = name(arm) if name else ARM_NAMES.get(arm, arm)
-        if len(seeds) > 1:
-            for i, rows in enumerate(seeds.values()):
-                xs, ys = _series(rows, k)
-                ax.plot(xs, ys, color=_color(arm), lw=0.8, alpha=0.45, label=f"{arm}: each seed" if i == 0 else None)
-            label += f", mean of {len(seeds)} seeds"
-        else:
-            label += f", seed {next(iter(seeds))}"
-        xs, ys = _seed_mean(seeds, k)
-        ax.plot(xs, ys, color=_color(arm), lw=2.2, label=label, marker="o" if len(xs) <= 12 else None, ms=3)
-    ax.set_xlabel("step (critic warmup first, then policy steps)")
-    ax.grid(alpha=0.3)
+def _arms(results: dict[str, Any]) -> list[str]:
+    """The arms in the grid's order, then any other arm a cell holds."""
+    seen = [a for a in (results.get("grid") or {}).get("arms") or [] if isinstance(a, str)]
+    return list(dict.fromkeys([*seen, *(a for cell in results["cells"] for a in cell["arms"])]))
 
 
-def _save(fig: Figure, path: Path) -> None:
+def _each(results: dict[str, Any], arms: list[str]) -> Iterable[tuple[dict[str, Any], str, dict[str, Any]]]:
+    """(cell, arm name, arm) for every arm of every cell, in cell then grid-arm order."""
+    return ((cell, name, cell["arms"][name]) for cell in results["cells"] for name in arms if name in cell["arms"])
+
+
+def _where(cell: dict[str, Any]) -> str:
+    return f"lag {fmt(cell['lag'])}, lr {fmt(cell['lr'])}, band {fmt(cell['band'])}"
+
+
+def _short(cell: dict[str, Any], cells: list[dict[str, Any]]) -> str:
+    """The cell's settings that vary across the grid, one per line (all three when none varies)."""
+    parts = [(k, f"{k} {fmt(cell[k])}") for k in ("lag", "lr", "band")]
+    varying = [p for k, p in parts if len({json.dumps(c[k]) for c in cells}) > 1]
+    return "\n".join(varying or [p for _, p in parts])
+
+
+def _comparisons(results: dict[str, Any]) -> list[tuple[dict[str, Any], str, dict[str, Any]]]:
+    """(cell, key, comparison) for every comparison against the baseline, in cell order."""
+    return [(cell, key, c) for cell in results["cells"] for key, c in (cell.get("compare") or {}).items()]
+
+
+def _name(key: str, c: dict[str, Any]) -> str:
+    return f"{c['after']} − {c['before']}" if "after" in c and "before" in c else key.replace("_vs_", " − ")
+
+
+def _is_primary(results: dict[str, Any], cell: dict[str, Any], key: str) -> bool:
+    primary = results.get("primary") or {}
+    return primary.get("cell") == cell["name"] and primary.get("comparison") == key
+
+
+def _per_seed(results: dict[str, Any], arm: dict[str, Any]) -> list[tuple[Any, bool]]:
+    """(pass@1, whether that seed's run diverged) per value, in seed order (results' ``seeds``)."""
+    values, seeds = arm.get("pass_at_1") or [], results.get("seeds") or []
+    bad = {run.get("seed") for run in (arm.get("runs") or {}).values() if run.get("diverged")}
+    return [(v, len(seeds) == len(values) and seeds[i] in bad) for i, v in enumerate(values)]
+
+
+def _diverged(arm: dict[str, Any]) -> tuple[int, int]:
+    """(diverged runs, runs) of an arm."""
+    runs = (arm.get("runs") or {}).values()
+    return sum(bool(run.get("diverged")) for run in runs), len(runs) or len(arm.get("pass_at_1") or [])
+
+
+def _by_staleness(arm: dict[str, Any], name: str) -> dict[int, tuple[float | None, ...]]:
+    """staleness → (steps per run, share, median max ratio), each the mean over the arm's runs; the share is what
+    the arm's rule masked, or for the baseline (which masks nothing) what the band would have masked."""
+    rows: dict[int, list[dict[str, Any]]] = {}
+    for run in (arm.get("runs") or {}).values():
+        for s, row in ((run.get("checks") or {}).get("masked_share_by_staleness") or {}).items():
+            if str(s).isdigit():
+                rows.setdefault(int(s), []).append(row)
+    keys = ("steps", "would_be_masked_share" if name == BASELINE else "masked_share", "ratio_max_median")
+    return {s: tuple(_mean(r.get(k) for r in got) for k in keys) for s, got in sorted(rows.items())}
+
+
+def _runs(log: list[dict[str, Any]]) -> dict[str, dict[str, dict[Any, list[dict[str, Any]]]]]:
+    """cell → arm → seed → that run's records in step order."""
+    out: dict[str, dict[str, dict[Any, list[dict[str, Any]]]]] = {}
+    for r in sorted(log, key=lambda r: r["step"]):
+        out.setdefault(r["cell"], {}).setdefault(r["arm"], {}).setdefault(r["seed"], []).append(r)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plots: one small panel per cell, rows = (lr, band), columns = lags.
+
+
+def _panels(cells: list[dict[str, Any]]):
+    from matplotlib.figure import Figure  # lazily: only drawing needs matplotlib
+
+    lags = sorted({c["lag"] for c in cells})
+    combos = list(dict.fromkeys((c["lr"], tuple(c["band"])) for c in cells))
+    fig = Figure(figsize=(max(9.0, 5.0 * len(lags) + 0.6), max(4.8, 3.4 * len(combos) + 1.6)), layout="constrained")
+    grid = fig.subplots(len(combos), len(lags), squeeze=False, sharey=True)  # one scale: cells compare at a glance
+    axes = {}
+    for c in cells:
+        axes[c["name"]] = ax = grid[combos.index((c["lr"], tuple(c["band"])))][lags.index(c["lag"])]
+        ax.set_title(_where(c), fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in grid.flat:
+        ax.set_visible(any(ax is a for a in axes.values()))
+    return fig, axes
+
+
+def _legend(target, axes: Iterable[Any], **kw: Any) -> None:
+    """One legend for several panels: each label once."""
+    seen = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels(), strict=True)}
+    if seen:
+        target.legend(list(seen.values()), list(seen), fontsize=8, **kw)
+
+
+def _save(fig, path: Path) -> None:
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=DPI)
+    fig.savefig(buffer, format="png", dpi=100)
     _atomic_write(path, buffer.getvalue())
 
 
-def _line_figure(path: Path, runs, log, key: str, title: str, ylabel: str, extra=None) -> None:
-    fig = Figure(figsize=(9, 4.8), layout="constrained")
-    ax = fig.subplots()
-    _plot_steps(ax, runs, log, key)
-    if extra:
-        extra(ax)
-    ax.set_title(title)
-    ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8, loc="best")
-    _save(fig, path)
+def _steps_panel(ax, runs: dict[str, dict[Any, list[dict]]], arms: list[str], colors: dict, key: str) -> None:
+    """Each seed a thin line, each arm's mean over seeds a thick one; grey span over the critic warmup."""
+    warm = [r["step"] for seeds in runs.values() for rows in seeds.values() for r in rows if r["phase"] != POLICY]
+    if warm:
+        ax.axvspan(min(warm) - 0.5, max(warm) + 0.5, color="0.88", zorder=0, label="critic warmup")
+    for arm in [a for a in arms if a in runs]:
+        seeds, by_step = runs[arm], {}
+        for rows in seeds.values():
+            if len(seeds) > 1:
+                ys = [_num(r.get(key), math.nan) for r in rows]  # a null is a gap in the line
+                ax.plot([r["step"] for r in rows], ys, color=colors[arm], lw=0.8, alpha=0.45, label=f"{arm}: each seed")
+            for r in rows:
+                by_step.setdefault(r["step"], []).append(r.get(key))
+        steps = sorted(by_step)
+        label = f"{arm}: mean of {len(seeds)} seeds" if len(seeds) > 1 else f"{arm}: seed {next(iter(seeds))}"
+        ax.plot(steps, [_num(_mean(by_step[s]), math.nan) for s in steps], color=colors[arm], lw=2.2, label=label,
+                marker="o" if len(steps) <= 12 else None, ms=3)  # fmt: skip
+    ax.set_xlabel("step")
 
 
-def _plot_ratio_max(path: Path, runs, log, band) -> None:
-    lo, hi = (_num(b) for b in band) if isinstance(band, (list, tuple)) and len(band) == 2 else (None, None)
+def _band_axis(ax, band: list[float]) -> None:
+    """Log scale with plain tick labels, and the band edges as dashed red lines."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    def edges(ax) -> None:
-        ax.set_yscale("log")
-        ticks = {m * 10.0**e for m in (1, 2, 3, 5) for e in range(-3, 5)} | {e for e in (lo, hi) if e and e > 0}
-        ax.yaxis.set_major_locator(FixedLocator(sorted(ticks)))
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(NullFormatter())
-        for edge, which in ((hi, "upper"), (lo, "lower")):
-            if edge is not None and edge > 0:
-                ax.axhline(edge, color="#c0392b", ls="--", lw=1.2, label=f"band {which} edge {fmt(edge)}")
-        if lo and lo > 0:
-            bottom, top = ax.get_ylim()
-            ax.set_ylim(min(bottom, lo / 1.3), max(top, (hi or top) * 1.3))
-
-    title = "Worst token's ratio per step" + (f" against the band ({fmt(lo)}, {fmt(hi)})" if lo and hi else "")
-    _line_figure(path, runs, log, "ratio_max", title, "max ratio π_policy / π_sampler (log)", edges)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    for edge in [e for e in band if e > 0]:
+        ax.axhline(edge, color="#c0392b", ls="--", lw=1.1, label="band edges")
 
 
-def _plot_masked_share(path: Path, runs, log, checks: dict[str, Any], dead: Any) -> None:
-    fig = Figure(figsize=(13, 4.8), layout="constrained")
-    left, right = fig.subplots(1, 2, width_ratios=[1, 1.3])
-    key = {"dis": "masked_share"}  # the baseline masks nothing; show what the band would have masked on it
-    names = {"dis": "dis: masked share", "none": "none: would-be masked share"}
-    bars: dict[str, dict[int, float]] = {}
-    steps: dict[int, list[Any]] = {}
-    for arm, seeds in runs.items():
-        k = key.get(arm, "would_be_masked_share")
-        per: dict[int, list[Any]] = {}
-        for seed in seeds:
-            for s, row in (checks.get(_label(arm, seed), {}).get("masked_share_by_staleness") or {}).items():
-                per.setdefault(int(s), []).append(row.get(k))
-                steps.setdefault(int(s), []).append(row.get("steps"))
-        bars[arm] = {s: m for s, vals in per.items() if (m := _mean(vals)) is not None}
-    stale = sorted({s for b in bars.values() for s in b})
-    width = 0.8 / max(len(bars), 1)
-    for i, (arm, values) in enumerate(bars.items()):
-        xs = [j + (i - (len(bars) - 1) / 2) * width for j, s in enumerate(stale) if s in values]
-        ys = [values[s] for s in stale if s in values]
-        left.bar(xs, ys, width=width * 0.95, color=_color(arm), hatch="//" if arm != "dis" else None,
-                 edgecolor="white", label=names.get(arm, arm))  # fmt: skip
-        for x, y in zip(xs, ys, strict=True):
-            text = fmt_share(y) if y else "0"
-            left.annotate(text, (x, y), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=7)
+def _masked_panel(ax, cell: dict[str, Any], arms: list[str], colors: dict, dead: Any) -> None:
+    """Bars per arm at each staleness (the baseline's would-be share hatched); dotted: the dead-band threshold."""
+    present = [a for a in arms if a in cell["arms"]]
+    stale = {a: _by_staleness(cell["arms"][a], a) for a in present}
+    levels = sorted({s for v in stale.values() for s in v})
+    width = 0.8 / max(len(present), 1)
+    for i, arm in enumerate(present):
+        xs = [j + (i - (len(present) - 1) / 2) * width for j, s in enumerate(levels) if s in stale[arm]]
+        ys = [_num(stale[arm][s][1], math.nan) for s in levels if s in stale[arm]]
+        ax.bar(xs, ys, width=width * 0.95, color=colors[arm], edgecolor="white", hatch="//" if arm == BASELINE
+               else None, label=f"{arm}: {'would-be masked' if arm == BASELINE else 'masked'}")  # fmt: skip
     if _num(dead):
-        left.axhline(dead, color="black", ls=":", lw=1, label=f"dead-band threshold {fmt(dead)}")
-    left.set_xticks(range(len(stale)), [f"{s}\n({_plural(_mean(steps.get(s, [])), 'step')})" for s in stale])
-    left.set_xlabel("staleness (policy updates since the sampler was refreshed)")
-    left.set_ylabel("share of generated tokens (mean over seeds)")
-    left.set_title("Masked share by staleness")
-    left.legend(fontsize=8, loc="upper left")
-    left.grid(axis="y", alpha=0.3)
-    _plot_steps(right, runs, log, lambda arm: key.get(arm, "would_be_masked_share"), name=lambda a: names.get(a, a))
-    right.set_ylabel("share of generated tokens")
-    right.set_title("Masked share per step")
-    right.legend(fontsize=8, loc="upper left")
-    _save(fig, path)
+        ax.axhline(dead, color="black", ls=":", lw=1, label=f"dead-band threshold {fmt(dead)}")
+    steps = [_mean(stale[a][s][0] for a in present if s in stale[a]) for s in levels]
+    ax.set_xticks(range(len(levels)), [f"{s}\n({_plural(n, 'step')})" for s, n in zip(levels, steps, strict=True)])
+    ax.set_xlabel("staleness (policy updates since the sampler was refreshed)")
 
 
-def _plot_evals(path: Path, results: dict[str, Any]) -> None:
-    fig = Figure(figsize=(13, 4.8), layout="constrained")
-    left, right = fig.subplots(1, 2, width_ratios=[1.2, 1])
-    p1 = results["pass_at_1"]
-    names = ["base", *_arms(k for k in p1 if k != "base")]
-    groups = [(name, [v for v in map(_num, p1.get(name) or []) if v is not None]) for name in names]
-    groups = [(n, v) for n, v in groups if n != "base" or v]
-    for i, (name, vals) in enumerate(groups):
-        if not vals:
-            continue
-        m = statistics.fmean(vals)
-        left.bar(i, m, width=0.6, color=_color(name), alpha=0.8)
-        offsets = [0.0] if len(vals) == 1 else [-0.15 + 0.3 * j / (len(vals) - 1) for j in range(len(vals))]
-        left.scatter([i + o for o in offsets], vals, color="black", s=16, zorder=3)
-        left.annotate(fmt_share(m), (i, max(vals)), xytext=(0, 4), textcoords="offset points", ha="center")
-    ticks = [f"{n}\n({_plural(len(v), 'eval' if n == 'base' else 'seed')})" for n, v in groups]
-    left.set_xticks(range(len(groups)), ticks)
-    left.set_ylim(0, 1)
+def _yerr(mid: float, lo: float | None, hi: float | None) -> list[list[float]] | None:
+    """Error bar lengths below and above ``mid`` (none without both ends; never negative)."""
+    return None if lo is None or hi is None else [[max(mid - lo, 0.0)], [max(hi - mid, 0.0)]]
+
+
+def _plot_evals(path: Path, results: dict, arms: list[str], colors: dict) -> None:
+    """Left: pass@1 per cell and arm against the base; right: each comparison's delta against the floor."""
+    from matplotlib.figure import Figure
+
+    cells = results["cells"]
+    fig = Figure(figsize=(max(12.0, 2.2 * len(cells) + 4), 5.2), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    base = results.get("base") or {}
+    base_mean, floor = _mean(base.get("pass_at_1") or []), _num(base.get("noise_floor"))
+    if base_mean is not None:
+        if floor:
+            left.axhspan(base_mean - floor, base_mean + floor, color=COLORS["base"], alpha=0.15, lw=0,
+                         label=f"base ± noise floor {fmt_share(floor)}")  # fmt: skip
+        left.axhline(base_mean, color=COLORS["base"], ls="--", lw=1.5, label=f"base mean {fmt_share(base_mean)}")
+    column, slot = {id(c): j for j, c in enumerate(cells)}, 0.8 / len(arms)  # x: cell, then arm within it
+    for cell, name, arm in _each(results, arms):
+        x, seeds = column[id(cell)] + (arms.index(name) - (len(arms) - 1) / 2) * slot, _per_seed(results, arm)
+        for k, (v, why) in enumerate(seeds):
+            dx = x + slot * 0.2 + (k - (len(seeds) - 1) / 2) * slot * 0.12
+            left.scatter([dx], [_num(v, math.nan)], marker="x" if why else "o", s=40 if why else 14, color=colors[name],
+                         lw=1.6 if why else 0, zorder=3, label="diverged seed" if why else None)  # fmt: skip
+        mean, (lo, hi) = _num(arm.get("pass_at_1_mean")), _pair(arm.get("pass_at_1_ci"))
+        if mean is not None:
+            left.errorbar([x - slot * 0.12], [mean], _yerr(mean, lo, hi), fmt="o", ms=6, color=colors[name],
+                          mec="black", mew=0.6, capsize=3, zorder=4, label=f"{name}: mean, 95% interval")  # fmt: skip
+    left.set_ylim(max(left.get_ylim()[0], -0.05), min(left.get_ylim()[1], 1.05))  # an interval may reach past 0 or 1
     left.set_ylabel("pass@1 on the held-out tasks")
-    left.set_title("pass@1 (bar: mean; dots: each eval or seed)")
-    left.grid(axis="y", alpha=0.3)
-
-    cmp, vs_base = results["compare"], results.get("vs_base") or {}
-    floor = _num(cmp.get("noise_floor"))
-    if floor:
-        right.axhspan(-floor, floor, color="0.88", label=f"noise floor ±{fmt_share(floor)}")
+    left.set_title("pass@1 per cell and arm")
+    comps = _comparisons(results)
+    primary = next(((cell, k, c) for cell, k, c in comps if _is_primary(results, cell, k)), None)
+    keys = list(dict.fromkeys(k for _, k, _ in comps))
+    for j, cell in enumerate(cells):
+        mine = [(k, c) for owner, k, c in comps if owner is cell]
+        f = next((v for _, c in mine if (v := _num(c.get("noise_floor")))), None)
+        if f:
+            right.fill_between([j - 0.45, j + 0.45], -f, f, color="0.88", lw=0, label="± noise floor")
+        for k, c in mine:
+            x = j + (keys.index(k) - (len(keys) - 1) / 2) * (0.8 / len(keys))
+            d, lo, hi = _num(c.get("delta")), _num(c.get("ci_low")), _num(c.get("ci_high"))
+            size = 8 if _is_primary(results, cell, k) else 5  # the primary comparison stands out
+            if d is not None:
+                right.errorbar([x], [d], _yerr(d, lo, hi), fmt="o", color=colors.get(c.get("after"), "black"),
+                               capsize=4, ms=size, mec="black", label=_name(k, c))  # fmt: skip
     right.axhline(0, color="black", lw=0.8)
-    points = [(f"{cmp.get('after', 'dis')} − {cmp.get('before', 'none')}", cmp, "black")]
-    points += [(f"{arm} − base", c, _color(arm)) for arm, c in vs_base.items() if isinstance(c, dict)]
-    reach = [floor or 0.0]
-    for i, (_, c, color) in enumerate(points):
-        d, lo, hi = _num(c.get("delta")), _num(c.get("ci_low")), _num(c.get("ci_high"))
-        if d is None:
-            continue
-        yerr = [[d - lo], [hi - d]] if lo is not None and hi is not None else None
-        right.errorbar(
-            [i], [d], yerr=yerr, fmt="o", color=color, capsize=6, ms=8 if i == 0 else 6, lw=2 if i == 0 else 1.2
-        )
-        right.annotate(fmt_signed(d), (i, d), xytext=(10, 0), textcoords="offset points", va="center", fontsize=9)
-        reach += [abs(v) for v in (d, lo, hi) if v is not None]
-    right.set_xticks(range(len(points)), [p[0] for p in points])
-    right.set_xlim(-0.6, len(points) - 0.4)
-    right.set_ylim(-1.25 * max(reach) - 1e-3, 1.25 * max(reach) + 1e-3)
-    right.set_ylabel(f"delta pass@1 (95% interval over {cmp.get('n', '?')} {cmp.get('unit', '')}s)")
-    main = f"{points[0][0]} {fmt_signed(cmp.get('delta'))} {fmt_interval(cmp.get('ci_low'), cmp.get('ci_high'))}"
-    right.set_title(f"Verdict: {results.get('verdict', DASH)}\n{main} (95% interval)")
-    if floor:
-        right.legend(fontsize=8, loc="upper right")
-    right.grid(axis="y", alpha=0.3)
+    right.set_ylabel("delta pass@1, arm − none (95% interval)")
+    title = f"Verdict: {results['verdict']}"
+    if primary:
+        cell, k, c = primary
+        title += f" ({_name(k, c)} at {_where(cell)})\n{fmt_signed(c.get('delta'))} "
+        title += fmt_interval(c.get("ci_low"), c.get("ci_high"))
+    right.set_title(title, fontsize=10)
+    for ax in (left, right):
+        ax.set_xticks(range(len(cells)), [_short(c, cells) for c in cells])
+        ax.set_xlim(-0.6, len(cells) - 0.4)
+        ax.grid(axis="y", alpha=0.3)
+        _legend(ax, [ax], loc="best")
     _save(fig, path)
 
 
-def write_plots(results: dict[str, Any], log: list[dict[str, Any]], plots: Path) -> list[Path]:
-    """The seven PNGs under ``plots``; returns their paths."""
-    runs = _runs(log)
-    config = results["config"]
-    checks = results.get("checks") or {}
-    p = {stem: plots / f"{stem}.png" for stem in PLOTS}
-    _line_figure(p["reward"], runs, log, "reward_mean", "Training reward (mean over the batch) per step", "reward")
-    _plot_masked_share(p["masked_share"], runs, log, checks, config.get("dead_band_share"))
-    _plot_ratio_max(p["ratio_max"], runs, log, config.get("band"))
-    _line_figure(p["explained_variance"], runs, log, "explained_variance", "Critic explained variance per step",
-                 "explained variance (1 = perfect, 0 = batch mean)")  # fmt: skip
-    _line_figure(p["response_length"], runs, log, "response_length", "Mean response length per step", "tokens")
-    _line_figure(p["kl"], runs, log, "kl_sampler_policy", "Sampler–policy KL per step (how stale the rollouts are)",
-                 "KL(sampler ‖ policy), nats per token")  # fmt: skip
-    _plot_evals(p["evals"], results)
-    return list(p.values())
+def _write_plots(results: dict[str, Any], log: list[dict[str, Any]], plots: Path) -> None:
+    """The four PNGs under ``plots``: three with a panel per cell, then the evals."""
+    cells, arms, runs = results["cells"], _arms(results), _runs(log)
+    colors = {a: COLORS.get(a) or SPARE_COLORS[i % len(SPARE_COLORS)] for i, a in enumerate(arms)}
+    figures = {
+        "reward": ("Training reward per step", "training reward",
+                   lambda ax, c: _steps_panel(ax, runs.get(c["name"], {}), arms, colors, "reward_mean")),
+        "masked_share": ("Masked share by staleness (mean over seeds)", "share of generated tokens",
+                         lambda ax, c: _masked_panel(ax, c, arms, colors, results["config"].get("dead_band_share"))),
+        "ratio_max": ("Worst token's ratio per step against the band", "max ratio π_trainer / π_sampler",
+                      lambda ax, c: (_steps_panel(ax, runs.get(c["name"], {}), arms, colors, "ratio_max"),
+                                     _band_axis(ax, c["band"]))),
+    }  # fmt: skip
+    for stem, (title, ylabel, draw) in figures.items():
+        fig, axes = _panels(cells)
+        for cell in cells:
+            draw(axes[cell["name"]], cell)
+            axes[cell["name"]].set_ylabel(ylabel)
+        fig.suptitle(title)
+        _legend(fig, axes.values(), loc="outside lower center", ncol=4)
+        _save(fig, plots / f"{stem}.png")
+    _plot_evals(plots / "evals.png", results, arms, colors)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # report.md
 
 
-def _verdict_section(results: dict[str, Any]) -> list[str]:
-    out = [f"## Verdict: **{results['verdict']}**", "", str(results.get("reason") or DASH), ""]
-    c = results["compare"]
-    out.append(
-        f"Recipe arm minus baseline: {fmt_signed(c.get('delta'))}, 95% interval "
-        f"{fmt_interval(c.get('ci_low'), c.get('ci_high'))} over {fmt(c.get('n'))} {c.get('unit', '')}s; "
-        f"noise floor ±{fmt_share(c.get('noise_floor'))}."
-    )
-    return [*out, ""]
-
-
-def _pass_section(results: dict[str, Any]) -> list[str]:
-    evals = results.get("evals") or {}
+def _comparison_table(found: list[tuple[dict[str, Any], str, dict[str, Any]]], what: str, before: str) -> list[str]:
+    """One row per (cell, label, comparison), then each comparison's reason in words."""
     rows = []
-    for name in ["base", *_arms(k for k in results["pass_at_1"] if k != "base")]:
-        values = results["pass_at_1"].get(name) or []
-        for i, v in enumerate(values):
-            e = (evals.get(name) or [])[i] if i < len(evals.get(name) or []) else {}
-            label = e.get("label", f"{name}-{i}")
-            rows.append([label, fmt_share(v), fmt(e.get("mean_reply_tokens")), fmt_share(e.get("truncation_share"))])
-        if len(values) > 1:
-            rows.append([f"**{name} mean**", f"**{fmt_share(_mean(values))}**", "", ""])
-    header = ["eval", "pass@1", "mean reply tokens", "truncation share"]
-    nf = results.get("noise_floor") or {}
-    note = (
-        f"Noise floor from {fmt(nf.get('runs'))} base evals: run_std {fmt(nf.get('run_std'))}, "
-        f"floor {fmt_share(nf.get('floor'))}."
-    )
-    return ["## pass@1", "", *_table(header, rows), note, ""]
+    for cell, label, c in found:
+        verdict = _cell(c.get("verdict") or DASH)
+        rows.append([_cell(cell["name"]), label, fmt_share(c.get("before_mean")), fmt_share(c.get("after_mean")),
+                     fmt_signed(c.get("delta")), fmt_interval(c.get("ci_low"), c.get("ci_high")),
+                     f"±{fmt_share(c.get('noise_floor'))}", f"{_cell(c.get('unit', DASH))} ({fmt(c.get('n'))})",
+                     f"**{verdict}**" if verdict in SEPARATED else verdict])  # fmt: skip
+    header = ["cell", what, f"{before} mean", "arm mean", "delta", "95% interval", "noise floor", "unit (n)", "verdict"]
+    reasons = [f"- {_text(cell['name'])}, {label}: {_text(c.get('reason') or DASH)}" for cell, label, c in found]
+    return [*_table(header, rows), *reasons, ""]
 
 
-def _compare_section(results: dict[str, Any]) -> list[str]:
-    c = results["compare"]
-    before, after = c.get("before", "none"), c.get("after", "dis")
-    rows = [
-        ["delta", fmt_signed(c.get("delta"))],
-        ["95% interval", fmt_interval(c.get("ci_low"), c.get("ci_high"))],
-        ["noise floor", f"±{fmt_share(c.get('noise_floor'))}"],
-        ["unit, n", f"{c.get('unit', DASH)}, {fmt(c.get('n'))}"],
-        [f"{before} mean", fmt_share(c.get("before_mean"))],
-        [f"{after} mean", fmt_share(c.get("after_mean"))],
-    ]
-    if "proxy_delta" in c:
-        rows.append(["proxy delta (training reward, last 10 steps)", fmt_signed(c.get("proxy_delta"))])
-        rows.append(["proxy rises while the target falls", fmt(c.get("proxy_diverges"))])
-    out = [f"## Comparison: {after} − {before}", "", *_table(["", "value"], rows)]
-    vs = results.get("vs_base") or {}
-    if vs:
-        rows = [
-            [arm, fmt_share(v.get("before_mean")), fmt_share(v.get("after_mean")), fmt_signed(v.get("delta")),
-             fmt_interval(v.get("ci_low"), v.get("ci_high")), str(v.get("verdict", DASH))]
-            for arm, v in vs.items()
-        ]  # fmt: skip
-        out += ["## Each arm against the base", ""]
-        out += _table(["arm", "base", "arm", "delta", "95% interval", "verdict"], rows)
-        out += [f"- {arm}: {_cell(v.get('reason', DASH))}" for arm, v in vs.items()] + [""]
-    return out
-
-
-def _reach_section(results: dict[str, Any], runs) -> list[str]:
-    checks = results.get("checks") or {}
-    curves = results.get("curves") or {}
-    band = results["config"].get("band")
-    out = ["## Reachability", ""]
-    dis, none = (curves.get("dis") or {}), (curves.get("none") or {})
-    masked, would = dis.get("masked_share") or {}, none.get("would_be_masked_share") or {}
-    out.append(
-        f"The band {fmt(band)} masked {_share_pct(masked.get('mean'))} of the recipe arm's tokens per policy step "
-        f"on average (worst step {fmt_share(masked.get('max'))}); on the baseline it would have masked "
-        f"{_share_pct(would.get('mean'))} (worst step {fmt_share(would.get('max'))})."
-    )
-    out.append("")
-    cols = {"dis": ("masked_share", "ratio_max_median"), "none": ("would_be_masked_share", "ratio_max_median")}
-    table: dict[int, dict[str, list[Any]]] = {}
-    for arm, seeds in runs.items():
-        share_key, ratio_key = cols.get(arm, ("would_be_masked_share", "ratio_max_median"))
-        for seed in seeds:
-            for s, row in (checks.get(_label(arm, seed), {}).get("masked_share_by_staleness") or {}).items():
-                cell = table.setdefault(int(s), {})
-                cell.setdefault("steps", []).append(row.get("steps"))
-                cell.setdefault(f"{arm} share", []).append(row.get(share_key))
-                cell.setdefault(f"{arm} ratio", []).append(row.get(ratio_key))
-    if table:
-        header = ["staleness", "steps per run"]
-        for arm in runs:
-            header += [f"{arm}: {'masked' if arm == 'dis' else 'would-be masked'} share", f"{arm}: median max ratio"]
-        rows = []
-        for s in sorted(table):
-            row = [str(s), fmt_count(_mean(table[s]["steps"]))]
-            for arm in runs:
-                row += [
-                    fmt_share(_mean(table[s].get(f"{arm} share", []))),
-                    fmt(_mean(table[s].get(f"{arm} ratio", []))),
-                ]
-            rows.append(row)
-        seeds_n = max((len(s) for s in runs.values()), default=0)
-        out += [f"Masked share by staleness (policy steps; mean over {_plural(seeds_n, 'seed')}):", ""]
-        out += _table(header, rows)
-    warnings = results.get("warnings") or []
-    if warnings:
-        out.append(f"Training raised {_plural(len(warnings), 'reachability warning')}:")
-        out += [""] + [f"> {_cell(w)}" for w in warnings] + [""]
-    else:
-        out += ["No reachability warning was raised during training.", ""]
-    return out
-
-
-def _checks_section(results: dict[str, Any]) -> list[str]:
-    checks = results.get("checks") or {}
-    if not checks:
+def _summary(results: dict[str, Any], comps: list) -> list[str]:
+    """Two sentences for a grid, written from the verdicts and the baseline's divergence counts."""
+    if len(results["cells"]) < 2:
         return []
-    clip = results["config"].get("grad_clip")
-
-    def bound(c: dict[str, Any]) -> str:
-        if c.get("clip_ever_bound") is None:
-            return DASH
-        return f"{fmt(c.get('clip_ever_bound'))} ({fmt(c.get('clip_bound_steps'))} steps)"
-
-    rows_spec: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
-        ("critic EV at warmup end", lambda c: fmt(c.get("critic_ev_warmup_end"))),
-        ("critic EV, last 10 steps", lambda c: fmt(c.get("critic_ev_last10"))),
-        ("critic loss, warmup end → last 10",
-         lambda c: f"{fmt(c.get('critic_loss_warmup_end'))} → {fmt(c.get('critic_loss_last10'))}"),
-        ("grad norm mean", lambda c: fmt(c.get("grad_norm_mean"))),
-        ("grad norm max", lambda c: fmt(c.get("grad_norm_max"))),
-        (f"clip at {fmt(clip)} ever bound", bound),
-        ("non-finite tokens", lambda c: fmt_count(c.get("nonfinite_tokens"))),
-        ("skipped steps", lambda c: fmt(c.get("skipped_steps"))),
-        ("lag-0 \\|log ratio\\| mean", lambda c: fmt(c.get("lag0_abs_log_ratio_mean"))),
-        ("lag-0 \\|log ratio\\| max", lambda c: fmt(c.get("lag0_abs_log_ratio_max"))),
-        ("masked share, worst step", lambda c: fmt_share(c.get("masked_share_max"))),
-        ("reward first 10 → last 10",
-         lambda c: f"{fmt_share(c.get('reward_first10'))} → {fmt_share(c.get('reward_last10'))}"),
-        ("response length, last 10", lambda c: fmt(c.get("response_length_last10"))),
-        ("truncation share, last 10", lambda c: fmt_share(c.get("truncation_share_last10"))),
-    ]  # fmt: skip
-    labels = list(checks)
-    rows = [[name, *(get(checks[label] or {}) for label in labels)] for name, get in rows_spec]
-    return ["## Checks", "", *_table(["check", *labels], rows)]
+    separated = [f"{_name(k, c)} {c['verdict']} at {_where(cell)} ({fmt_signed(c.get('delta'))} "
+                 f"{fmt_interval(c.get('ci_low'), c.get('ci_high'))})"
+                 for cell, k, c in comps if c.get("verdict") in SEPARATED]  # fmt: skip
+    verdicts = [str(c.get("verdict") or DASH) for _, _, c in comps]
+    tally = ", ".join(f"{v} {verdicts.count(v)}" for v in sorted(set(verdicts)))
+    text = f"{len(separated)} of {_plural(len(comps), 'comparison')} separated" + (
+        f": {_join(separated)}." if separated else f" (verdicts: {tally}).")  # fmt: skip
+    broke = [f"{_where(cell)} ({n}/{runs})" for cell in results["cells"] if BASELINE in cell["arms"]
+             for n, runs in [_diverged(cell["arms"][BASELINE])] if n]  # fmt: skip
+    text += f" `{BASELINE}` diverged in a seed of {len(broke)} of {_plural(len(results['cells']), 'cell')}"
+    return [f"**Summary** (written by code from results.json). {text}" + (f": {_join(broke)}." if broke else "."), ""]
 
 
-def _curves_section(results: dict[str, Any]) -> list[str]:
-    curves = results.get("curves") or {}
+def _verdict_section(results: dict[str, Any]) -> list[str]:
+    out = [f"## Verdict: **{_text(results['verdict'])}**", "", _text(results.get("reason") or DASH), ""]
+    comps = _comparisons(results)
+    if not comps:
+        return [*out, "results.json holds no comparison.", ""]
+    named = [(cell, _name(k, c) + (" (primary)" if _is_primary(results, cell, k) else ""), c) for cell, k, c in comps]
+    out += _comparison_table(named, "comparison", BASELINE)
+    proxies = [[_cell(cell["name"]), name, fmt_signed(c.get("proxy_delta")), fmt(c.get("proxy_diverges"))]
+               for cell, name, c in named if "proxy_delta" in c]  # fmt: skip
+    if proxies:
+        out += _table(["cell", "comparison", "proxy delta (training reward, last 10 steps)",
+                       "proxy rises while the target falls"], proxies)  # fmt: skip
+    if len(comps) > 1:
+        n = _plural(len(comps), "comparison")
+        out += [f"Each interval is its own 95% interval, with no correction for multiple comparisons across the {n}: "
+                "by chance alone about 1 in 20 misses the true delta.", ""]  # fmt: skip
+    return out + _summary(results, comps)
+
+
+def _pass_section(results: dict[str, Any], arms: list[str]) -> list[str]:
+    base = results.get("base") or {}
+    values, evals = base.get("pass_at_1") or [], base.get("evals") or []
+    rows = [[_cell(e.get("label") or f"base-{i}"), fmt_share(v), fmt(e.get("mean_reply_tokens")),
+             fmt_share(e.get("truncation_share"))]
+            for i, v in enumerate(values) for e in [evals[i] if i < len(evals) else {}]]  # fmt: skip
+    out = ["## pass@1", ""]
+    if rows:
+        rows.append(["**base mean**", f"**{fmt_share(_mean(values))}**", "", ""])
+        out += _table(["base eval", "pass@1", "mean reply tokens", "truncation share"], rows, text=1)
+        out += [f"The untrained model's pass@1 over {_plural(len(values), 'repeated eval')}: run_std "
+                f"{fmt(base.get('run_std'))} over {fmt(base.get('runs'))} runs gives the noise floor "
+                f"±{fmt_share(base.get('noise_floor'))}, shared by every cell: a delta within it is "
+                "indistinguishable from re-evaluating the same model.", ""]  # fmt: skip
+    else:
+        out += ["results.json holds no base eval, so no noise floor.", ""]
+    rows, notes = [], []
+    for cell, name, arm in _each(results, arms):
+        runs, evals = arm.get("runs") or {}, arm.get("evals") or []
+        count = "{}/{}".format(*_diverged(arm))
+        why = [f"{_text(k)}: {_text(', '.join(map(str, r['diverged'])))}" for k, r in runs.items() if r.get("diverged")]
+        if why:
+            notes.append(f"- [d{len(notes) + 1}] {_text(cell['name'])}, {name}: {'; '.join(why)}")
+            count += f" [d{len(notes)}]"
+        rows.append([_cell(cell["name"]), name, fmt_share(arm.get("pass_at_1_mean")),
+                     "[{}, {}]".format(*map(fmt_share, _pair(arm.get("pass_at_1_ci")))),
+                     ", ".join(fmt_share(v) + ("†" if w else "") for v, w in _per_seed(results, arm)) or DASH,
+                     fmt(_mean(e.get("mean_reply_tokens") for e in evals)),
+                     fmt_share(_mean(e.get("truncation_share") for e in evals)), count])  # fmt: skip
+    out += ["Each arm: the mean over seeds with its 95% t interval over seeds (it can reach below 0 with few "
+            "seeds), each seed's value († a diverged seed); reply tokens and truncation share are means over "
+            "the arm's evals.", ""]  # fmt: skip
+    out += _table(["cell", "arm", "pass@1 mean", "95% interval", "per seed", "mean reply tokens", "truncation share",
+                   "diverged"], rows)  # fmt: skip
+    if notes:
+        return [*out, "Diverged runs, with the reasons recorded:", "", *notes, ""]
+    return [*out, "No run diverged.", ""]
+
+
+def _vs_base_section(results: dict[str, Any], arms: list[str]) -> list[str]:
+    found = [(cell, name, c) for cell, name, _ in _each(results, arms)
+             if (c := (cell.get("vs_base") or {}).get(name)) is not None]  # fmt: skip
+    out = ["## Each arm against the base", ""]
+    if not found:
+        return [*out, "results.json holds no comparison with the base (no base eval was run).", ""]
+    return out + _comparison_table(found, "arm", "base")
+
+
+def _reach_section(results: dict[str, Any], arms: list[str]) -> list[str]:
+    rows = []
+    for cell, name, arm in _each(results, arms):
+        m, w, r, kl = (
+            (arm.get("curves") or {}).get(k) or {}
+            for k in ("masked_share", "would_be_masked_share", "ratio_max", "kl_sampler_policy")
+        )
+        rows.append([_cell(cell["name"]), name, _share_pct(m.get("mean")), fmt_share(m.get("max")),
+                     _share_pct(w.get("mean")), fmt_share(w.get("max")), fmt(r.get("max")), fmt(kl.get("mean")),
+                     fmt(kl.get("max"))])  # fmt: skip
+    out = ["## Reachability", "", "The masked share is what the arm's rule masked; the would-be share what the band "
+           "would have masked on that arm. Policy steps, the step-wise mean over seeds.", ""]  # fmt: skip
+    out += _table(["cell", "arm", "masked share, mean per step", "masked, worst step", "would-be masked share, mean",
+                   "would-be, worst step", "max ratio, worst step", "KL mean", "KL max"], rows)  # fmt: skip
+    pairs = [(f"{a}: {'would-be masked' if a == BASELINE else 'masked'} share", f"{a}: median max ratio") for a in arms]
+    header, rows = ["cell", "staleness", "steps per run", *(h for pair in pairs for h in pair)], []
+    for cell in results["cells"]:
+        stale = {a: _by_staleness(arm, a) for a, arm in cell["arms"].items()}
+        for s in sorted({s for v in stale.values() for s in v}):
+            got = [stale.get(name, {}).get(s, (None, None, None)) for name in arms]
+            rows.append([_cell(cell["name"]), str(s), fmt_count(_mean(v[s][0] for v in stale.values() if s in v)),
+                         *(text for g in got for text in (fmt_share(g[1]), fmt(g[2])))])  # fmt: skip
+    if rows:
+        out += ["Masked share by staleness (policy steps; each value the mean over seeds):", ""]
+        out += _table(header, rows, text=1)
+    warnings = results.get("warnings") or []
+    if not warnings:
+        return [*out, "No reachability warning was raised during training.", ""]
+    return [*out, f"Training raised {_plural(len(warnings), 'reachability warning')}:", "",
+            *(f"> {_cell(w)}" for w in warnings), ""]  # fmt: skip
+
+
+CHECKS = [  # (column, the keys shown joined by →, formatter), one row per run
+    ("critic EV at warmup end", ("critic_ev_warmup_end",), fmt), ("critic EV, last 10", ("critic_ev_last10",), fmt),
+    ("critic loss, warmup end → last 10", ("critic_loss_warmup_end", "critic_loss_last10"), fmt),
+    ("grad norm mean", ("grad_norm_mean",), fmt), ("grad norm max", ("grad_norm_max",), fmt),
+    ("clip at {clip} ever bound", ("clip_ever_bound",), fmt), ("clip-bound steps", ("clip_bound_steps",), fmt),
+    ("non-finite tokens", ("nonfinite_tokens",), fmt_count), ("skipped steps", ("skipped_steps",), fmt),
+    ("lag-0 \\|log ratio\\| mean", ("lag0_abs_log_ratio_mean",), fmt),
+    ("lag-0 \\|log ratio\\| max", ("lag0_abs_log_ratio_max",), fmt),
+    ("masked share, worst step", ("masked_share_max",), fmt_share),
+    ("reward first 10 → last 10", ("reward_first10", "reward_last10"), fmt_share),
+    ("response length, last 10", ("response_length_last10",), fmt),
+    ("truncation share, last 10", ("truncation_share_last10",), fmt_share),
+]  # fmt: skip
+
+
+def _checks_section(results: dict[str, Any], arms: list[str]) -> list[str]:
+    clip = fmt(results["config"].get("grad_clip"))
+    rows = [[_cell(cell["name"]), _cell(label),
+             *(" → ".join(f(c.get(k)) for k in keys) for _, keys, f in CHECKS)]
+            for cell, _, arm in _each(results, arms) for label, run in (arm.get("runs") or {}).items()
+            for c in [run.get("checks") or {}]]  # fmt: skip
+    header = ["cell", "run", *(name.format(clip=clip) for name, _, _ in CHECKS)]
+    return ["## Checks", "", *_table(header, rows)] if rows else []
+
+
+def _curves_section(results: dict[str, Any], arms: list[str]) -> list[str]:
     rows = []
     for key in KEY_SERIES:
-        for arm in _arms(curves):
-            c = (curves.get(arm) or {}).get(key)
-            if c is None:
-                continue
-            f = fmt_share if key in SHARE_SERIES else fmt
-            rows.append(
-                [f"{key}", arm, *(f(c.get(k)) for k in ("first", "last", "mean", "max", "min")), fmt(c.get("n"))]
-            )
-    if not rows:
-        return []
-    out = ["## Training curves", "", "Policy steps only; for several seeds, the step-wise mean over seeds.", ""]
-    return out + _table(["series", "arm", "first", "last", "mean", "max", "min", "steps"], rows)
+        f = fmt_share if key in SHARE_SERIES else fmt
+        for cell, name, arm in _each(results, arms):
+            if (fold := (arm.get("curves") or {}).get(key)) is not None:
+                values = [f(fold.get(k)) for k in ("first", "last", "mean", "max", "min")]
+                rows.append([key, _cell(cell["name"]), name, *values, fmt(fold.get("n"))])
+    header = ["series", "cell", "arm", "first", "last", "mean", "max", "min", "steps"]
+    note = "Policy steps only; for several seeds, the step-wise mean over seeds."
+    return ["## Training curves", "", note, "", *_table(header, rows, text=3)] if rows else []
 
 
-def _plots_section(captions: dict[str, str] = PLOTS) -> list[str]:
-    """The plots embedded with relative links, each with its caption (shared with the sweep report)."""
-    out = ["## Plots", ""]
-    for stem, caption in captions.items():
-        out += [f"![{stem}](plots/{stem}.png)", "", f"*{caption}*", ""]
-    return out
+def _examples_section(results: dict[str, Any], arms: list[str]) -> list[str]:
+    cell = results["cells"][0]["arms"]
+    firsts = [(results.get("base") or {}).get("evals") or [], *(cell[a].get("evals") or [] for a in arms if a in cell)]
+    rows = [[_cell(evals[0].get("label", DASH)), *(_cell(ex.get(k, DASH)) for k in ("question", "reply", "gold")),
+             fmt(ex.get("correct"))]
+            for evals in firsts if evals for ex in (evals[0].get("examples") or [])[:EXAMPLES_PER_MODEL]]  # fmt: skip
+    header = ["eval", "question", "reply", "gold", "correct"]
+    return ["## Example eval replies", "", *_table(header, rows, text=len(header))] if rows else []
 
 
-def _examples_section(results: dict[str, Any]) -> list[str]:
-    evals = results.get("evals") or {}
-    rows = []
-    for name in ["base", *_arms(k for k in evals if k != "base")]:
-        first = (evals.get(name) or [{}])[0] or {}
-        for ex in (first.get("examples") or [])[:EXAMPLES_PER_MODEL]:
-            rows.append([_cell(first.get("label", name)), _cell(ex.get("question", DASH)), _cell(ex.get("reply", DASH)),
-                         _cell(ex.get("gold", DASH)), fmt(ex.get("correct"))])  # fmt: skip
-    if not rows:
-        return []
-    return [
-        "## Example eval replies",
-        "",
-        *_table(["eval", "question", "reply", "gold", "correct"], rows, numeric=False),
-    ]
-
-
-def _wall_section(results: dict[str, Any]) -> list[str]:
+def _tail_sections(results: dict[str, Any]) -> list[str]:
+    """Wall time, configuration with the data counts, and versions."""
     wall = results.get("wall_time") or {}
-    rows = [[f"train {label}", fmt_seconds(s)] for label, s in (wall.get("train") or {}).items()]
-    rows += [[f"eval {label}", fmt_seconds(s)] for label, s in (wall.get("eval") or {}).items()]
-    names = {"train_total": "**train, total**", "eval_total": "**eval, total**", "this_invocation": "this invocation"}
-    rows += [[label, fmt_seconds(wall[k])] for k, label in names.items() if k in wall]
-    return ["## Wall time", "", *_table(["phase", "time"], rows)] if rows else []
-
-
-def _config_section(results: dict[str, Any]) -> list[str]:
-    config = results["config"]
-    out = ["## Configuration", ""]
-    out += _table(["setting", "value"], [[k, _cell(fmt(config[k]))] for k in CONFIG_KEYS if k in config], numeric=False)
-    data = results.get("data") or {}
-    if data:
-        out += ["Data: " + ", ".join(f"{k} {_cell(fmt(v))}" for k, v in data.items()) + ".", ""]
-    versions = results.get("versions") or {}
-    if versions:
-        out += [
-            "## Versions",
-            "",
-            *_table(["package", "version"], [[k, _cell(v)] for k, v in versions.items()], numeric=False),
-        ]
-    return out
+    rows = [[f"{phase} {_cell(label)}", fmt_seconds(s)] for phase in ("train", "eval")
+            for label, s in (wall.get(phase) or {}).items()]  # fmt: skip
+    rows += [[label, fmt_seconds(wall[k])] for k, label in WALL_TOTALS.items() if k in wall]
+    out = ["## Wall time", "", *_table(["phase", "time"], rows, text=1)] if rows else []
+    config, per_cell = results["config"], len(results["cells"]) > 1
+    keys = [k for k in CONFIG_KEYS if k in config and not (per_cell and k in ("lag", "lr", "band"))]
+    out += ["## Configuration", "", *(["Shared by every cell; lag, lr and band are set per cell.", ""] * per_cell)]
+    out += _table(["setting", "value"], [[k, _cell(fmt(config[k]))] for k in keys], text=2)
+    if results.get("data"):
+        out += ["Data: " + ", ".join(f"{_cell(k)} {_cell(fmt(v))}" for k, v in results["data"].items()) + ".", ""]
+    versions = [[_cell(k), _cell(v)] for k, v in (results.get("versions") or {}).items()]
+    return [*out, "## Versions", "", *_table(["package", "version"], versions or [[DASH, DASH]], text=2)]
 
 
 def render(results: dict[str, Any], log: list[dict[str, Any]]) -> str:
-    """The text of report.md (plots are linked, not embedded)."""
-    runs = _runs(log)
-    arms = ", ".join(f"{a} × {_plural(len(s), 'seed')}" for a, s in runs.items())
-    config = results["config"]
-    lines = [
-        f"# sao experiment: {config.get('model', DASH)} on {config.get('data', DASH)}",
-        "",
-        f"**Question.** {results.get('question', DASH)}",
-        "",
-        f"Arms: {arms or DASH}; band {fmt(config.get('band'))}, lag {fmt(config.get('lag'))}, "
-        f"lr {fmt(config.get('lr'))}. Every number below is read from results.json and train_log.json.",
-        "",
-    ]
-    for section in (
-        _verdict_section(results),
-        _pass_section(results),
-        _compare_section(results),
-        _reach_section(results, runs),
-        _checks_section(results),
-        _curves_section(results),
-        _plots_section(),
-        _examples_section(results),
-        _wall_section(results),
-        _config_section(results),
-    ):
+    """The text of report.md (plots are linked, not embedded); malformed input is a ``DataError``."""
+    _validate(results, log, "results.json", "train_log.json")
+    arms, cells, config = _arms(results), results["cells"], results["config"]
+    seeds = results.get("seeds") or []
+    axes = [f"{k}s {', '.join(dict.fromkeys(fmt(c[k]) for c in cells))}" for k in ("lag", "lr", "band")]
+    lines = [f"# sao experiment: {_text(config.get('model', DASH))} on {_text(config.get('data', DASH))}", "",
+             f"**Question.** {_text(results.get('question') or DASH)}", "",
+             f"Grid: {'; '.join(axes)}: {_plural(len(cells), 'cell')}; in each, the arms {', '.join(arms)} train "
+             f"{_plural(len(seeds), 'seed')} each (seeds {', '.join(map(fmt, seeds)) or DASH}). Every number below "
+             "is read from results.json and train_log.json.", ""]  # fmt: skip
+    if results.get("command"):
+        lines += ["Regenerate with:", "", "```", str(results["command"]), "```", ""]
+    plots = ["## Plots", "", *(f"![{stem}](plots/{stem}.png)\n\n*{caption}*\n" for stem, caption in PLOTS.items())]
+    for section in (_verdict_section(results), _pass_section(results, arms), _vs_base_section(results, arms),
+                    _reach_section(results, arms), _checks_section(results, arms), _curves_section(results, arms),
+                    plots, _examples_section(results, arms), _tail_sections(results)):  # fmt: skip
         lines += section
     return "\n".join(lines).rstrip() + "\n"
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    """Write beside, fsync, rename (as ``sao.io`` does, without importing torch)."""
+    """Write beside, fsync, rename: a crash never leaves a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -655,11 +690,10 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def write_report(out_dir: str | os.PathLike) -> Path:
-    """Write ``out_dir/plots/*.png`` and ``out_dir/report.md`` from the folder's JSON; return the report's path."""
-    out = Path(out_dir)
-    results, log = load(out)
-    write_plots(results, log, out / "plots")
-    path = out / "report.md"
-    _atomic_write(path, render(results, log).encode("utf-8"))
-    return path
+def write(out_dir: str | os.PathLike) -> Path:
+    """Write ``out_dir/plots/*.png`` and ``out_dir/report.md`` from the folder's JSON; return report.md's path."""
+    results, log = load(out_dir)
+    text = render(results, log)  # before any plot: malformed input fails without touching the folder
+    _write_plots(results, log, Path(out_dir) / "plots")
+    _atomic_write(Path(out_dir) / "report.md", text.encode("utf-8"))
+    return Path(out_dir) / "report.md"
