@@ -348,3 +348,223 @@ def test_invalid_batches_name_the_field():
         SAO().update({k: v for k, v in good.items() if k != "values"})
     with pytest.raises(ValueError, match="float32 or float64"):
         SAO().update({**good, "logprobs": good["logprobs"].half()})
+
+
+# ------------------------------------------------------------------------------------------------------
+# Per-turn rewards: `rewards` [B, T], each turn's reward on its last action token.
+
+
+def reference_per_turn(values, rewards, action_mask, alpha):
+    """Per row: list the action positions, then δ_k, A_k and G_t straight from their definitions, one token
+    at a time. Returns (advantages, value targets, λ per row)."""
+    B, T = len(values), len(values[0])
+    adv = [[0.0] * T for _ in range(B)]
+    targets = [[0.0] * T for _ in range(B)]
+    lams = []
+    for i in range(B):
+        pos = [t for t in range(T) if action_mask[i][t]]
+        L = len(pos)
+        lam = max(0.0, 1.0 - 1.0 / (alpha * L)) if L else 0.0
+        lams.append(lam)
+        a_next = 0.0
+        for k in reversed(range(L)):
+            v_next = values[i][pos[k + 1]] if k + 1 < L else 0.0
+            delta = rewards[i][pos[k]] + v_next - values[i][pos[k]]
+            a_next = delta + lam * a_next
+            adv[i][pos[k]] = a_next
+        for t in range(T):
+            targets[i][t] = sum(rewards[i][p] for p in pos if p >= t)  # G_t: rewards at or after t
+    return adv, targets, lams
+
+
+def multi_turn_batch(B, T, seed, dtype=torch.float64, spread=0.3, p_zero_reward=0.3):
+    """Ragged agentic rows: turns (runs of action tokens) separated by observation gaps, sometimes opening
+    with an observation, then padding; each turn's reward (random, sometimes exactly 0) on its last action
+    token and 0 everywhere else."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for i in range(B):
+        length = draw(1, T)
+        t = draw(0, 1) * draw(1, 3)  # an opening observation half the time
+        while t < length:
+            turn = draw(1, 5)
+            mask[i, t : min(t + turn, length)] = True
+            t += turn + draw(1, 4)  # the observation gap after the turn
+        mask[i, 0] |= not bool(mask[i].any())  # at least one action token per row
+    next_is_action = torch.cat([mask[:, 1:], torch.zeros(B, 1, dtype=torch.bool)], dim=1)
+    turn_end = mask & ~next_is_action  # [B, T] each turn's last action token
+    reward = torch.randn(B, T, generator=g, dtype=dtype)
+    reward = torch.where(torch.rand(B, T, generator=g) < p_zero_reward, torch.zeros_like(reward), reward)
+    sampler = -torch.rand(B, T, generator=g, dtype=dtype) * 3
+    return {
+        "logprobs": sampler + torch.randn(B, T, generator=g, dtype=dtype) * spread,
+        "sampler_logprobs": sampler,
+        "values": torch.rand(B, T, generator=g, dtype=dtype),
+        "rewards": torch.where(turn_end, reward, torch.zeros_like(reward)),
+        "action_mask": mask,
+    }
+
+
+def terminal_as_per_turn(rewards, action_mask):
+    """[B] terminal rewards written as [B, T]: R_i on the last action token, 0 everywhere else."""
+    last = action_mask & (action_mask.cumsum(dim=1) == action_mask.sum(dim=1, keepdim=True))
+    return torch.where(last, rewards[:, None], torch.zeros(action_mask.shape, dtype=rewards.dtype))
+
+
+def assert_updates_identical(a, b):
+    for name in ("advantages", "value_targets", "coefficients", "ratio", "mask"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    assert a.stats.keys() == b.stats.keys()
+    for key, x in a.stats.items():
+        y = b.stats[key]
+        assert x == y or (math.isnan(x) and math.isnan(y)), key
+
+
+@st.composite
+def multi_turn_batches(draw):
+    B = draw(st.integers(1, 6))
+    T = draw(st.integers(1, 40))
+    seed = draw(st.integers(0, 2**31 - 1))
+    spread = draw(st.sampled_from([0.0, 0.1, 1.0, 3.0]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    return multi_turn_batch(B, T, seed, dtype=dtype, spread=spread)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    batch=multi_turn_batches(), alpha=st.sampled_from([1.5, 0.05, 10.0]), correction=st.sampled_from(["dis", "none"])
+)
+def test_per_turn_update_matches_slow_reference_on_ragged_multi_turn_batches(batch, alpha, correction):
+    update = SAO(gae_alpha=alpha, correction=correction).update(batch)
+    mask = batch["action_mask"].tolist()
+    ref_adv, ref_targets, _ = reference_per_turn(
+        batch["values"].double().tolist(), batch["rewards"].double().tolist(), mask, alpha
+    )
+    dtype = batch["logprobs"].dtype
+    tol = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+    ref_adv = torch.tensor(ref_adv, dtype=torch.float64)
+    torch.testing.assert_close(update.advantages.double(), ref_adv, **tol)
+    torch.testing.assert_close(update.value_targets.double(), torch.tensor(ref_targets, dtype=torch.float64), **tol)
+    lo, hi = 0.7, 6.0
+    ratio = (batch["logprobs"].double() - batch["sampler_logprobs"].double()).exp()
+    f = ratio if correction == "none" else torch.where((ratio > lo) & (ratio < hi), ratio, torch.zeros_like(ratio))
+    ref_coef = torch.where(batch["action_mask"], f * ref_adv, torch.zeros_like(ratio)) / sum(map(sum, mask))
+    torch.testing.assert_close(update.coefficients.double(), ref_coef, **tol)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_per_turn_gae_and_targets_match_reference_across_powers_of_two(seed):
+    T = 1 + seed * 13 % 97  # 1 .. 97
+    batch = multi_turn_batch(5, T, seed)
+    adv, lam = gae(batch["values"], batch["rewards"], batch["action_mask"], 1.5)
+    targets = monte_carlo_returns(batch["rewards"], batch["action_mask"])
+    ref_adv, ref_targets, ref_lam = reference_per_turn(
+        batch["values"].tolist(), batch["rewards"].tolist(), batch["action_mask"].tolist(), 1.5
+    )
+    torch.testing.assert_close(adv, torch.tensor(ref_adv, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(targets, torch.tensor(ref_targets, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lam, torch.tensor(ref_lam, dtype=torch.float64))
+
+
+def test_per_turn_by_hand_with_zero_critic():
+    """Two turns [a a] obs [a] pad, rewards 0.5 and 2: A_k sums the later rewards discounted by λ per
+    action token (the observation is skipped); G_t is the undiscounted return-to-go."""
+    mask = torch.tensor([[True, True, False, True, False]])
+    rewards = torch.tensor([[0.0, 0.5, 0.0, 2.0, 0.0]], dtype=torch.float64)
+    values = torch.zeros(1, 5, dtype=torch.float64)
+    adv, lam = gae(values, rewards, mask, 1.5)
+    lam_ = 1 - 1 / 4.5
+    assert lam.item() == pytest.approx(lam_)
+    assert adv[0].tolist() == pytest.approx([lam_ * (0.5 + lam_ * 2.0), 0.5 + lam_ * 2.0, 0.0, 2.0, 0.0])
+    assert monte_carlo_returns(rewards, mask)[0].tolist() == [2.5, 2.5, 2.0, 2.0, 0.0]
+
+
+def test_per_turn_bootstrap_jumps_over_observation_tokens():
+    """A huge value on the observation token between two turns leaks into no advantage."""
+    mask = torch.tensor([[True, False, True]])
+    values = torch.tensor([[0.5, 1e6, 0.25]], dtype=torch.float64)
+    adv, _ = gae(values, torch.tensor([[0.75, 0.0, 1.0]], dtype=torch.float64), mask, 1.5)
+    lam = 1 - 1 / 3
+    d1 = 1.0 - 0.25
+    d0 = 0.75 + 0.25 - 0.5  # this turn's reward, bootstrapped from the next *action* token
+    assert adv[0].tolist() == pytest.approx([d0 + lam * d1, 0.0, d1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=batches(), correction=st.sampled_from(sorted(CORRECTIONS)), alpha=st.sampled_from([1.5, 0.05]))
+def test_terminal_reward_written_per_turn_gives_bit_identical_update(batch, correction, alpha):
+    """[B] rewards and the same rewards on each row's last action token of a [B, T] tensor: equal tensors
+    (torch.equal, float32 and float64) and equal stats, for every correction rule."""
+    sao = SAO(correction=correction, gae_alpha=alpha)
+    per_turn = terminal_as_per_turn(batch["rewards"], batch["action_mask"])
+    assert_updates_identical(sao.update(batch), sao.update({**batch, "rewards": per_turn}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", range(30))
+def test_terminal_reward_written_per_turn_gives_bit_identical_estimators(seed, dtype):
+    T = 1 + seed * 7 % 61
+    batch = random_batch(7, T, seed, dtype=dtype)
+    batch["rewards"] = torch.randn(7, generator=torch.Generator().manual_seed(seed), dtype=dtype)  # not just 0/1
+    mask = batch["action_mask"]
+    per_turn = terminal_as_per_turn(batch["rewards"], mask)
+    adv_b, lam_b = gae(batch["values"], batch["rewards"], mask, 1.5)
+    adv_bt, lam_bt = gae(batch["values"], per_turn, mask, 1.5)
+    assert torch.equal(adv_b, adv_bt) and torch.equal(lam_b, lam_bt)
+    assert torch.equal(monte_carlo_returns(batch["rewards"], mask), monte_carlo_returns(per_turn, mask))
+    assert_updates_identical(SAO().update(batch), SAO().update({**batch, "rewards": per_turn}))
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=multi_turn_batches())
+def test_multi_turn_batch_rewarded_only_on_its_last_turn_equals_the_terminal_case(batch):
+    mask = batch["action_mask"]
+    last = mask & (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True))  # [B, T]
+    only_last = torch.where(last, batch["rewards"], torch.zeros_like(batch["rewards"]))
+    terminal = only_last.sum(dim=1)  # [B] the last turn's reward
+    assert_updates_identical(
+        SAO().update({**batch, "rewards": terminal}), SAO().update({**batch, "rewards": only_last})
+    )
+
+
+def test_terminal_and_per_turn_agree_with_nonfinite_inputs():
+    batch = random_batch(4, 10, seed=0)
+    batch["action_mask"][:] = True
+    batch["logprobs"][1, 5] = float("inf")
+    batch["values"][2, 9] = float("nan")
+    per_turn = terminal_as_per_turn(batch["rewards"], batch["action_mask"])
+    assert_updates_identical(SAO().update(batch), SAO().update({**batch, "rewards": per_turn}))
+
+
+def test_perfect_critic_on_per_turn_rewards_explains_all_variance():
+    batch = multi_turn_batch(8, 30, seed=4)
+    targets = monte_carlo_returns(batch["rewards"], batch["action_mask"])
+    update = SAO().update({**batch, "values": targets})
+    assert update.stats["explained_variance"] == pytest.approx(1.0)
+    assert update.advantages.abs().max().item() == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("value", [1.0, -0.5, float("nan")])
+@pytest.mark.parametrize(("row", "col"), [(0, 1), (0, 4)])  # an observation token, a padding token
+def test_per_turn_reward_on_a_non_action_token_is_rejected(row, col, value):
+    mask = torch.tensor([[True, False, True, True, False], [True, True, True, True, True]])
+    lp = torch.zeros(2, 5, dtype=torch.float64)
+    rewards = torch.zeros(2, 5, dtype=torch.float64)
+    rewards[0, 3] = 1.0
+    batch = {"logprobs": lp, "sampler_logprobs": lp, "values": lp, "rewards": rewards, "action_mask": mask}
+    SAO().update(batch)  # rewards on action tokens only: accepted
+    rewards = rewards.clone()
+    rewards[row, col] = value
+    with pytest.raises(ConfigError, match=rf"rewards'\]\[{row}, {col}\].*non-action token"):
+        SAO().update({**batch, "rewards": rewards})
+
+
+def test_per_turn_rewards_of_the_wrong_width_are_rejected():
+    good = random_batch(3, 5, seed=0)
+    with pytest.raises(ConfigError, match=r"rewards.*\[3\] \(terminal\) or \[3, 5\] \(per turn\)"):
+        SAO().update({**good, "rewards": torch.zeros(3, 6, dtype=torch.float64)})

@@ -1,24 +1,33 @@
 """The SAO update: length-adaptive GAE over a critic, and an off-policy correction rule. Pure tensor math.
 
 One call turns a batch of B stale trajectories, padded to T tokens, into per-token policy-gradient
-coefficients. Notation (SPEC §1), for trajectory i with terminal reward R_i and L_i action tokens
-a_1 .. a_{L_i} (the tokens the model wrote; observation/tool tokens and padding are not actions):
+coefficients. Notation (SPEC §1), for trajectory i with L_i action tokens a_1 .. a_{L_i} (the tokens the
+model wrote; observation/tool tokens and padding are not actions) and r_k the reward on action token a_k:
 
+    r_k   = R_i [k = L_i]                                        terminal reward: ``rewards`` is [B]
+    r_k   = rewards[i, position of a_k]                          per-turn: ``rewards`` is [B, T], each turn's
+                                                                 reward on its last action token, 0 elsewhere
     λ_i   = max(0, 1 − 1 / (α L_i))                             length-adaptive GAE, α = 1.5 (γ = 1)
-    δ_k   = r_k + V(a_{k+1}) − V(a_k),  r_k = R_i [k = L_i],  V(a_{L_i+1}) = 0
+    δ_k   = r_k + V(a_{k+1}) − V(a_k),  V(a_{L_i+1}) = 0
     A_k   = δ_k + λ_i A_{k+1}                                    (the bootstrap jumps over observations)
-    G_t   = R_i if an action token lies at or after t, else 0   value target: Monte Carlo return, λ = 1
-    r_t   = exp(logprobs_t − sampler_logprobs_t)                 current policy over the sampler's own record
-    c_t   = f(r_t) · A_t / N                                     N = action tokens in the whole batch
+    G_t   = Σ_{action tokens a_k at or after t} r_k             value target: return-to-go, λ_critic = 1
+                                                                 (= R_i up to the last action token, then 0,
+                                                                 for a terminal reward)
+    ρ_t   = exp(logprobs_t − sampler_logprobs_t)                 current policy over the sampler's own record
+    c_t   = f(ρ_t) · A_t / N                                     N = action tokens in the whole batch
     loss  = −Σ_t c_t.detach() · logprobs_t
 
-The correction rule f is the only thing that differs between arms:
+(SPEC §1 writes the ratio ρ_t as r_t; here r is the reward.) The correction rule f is the only thing that
+differs between arms:
 
-    "dis"      f(r) = r if lo < r < hi else 0                    direct double-sided IS (the recipe arm)
-    "none"     f(r) = r                                          plain importance weighting (the baseline)
-    "tis"      f(r) = min(r, C)                                  truncated IS at a cap C
-    "seqmask"  f(r) = r, or 0 on every token of a trajectory whose geometric-mean ratio
-               exp(mean_k log r_k) leaves (lo, hi)
+    "dis"      f(ρ) = ρ if lo < ρ < hi else 0                    direct double-sided IS (the recipe arm)
+    "none"     f(ρ) = ρ                                          plain importance weighting (the baseline)
+    "tis"      f(ρ) = min(ρ, C)                                  truncated IS at a cap C
+    "seqmask"  f(ρ) = ρ, or 0 on every token of a trajectory whose geometric-mean ratio
+               exp(mean_t log ρ_t) leaves (lo, hi)
+
+The terminal case takes its own code path, so a [B] reward gives bit for bit what it gave before per-turn
+rewards existed; a [B, T] reward with one entry on the last action token gives the same tensors exactly.
 
 There is no advantage normalisation (the critic is the baseline) and no separate π_old: the ratio is taken
 against the probability the sampler recorded while drawing the token.
@@ -28,7 +37,8 @@ Non-finite inputs: a token whose ratio or advantage is not finite gets coefficie
 
 Deliberately left out: the model, the critic's optimisation, and the loss's backward pass. Everything here
 runs under ``torch.no_grad`` and returns detached tensors; the caller multiplies ``coefficients`` into its
-own differentiable ``logprobs``.
+own differentiable ``logprobs``. Where a turn ends is the caller's knowledge: a non-zero per-turn reward on a
+non-action token is rejected, but one on an action token inside a turn is taken as that token's r_k.
 """
 
 from __future__ import annotations
@@ -121,8 +131,11 @@ class SAO:
         """Advantages, value targets and policy-gradient coefficients for one batch.
 
         ``batch`` holds ``logprobs``, ``sampler_logprobs``, ``values`` and ``action_mask`` as [B, T]
-        tensors (``action_mask`` bool) and ``rewards`` as [B]. float32 or float64; the output has the
-        dtype and device of ``logprobs``.
+        tensors (``action_mask`` bool) and ``rewards`` either as [B] (one terminal reward per trajectory,
+        on its last action token) or as [B, T] (per-turn rewards: each turn's reward on that turn's last
+        action token, 0 on every other token; a non-zero reward on a non-action token is a ConfigError).
+        float32 or float64; the output has the dtype and device of ``logprobs``. ``value_targets`` are
+        the return-to-go G_t, which for a [B] reward is R_i up to the last action token.
 
         ``normalizer`` is N, the action-token count of the whole batch; leave it None unless ``batch`` is
         a micro-batch of a larger one. Every rule is per trajectory, so micro-batch updates with the
@@ -161,7 +174,7 @@ class SAO:
 @dataclass(frozen=True)
 class Update:
     """What one ``SAO.update`` returns. All tensors are [B, T], detached, zero off the action tokens
-    (``ratio`` is 1 there)."""
+    (``ratio`` is 1 there; ``value_targets`` also cover an observation token that an action token follows)."""
 
     advantages: Tensor
     value_targets: Tensor
@@ -189,10 +202,12 @@ def gae_lambda(lengths: Tensor, alpha: float, dtype: torch.dtype = torch.float64
 def gae(values: Tensor, rewards: Tensor, action_mask: Tensor, alpha: float) -> tuple[Tensor, Tensor]:
     """Length-adaptive GAE with γ = 1 over the action tokens only. Returns (advantages [B,T], λ [B]).
 
-    The action tokens of each row are packed to the left in order (observation tokens and padding drop
-    out, so V(a_{k+1}) is the value at the next *action* token), the recurrence A_k = δ_k + λ A_{k+1} is
-    solved for all rows at once by recursive doubling (log2 T vector steps, no loop over tokens), and
-    the result is scattered back to the original positions.
+    ``rewards`` is [B] (R_i on the last action token) or [B, T] (r_k read at each action token; entries
+    on non-action tokens are ignored here, ``SAO.update`` rejects non-zero ones). The action tokens of
+    each row are packed to the left in order (observation tokens and padding drop out, so V(a_{k+1}) is
+    the value at the next *action* token), the recurrence A_k = δ_k + λ A_{k+1} is solved for all rows
+    at once by recursive doubling (log2 T vector steps, no loop over tokens), and the result is
+    scattered back to the original positions.
     """
     B, T = values.shape
     lengths = action_mask.sum(dim=1)  # [B] L_i
@@ -207,7 +222,13 @@ def gae(values: Tensor, rewards: Tensor, action_mask: Tensor, alpha: float) -> t
     k = torch.arange(T, device=values.device)[None, :]  # [1, T]
     last = k == (lengths[:, None] - 1)  # [B, T] the terminal action token
     valid = k < lengths[:, None]  # [B, T]
-    r = torch.where(last, rewards[:, None].to(values.dtype), torch.zeros_like(v))
+    if rewards.dim() == 1:  # terminal: R_i at k = L_i − 1 (the path every [B] batch has always taken)
+        r = torch.where(last, rewards[:, None].to(values.dtype), torch.zeros_like(v))
+    else:  # per turn: pack each action token's reward left exactly like its value
+        action_rewards = torch.where(action_mask, rewards.to(values.dtype), torch.zeros_like(values))  # [B, T]
+        packed_rewards = values.new_zeros(B, T + 1)
+        packed_rewards.scatter_(1, slot, action_rewards)
+        r = packed_rewards[:, :T]  # [B, T] r_k packed left, 0 past L_i
     delta = torch.where(valid, r + v_next - v, torch.zeros_like(v))  # [B, T] δ_k
 
     adv = _discounted_reverse_sum(delta, lam)  # [B, T] A_k = Σ_j λ^(j-k) δ_j
@@ -235,12 +256,21 @@ def _discounted_reverse_sum(x: Tensor, lam: Tensor) -> Tensor:
 
 
 def monte_carlo_returns(rewards: Tensor, action_mask: Tensor) -> Tensor:
-    """Value targets with γ = 1, λ_critic = 1 and a terminal reward: R_i on every action token, and on
-    every observation token that an action token follows (it carries the next action token's return);
-    0 after the last action token and on padding. [B] → [B, T]."""
-    action_at_or_after = action_mask.flip(1).cummax(dim=1).values.flip(1)  # [B, T]
-    r = rewards[:, None].expand_as(action_mask)
-    return torch.where(action_at_or_after, r, torch.zeros_like(r))
+    """Value targets with γ = 1 and λ_critic = 1: the return-to-go G_t = Σ_{action tokens k at or after t} r_k.
+    An observation token carries the return of the next action token; 0 after the last action token and
+    on padding. [B] or [B, T] rewards → [B, T] in the rewards' dtype.
+
+    [B] (terminal): R_i on every token that an action token follows. [B, T] (per turn): a reversed cumsum
+    of the rewards on action tokens (entries on non-action tokens are ignored here; ``SAO.update`` rejects
+    non-zero ones). With a single reward on the last action token both give the same tensor exactly: the
+    cumsum only ever adds zeros to R_i.
+    """
+    if rewards.dim() == 1:
+        action_at_or_after = action_mask.flip(1).cummax(dim=1).values.flip(1)  # [B, T]
+        r = rewards[:, None].expand_as(action_mask)
+        return torch.where(action_at_or_after, r, torch.zeros_like(r))
+    action_rewards = torch.where(action_mask, rewards, torch.zeros_like(rewards))  # [B, T] r_k in place
+    return action_rewards.flip(1).cumsum(dim=1).flip(1)  # [B, T] G_t
 
 
 def explained_variance(values: Tensor, targets: Tensor, mask: Tensor) -> float:
@@ -283,15 +313,26 @@ def _validate(batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tens
             raise ConfigError(f"batch[{key!r}] must have shape [{B}, {T}] like logprobs, got {_shape(x)}")
         out.append(x.detach().to(device=device, dtype=dtype))
     rewards = batch["rewards"]
-    if not isinstance(rewards, torch.Tensor) or tuple(rewards.shape) != (B,):
-        raise ConfigError(f"batch['rewards'] must have shape [{B}], got {_shape(rewards)}")
-    out.append(rewards.detach().to(device=device, dtype=dtype))
+    if not isinstance(rewards, torch.Tensor) or tuple(rewards.shape) not in ((B,), (B, T)):
+        raise ConfigError(
+            f"batch['rewards'] must have shape [{B}] (terminal) or [{B}, {T}] (per turn), got {_shape(rewards)}"
+        )
+    rewards = rewards.detach().to(device=device, dtype=dtype)
+    out.append(rewards)
     action_mask = batch["action_mask"]
     if not isinstance(action_mask, torch.Tensor) or tuple(action_mask.shape) != (B, T):
         raise ConfigError(f"batch['action_mask'] must have shape [{B}, {T}], got {_shape(action_mask)}")
     action_mask = action_mask.to(device=device, dtype=torch.bool)
     if not bool(action_mask.any()):
         raise ConfigError("batch['action_mask'] has no True entry: a batch needs at least one action token")
+    if rewards.dim() == 2:
+        stray = (rewards != 0) & ~action_mask  # [B, T] NaN counts as non-zero
+        if bool(stray.any()):
+            i, t = (int(x) for x in stray.nonzero()[0])
+            raise ConfigError(
+                f"batch['rewards'][{i}, {t}] = {float(rewards[i, t])} is on a non-action token; "
+                "a per-turn reward goes on its turn's last action token"
+            )
     out.append(action_mask)
     return out[0], out[1], out[2], out[3], out[4]
 
