@@ -1,8 +1,9 @@
 """Drawing trajectories: the plain decode loop and the stale sampler that SPEC §2 asks for.
 
     draw        prefill the left-padded prompts once, then one token per step from a KV cache:
-                logits in float32 → / τ → log-softmax → a Gumbel-max draw from a seeded generator; the
-                drawn token's log-probability under exactly that distribution is recorded with it.
+                logits in float32 → / τ → a Gumbel-max draw from a seeded generator (``gumbel_sample_``);
+                the drawn token's log-probability under exactly that distribution, logit − logsumexp,
+                is recorded with it.
                 No top-p, top-k or repetition penalty: the ratio needs common support.
     stale       the sampler is a second LoRA adapter on the same base weights, a frozen copy of the
                 policy's adapter. At policy step k it draws the batch, then — when k is a multiple of
@@ -44,6 +45,19 @@ class Rollout:
     sampler_logprobs: torch.Tensor  # [B, R] float32, 0 off the mask
     truncated: torch.Tensor  # [B] bool: hit max_new_tokens without EOS
     texts: list[str] = field(default_factory=list)  # decoded responses, special tokens dropped
+    # Multi-turn trajectories (``sao.rollout.episodes``); None for one reply per prompt, where every response
+    # token is an action and the reward is graded from the text.
+    action_mask: torch.Tensor | None = None  # [B, R] bool: tokens the model wrote (observations are not)
+    turn_rewards: torch.Tensor | None = None  # [B, R] float32: each turn's reward on its last action token
+    rewards: torch.Tensor | None = None  # [B] float32: the sum of the turns' rewards
+    turns: torch.Tensor | None = None  # [B] long: actions taken
+    tool_calls: torch.Tensor | None = None  # [B] long
+    tool_errors: torch.Tensor | None = None  # [B] long
+
+    @property
+    def actions(self) -> torch.Tensor:
+        """[B, R] bool: the action tokens (the whole response when there are no observations)."""
+        return self.response_mask if self.action_mask is None else self.action_mask
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -98,10 +112,24 @@ def derived_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def gumbel_draw(logprobs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row from softmax(logprobs) by Gumbel-max: argmax(logp − log(−log u)). [B, V] → [B]."""
-    u = torch.rand(logprobs.shape, generator=generator, device=logprobs.device, dtype=torch.float32)
-    return (logprobs - torch.log(-torch.log(u.clamp_min(1e-20)))).argmax(dim=-1)
+def gumbel_sample_(logits: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from softmax(logits) by Gumbel-max, and its log-probability. In place: both inputs
+    are overwritten, so the only vocabulary-sized tensors are the two passed in.
+
+    logits [B, V] float32, already divided by the temperature; noise [B, V] float32 uniform in [0, 1).
+    token = argmax(logits + g) with g = −log(−log u); log-prob = logits[token] − logsumexp(logits), the
+    formula of the teacher-forced pass. Returns (token [B] long, log-prob [B] float32).
+
+    This is the one sampling formula of the project: the plain loop and the engine both call it, so on the
+    CPU they draw the same tokens bit for bit. (Gumbel-max on log_softmax(logits) is the same distribution
+    in exact arithmetic, but its float rounding picks a different argmax about once in 4M draws.)
+    """
+    token = noise.clamp_min_(1e-20).log_().neg_().log_().neg_().add_(logits).argmax(dim=-1)  # [B]
+    chosen = logits.gather(-1, token[:, None]).squeeze(-1)  # [B]
+    # logsumexp as torch.logsumexp computes it (max, exp of the shifted logits, sum, log, + max), in place
+    top = logits.amax(dim=-1, keepdim=True)  # [B, 1]
+    lse = logits.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))  # [B]
+    return token, chosen - lse
 
 
 @torch.no_grad()
@@ -137,9 +165,9 @@ def draw(
     done = torch.zeros(B, dtype=torch.bool, device=device)
     alive_masks = []
     for _ in range(max_new_tokens):
-        logprobs = torch.log_softmax(logits_fp32(head, hidden, temperature), dim=-1)  # [B, V]
-        token = gumbel_draw(logprobs, generator)  # [B]
-        token_logp = logprobs.gather(-1, token[:, None]).squeeze(-1)
+        logits = logits_fp32(head, hidden, temperature)  # [B, V]
+        noise = torch.rand(logits.shape, generator=generator, device=device, dtype=torch.float32)  # [B, V]
+        token, token_logp = gumbel_sample_(logits, noise)  # [B], [B]
         alive = ~done
         tokens.append(torch.where(alive, token, torch.full_like(token, pad_token_id)))
         logps.append(torch.where(alive, token_logp, torch.zeros_like(token_logp)))
