@@ -255,6 +255,8 @@ class Config:
             raise ConfigError(
                 f"--max-turns and --max-total-tokens must be >= 1, got {self.max_turns} and {self.max_total_tokens}"
             )
+        if self.env is not None and self.engine == "ray":
+            raise ConfigError("--env with --engine ray is not supported yet: multi-turn episodes run with --engine local")
         if self.track not in (None, "tensorboard", "trackio", "wandb"):
             raise ConfigError(f"--track must be 'tensorboard', 'trackio' or 'wandb', got {self.track!r}")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,9 @@ import torch
 from sao.core import grading
 from sao.core.errors import ConfigError
 from sao.rollout.sampler import derived_seed
-from sao.rollout.source import Decoder, Sampling, draw_batch
-from sao.tasks.gsm8k import Task, format_prompt
+from sao.rollout.source import Decoder, Episodes, Sampling, draw_batch, draw_episode_batch
+from sao.tasks.envs import prompt_text
+from sao.tasks.gsm8k import Task
 from sao.train.learn import is_out_of_memory
 
 
@@ -71,9 +73,13 @@ def evaluate(
     eos_token_ids: list[int] | None = None,
     label: str = "model",
     progress: bool = False,
+    episodes: Episodes | None = None,
+    score: Callable[[str, Task], float] | None = None,
 ) -> EvalResult:
     """pass@1 of what ``decoder`` draws (the plain loop over a model, or a ``sao.rollout.engine.Engine``) over
-    ``tasks``, ``samples`` draws each.
+    ``tasks``, ``samples`` draws each. A sample's score is ``score(reply, task)`` (default: the GSM8K grader's
+    exact numeric match); with ``episodes`` each sample is a multi-turn episode and its score the
+    environment's total reward.
 
     Out of memory: the eval restarts with half the batch (its samples then differ from a full-batch eval
     of the same seed, because each batch has its own generator); ``oom_retries`` says how often.
@@ -86,7 +92,7 @@ def evaluate(
         try:
             result = _evaluate_once(
                 decoder, tokenizer, tasks, instruction, samples, temperature, max_new_tokens, batch, seed,
-                eos_token_ids, label, progress,
+                eos_token_ids, label, progress, episodes, score,
             )  # fmt: skip
             break
         except RuntimeError as error:
@@ -103,12 +109,12 @@ def evaluate(
 
 def _evaluate_once(
     decoder, tokenizer, tasks, instruction, samples, temperature, max_new_tokens, batch, seed, eos_token_ids,
-    label, progress,
+    label, progress, episodes, score,
 ) -> EvalResult:  # fmt: skip
     from tqdm import tqdm
 
     sampling = Sampling(max_new_tokens, temperature, eos_token_ids or [tokenizer.eos_token_id], tokenizer.pad_token_id)
-    prompts = [format_prompt(tokenizer, t.question, instruction) for t in tasks]
+    prompts = [prompt_text(tokenizer, t, instruction) for t in tasks]
     rows = [(j, i, prompts[j]) for j in range(len(tasks)) for i in range(samples)]  # task-major
     correct = torch.zeros(len(tasks), dtype=torch.float64)
     chars = tokens = truncated = 0.0
@@ -117,11 +123,17 @@ def _evaluate_once(
     for c, first in enumerate(tqdm(chunks, desc=f"eval {label}", disable=not progress, leave=False)):
         chunk = rows[first : first + batch]
         generator = torch.Generator(device=decoder.device).manual_seed(derived_seed(seed, c))
-        rollout = draw_batch(decoder, tokenizer, [p for _, _, p in chunk], sampling, generator)
+        if episodes is not None:
+            ids = [tasks[j].id for j, _, _ in chunk]
+            rollout = draw_episode_batch(decoder, tokenizer, ids, episodes, sampling, generator)
+            scores = rollout.rewards.tolist()
+        else:
+            rollout = draw_batch(decoder, tokenizer, [p for _, _, p in chunk], sampling, generator)
+            grade = score or (lambda text, task: grading.math_equal(text, task.answer))
+            scores = [grade(text, tasks[j]) for (j, _, _), text in zip(chunk, rollout.texts, strict=True)]
         texts = rollout.texts
         every = max(1, len(tasks) // 6)
-        for (j, i, _), text in zip(chunk, texts, strict=True):
-            ok = grading.math_equal(text, tasks[j].answer)
+        for (j, i, _), text, ok in zip(chunk, texts, scores, strict=True):
             correct[j] += ok
             chars += len(text)
             if i == 0 and j % every == 0 and len(examples) < 6:

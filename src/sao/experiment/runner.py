@@ -35,7 +35,8 @@ from sao.experiment.evaluate import EvalResult, evaluate
 from sao.model.policy import POLICY_ADAPTER, eos_ids, load_base, pick_device
 from sao.rollout.sampler import derived_seed
 from sao.rollout.source import make_decoder
-from sao.tasks import DataSplit, instruction_for, load_split, model_path
+from sao.tasks import DataSplit, instruction_for, load_reward, load_split, model_path
+from sao.tasks.envs import episodes_for
 from sao.train import checkpoint
 from sao.train.trainer import Trainer
 
@@ -85,12 +86,17 @@ def run_label(arm: str, seed: int) -> str:
 def pass_at_1(
     config: Config, model, tokenizer, tasks: list, instruction: str, seed: int, label: str, progress: bool
 ) -> EvalResult:
-    """The protocol's eval of ``model`` (its policy adapter, if it has one) with the config's eval settings."""
+    """The protocol's eval of ``model`` (its policy adapter, if it has one) with the config's eval settings:
+    the task's reward on one reply per sample, or the environment's total reward on one episode per sample."""
     adapter = POLICY_ADAPTER if hasattr(model, "peft_config") else None
+    episodes = episodes_for(config, tokenizer, tasks, instruction)
+    decoder = make_decoder(model, adapter, "plain" if episodes else config.decoder)  # episodes: the plain loop
+    score = load_reward(config.reward) if config.reward else None
     return evaluate(
-        make_decoder(model, adapter, config.decoder), tokenizer, tasks, instruction=instruction,
-        samples=config.eval_samples, temperature=config.eval_temperature, max_new_tokens=config.eval_max_new_tokens,
-        batch=config.eval_batch, seed=seed, eos_token_ids=eos_ids(tokenizer, model), label=label, progress=progress,
+        decoder, tokenizer, tasks, instruction=instruction, samples=config.eval_samples,
+        temperature=config.eval_temperature, max_new_tokens=config.eval_max_new_tokens, batch=config.eval_batch,
+        seed=seed, eos_token_ids=eos_ids(tokenizer, model), label=label, progress=progress, episodes=episodes,
+        score=score,
     )  # fmt: skip
 
 

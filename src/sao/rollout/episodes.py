@@ -97,8 +97,9 @@ def draw_episodes(
     rows = [_Row(env, tuple(getattr(env, "stop_strings", ()) or ())) for env in envs]
     texts = []
     for env, messages in zip(envs, prompts, strict=True):
-        start, _ = env.init(messages)
-        texts.append(tokenizer.apply_chat_template(start, tokenize=False, add_generation_prompt=True))
+        start, info = env.init(messages)
+        tools = (info or {}).get("tools") or None  # a tool-calling template lists the tools in the prompt
+        texts.append(tokenizer.apply_chat_template(start, tools=tools, tokenize=False, add_generation_prompt=True))
     prompt_ids, prompt_mask = encode_prompts(tokenizer, texts, device)  # [B, P]
     trunk, head = trunk_and_head(model)
     kw, cache = cache_keyword(trunk), DynamicCache()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -205,11 +206,18 @@ class PlainDecoder:
         self.device = next(model.parameters()).device
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> Rollout:
+        with self.active() as model:
+            return draw(model, prompt_ids, prompt_mask, **settings)
+
+    @contextmanager
+    def active(self):
+        """The model with this decoder's adapter active (multi-turn episodes draw through it too)."""
         if self.adapter is None or not hasattr(self.model, "set_adapter"):
-            return draw(self.model, prompt_ids, prompt_mask, **settings)
+            yield self.model
+            return
         self.model.set_adapter(self.adapter, inference_mode=True)
         try:
-            return draw(self.model, prompt_ids, prompt_mask, **settings)
+            yield self.model
         finally:
             self.model.set_adapter(POLICY_ADAPTER)
             for p in lora_state(self.model, self.adapter).values():

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from sao.rollout.engine import Engine
+from sao.rollout.env import EnvFactory, Message
+from sao.rollout.episodes import draw_episodes
 from sao.rollout.sampler import (
     SAMPLER_ADAPTER,
     PlainDecoder,
@@ -122,6 +124,34 @@ class PromptOrder:
         return [self.id_at(p) for p in range(step * size, (step + 1) * size)]
 
 
+@dataclass(frozen=True)
+class Episodes:
+    """What multi-turn drawing needs beyond the prompts: an environment per task, the prompt messages it
+    starts from, the task fields it is built from, and the limits."""
+
+    env_factory: EnvFactory
+    messages: dict[str, list[Message]]  # task id → prompt messages
+    fields: dict[str, dict[str, Any]]  # task id → what its environment is built from
+    max_turns: int
+    max_total_tokens: int
+
+
+def draw_episode_batch(
+    decoder: PlainDecoder, tokenizer: Any, task_ids: list[str], episodes: Episodes, sampling: Sampling, generator
+) -> Rollout:
+    """One multi-turn episode per task id, an environment each (closed afterwards), on the plain loop."""
+    envs = [episodes.env_factory(i, episodes.fields[i]) for i in task_ids]
+    try:
+        with decoder.active() as model:
+            return draw_episodes(
+                model, tokenizer, envs, [episodes.messages[i] for i in task_ids], max_turns=episodes.max_turns,
+                max_total_tokens=episodes.max_total_tokens, generator=generator, **sampling.as_kwargs(),
+            )  # fmt: skip
+    finally:
+        for env in envs:
+            env.close()
+
+
 def make_decoder(model: nn.Module, adapter: str | None, kind: str) -> Decoder:
     """ "graph" → ``Engine`` over ``adapter``; "plain" → the reference loop; "auto" → graph on a GPU, plain on
     the CPU (the engine's eager CPU path draws the same tokens, only slower to set up)."""
@@ -157,11 +187,13 @@ class LocalStaleSource:
         sampling: Sampling,
         seed: int,
         decoder: str = "auto",
+        episodes: Episodes | None = None,
     ):
-        self.tokenizer, self.prompts, self.order = tokenizer, prompts, order
+        self.tokenizer, self.prompts, self.order, self.episodes = tokenizer, prompts, order, episodes
         self.batch_size, self.critic_warmup, self.sampling, self.seed = batch_size, critic_warmup, sampling, seed
         self.sampler = StaleSampler(policy, lag)
-        self.decoder = make_decoder(policy, SAMPLER_ADAPTER, decoder)  # reads the sampler's adapter
+        kind = "plain" if episodes is not None else decoder  # multi-turn episodes run on the plain loop
+        self.decoder = make_decoder(policy, SAMPLER_ADAPTER, kind)  # reads the sampler's adapter
         self.device = next(policy.parameters()).device
 
     def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:
@@ -171,8 +203,12 @@ class LocalStaleSource:
         staleness = policy_version - self.sampler.version
         task_ids = self.order.batch(step, self.batch_size)
         generator = torch.Generator(device=self.device).manual_seed(derived_seed(self.seed, step, "rollout"))
-        prompts = [self.prompts[i] for i in task_ids]
-        rollout = draw_batch(self.decoder, self.tokenizer, prompts, self.sampling, generator)
+        if self.episodes is not None:
+            decoder, episodes = self.decoder, self.episodes
+            rollout = draw_episode_batch(decoder, self.tokenizer, task_ids, episodes, self.sampling, generator)
+        else:
+            prompts = [self.prompts[i] for i in task_ids]
+            rollout = draw_batch(self.decoder, self.tokenizer, prompts, self.sampling, generator)
         if phase == POLICY and self.sampler.refresh_after_draw(k):
             self.sampler.refresh(policy_version)
         return Batch(task_ids=task_ids, rollout=rollout, staleness=[staleness] * len(task_ids))

@@ -31,7 +31,7 @@ import os
 import random
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,15 +64,22 @@ _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 @dataclass(frozen=True)
 class Task:
-    """One GSM8K problem.
+    """One task: a prompt and its gold answer.
 
-    ``id`` is ``gsm8k/<split>/<row>``; ``answer`` is the gold final answer, the text after the last
-    ``####`` in GSM8K's answer field, stripped (``"18"``, ``"1,000"``).
+    ``id`` names the source and the row (GSM8K: ``gsm8k/test/17``); ``answer`` is the gold final answer
+    (GSM8K: the text after the last ``####`` in its answer field, stripped: ``"18"``, ``"1,000"``).
+    ``fields`` holds the record's raw fields, for a reward or an environment that needs more than the
+    answer (GSM8K's loader leaves it empty); ``messages`` is the prompt as chat messages when the data gives
+    one (``question`` is then its last user turn, the text decontamination and logs use). Both are left out
+    of the hash (a dict and a list cannot be hashed) but not of equality; ``Task(id, question, answer)``
+    leaves them empty.
     """
 
     id: str
     question: str
     answer: str
+    fields: dict[str, Any] = field(default_factory=dict, hash=False)  # the record as read: {"answer": ..., ...}
+    messages: list[dict[str, Any]] | None = field(default=None, hash=False)  # [{"role": ..., "content": ...}]
 
 
 @dataclass(frozen=True)

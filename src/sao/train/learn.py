@@ -70,7 +70,7 @@ def policy_gradient_pass(
     models: Models,
     sao: SAO,
     rollout: Rollout,
-    rewards: torch.Tensor,  # [B]
+    rewards: torch.Tensor,  # [B] terminal, or [B, R] each turn's reward on its last action token
     *,
     rows: int,
     with_policy_gradient: bool,
@@ -79,8 +79,9 @@ def policy_gradient_pass(
 ) -> PassResult:
     """The teacher-forced pass and the policy gradient, ``rows`` trajectories at a time (see the module doc).
     On a critic-only step no gradient is taken and ``loss`` is NaN."""
-    mask = rollout.response_mask  # [B, R]
-    n_tokens = float(mask.sum())  # N of the whole batch
+    mask = rollout.response_mask  # [B, R] every real response token (actions and observations)
+    actions = rollout.actions  # [B, R] the tokens the model wrote
+    n_tokens = float(actions.sum())  # N of the whole batch
     logprobs, hidden, values = [], [], []
     loss_total, finite = 0.0, True
     for start in range(0, len(mask), rows):
@@ -103,7 +104,7 @@ def policy_gradient_pass(
                 "sampler_logprobs": rollout.sampler_logprobs[part],
                 "values": part_values,
                 "rewards": rewards[part].to(part_values),
-                "action_mask": mask[part],
+                "action_mask": actions[part],
             }
             loss = sao.update(part_batch, normalizer=n_tokens).policy_loss(forward.logprobs)
             loss_total += loss.item()
@@ -121,7 +122,7 @@ def policy_gradient_pass(
         "sampler_logprobs": rollout.sampler_logprobs,
         "values": torch.cat(values),
         "rewards": rewards.to(forward.logprobs),
-        "action_mask": mask,
+        "action_mask": actions,
     }
     update = sao.update(whole_batch)
     return PassResult(forward, update, loss_total if with_policy_gradient else float("nan"), finite)

@@ -1,8 +1,9 @@
 """What a step leaves behind: its log record, and the reachability checks read off the records so far.
 
     record          one flat dict per step (SPEC §5): phase, staleness, reward, masked and would-be masked
-                    share, ratio quantiles, KL(sampler‖policy), advantage, λ, explained variance, critic loss,
-                    length, truncation, grad norm, skipped — plus whatever the source counted
+                    share (over action tokens), ratio quantiles, KL(sampler‖policy), advantage, λ, explained
+                    variance, critic loss, length, truncation, grad norm, skipped — and for multi-turn
+                    trajectories turns, tool calls, tool use, tool error rate and the observation-token share
     reachability    once, after the first max(LAG, 4) stale batches: if they would mask almost nothing, warn
                     in words that the band is dead and the two arms will run the same experiment
     masking report  at the end of each staleness cycle (at most every 10 policy steps), one line of the masked
@@ -39,19 +40,19 @@ def step_record(
 ) -> dict[str, Any]:
     """The log record of one step (before the caller adds arm, seed, timings and the source's counters)."""
     s = update.stats
-    ratio = update.ratio[rollout.response_mask]  # [N]
+    ratio = update.ratio[rollout.actions]  # [N]
     log_ratio = ratio.log()
     kl = float(((ratio - 1) - log_ratio)[torch.isfinite(log_ratio)].mean())  # KL(sampler‖policy), k3 estimator
     histogram: dict[str, int] = {}
     for value in sorted(staleness):
         histogram[str(value)] = histogram.get(str(value), 0) + 1
-    return {
+    record = {
         "step": step,
         "phase": phase,
         "policy_step": policy_step,
         "staleness": max(staleness),
         "policy_version": policy_version,
-        "reward_mean": float(rewards.mean()),
+        "reward_mean": float((rewards.sum(dim=1) if rewards.dim() == 2 else rewards).mean()),  # per trajectory
         **{k: s[k] for k in ("masked_share", "would_be_masked_share", "ratio_min", "ratio_mean", "ratio_max")},
         **{k: s[k] for k in ("ratio_p99", "abs_log_ratio_mean", "abs_log_ratio_max")},
         "kl_sampler_policy": kl,
@@ -64,6 +65,16 @@ def step_record(
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_hist": histogram,
     }
+    if rollout.turns is not None:  # multi-turn trajectories: how the agent used its environment
+        calls = float(rollout.tool_calls.sum())
+        record.update(
+            turns_mean=float(rollout.turns.float().mean()),
+            tool_calls_mean=float(rollout.tool_calls.float().mean()),
+            tool_use_share=float((rollout.tool_calls > 0).float().mean()),
+            tool_error_rate=float(rollout.tool_errors.sum()) / calls if calls else 0.0,
+            observation_share=1.0 - float(rollout.actions.sum()) / max(float(rollout.response_mask.sum()), 1.0),
+        )
+    return record
 
 
 def dead_band_warning(

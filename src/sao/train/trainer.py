@@ -25,14 +25,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from sao.core import grading
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.model import artifacts
 from sao.model.policy import Models, auto_micro_batch, describe, lora_state
 from sao.rollout.source import POLICY, WARMUP, LocalStaleSource, PromptOrder, Sampling, Source
-from sao.tasks import DataSplit, instruction_for, load_split, model_path
-from sao.tasks.gsm8k import format_prompt
+from sao.tasks import DataSplit, instruction_for, load_reward, load_split, model_path
+from sao.tasks.envs import episodes_for, prompt_text
 from sao.train import checkpoint
 from sao.train.learn import apply_policy_step, critic_steps, policy_gradient_pass, with_oom_retry
 from sao.train.records import dead_band_warning, masking_line, step_record
@@ -72,8 +71,10 @@ class Trainer:
             grad_checkpoint=config.grad_checkpoint,
         )
         self.tasks = {t.id: t for t in self.split.train}
+        self.reward_fn = load_reward(config.reward)  # (completion, task) -> float; the GSM8K grader by default
         instruction = instruction_for(config)
-        self.prompts = {t.id: format_prompt(self.models.tokenizer, t.question, instruction) for t in self.split.train}
+        self.prompts = {t.id: prompt_text(self.models.tokenizer, t, instruction) for t in self.split.train}
+        self.episodes = episodes_for(config, self.models.tokenizer, self.split.train, instruction)
         self.lora_params = list(lora_state(self.models.policy).values())
         self.policy_opt = torch.optim.AdamW(self.lora_params, lr=config.lr, weight_decay=0.0)
         self.critic_opt = torch.optim.AdamW(self.models.value_head.parameters(), lr=config.critic_lr, weight_decay=0.0)
@@ -101,7 +102,7 @@ class Trainer:
         sampling = Sampling(c.max_new_tokens, c.temperature, m.eos_token_ids, m.tokenizer.pad_token_id)
         return LocalStaleSource(
             m.policy, m.tokenizer, self.prompts, order, lag=c.lag, batch_size=c.batch_size,
-            critic_warmup=c.critic_warmup, sampling=sampling, seed=c.seed, decoder=c.decoder,
+            critic_warmup=c.critic_warmup, sampling=sampling, seed=c.seed, decoder=c.decoder, episodes=self.episodes,
         )  # fmt: skip
 
     @property
@@ -120,8 +121,7 @@ class Trainer:
         started = time.perf_counter()
         batch = self.source.next_batch(g, phase, self.policy_version)  # prompts → sampler → trajectories
         rollout = batch.rollout
-        answers = [self.tasks[i].answer for i in batch.task_ids]
-        rewards = torch.tensor([grading.reward(text, a) for text, a in zip(rollout.texts, answers, strict=True)])
+        rewards = self.rewards(batch)  # [B], or [B, R] per turn when an environment answered between actions
         sampled = time.perf_counter()
 
         def attempt(rows: int):  # teacher-forced pass → SAO.update → loss → backward
@@ -144,7 +144,7 @@ class Trainer:
                 self.source.after_update(self.policy_version)
         targets = result.update.value_targets  # [B, R] Monte Carlo returns
         critic_loss = critic_steps(self.models.value_head, self.critic_opt, result.forward.hidden, targets,
-                                   rollout.response_mask, self.sao.critic_steps)  # fmt: skip
+                                   rollout.actions, self.sao.critic_steps)  # fmt: skip
         record = step_record(
             step=g, phase=phase, policy_step=g - self.sao.critic_warmup if phase == POLICY else None,
             policy_version=self.policy_version, staleness=batch.staleness, rollout=rollout, rewards=rewards,
@@ -155,6 +155,15 @@ class Trainer:
             "micro_batch": self.micro_batch, "oom_retries": retries,
             "time": time.perf_counter() - started, "time_sample": sampled - started,
         }  # fmt: skip
+
+    def rewards(self, batch) -> torch.Tensor:
+        """The environments' rewards when they graded the trajectories (per turn when some took several),
+        else the task's reward function on each reply."""
+        rollout = batch.rollout
+        if rollout.rewards is not None:
+            return rollout.turn_rewards if bool((rollout.turns > 1).any()) else rollout.rewards
+        pairs = zip(rollout.texts, batch.task_ids, strict=True)
+        return torch.tensor([self.reward_fn(text, self.tasks[i]) for text, i in pairs])
 
     def _say_oom(self, rows: int) -> None:
         tqdm.write(f"[{self.label}] out of memory in the training pass: micro-batch -> {rows}, retrying")
