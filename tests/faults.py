@@ -36,7 +36,8 @@ KINDS: dict[str, tuple[str, str]] = {
         "the step is skipped and counted (skipped, nonfinite in the log); tokens get coefficient 0; the run goes on",
     ),
     "killed process": (
-        "SIGKILL mid-training, between a checkpoint and its log, inside a trained arm's eval, inside a base eval",
+        "SIGKILL mid-training, between a checkpoint and its log, inside a trained arm's eval, inside a base eval, "
+        "in a multi-turn agent run",
         "--resume finishes with results.json and train_log.json identical to an uninterrupted run",
     ),
     "out of memory": (

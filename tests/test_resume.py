@@ -146,3 +146,23 @@ def test_resume_of_a_finished_trainer_changes_nothing(tiny_config, tmp_path):
     assert as_json(again) == as_json(first)  # NaN != NaN in Python; JSON compares them as null
     assert (out / "train_log.json").read_bytes() == log
     assert Path(out / "train_log.json").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_multi_turn_run_resumes_to_identical_results(tiny_model_dir, tmp_path, faults):
+    """`sao train` on SkyRL-Gym's multi-turn GSM8K environment, SIGKILLed in the middle of a policy step, then
+    resumed: the log is the uninterrupted run's, episode for episode."""
+    pytest.importorskip("skyrl_gym")
+    agent = ["--preset", "tiny", "--env", "skyrl:gsm8k_multi_turn", "--max-turns", "2", "--max-new-tokens", "24",
+             "--batch-size", "8", "--steps", "4", "--critic-warmup", "1", "--lag", "2", "--train-prompts", "32",
+             "--test-prompts", "8", "--quiet"]  # fmt: skip
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    _run(["train", *agent, "--out", str(reference)])
+    killed = subprocess.run([sys.executable, "-c", CHILD, "train-step", "dis seed 17", "3", "train", *agent,
+                             "--out", str(out)], capture_output=True, text=True, env=_env(), timeout=600)  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    _run(["train", *agent, "--out", str(out), "--resume"])
+    got = _strip(json.loads((out / "train_log.json").read_text()))
+    want = _strip(json.loads((reference / "train_log.json").read_text()))
+    assert got == want and any(r["turns_mean"] > 1 for r in got)
+    faults.record("killed process", "train-step of a multi-turn agent run")

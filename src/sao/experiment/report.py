@@ -40,12 +40,14 @@ PLOTS = {  # file stem → caption in report.md; every plot has one panel per ce
     "floor), and each arm's paired delta against `none` with its 95% interval (shaded: ± noise floor).",
 }
 KEY_SERIES = ("reward_mean", "masked_share", "would_be_masked_share", "ratio_max", "explained_variance",
-              "response_length", "kl_sampler_policy")  # fmt: skip
-SHARE_SERIES = {"reward_mean", "masked_share", "would_be_masked_share"}
+              "response_length", "kl_sampler_policy",  # and, for agents (shown when logged):
+              "turns_mean", "tool_calls_mean", "tool_use_share", "tool_error_rate", "observation_share")  # fmt: skip
+SHARE_SERIES = {"reward_mean", "masked_share", "would_be_masked_share", "tool_use_share", "tool_error_rate",
+                "observation_share"}
 CONFIG_KEYS = ("model", "data", "band", "lag", "lr", "critic_lr", "steps", "critic_warmup", "critic_steps",
                "batch_size", "train_runs", "seed", "base_evals", "eval_samples", "eval_temperature", "temperature",
                "max_new_tokens", "grad_clip", "lora_rank", "lora_alpha", "gae_alpha", "dead_band_share", "tis_cap",
-               "engine")  # fmt: skip
+               "engine", "env", "max_turns", "reward")  # fmt: skip
 WALL_TOTALS = {"train_total": "**train, total**", "eval_total": "**eval, total**",
                "compute_total": "**compute, total**", "this_invocation": "this invocation"}  # fmt: skip
 EXAMPLES_PER_MODEL = 3
