@@ -3,6 +3,10 @@
     python bench/bench.py                      # a GPU: the Qwen2.5-1.5B shape with random weights (bf16)
     python bench/bench.py --tiny               # the CPU: the tiny preset (so the CPU path cannot silently slow)
     python bench/bench.py --out bench.json     # also write every figure as JSON
+    python bench/bench.py --compile            # also time the engine with compile_elementwise=True (a GPU question)
+
+On the CPU torch runs on ``--threads`` threads (default 1: the tiny model's ops are too small to spread, and
+one thread is the figure that repeats on a shared machine); on a GPU the thread count is left alone.
 
 It prints one table, each row side by side with its baseline and, on a GPU, its floor:
 
@@ -175,9 +179,13 @@ def main() -> int:
     parser.add_argument(
         "--record", help="append the table, with date, device and command, to this file (BENCHMARKS.md)"
     )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (default 1)")
+    parser.add_argument("--compile", action="store_true", help="also time the engine with compile_elementwise=True")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     tiny = args.tiny or device.type == "cpu"
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
     started = time.perf_counter()
     policy, vocab, P, N, params = build(tiny, device)
     cfg = policy.get_base_model().config
@@ -188,7 +196,9 @@ def main() -> int:
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     figures: dict = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "tiny": tiny}
     figures["parameters"] = params
+    figures["threads"] = torch.get_num_threads() if device.type == "cpu" else None
     engine = Engine(policy, adapter="default")
+    compiled = Engine(policy, adapter="default", compile_elementwise=True) if args.compile else None
 
     rows = []
     for batch in (64, 480):
@@ -209,6 +219,11 @@ def main() -> int:
         row = {"batch": batch, "plain_s": t_plain, "sao_s": t_sao, "floor_ms_per_step": floor_ms}
         row["plain_tok_s"], row["sao_tok_s"] = batch * N / t_plain, batch * N / t_sao
         row["plain_ms_per_step"], row["sao_ms_per_step"] = 1e3 * t_plain / N, 1e3 * t_sao / N
+        if compiled is not None:  # compiles (first call) and captures on the warm-up, then timed like sao
+            compiled.generate(ids, mask, **kw, generator=generator(device, 0))
+            run_compiled = lambda: compiled.generate(ids, mask, **kw, generator=generator(device, 1))  # noqa: B023, E731
+            t_compiled = timed(run_compiled, device, fast_repeat)
+            row["sao_compiled_tok_s"], row["sao_compiled_ms_per_step"] = batch * N / t_compiled, 1e3 * t_compiled / N
         if batch == 64 and not args.skip_hf_generate:
             policy.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=2, do_sample=True, pad_token_id=0)
             t_hf = timed(lambda: hf_generate(policy, ids, mask, N, 1), device)  # noqa: B023
@@ -288,12 +303,26 @@ def main() -> int:
     print("\n" + text + "\n")
     if args.record:
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        command = "python bench/bench.py " + " ".join(a for a in sys.argv[1:])
+        command = "python bench/bench.py " + " ".join(_portable(sys.argv[1:]))
         with open(args.record, "a", encoding="utf-8") as handle:
             handle.write(f"\n## {stamp} — {figures['device']}\n\n`{command}`\n\n{text}\n")
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1) + "\n")
     return 0
+
+
+def _portable(argv: list[str]) -> list[str]:
+    """The command line as recorded: file arguments by their names alone (no machine's paths in the record)."""
+    out, after_path_flag = [], False
+    for arg in argv:
+        if after_path_flag:
+            arg = Path(arg).name
+        elif arg.startswith(("--record=", "--out=")):
+            flag, _, value = arg.partition("=")
+            arg = f"{flag}={Path(value).name}"
+        out.append(arg)
+        after_path_flag = arg in ("--record", "--out")
+    return out
 
 
 def _f(x, fmt: str = ".1f") -> str:
@@ -305,7 +334,9 @@ def table(f: dict) -> str:
     lines: list[str] = []
     add = lines.append
     gpu = f["device"] != "cpu"
-    add(f"device: {f['device']}; model: {'tiny preset' if f['tiny'] else 'Qwen2.5-1.5B shape, random weights, bf16'}"
+    threads = f"; torch threads {f['threads']}" if f.get("threads") else ""
+    model = "tiny preset" if f["tiny"] else "Qwen2.5-1.5B shape, random weights, bf16"
+    add(f"device: {f['device']}{threads}; model: {model}"
           f" ({f['parameters'] / 1e6:.1f}M parameters); bench took {f['bench_seconds']:.0f}s")  # fmt: skip
     add("")
     add("| what | plain HF + PEFT | HF generate | sao | speed-up | floor |")
@@ -321,6 +352,10 @@ def table(f: dict) -> str:
         if gpu and r["floor_ms_per_step"]:
             share = r["floor_ms_per_step"] / r["sao_ms_per_step"]
             add(f"| decode batch {r['batch']}, share of floor | | | {share:.1%} | | |")
+        if "sao_compiled_tok_s" in r:
+            add(f"| decode batch {r['batch']}, sao with compile_elementwise, tokens/s (ms/step) | | | "
+                  f"{r['sao_compiled_tok_s']:.0f} ({r['sao_compiled_ms_per_step']:.2f}) | "
+                  f"{r['sao_compiled_tok_s'] / r['sao_tok_s']:.2f}x of sao | |")  # fmt: skip
     lag = f["lag0"]
     fmt = lambda d: f"{d['mean']:.3g} / {d['p99']:.3g} / {d['max']:.3g}"  # noqa: E731
     hf_lag = fmt(lag["hf_generate"]) if "hf_generate" in lag else "—"

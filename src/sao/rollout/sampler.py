@@ -113,6 +113,7 @@ def derived_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+@torch.no_grad()
 def gumbel_sample_(logits: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from softmax(logits) by Gumbel-max, and its log-probability. In place: both inputs
     are overwritten, so the only vocabulary-sized tensors are the two passed in.
@@ -125,7 +126,8 @@ def gumbel_sample_(logits: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Ten
     CPU they draw the same tokens bit for bit. (Gumbel-max on log_softmax(logits) is the same distribution
     in exact arithmetic, but its float rounding picks a different argmax about once in 4M draws.)
     """
-    token = noise.clamp_min_(1e-20).log_().neg_().log_().neg_().add_(logits).argmax(dim=-1)  # [B]
+    gumbel_neg = noise.clamp_min_(1e-20).log_().neg_().log_()  # −g = log(−log u), in place  [B, V]
+    token = torch.sub(logits, gumbel_neg, out=noise).argmax(dim=-1)  # logits + g, in place  [B]
     chosen = logits.gather(-1, token[:, None]).squeeze(-1)  # [B]
     # logsumexp as torch.logsumexp computes it (max, exp of the shifted logits, sum, log, + max), in place
     top = logits.amax(dim=-1, keepdim=True)  # [B, 1]
