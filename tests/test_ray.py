@@ -1,10 +1,19 @@
-"""``--engine ray`` on a local Ray cluster the test starts and stops: the staleness bound, a ledger in which
-every prompt draw is used at most once, a worker killed mid-run, no Ray process left behind; and
-``Rollout.concat`` (which needs no Ray). The Ray tests are skipped where Ray is not installed."""
+"""``--engine ray``: the version-tied admission rule on a simulated fleet (no Ray: random arrival orders,
+deaths, skipped steps), and on a local Ray cluster the test starts and stops: the staleness bound with nothing
+dropped (asynchronous and synchronous), a ledger in which every prompt draw is used at most once, a worker
+SIGKILLed and another hung mid-run, both replaced in their placement bundles and the replacements delivering,
+a resume, no Ray process left behind; and ``Rollout.concat``. The Ray tests are skipped where Ray is not
+installed."""
 
 from __future__ import annotations
 
+import os
+import random
+import signal
 import sys
+import time
+from collections import deque
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -88,19 +97,42 @@ def test_concat_equals_one_batch_through_the_model(tiny_model_dir):
 
 
 def test_settings_are_validated_and_reach_the_command_line():
-    for bad in ({"max_staleness": -1}, {"rollout_workers": 0}, {"worker_cpus": -1.0}, {"rollout_batch": 0}):
+    bad_settings = ({"max_staleness": -1}, {"rollout_workers": 0}, {"worker_cpus": -1.0}, {"rollout_batch": -1},
+                    {"worker_timeout": 0.0}, {"worker_timeout": float("inf")})  # fmt: skip
+    for bad in bad_settings:
         with pytest.raises(ConfigError):
             Config(**bad)
     from sao.cli import build_parser, config_from_args
 
     args = build_parser().parse_args(
         ["train", "--preset", "tiny", "--engine", "ray", "--ray-address", "auto", "--rollout-workers", "7",
-         "--worker-gpus", "1", "--worker-cpus", "0.5", "--max-staleness", "3", "--out", "x"]
+         "--worker-gpus", "1", "--worker-cpus", "0.5", "--max-staleness", "3", "--worker-timeout", "30",
+         "--out", "x"]
     )  # fmt: skip
     config = config_from_args(args)
     assert (config.engine, config.ray_address, config.rollout_workers) == ("ray", "auto", 7)
     assert (config.worker_gpus, config.worker_cpus, config.max_staleness) == (1.0, 0.5, 3)
+    assert config.worker_timeout == 30.0
     assert Config().max_staleness == Config().lag  # both engines see the same staleness range by default
+
+
+def test_rollout_batch_defaults_to_the_training_batch_on_gpu_workers():
+    from sao.rollout.ray_workers import CPU_ROLLOUT_BATCH, rollout_batch_size
+
+    assert rollout_batch_size(Config(batch_size=64, worker_gpus=1.0)) == 64  # one engine call fills the GPU
+    assert rollout_batch_size(Config(batch_size=64)) == CPU_ROLLOUT_BATCH
+    assert rollout_batch_size(Config(batch_size=64, worker_gpus=1.0, rollout_batch=16)) == 16  # as asked
+
+
+def test_a_local_cluster_never_hands_out_the_training_processes_gpus():
+    from sao.rollout.ray_workers import worker_gpu_ids
+
+    assert worker_gpu_ids(None, 8, reserved=[0]) == ["1", "2", "3", "4", "5", "6", "7"]
+    assert worker_gpu_ids("4,5,6", 3, reserved=[0]) == ["5", "6"]  # indices are in visible order
+    assert worker_gpu_ids("GPU-a,GPU-b", 2, reserved=[1]) == ["GPU-a"]  # UUIDs pass through
+    assert worker_gpu_ids(None, 4, reserved=[0, 1]) == ["2", "3"]  # torchrun with 2 training processes
+    assert worker_gpu_ids(None, 2, reserved=[]) == ["0", "1"]  # a CPU trainer keeps no GPU
+    assert worker_gpu_ids("", 0, reserved=[0]) == []
 
 
 def test_missing_ray_is_a_one_line_config_error(monkeypatch):
@@ -109,6 +141,106 @@ def test_missing_ray_is_a_one_line_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` raise ImportError
     with pytest.raises(ConfigError, match=r"pip install 'sao\[ray\]'"):
         import_ray()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Admission on a simulated fleet (no Ray)
+
+
+@dataclass
+class _Item:
+    seq: int
+    version: int
+    deadline: int
+
+
+def _simulate(K: int, seed: int) -> dict[str, int]:
+    """A fleet and a trainer under ``Admission``, with every event order left to chance: calls finish in any
+    order, some die (their prompts are drawn again), the trainer steps while calls are out, some policy steps
+    are skipped (the version stays). Checks at every batch that nothing in the buffer is older than K (so
+    nothing would be dropped) and that the trainer never waits with nothing that could arrive."""
+    from sao.rollout.ray_workers import Admission
+
+    rng = random.Random(seed)
+    B = rng.choice([4, 8, 12])
+    per_call = rng.choice([1, 3, B // 2, B])
+    workers, warmup = rng.choice([1, 2, 3, 5]), rng.choice([0, 1, 3])
+    total_steps = warmup + 10
+    admission = Admission(B, K, warmup)
+    version, step, training = 0, 0, False
+    buffer: list[_Item] = []
+    calls: list[tuple[list[int], int, int]] = []  # (sequence numbers, deadline, version that draws them)
+    retry: deque[int] = deque()
+    next_seq, drawn, staleness = 0, 0, []
+    admission.begin(0, "critic-warmup" if warmup else "policy", 0)
+    admission.published(0)
+    while step < total_steps:
+        while len(calls) < workers:  # the pump: a call to every idle worker while there is room, shared evenly
+            room = admission.room(len(buffer) + sum(len(c[0]) for c in calls))
+            if room <= 0:
+                break
+            seqs = []
+            for _ in range(min(per_call, -(-room // (workers - len(calls))))):
+                if retry:
+                    seqs.append(retry.popleft())  # a dead call's prompts, drawn again first
+                else:
+                    seqs.append(next_seq)
+                    next_seq += 1
+            calls.append((seqs, admission.deadline, version))
+        event = rng.random()
+        if calls and event < 0.55:  # a call finishes, any of them
+            seqs, deadline, drawn_at = calls.pop(rng.randrange(len(calls)))
+            buffer += [_Item(seq, drawn_at, deadline) for seq in seqs]
+            drawn += len(seqs)
+        elif calls and event < 0.6:  # a worker dies mid-call
+            retry.extendleft(reversed(calls.pop(rng.randrange(len(calls)))[0]))
+        elif training:  # the trainer finishes its step: publish (unless skipped), then ask for the next batch
+            phase = "policy" if step >= warmup else "critic-warmup"
+            if phase == "policy" and rng.random() < 0.85:
+                version += 1
+                admission.published(version)
+            step, training = step + 1, False
+            admission.begin(step, "policy" if step >= warmup else "critic-warmup", version)
+        else:
+            chosen = admission.choose(buffer, [c[1] for c in calls])
+            if chosen is None:
+                assert calls, f"seed {seed}: the trainer waits and nothing is being drawn"
+                continue
+            assert all(version - t.version <= K for t in buffer), f"seed {seed}: a buffered row aged past K"
+            staleness += [version - t.version for t in chosen]
+            buffer = [t for t in buffer if t not in chosen]
+            admission.formed_batch(step)
+            training = True
+    return {"batches": total_steps, "B": B, "drawn": drawn, "max_staleness": max(staleness)}
+
+
+@pytest.mark.parametrize("K", [0, 1, 2, 4])
+def test_admission_tied_to_versions_never_lets_a_trajectory_age_past_the_bound(K):
+    runs = [_simulate(K, seed) for seed in range(40)]
+    assert all(r["max_staleness"] <= K for r in runs)
+    # never more than K+1 batches ahead of the trainer: whatever was drawn and not trained on is at most that
+    assert all(r["drawn"] - r["batches"] * r["B"] <= (K + 1) * r["B"] for r in runs)
+    if K > 0:  # the bound is reached: the fleet does draw ahead
+        assert max(r["max_staleness"] for r in runs) == K
+    else:  # synchronous: the fleet never draws past the batch the trainer will take next
+        assert all(r["drawn"] - r["batches"] * r["B"] <= r["B"] for r in runs)
+
+
+def test_earliest_deadline_first_waits_for_a_call_due_sooner():
+    from sao.rollout.ray_workers import Admission
+
+    admission = Admission(batch_size=2, max_staleness=1, critic_warmup=0)
+    buffer = [_Item(seq=5, version=1, deadline=3), _Item(seq=2, version=0, deadline=2),
+              _Item(seq=6, version=1, deadline=3)]  # fmt: skip
+    # due first, then prompt order; a call out with the same deadline as the batch's last row need not be waited for
+    assert [t.seq for t in admission.choose(buffer, pending_deadlines=[3])] == [2, 5]
+    assert admission.choose(buffer, pending_deadlines=[2]) is None  # a call due before the last row goes first
+    assert admission.choose(buffer[:1], pending_deadlines=[]) is None  # short
+    admission.begin(step=0, phase="critic-warmup", version=0)  # no warmup steps: a policy step's anchor
+    assert admission.deadline == 1 and admission.room(outstanding=0) == 4
+    warm = Admission(batch_size=2, max_staleness=0, critic_warmup=3)
+    warm.begin(step=0, phase="critic-warmup", version=0)  # batches 0..3 all train at version 0
+    assert warm.deadline == 3 and warm.room(outstanding=0) == 8
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -152,54 +284,83 @@ def _check_ledger(source, records, batch_size: int) -> tuple[list[int], set[int]
     return used, dropped
 
 
-def test_async_run_bounds_staleness_survives_a_killed_worker_and_cleans_up(ray_module, tiny_model_dir, tmp_path):
+def _wait_until(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {seconds:.0f} s"
+        time.sleep(0.2)
+
+
+def test_async_run_drops_nothing_and_replaced_workers_deliver(ray_module, tiny_model_dir, tmp_path):
+    """K = 2 with two workers in one placement group. After the second policy step one worker is SIGKILLed
+    and the other frozen with SIGSTOP (a hang: the process lives, its call never returns). The dead one is
+    noticed at once, the hung one after --worker-timeout; both are replaced in their bundles, and the last
+    batches can only come from the replacements: each of them delivers admitted trajectories."""
+    import psutil
+
     from sao.train.trainer import Trainer
 
     K = 2
-    config = Config.preset(
-        "tiny", engine="ray", batch_size=16, steps=8, critic_warmup=1, rollout_workers=2, max_staleness=K
-    )
+    config = Config.preset("tiny", engine="ray", batch_size=16, steps=8, critic_warmup=1, rollout_workers=2,
+                           max_staleness=K, worker_timeout=20.0)  # fmt: skip
     trainer = Trainer(config, tmp_path / "run", progress=False)
     source = trainer.source
-    seen: dict[str, list] = {"killed": [], "daemons": _ray_children()}
-    publish = source.after_update
+    seen: dict = {"daemons": _ray_children(), "stopped": None}
+    publish, next_batch = source.after_update, source.next_batch
 
-    def after_update_then_kill(version: int) -> None:
+    def after_update_with_faults(version: int) -> None:
         publish(version)
-        if version == 2:  # after the second policy step: kill a worker, whatever it is doing
-            seen["killed"].append(source.workers[0])
-            ray_module.kill(source.workers[0], no_restart=True)
+        if version == 2:
+            killed, frozen = source.slots
+            seen["originals"] = (killed.actor, frozen.actor)
+            seen["stopped"] = psutil.Process(frozen.pid)
+            os.kill(killed.pid, signal.SIGKILL)
+            os.kill(frozen.pid, signal.SIGSTOP)
 
-    source.after_update = after_update_then_kill
-    records = trainer.run()  # run() closes the source
+    def next_batch_once_replaced(g: int, phase: str, policy_version: int):
+        if g == 5:  # the rest of the run needs 64 new trajectories: from the replacements, once they started
+            _wait_until(lambda: all(s.generation >= 1 and s.ready for s in source.slots), 300, "replacements start")
+        return next_batch(g, phase, policy_version)
+
+    source.after_update, source.next_batch = after_update_with_faults, next_batch_once_replaced
+    try:
+        records = trainer.run()  # run() closes the source
+    finally:
+        stopped = seen["stopped"]
+        if stopped is not None and stopped.is_running():  # Ray killed it; if not, the test cleans up its own fault
+            stopped.send_signal(signal.SIGCONT)
+            stopped.kill()
 
     assert len(records) == config.critic_warmup + config.steps, "the run finished"
-    policy = [r for r in records if r["phase"] == "policy"]
     for r in records:
         assert max(int(s) for s in r["staleness_hist"]) == r["staleness_max"] == r["staleness"] <= K
         assert sum(r["staleness_hist"].values()) == config.batch_size == r["admitted"]
-        assert r["waited_s"] >= 0 and r["waited_for"] >= 0
+        assert r["dropped_stale"] == 0 and r["waited_s"] >= 0 and r["waited_for"] >= 0
     assert all(r["staleness"] == 0 for r in records if r["phase"] == "critic-warmup")
     fresh = [r for r in records if r["staleness_max"] == 0]
     assert fresh and all(r["abs_log_ratio_max"] < 1e-4 for r in fresh), "workers draw with the published weights"
     assert any(r["abs_log_ratio_max"] > 1e-3 for r in records if r["staleness_max"] > 0)
-    assert len({s for r in policy for s in r["staleness_hist"]}) >= 2, "staleness varies across the run"
-    _check_ledger(source, records, config.batch_size)
+    _, dropped = _check_ledger(source, records, config.batch_size)
+    assert not dropped
 
-    assert seen["killed"] and seen["killed"][0] not in source.workers, "the dead worker was replaced"
-    assert records[-1]["worker_restarts_total"] >= 1 and sum(r["worker_restarts"] for r in records) >= 1
-    assert records[-1]["workers_alive"] >= 1
+    assert not set(seen["originals"]) & set(source.workers), "both were replaced"
+    last = records[-1]
+    assert last["worker_restarts_total"] == 2 and last["worker_hangs_total"] == 1
+    assert source.admitted_by.get("w0.r1", 0) > 0 and source.admitted_by.get("w1.r1", 0) > 0, source.admitted_by
+    assert last["admitted_from_replacements_total"] >= 3 * config.batch_size
+    assert last["workers_alive"] == 2 and len(source.start_times) == 4
+    groups = {slot.placement for slot in source.slots}
+    assert groups == {source.placement_id}, "replacements run in the run's placement group"
     assert not ray_module.is_initialized()
     _assert_ray_gone(seen["daemons"])
 
 
-def test_too_stale_trajectories_are_dropped_and_a_resumed_run_uses_no_draw_twice(ray_module, tiny_model_dir, tmp_path):
-    """max_staleness 0 (on-policy): whatever a worker drew while the trainer was stepping is one update
-    old when its turn comes, so it is dropped. The run then dies after two steps and is resumed in a second
+def test_synchronous_run_drops_nothing_and_a_resumed_run_uses_no_draw_twice(ray_module, tiny_model_dir, tmp_path):
+    """max_staleness 0: synchronous training. The fleet draws one batch with the newest adapter and waits for
+    the next update, so even a slow trainer wastes nothing: every batch is fresh, nothing is dropped, and
+    every policy step waits for its draw. The run then dies after two steps and is resumed in a second
     local cluster (started in the same process): the draws pending at the checkpoint are drawn again, and
     no draw is used twice across the two halves."""
-    import time
-
     from sao.train.trainer import Trainer
 
     config = Config.preset(
@@ -210,7 +371,7 @@ def test_too_stale_trajectories_are_dropped_and_a_resumed_run_uses_no_draw_twice
     daemons = _ray_children()
 
     def slow_publish(version: int) -> None:
-        time.sleep(0.5)  # a slow trainer: the fleet keeps drawing with the old adapter meanwhile
+        time.sleep(0.5)  # a slow trainer: nothing may be drawn with the old adapter meanwhile
         publish(version)
 
     def dies_at_step_3(g: int, phase: str, policy_version: int):
@@ -225,13 +386,17 @@ def test_too_stale_trajectories_are_dropped_and_a_resumed_run_uses_no_draw_twice
     _assert_ray_gone(daemons)
     assert len(first.records) == 3
     _, dropped = _check_ledger(source, first.records, config.batch_size)
-    assert dropped, "drawn with a stale adapter, dropped, counted"
+    assert not dropped, "nothing drawn with a stale adapter"
+    assert all(r["staleness_hist"] == {"0": config.batch_size} for r in first.records)
+    assert all(r["waited_for"] > 0 for r in first.records[1:]), "synchronous: every policy step waits for its draw"
+    assert source.counts["received"] <= (len(first.records) + 1) * config.batch_size, "never drawn ahead"
     saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["source"]  # after step 2
 
     second = Trainer(config, tmp_path / "run", resume=True, progress=False)
     records = second.run()
     assert len(records) == config.critic_warmup + config.steps and second.source.batches
     assert all(r["staleness_max"] == 0 and r["staleness_hist"] == {"0": config.batch_size} for r in records)
+    assert all(r["dropped_stale"] == 0 for r in records)
     # a fresh trajectory was written by the trainer's own weights (published, loaded by name): ratio 1
     assert all(r["abs_log_ratio_max"] < 1e-4 for r in records) and records[-1]["policy_version"] == config.steps
     before = {seq for batch in source.batches for seq in batch}

@@ -24,15 +24,18 @@ import functools
 import json
 import math
 import numbers
+import os
 import re
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sao.core.algorithm import CORRECTIONS, SAO
 from sao.core.errors import ConfigError
+
+if TYPE_CHECKING:  # torch loads when a Config is built, not when `sao --help` or `sao report` starts
+    from sao.core.algorithm import SAO
 
 
 # Each field's doc lives in its dataclasses metadata rather than in a string literal under it (read back by
@@ -43,6 +46,12 @@ def option(default: Any, help: str) -> Any:
     if isinstance(default, list | dict | set):
         return dataclasses.field(default_factory=functools.partial(type(default), default), metadata={"help": help})
     return dataclasses.field(default=default, metadata={"help": help})
+
+
+MAX_LR = 1.0  # the largest --lr and --critic-lr accepted
+SEED_LIMIT = 2**63  # seeds are below it
+MAX_THREADS = 1024
+MAX_LORA_RANK = 1024
 
 
 @dataclass(frozen=True)
@@ -68,7 +77,7 @@ class Config:
     # --- agents and your own tasks ------------------------------------------------------------------------
     env: str | None = option(
         None,
-        'The environment each trajectory talks to: None = one reply graded by the task\'s reward (the page\'s '
+        "The environment each trajectory talks to: None = one reply graded by the task's reward (the page's "
         'protocol); "gsm8k" (the same, as an environment), "gsm8k-calc" (a calculator tool), "tiny-calc" (the CPU '
         'preset\'s calculator task), "skyrl:<id>" (a SkyRL-Gym environment, e.g. skyrl:gsm8k_multi_turn), or '
         '"module:Class" (your own, built as Class(task_id, fields)).',
@@ -98,13 +107,21 @@ class Config:
 
     # --- the algorithm (SAO) -----------------------------------------------------------------------------
     arm: str = option(
-        "dis", 'Correction rule: "dis" (recipe: mask outside the band), "none" (baseline), "tis", "seqmask".'
+        "dis",
+        'Correction rule: "dis" (recipe: mask outside the band), "none" (baseline), "tis", "seqmask", "random" (a '
+        "control: drop each token with probability --random-mask-share whatever its ratio).",
     )
     band: tuple[float, float] = option(
         (0.7, 6.0), "IS band (lo, hi); must bracket 1. The page's; the paper's coding band is (0.2, 4.0)."
     )
     gae_alpha: float = option(1.5, "λ_i = 1 − 1/(α L_i). SAO's α (VAPO used 0.05).")
     tis_cap: float = option(2.0, 'Cap C for the "tis" rule only.')
+    random_mask_share: float | None = option(
+        None,
+        'The "random" rule only: the probability that each action token is dropped. None: the share the "dis" arm '
+        "masked (its mean masked share over the policy steps) in the same cell and seed of the experiment, so that "
+        "the two arms drop as much and differ in which tokens; `sao train --arm random` needs a number.",
+    )
     critic_steps: int = option(2, "Critic updates per policy update. The page's 2.")
     critic_warmup: int = option(
         10, "Critic-only steps, each on a fresh batch, before the first policy step. The page's 10."
@@ -141,11 +158,34 @@ class Config:
     eval_max_new_tokens: int = option(256, "Eval reply length cap; the same as training by default.")
     base_evals: int = option(3, "Evals of the untrained base model, for the noise floor. The page's 3.")
     train_runs: int = option(
-        1, 'Training seeds per arm. The page ran 1 (hence "unresolved"); 2+ lets compare() say "flat".'
+        1,
+        "Training seeds per arm. The page ran 1; a verdict about the training procedure (improved, regressed, flat)"
+        ' needs 2+: with 1 the two arms are two trained models and the verdict is "unresolved".',
+    )
+    eval_every: int = option(
+        0,
+        "sao recipe/sweep/confirm: also evaluate each run's policy every K policy steps (same eval settings and "
+        "sampling seed as the final eval), so pass@1 over steps exists per arm and seed; 0 = the final eval only.",
+    )
+    truncated_reward: str = option(
+        "zero",
+        'How a reply that hit the token limit without finishing is scored, in training and eval: "zero" (it scores 0)'
+        ' or "grade" (graded like any reply: the grader may find an answer in the '
+        'cut-off text, e.g. "... = 18" scored right against 18). Our choice, not the page\'s: the recipe page does '
+        "not say how to score cut-off replies. Each step and eval logs truncated_replies and truncated_with_credit "
+        "(those the grader would credit). Environments score their own episodes and are not affected.",
     )
 
     # --- machinery (no effect on results beyond floating-point order) ------------------------------------
-    device: str = option("auto", '"auto" picks CUDA when available, else the CPU.')
+    device: str = option(
+        "auto", '"auto" picks CUDA when available, else the CPU; "cpu", "cuda", "cuda:N" or "mps" must exist here.'
+    )
+    threads: int = option(
+        0,
+        "torch's CPU threads in this process. 0 = automatic: 1 for the tiny stand-in model on the CPU (its small "
+        "operations gain nothing from more, and lost 13x with two when other processes kept 2 cores busy), torch's "
+        "default otherwise. A set OMP_NUM_THREADS replaces the automatic choice (torch's default follows it).",
+    )
     micro_batch: int = option(
         0,
         "Rows per forward+backward in the training pass; 0 = as many as fit in free GPU memory (the whole batch on the"
@@ -168,8 +208,9 @@ class Config:
     max_staleness: int = option(
         4,
         "--engine ray: the oldest a trajectory may be when it is put in a batch (policy updates since the adapter that"
-        " wrote it); older ones are dropped and counted. Equal to the default LAG, so both engines train on the same "
-        "staleness range (0..4).",
+        " wrote it). Workers draw only as far ahead as this allows, so nothing drawn ages past it (0 = synchronous "
+        "training); anything older would be dropped and counted. Equal to the default LAG, so both engines train on "
+        "the same staleness range (0..4).",
     )
     rollout_workers: int = option(2, "--engine ray: rollout workers (Ray actors), each with its own copy of the model.")
     ray_address: str | None = option(
@@ -186,7 +227,15 @@ class Config:
         " a GPU between workers.",
     )
     rollout_batch: int = option(
-        8, "--engine ray: prompts per worker draw call (small, so that trajectories arrive continuously)."
+        0,
+        "--engine ray: prompts per worker draw call. 0 = --batch-size on GPU workers (one engine call fills the GPU) "
+        "and 8 on CPU workers (small, so that trajectories arrive continuously).",
+    )
+    worker_timeout: float = option(
+        300.0,
+        "--engine ray: seconds a rollout worker may take to answer one draw call (its start, import and model load, "
+        "may take max(this, 900 s)); past it the worker counts as hung: it is killed and replaced like a dead one, "
+        "and its prompts are drawn again.",
     )
     decoder: str = option(
         "auto",
@@ -196,7 +245,7 @@ class Config:
     dead_band_share: float = option(
         0.001,
         "Reachability warning threshold: a masked share below this (0.1%) on stale batches means the band is dead at "
-        "these settings.",
+        "these settings. A share in [0, 1); 0 turns the warning off.",
     )
     track: str | None = option(
         None,
@@ -207,9 +256,20 @@ class Config:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # types first, so that the range checks below compare numbers
             object.__setattr__(self, f.name, check_type(f.name, getattr(self, f.name)))
+        from sao.core.algorithm import CORRECTIONS
+
         if self.arm not in CORRECTIONS:
             raise ConfigError(f"--arm must be one of {sorted(CORRECTIONS)}, got {self.arm!r}")
-        self.sao()  # validates band, alpha, cap, critic settings with SAO's own messages
+        if self.arm == "random" and self.random_mask_share is None:
+            raise ConfigError(
+                "--arm random needs --random-mask-share (sao sweep and sao confirm take it from the dis arm of the "
+                "same cell and seed)"
+            )
+        if self.truncated_reward not in ("zero", "grade"):
+            raise ConfigError(f"--truncated-reward must be 'zero' or 'grade', got {self.truncated_reward!r}")
+        if self.eval_every < 0:
+            raise ConfigError(f"--eval-every must be >= 0 (0 = the final eval only), got {self.eval_every}")
+        self.sao()  # validates band, alpha, cap, share, critic settings with SAO's own messages
         positive = {
             "steps": self.steps >= 0,
             "batch_size": self.batch_size >= 1,
@@ -221,6 +281,7 @@ class Config:
             "base_evals": self.base_evals >= 0,
             "train_runs": self.train_runs >= 1,
             "lora_rank": self.lora_rank >= 1,
+            "lora_alpha": self.lora_alpha >= 1,  # the adapter is scaled by alpha / rank: 0 or less switches it off
             "micro_batch": self.micro_batch >= 0,
             "logprob_chunk": self.logprob_chunk >= 1,
             "eval_batch": self.eval_batch >= 1,
@@ -234,15 +295,36 @@ class Config:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
+        for name in ("lr", "critic_lr"):  # AdamW moves every weight by about lr a step: above 1 is no learning rate
+            if getattr(self, name) > MAX_LR:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at most {MAX_LR:g}, got {getattr(self, name)}")
+        if not (math.isfinite(self.dead_band_share) and 0 <= self.dead_band_share < 1):
+            raise ConfigError(
+                f"--dead-band-share must be a share in [0, 1) (0 turns the warning off), got {self.dead_band_share}"
+            )
+        for name, value in (("seed", self.seed + self.train_runs - 1), ("data_seed", self.data_seed)):
+            if not 0 <= value < SEED_LIMIT:  # torch takes seeds below 2**64; sao derives others by adding to them
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} must be a whole number from 0 to 2**63 - 1"
+                    + (" (with --train-runs, seed + train_runs - 1)" if name == "seed" and self.train_runs > 1 else "")
+                    + f", got {getattr(self, name)}"
+                )
+        if self.lora_rank > MAX_LORA_RANK:  # beyond any layer's width: the adapter would not even be allocated
+            raise ConfigError(f"--lora-rank must be at most {MAX_LORA_RANK}, got {self.lora_rank}")
+        if not 0 <= self.threads <= MAX_THREADS:
+            raise ConfigError(f"--threads must be 0 (automatic) to {MAX_THREADS}, got {self.threads}")
+        check_device(self.device)
         if self.engine not in ("local", "ray"):
             raise ConfigError(f"--engine must be 'local' or 'ray', got {self.engine!r}")
         if self.max_staleness < 0:
             raise ConfigError(f"--max-staleness must be >= 0 (0 = only fresh trajectories), got {self.max_staleness}")
-        if self.rollout_workers < 1 or self.rollout_batch < 1:
+        if self.rollout_workers < 1 or self.rollout_batch < 0:
             raise ConfigError(
-                f"--rollout-workers and --rollout-batch must be >= 1, got {self.rollout_workers} and "
-                f"{self.rollout_batch}"
+                f"--rollout-workers must be >= 1 and --rollout-batch >= 0 (0 = automatic), got {self.rollout_workers}"
+                f" and {self.rollout_batch}"
             )
+        if not (math.isfinite(self.worker_timeout) and self.worker_timeout > 0):
+            raise ConfigError(f"--worker-timeout must be a finite number of seconds > 0, got {self.worker_timeout}")
         for name in ("worker_cpus", "worker_gpus"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -256,17 +338,22 @@ class Config:
                 f"--max-turns and --max-total-tokens must be >= 1, got {self.max_turns} and {self.max_total_tokens}"
             )
         if self.env is not None and self.engine == "ray":
-            raise ConfigError("--env with --engine ray is not supported yet: multi-turn episodes run with --engine local")
+            raise ConfigError(
+                "--env with --engine ray is not supported yet: multi-turn episodes run with --engine local"
+            )
         if self.track not in (None, "tensorboard", "trackio", "wandb"):
             raise ConfigError(f"--track must be 'tensorboard', 'trackio' or 'wandb', got {self.track!r}")
 
     def sao(self) -> SAO:
         """The algorithm object these settings describe."""
+        from sao.core.algorithm import SAO
+
         return SAO(
             ratio=self.band,
             gae_alpha=self.gae_alpha,
             correction=self.arm,
             tis_cap=self.tis_cap,
+            random_mask_share=self.random_mask_share or 0.0,
             critic_steps=self.critic_steps,
             critic_warmup=self.critic_warmup,
         )
@@ -320,6 +407,65 @@ PRESETS: dict[str, dict[str, Any]] = {
         "micro_batch": 64,
     },
 }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The machine: which device, how many CPU threads.
+
+
+def check_device(device: str) -> None:
+    """A ConfigError unless ``device`` is "auto" or a device this machine has: "cpu", "cuda" or "cuda:N" with a
+    GPU torch can use, or "mps" where torch has it."""
+    if device == "auto":
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device must be auto, cpu, cuda, cuda:N or mps, got {device!r}") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"--device {device}: this torch sees no CUDA GPU (a CPU-only build, or none visible); "
+                              "use --device cpu or auto")  # fmt: skip
+        if parsed.index is not None and parsed.index >= count:
+            raise ConfigError(f"--device {device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
+    elif parsed.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ConfigError(f"--device {device}: this torch has no MPS backend here; use --device cpu or auto")
+    elif parsed.type != "cpu":
+        raise ConfigError(f"--device must be auto, cpu, cuda, cuda:N or mps, got {device!r}")
+
+
+def torch_threads(config: Config, environ: dict[str, str] | None = None) -> int | None:
+    """The CPU thread count ``config`` asks for: ``--threads`` when set; else None (torch's default, which follows
+    OMP_NUM_THREADS) when OMP_NUM_THREADS is set or the model is not the tiny stand-in or the device is a GPU;
+    else 1. One thread for the tiny model because its operations are too small to split: on a 2-core machine
+    that other processes kept busy, torch's default of 2 threads made a tiny-preset step 13x slower (36.9 s
+    against 2.8 s)."""
+    environ = os.environ if environ is None else environ
+    if config.threads:
+        return config.threads
+    if environ.get("OMP_NUM_THREADS") or config.model != "tiny" or config.device not in ("auto", "cpu"):
+        return None
+    if config.device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+    return 1
+
+
+def apply_threads(config: Config) -> int:
+    """Set torch's intra-op thread count as ``torch_threads`` says (once, at the start of a command); returns the
+    count in effect."""
+    import torch
+
+    wanted = torch_threads(config)
+    if wanted is not None and wanted != torch.get_num_threads():
+        torch.set_num_threads(wanted)
+    return torch.get_num_threads()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,44 +1,63 @@
-"""``--engine ray``: asynchronous rollout workers on Ray, with bounded staleness.
+"""``--engine ray``: asynchronous rollout workers on Ray, with bounded staleness and nothing wasted.
 
 The default engine (``LocalStaleSource`` in ``sao.rollout.source``) *simulates* staleness: one process, a frozen
 copy of the adapter refreshed every LAG steps, so every run reproduces exactly. This module is the regime
-it stands in for: a rollout fleet that never waits for the trainer.
+it stands in for: a rollout fleet that never waits for the trainer longer than the staleness bound says.
 
-    workers   N Ray actors (``RolloutWorker``), each with its own copy of the base model + LoRA adapter
-              at the version it last received. A worker draws ``rollout_batch`` prompts per call with
-              ``sao.rollout.sampler.draw`` (the same sampler, temperature and EOS ids as the local path), seeded
-              per call, and returns the trajectories tagged with its adapter version.
-    prompts   the seeded prompt stream (``PromptOrder``, the order the local source reads); prompt draw
-              number s carries sequence number s.
-    pump      a driver thread keeps one draw call in flight on every worker (``ray.wait``) and files the
-              finished trajectories into a buffer while the trainer is busy with its step. It stops
-              issuing when (max_staleness + 1) × batch_size trajectories are buffered or in flight: the
-              trainer takes batch_size per update in order of adapter version, so anything drawn beyond
-              that would be too stale by the time its turn came.
-    batches   ``next_batch`` drops buffered trajectories older than ``max_staleness`` (staleness =
-              the trainer's policy_version − the trajectory's adapter version, measured when the batch is
-              formed), waits while fewer than batch_size remain, and takes the oldest batch_size
-              (``Rollout.concat`` re-pads rows of different widths). The update is the same ``SAO.update``.
+    workers   N Ray actors (``RolloutWorker``), each with its own copy of the base model + LoRA adapter at
+              the version it last received, decoding through the same ``Decoder`` as the local path
+              (``make_decoder``: the graph engine on a GPU, the plain loop on the CPU) with the same
+              sampling settings. A call draws up to ``rollout_batch`` prompts (by default the training batch
+              on a GPU, 8 on the CPU; less when the admission room is shared among idle workers), seeded per
+              call, tagged with the adapter version that wrote them.
+    placement one Ray placement group with a bundle (worker_cpus, worker_gpus) per worker, packed onto as
+              few nodes as fit; a replacement goes into its predecessor's bundle. On a local cluster that
+              sao starts itself, the GPUs of the training processes are hidden from Ray, so no worker is
+              ever handed the trainer's GPU.
+    admission tied to policy versions (the rule AReaL and SkyRL use): a call is issued only while
+              (trajectories ever submitted) ≤ (K + v + 1)·B, K = max_staleness, B = batch size, v = the
+              published version, counted in batches so that critic-warmup and skipped steps (batches that
+              leave the version unchanged) are allowed for. In batch terms each call gets a deadline
+              d = a + K, where a is the first batch known to train at version ≥ v (the next batch after an
+              update; batch critic_warmup during the warmup), and is issued only while every trajectory
+              submitted so far, the new ones included, fits in the batches up to d. A batch at step g trains
+              at version ≤ v + (g − a), so nothing drawn can be more than K updates old when its deadline
+              batch takes it. K = 0 is synchronous training: the fleet draws exactly one batch with the
+              newest adapter and waits for the next update.
+    selection earliest deadline first (ties by version, then prompt order), and a batch is not formed while
+              a call with an earlier deadline than its last row's is still out. Deadlines follow submission
+              order, so this is oldest-first, and it is the order that meets every deadline whenever any
+              order can (the admission rule guarantees one can): nothing is dropped. Freshest-first would
+              train on newer data only for a while and then be forced to take the aged rows at staleness K:
+              when nothing is dropped, the versions at which batches train and at which trajectories are drawn
+              do not depend on the order, so the run's mean staleness is the same for every order (up to
+              the rows left when the run ends), and oldest-first gives it the least spread.
+    batches   ``next_batch`` waits for the B earliest-deadline trajectories and takes them
+              (``Rollout.concat`` re-pads rows of different widths). ``dropped_stale`` still counts any row
+              older than K at that moment, as a safety net; it stays 0.
     adapter   after every policy step the LoRA tensors are published with ``ray.put`` (CPU copies); each
-              worker's next draw call carries the newest reference, and the worker loads it by parameter
-              name before drawing.
-    failures  a worker whose call dies (``RayActorError``, a crashed process, ``ray.kill``) is replaced by
-              a fresh actor and its prompts are drawn again under the same sequence numbers; they were
-              never admitted, so nothing is lost or used twice. A slot that dies three times in a row
-              without delivering stops the run with the cause.
+              worker's next call carries the newest reference, and the worker loads it by parameter name.
+    health    a new actor first answers a ``ready`` call (import + model load, timed and logged); draw calls
+              go only to ready actors. A draw call that takes longer than ``worker_timeout``, or a start
+              longer than max(``START_TIMEOUT_S``, ``worker_timeout``), counts as a hung worker; one whose
+              call dies (``RayActorError``, a crashed or SIGKILLed process, ``ray.kill``) as a dead one.
+              Either is killed and replaced by a fresh actor in the same bundle, and its prompts are drawn
+              again under the same sequence numbers: they were never admitted, so nothing is lost or used
+              twice. A slot that fails three times in a row without delivering stops the run.
 
 Every step's log record gets the source's counters (``admitted``, ``dropped_stale``, ``waited_for``,
-``waited_s``, ``staleness_max``, ``workers_alive``, ``worker_restarts``, ...; keys ending in ``_total``
-count since the start of the run), next to the trainer's own per-trajectory ``staleness_hist``.
+``waited_s``, ``staleness_max``, ``workers_alive``, ``worker_restarts``, ``worker_hangs``, ``worker_start_s_max``,
+``admitted_from_replacements_total``, ...; keys ending in ``_total`` count since the start of the run), next to the
+trainer's own per-trajectory ``staleness_hist``.
 
 Use the local engine for the experiment (reproducible, resumable bit for bit); use this one for
 throughput, when decoding dominates and more devices are at hand. A Ray run is NOT bit-reproducible: which
 adapter version wrote which trajectory depends on timing. Resume is sensible but not exact: the prompt
 stream continues where the checkpoint left it, and trajectories pending at the checkpoint are drawn again.
 
-Deliberately left out: a separate inference engine (vLLM and the like; workers use the reference decode
-loop), sharding one model over several devices, partial rollouts interrupted by a weight update, and
-pinning the trainer's own GPU (start the cluster with the trainer's GPU hidden; see the README).
+Deliberately left out: a separate inference engine (vLLM and the like), sharding one model over several
+devices, partial rollouts interrupted by a weight update, multi-turn episodes on workers, and pinning the
+trainer's GPU on a cluster sao did not start (start it with the trainer's GPU hidden; see the README).
 """
 
 from __future__ import annotations
@@ -51,19 +70,24 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sao.core.config import Config
 from sao.core.errors import ConfigError
-from sao.model.policy import add_lora, eos_ids, load_base, lora_state
-from sao.rollout.sampler import Rollout, decode, derived_seed, draw, encode_prompts
-from sao.rollout.source import Batch, PromptOrder
+from sao.model.policy import POLICY_ADAPTER, add_lora, eos_ids, load_base, lora_state
+from sao.rollout.sampler import Rollout, derived_seed
+from sao.rollout.source import WARMUP, Batch, PromptOrder, Sampling, draw_batch, make_decoder
 
-MAX_CONSECUTIVE_DEATHS = 3  # a worker slot that dies this often in a row without delivering stops the run
+if TYPE_CHECKING:
+    from sao.core.config import Config
+
+MAX_CONSECUTIVE_DEATHS = 3  # a worker slot that fails this often in a row without delivering stops the run
 SLOW_START_WARNING_S = 120.0  # say so when no worker has delivered after this long (cluster too small?)
+CPU_ROLLOUT_BATCH = 8  # prompts per call on CPU workers: small, so that trajectories arrive continuously
+START_TIMEOUT_S = 900.0  # a worker's start (import, model load, maybe a download) may take max(this, worker_timeout)
 
 
 def import_ray():
@@ -85,25 +109,55 @@ def _death_errors(ray) -> tuple[type[BaseException], ...]:
     )
 
 
+def rollout_batch_size(config: Config) -> int:
+    """Prompts per worker call: --rollout-batch, or 0 → the training batch on GPU workers, 8 on CPU ones."""
+    if config.rollout_batch > 0:
+        return config.rollout_batch
+    return config.batch_size if config.worker_gpus > 0 else CPU_ROLLOUT_BATCH
+
+
+def worker_gpu_ids(visible: str | None, device_count: int, reserved: Sequence[int]) -> list[str]:
+    """The GPU ids a local Ray cluster may hand to workers: this process's visible GPUs (``visible`` is
+    CUDA_VISIBLE_DEVICES, None when unset) without the ``reserved`` ones (indices in visible order: the
+    training processes' devices)."""
+    if visible is None:
+        ids = [str(i) for i in range(device_count)]
+    else:
+        ids = [part.strip() for part in visible.split(",") if part.strip()][:device_count]
+    return [gpu for index, gpu in enumerate(ids) if index not in set(reserved)]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The worker (a plain class; ``ray.remote`` wraps it when the source starts, so importing this module
 # never needs Ray).
 
 
 class RolloutWorker:
-    """One rollout worker: the base model, a LoRA adapter at the version it last received, the sampler."""
+    """One rollout worker: the base model, a LoRA adapter at the version it last received, the decoder."""
 
     def __init__(self, model_path: str, settings: dict[str, Any]):
+        started = time.perf_counter()
         self.settings = settings
-        torch.set_num_threads(max(1, int(settings["threads"])))
+        torch.set_num_threads(max(1, int(settings["threads"])))  # the CPUs Ray reserved for this worker
         self.device = torch.device(settings["device"])
         base, self.tokenizer = load_base(model_path, self.device, getattr(torch, settings["dtype"]))
         self.policy = add_lora(base, rank=settings["lora_rank"], alpha=settings["lora_alpha"], seed=settings["seed"])
         self.params = lora_state(self.policy)
         for p in self.params.values():
             p.requires_grad_(False)
-        self.eos = eos_ids(self.tokenizer, base)
+        self.decoder = make_decoder(self.policy, POLICY_ADAPTER, settings["decoder"])
+        eos, pad = eos_ids(self.tokenizer, base), self.tokenizer.pad_token_id
+        self.sampling = Sampling(settings["max_new_tokens"], settings["temperature"], eos, pad)
         self.version = -1  # nothing received yet: the first call always carries an adapter
+        self.load_s = time.perf_counter() - started
+
+    def ready(self) -> dict[str, Any]:
+        """Answered once the model is loaded: the process id, what the start cost inside the actor, the decoder
+        and the placement group the actor runs in."""
+        import ray
+
+        group = ray.get_runtime_context().get_placement_group_id()
+        return {"pid": os.getpid(), "load_s": self.load_s, "decoder": type(self.decoder).__name__, "placement": group}
 
     @torch.no_grad()
     def load_adapter(self, version: int, weights: dict[str, torch.Tensor]) -> None:
@@ -122,20 +176,8 @@ class RolloutWorker:
             import ray
 
             self.load_adapter(version, ray.get(ref))
-        s = self.settings
-        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, job["prompts"], self.device)
         generator = torch.Generator(device=self.device).manual_seed(job["seed"])
-        rollout = draw(
-            self.policy,
-            prompt_ids,
-            prompt_mask,
-            max_new_tokens=s["max_new_tokens"],
-            temperature=s["temperature"],
-            eos_token_ids=self.eos,
-            pad_token_id=self.tokenizer.pad_token_id,
-            generator=generator,
-        )
-        rollout.texts = decode(self.tokenizer, rollout)
+        rollout = draw_batch(self.decoder, self.tokenizer, job["prompts"], self.sampling, generator)
         return {"seqs": job["seqs"], "version": self.version, "rollout": _to(rollout, torch.device("cpu"))}
 
 
@@ -173,6 +215,58 @@ def _rows(rollout: Rollout) -> list[Rollout]:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Admission and selection: pure bookkeeping, so that a simulated fleet can test it without Ray.
+
+
+class Admission:
+    """The version-tied admission rule and earliest-deadline-first selection (see the module doc).
+
+    ``formed`` counts the batches formed so far; ``anchor`` = (a, v): batch a is the first known to train at
+    the published version v. A call issued now gets the deadline a + K, and may carry ``room(outstanding)``
+    trajectories. Items handed to ``choose`` need ``deadline``, ``version`` and ``seq`` attributes."""
+
+    def __init__(self, batch_size: int, max_staleness: int, critic_warmup: int):
+        self.batch_size, self.max_staleness, self.critic_warmup = batch_size, max_staleness, critic_warmup
+        self.formed = 0
+        self.anchor = (0, 0)
+
+    def begin(self, step: int, phase: str, version: int) -> None:
+        """The trainer asks for batch ``step`` at ``version``. During the critic warmup every batch up to the
+        first policy step's (step critic_warmup) trains at this version too."""
+        self.formed = step
+        first = max(step, self.critic_warmup) if phase == WARMUP else step
+        self.anchor = max(self.anchor, (first, version))
+
+    def published(self, version: int) -> None:
+        """The trainer published ``version``: the next batch to be formed trains at it."""
+        self.anchor = max(self.anchor, (self.formed, version))
+
+    def formed_batch(self, step: int) -> None:
+        self.formed = step + 1
+
+    @property
+    def deadline(self) -> int:
+        """The last step whose batch may take a trajectory submitted now."""
+        return self.anchor[0] + self.max_staleness
+
+    def room(self, outstanding: int) -> int:
+        """How many more trajectories may be submitted, ``outstanding`` being those submitted and not yet in a
+        batch: all of them, and those already in batches, must fit in the batches up to the deadline."""
+        return (self.deadline + 1 - self.formed) * self.batch_size - outstanding
+
+    def choose(self, buffer: Sequence[Any], pending_deadlines: Sequence[int]) -> list[Any] | None:
+        """The next batch from ``buffer``, earliest deadline first (ties: version, then sequence number); None
+        while it is short or a call still out (``pending_deadlines``) is due before the batch's last row."""
+        B = self.batch_size
+        if len(buffer) < B:
+            return None
+        ranked = sorted(buffer, key=lambda t: (t.deadline, t.version, t.seq))
+        if any(d < ranked[B - 1].deadline for d in pending_deadlines):
+            return None
+        return ranked[:B]
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The source.
 
 
@@ -181,18 +275,35 @@ class _Trajectory:
     seq: int  # the prompt draw's sequence number
     task_id: str
     version: int  # the adapter version that wrote it
+    deadline: int  # the last step whose batch may take it (its call's deadline)
+    worker: str  # the actor that drew it ("w0", or "w0.r1" for slot 0's first replacement)
     rollout: Rollout  # one row
 
 
 @dataclass
 class _Slot:
-    """A worker position: the actor now filling it and its call in flight (at most one)."""
+    """A worker position: the actor now filling it, its start-up call, and its draw call (at most one)."""
 
+    index: int
     actor: Any
+    spawned: float  # perf_counter when the actor was asked for
+    starting: Any = None  # the ready() call while the actor imports and loads its model
+    generation: int = 0  # 0: the first actor in this slot; n: its n-th replacement
+    pid: int | None = None
+    placement: str | None = None  # the placement group the actor reported it runs in
     job: dict[str, Any] | None = None
     future: Any = None
+    since: float = 0.0  # perf_counter when the draw call in flight was made
     delivered: bool = False  # this actor has returned a draw since it was started
-    deaths: int = 0  # consecutive deaths without a delivery
+    deaths: int = 0  # consecutive failures without a delivery
+
+    @property
+    def name(self) -> str:
+        return f"w{self.index}" if self.generation == 0 else f"w{self.index}.r{self.generation}"
+
+    @property
+    def ready(self) -> bool:
+        return self.starting is None and self.pid is not None
 
 
 class RaySource:
@@ -200,7 +311,10 @@ class RaySource:
 
     A ``sao.rollout.source.Source``, like ``LocalStaleSource``. Not bit-reproducible (arrival order depends on
     timing); ``state_dict`` keeps the prompt-stream position, the draws still pending and the counters.
-    ``batches`` and ``dropped`` record the sequence numbers of every batch and every dropped trajectory.
+    ``batches`` and ``dropped`` record the sequence numbers of every batch and every dropped trajectory;
+    ``start_times`` the seconds from asking for each actor to its answering ``ready``.
+    ``reserved_gpus``: the GPUs (indices in this process's visible order) the training processes use, kept
+    from a local cluster's workers; None: the policy's own device.
     """
 
     def __init__(
@@ -214,16 +328,20 @@ class RaySource:
         order: PromptOrder,
         label: str = "ray",
         progress: bool = True,
+        reserved_gpus: Sequence[int] | None = None,
     ):
         ray = self.ray = import_ray()
         c = self.config = config
         self.policy, self.pad_token_id, self.prompts, self.order = policy, pad_token_id, prompts, order
         self.device = next(policy.parameters()).device
         self.label, self.progress = label, progress
-        self.cap = (c.max_staleness + 1) * c.batch_size
+        self.rollout_batch = rollout_batch_size(c)
+        if reserved_gpus is None:
+            index = self.device.index if self.device.index is not None else 0
+            reserved_gpus = [index] if self.device.type == "cuda" else []
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
-            self._init_ray()
+            self._init_ray(reserved_gpus)
         dtype = next(policy.parameters()).dtype
         self._model_path = model_path
         self._settings = {
@@ -235,10 +353,8 @@ class RaySource:
             "seed": c.seed,
             "max_new_tokens": c.max_new_tokens,
             "temperature": c.temperature,
+            "decoder": c.decoder,
         }
-        self._actor_class = ray.remote(RolloutWorker).options(
-            num_cpus=c.worker_cpus, num_gpus=c.worker_gpus, max_restarts=0
-        )
         self._death = _death_errors(ray)
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -247,42 +363,107 @@ class RaySource:
         self._adapter: list[Any] | None = None  # [version, ObjectRef of the LoRA state dict]
         self._buffer: list[_Trajectory] = []
         self._retry: deque[int] = deque()  # sequence numbers to draw again before new ones
+        self.admission = Admission(c.batch_size, c.max_staleness, c.critic_warmup)  # read and set under the lock
         self.next_seq = 0
         self.calls = 0
         self.batches: list[list[int]] = []
         self.dropped: list[int] = []
-        self.counts = {"received": 0, "admitted": 0, "dropped_stale": 0, "worker_restarts": 0}
-        self._restarts_logged = 0  # worker_restarts as of the last batch, for the per-step count
+        self.start_times: list[float] = []
+        self.admitted_by: dict[str, int] = {}  # actor name ("w0", "w0.r1", ...) → its admitted trajectories
+        self.counts = {
+            "received": 0, "admitted": 0, "dropped_stale": 0, "worker_restarts": 0, "worker_hangs": 0,
+            "admitted_from_replacements": 0,
+        }  # fmt: skip
+        self._logged = {"worker_restarts": 0, "worker_hangs": 0}  # as of the last batch, for per-step counts
         self._closed = False
         self._started_at = time.perf_counter()
-        self.slots = [_Slot(self._spawn()) for _ in range(c.rollout_workers)]
+        self._actor_class = ray.remote(RolloutWorker)
+        try:
+            self._placement = self._place_workers(c)
+        except BaseException:
+            if self.owns_ray:
+                ray.shutdown()
+            raise
+        self.placement_id = self._placement.id.hex() if self._placement is not None else None
+        self.slots = [self._new_slot(i) for i in range(c.rollout_workers)]
         atexit.register(self.close)
 
-    def _spawn(self) -> Any:
-        """A new worker actor; it loads the model in the background, and its first call waits for that."""
-        return self._actor_class.remote(self._model_path, self._settings)
+    # -- the cluster -----------------------------------------------------------------------------------
+
+    def _init_ray(self, reserved_gpus: Sequence[int]) -> None:
+        c = self.config
+        kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
+        if c.ray_address is not None:
+            kwargs["address"] = c.ray_address
+            try:
+                self.ray.init(**kwargs)
+            except ConnectionError as error:
+                raise ConfigError(f"--ray-address {c.ray_address!r}: could not join the cluster ({error})") from None
+            return
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = worker_gpu_ids(visible, torch.cuda.device_count(), reserved_gpus)
+        if c.worker_gpus > 0 and c.rollout_workers * c.worker_gpus > len(gpus):
+            raise ConfigError(
+                f"--rollout-workers {c.rollout_workers} × --worker-gpus {c.worker_gpus} needs more GPUs than the "
+                f"{len(gpus)} this machine has beside the training processes' {len(reserved_gpus)}; lower them or "
+                "join a cluster with --ray-address"
+            )
+        needed = math.ceil(c.rollout_workers * c.worker_cpus)
+        kwargs.update(num_cpus=max(os.cpu_count() or 1, needed), num_gpus=len(gpus), include_dashboard=False)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # what the local raylet sees, and hands out
+        try:
+            self.ray.init(**kwargs)
+        finally:  # this process keeps the devices it had
+            if visible is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+    def _place_workers(self, c: Config) -> Any:
+        """A placement group with one (worker_cpus, worker_gpus) bundle per worker, ready; None when a worker
+        reserves nothing (there is nothing to place)."""
+        bundle = {k: v for k, v in (("CPU", c.worker_cpus), ("GPU", c.worker_gpus)) if v > 0}
+        if not bundle:
+            return None
+        from ray.util import placement_group
+
+        group = placement_group([dict(bundle) for _ in range(c.rollout_workers)], strategy="PACK")
+        try:
+            self.ray.get(group.ready(), timeout=c.worker_timeout)
+        except self.ray.exceptions.GetTimeoutError:
+            self._remove_placement(group)
+            raise ConfigError(
+                f"the Ray cluster could not place {c.rollout_workers} workers × {bundle} within --worker-timeout "
+                f"{c.worker_timeout:.0f} s (it has {self.ray.cluster_resources()}); lower --rollout-workers, "
+                "--worker-cpus or --worker-gpus"
+            ) from None
+        return group
+
+    def _remove_placement(self, group: Any) -> None:
+        from ray.util import remove_placement_group
+
+        with contextlib.suppress(Exception):
+            remove_placement_group(group)
+
+    def _new_slot(self, index: int, generation: int = 0) -> _Slot:
+        """Ask for a new worker actor in slot ``index`` (bundle ``index``); it loads its model in the background
+        and answers ``ready`` when it can draw."""
+        c = self.config
+        options: dict[str, Any] = {"num_cpus": c.worker_cpus, "num_gpus": c.worker_gpus, "max_restarts": 0}
+        if self._placement is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self._placement, placement_group_bundle_index=index
+            )
+        actor = self._actor_class.options(**options).remote(self._model_path, self._settings)
+        slot = _Slot(index=index, actor=actor, spawned=time.perf_counter(), generation=generation)
+        slot.starting = actor.ready.remote()
+        return slot
 
     def _kill(self, actor: Any) -> None:
         with contextlib.suppress(Exception):  # already gone
             self.ray.kill(actor, no_restart=True)
-
-    def _init_ray(self) -> None:
-        c = self.config
-        kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
-        if c.ray_address is None:
-            if c.worker_gpus > 0 and c.rollout_workers * c.worker_gpus > torch.cuda.device_count():
-                raise ConfigError(
-                    f"--rollout-workers {c.rollout_workers} × --worker-gpus {c.worker_gpus} needs more GPUs than "
-                    f"this machine has ({torch.cuda.device_count()}); lower them or join a cluster with --ray-address"
-                )
-            needed = math.ceil(c.rollout_workers * c.worker_cpus)
-            kwargs.update(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
-        else:
-            kwargs["address"] = c.ray_address
-        try:
-            self.ray.init(**kwargs)
-        except ConnectionError as error:
-            raise ConfigError(f"--ray-address {c.ray_address!r}: could not join the Ray cluster ({error})") from None
 
     @property
     def workers(self) -> list[Any]:
@@ -295,9 +476,9 @@ class RaySource:
         """Prompt draw ``seq``: the same seeded order the local source reads."""
         return self.order.id_at(seq)
 
-    def _next_job(self) -> dict[str, Any]:
+    def _next_job(self, size: int, deadline: int) -> dict[str, Any]:
         seqs = []
-        while len(seqs) < self.config.rollout_batch:
+        while len(seqs) < size:
             if self._retry:
                 seqs.append(self._retry.popleft())
             else:
@@ -306,58 +487,108 @@ class RaySource:
         ids = [self.task_id(s) for s in seqs]
         self.calls += 1
         seed = derived_seed(self.config.seed, "ray-rollout", self.calls, tuple(seqs))
-        return {"seqs": seqs, "task_ids": ids, "prompts": [self.prompts[i] for i in ids], "seed": seed}
+        prompts = [self.prompts[i] for i in ids]
+        return {"seqs": seqs, "task_ids": ids, "prompts": prompts, "seed": seed, "deadline": deadline}
 
-    # -- the pump (a driver thread) --------------------------------------------------------------------
+    # -- admission (under the lock) --------------------------------------------------------------------
 
     def _outstanding(self) -> int:
+        """Trajectories submitted and not yet in a batch: buffered or in a call in flight."""
         return len(self._buffer) + sum(len(s.job["seqs"]) for s in self.slots if s.job is not None)
+
+    def _issue(self) -> None:
+        """A draw call to every ready, idle worker while there is room, with the newest adapter. A call carries
+        up to ``rollout_batch`` prompts; when the room is less than the idle workers could take, it is shared
+        evenly among them (at K = 0, seven GPU workers draw a seventh of the batch each, not one the whole)."""
+        idle = [slot for slot in self.slots if slot.ready and slot.job is None]
+        for i, slot in enumerate(idle):
+            room = self.admission.room(self._outstanding())
+            if room <= 0:
+                return
+            share = -(-room // (len(idle) - i))  # ceil: the rest of the room over the workers still idle
+            slot.job = self._next_job(min(self.rollout_batch, share), self.admission.deadline)
+            slot.future = slot.actor.draw.remote(slot.job, self._adapter)
+            slot.since = time.perf_counter()
+
+    # -- the pump (a driver thread) --------------------------------------------------------------------
 
     def _pump(self) -> None:
         try:
             while not self._stop.is_set():
                 with self._cond:
-                    for slot in self.slots:
-                        if slot.future is None and self._outstanding() < self.cap:
-                            slot.job = self._next_job()
-                            slot.future = slot.actor.draw.remote(slot.job, self._adapter)
-                    futures = {s.future: s for s in self.slots if s.future is not None}
-                if not futures:
+                    self._issue()
+                    calls = {s.future: (s, "draw") for s in self.slots if s.future is not None}
+                    calls.update({s.starting: (s, "start") for s in self.slots if s.starting is not None})
+                if not calls:
                     self._stop.wait(0.02)
                     continue
-                ready, _ = self.ray.wait(list(futures), num_returns=1, timeout=0.1)
+                ready, _ = self.ray.wait(list(calls), num_returns=1, timeout=0.02)
                 for ref in ready:
-                    self._collect(futures[ref], ref)
+                    slot, kind = calls[ref]
+                    self._started(slot, ref) if kind == "start" else self._collect(slot, ref)
+                self._check_deadlines()
         except BaseException as error:  # handed to the trainer's thread by next_batch
             with self._cond:
                 self._error = error
                 self._cond.notify_all()
 
+    def _started(self, slot: _Slot, ref: Any) -> None:
+        try:
+            info = self.ray.get(ref)
+        except self._death as error:
+            self._replace(slot, error, hung=False)
+            return
+        with self._cond:
+            slot.starting, slot.pid, slot.placement = None, int(info["pid"]), info["placement"]
+            self.start_times.append(time.perf_counter() - slot.spawned)
+
     def _collect(self, slot: _Slot, ref: Any) -> None:
         try:
             result = self.ray.get(ref)
         except self._death as error:
-            with self._cond:
-                self._retry.extendleft(reversed(slot.job["seqs"]))  # drawn again, same sequence numbers
-                slot.job = slot.future = None
-                slot.deaths += 1
-                self.counts["worker_restarts"] += 1
-                if slot.deaths >= MAX_CONSECUTIVE_DEATHS:
-                    raise RuntimeError(
-                        f"a rollout worker died {slot.deaths} times in a row without delivering a draw; "
-                        f"last error: {error}"
-                    ) from error
-            self._kill(slot.actor)
-            slot.actor = self._spawn()
-            slot.delivered = False
+            self._replace(slot, error, hung=False)
             return
         with self._cond:
             rows = _rows(result["rollout"])
-            for seq, task_id, row in zip(result["seqs"], slot.job["task_ids"], rows, strict=True):
-                self._buffer.append(_Trajectory(seq, task_id, result["version"], row))
+            job = slot.job
+            for seq, task_id, row in zip(result["seqs"], job["task_ids"], rows, strict=True):
+                self._buffer.append(_Trajectory(seq, task_id, result["version"], job["deadline"], slot.name, row))
             self.counts["received"] += len(rows)
             slot.job = slot.future = None
             slot.delivered, slot.deaths = True, 0
+            self._cond.notify_all()
+
+    def _check_deadlines(self) -> None:
+        """A draw call older than --worker-timeout, or a start older than max(START_TIMEOUT_S, --worker-timeout):
+        the worker is hung; replace it."""
+        now, limit = time.perf_counter(), self.config.worker_timeout
+        start_limit = max(START_TIMEOUT_S, limit)
+        for slot in list(self.slots):
+            if slot.starting is not None and now - slot.spawned > start_limit:
+                self._replace(slot, TimeoutError(f"{slot.name} did not start within {start_limit:.0f} s"), hung=True)
+            elif slot.future is not None and now - slot.since > limit:
+                self._replace(slot, TimeoutError(f"{slot.name} did not answer a draw within {limit:.0f} s"), hung=True)
+
+    def _replace(self, slot: _Slot, error: BaseException, hung: bool) -> None:
+        """The worker in ``slot`` is dead or hung: its prompts go back to the stream (same sequence numbers),
+        the actor is killed, and a fresh one takes the slot and its bundle."""
+        with self._cond:
+            if slot.job is not None:
+                self._retry.extendleft(reversed(slot.job["seqs"]))  # drawn again, same sequence numbers
+            slot.job = slot.future = slot.starting = None
+            deaths = slot.deaths + 1
+            self.counts["worker_restarts"] += 1
+            self.counts["worker_hangs"] += int(hung)
+            if deaths >= MAX_CONSECUTIVE_DEATHS:
+                raise RuntimeError(
+                    f"rollout worker slot {slot.index} failed {deaths} times in a row without delivering a draw; "
+                    f"last error: {error}"
+                ) from error
+        self._kill(slot.actor)
+        new = self._new_slot(slot.index, slot.generation + 1)
+        new.deaths = deaths
+        with self._cond:
+            self.slots[slot.index] = new
             self._cond.notify_all()
 
     # -- the trainer's side ----------------------------------------------------------------------------
@@ -367,15 +598,20 @@ class RaySource:
         ref = self.ray.put(weights)
         with self._cond:
             self._adapter = [version, ref]
+            self.admission.published(version)
+            self._cond.notify_all()
 
     def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:
         if self._closed:
             raise RuntimeError("RaySource.next_batch after close()")
-        if self._thread is None:  # first batch: after any checkpoint was loaded, so the version is right
+        B, K = self.config.batch_size, self.config.max_staleness
+        with self._cond:
+            self.admission.begin(step, phase, policy_version)
+            self._cond.notify_all()
+        if self._thread is None:  # first batch: after any checkpoint was loaded, so step and version are right
             self._publish(policy_version)
             self._thread = threading.Thread(target=self._pump, name="sao-ray-pump", daemon=True)
             self._thread.start()
-        B, K = self.config.batch_size, self.config.max_staleness
         version = policy_version
         start, waited_for, dropped, warned = time.perf_counter(), 0, 0, False
         with self._cond:
@@ -383,7 +619,7 @@ class RaySource:
                 if self._error is not None:
                     raise RuntimeError(f"the Ray rollout pump stopped: {self._error}") from self._error
                 keep = []
-                for item in self._buffer:
+                for item in self._buffer:  # the safety net: admission makes this drop nothing
                     if version - item.version > K:
                         self.dropped.append(item.seq)
                         self.counts["dropped_stale"] += 1
@@ -391,9 +627,11 @@ class RaySource:
                     else:
                         keep.append(item)
                 self._buffer = keep
-                if len(self._buffer) >= B:
+                pending = [s.job["deadline"] for s in self.slots if s.job is not None]
+                chosen = self.admission.choose(self._buffer, pending)
+                if chosen is not None:
                     break
-                waited_for = waited_for or B - len(self._buffer)
+                waited_for = waited_for or max(1, B - len(self._buffer))
                 self._cond.wait(timeout=1.0)
                 if not warned and time.perf_counter() - start > SLOW_START_WARNING_S and not self._buffer:
                     warned = True
@@ -404,11 +642,16 @@ class RaySource:
                         always=True,
                     )
             waited_s = time.perf_counter() - start if waited_for else 0.0
-            self._buffer.sort(key=lambda t: (t.version, t.seq))
-            chosen, self._buffer = self._buffer[:B], self._buffer[B:]
+            taken = {id(t) for t in chosen}
+            self._buffer = [t for t in self._buffer if id(t) not in taken]
+            self.admission.formed_batch(step)
             self.counts["admitted"] += B
+            self.counts["admitted_from_replacements"] += sum("." in t.worker for t in chosen)
+            for t in chosen:
+                self.admitted_by[t.worker] = self.admitted_by.get(t.worker, 0) + 1
             self.batches.append([t.seq for t in chosen])
-            restarts_before, self._restarts_logged = self._restarts_logged, self.counts["worker_restarts"]
+            per_step = {k: self.counts[k] - self._logged[k] for k in self._logged}
+            self._logged = {k: self.counts[k] for k in self._logged}
             info = {
                 "admitted": B,
                 "admitted_total": self.counts["admitted"],
@@ -417,9 +660,13 @@ class RaySource:
                 "waited_for": waited_for,
                 "waited_s": waited_s,
                 "staleness_max": max(version - t.version for t in chosen),
-                "workers_alive": sum(s.delivered for s in self.slots),
-                "worker_restarts": self.counts["worker_restarts"] - restarts_before,
+                "workers_alive": sum(s.ready for s in self.slots),
+                "worker_restarts": per_step["worker_restarts"],
                 "worker_restarts_total": self.counts["worker_restarts"],
+                "worker_hangs": per_step["worker_hangs"],
+                "worker_hangs_total": self.counts["worker_hangs"],
+                "worker_start_s_max": max(self.start_times, default=float("nan")),
+                "admitted_from_replacements_total": self.counts["admitted_from_replacements"],
                 "received_total": self.counts["received"],
                 "buffered": len(self._buffer),
                 "rollouts_per_s": self.counts["received"] / (time.perf_counter() - self._started_at),
@@ -433,7 +680,8 @@ class RaySource:
         )
 
     def after_update(self, policy_version: int) -> None:
-        """Publish the policy's new adapter; every worker's next draw call carries it."""
+        """Publish the policy's new adapter; every worker's next draw call carries it, and the fleet may draw
+        one batch further ahead."""
         self._publish(policy_version)
 
     def state_dict(self) -> dict[str, Any]:
@@ -451,7 +699,7 @@ class RaySource:
         self.next_seq = int(state["next_seq"])
         self._retry = deque(int(s) for s in state["pending"])
         self.counts.update(state["counts"])
-        self._restarts_logged = self.counts["worker_restarts"]
+        self._logged = {k: self.counts[k] for k in self._logged}
 
     def close(self) -> None:
         """Stop the pump and the workers; shut Ray down if this source started (or joined) it."""
@@ -465,12 +713,16 @@ class RaySource:
         if self.ray.is_initialized():
             for slot in self.slots:
                 self._kill(slot.actor)
+            if self._placement is not None:
+                self._remove_placement(self._placement)
             if self.owns_ray:
                 self.ray.shutdown()
         c = self.counts
+        starts = f"{min(self.start_times):.1f}-{max(self.start_times):.1f} s" if self.start_times else "none started"
         self._say(
             f"ray: {c['received']} trajectories drawn, {c['admitted']} admitted, {c['dropped_stale']} dropped as "
-            f"older than {self.config.max_staleness}, {c['worker_restarts']} worker restarts"
+            f"older than {self.config.max_staleness}, {c['worker_restarts']} worker restarts ({c['worker_hangs']} "
+            f"hung); worker start {starts}"
         )
 
     def _say(self, message: str, always: bool = False) -> None:

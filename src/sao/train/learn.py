@@ -12,6 +12,9 @@
               the stored hidden states (the trunk is never trained by the critic).
     retry     on out-of-memory the micro-batch halves (for the rest of the run) and the pass is retried
               from its start: the same function of the batch, only the float summation order changes.
+    ranks     under torchrun (``sao.train.distributed``) each process passes only its rows of the batch
+              with the whole batch's N, the rows' log-probabilities and values are gathered for the whole
+              batch's update, and the critic sums its gradients over the ranks. On one process: unchanged.
 
 This is the only micro-batching in sao. Deliberately left out: gradient accumulation across batches,
 learning-rate schedules and mixed-precision loss scaling (LoRA in bf16 needs none).
@@ -31,6 +34,7 @@ from sao.core.algorithm import SAO, Update
 from sao.model.forward import TeacherForced, teacher_forced
 from sao.model.policy import Models
 from sao.rollout.sampler import Rollout
+from sao.train.distributed import SINGLE, World
 
 T = TypeVar("T")
 
@@ -60,8 +64,8 @@ def with_oom_retry(attempt: Callable[[int], T], rows: int, on_retry: Callable[[i
 
 @dataclass
 class PassResult:
-    forward: TeacherForced  # logprobs [B, R] (detached) and hidden [B, R, H] of the whole batch
-    update: Update  # the whole batch's SAO.update
+    forward: TeacherForced  # logprobs [b, R] (detached) and hidden [b, R, H] of this process's rows (all on one)
+    update: Update  # the whole batch's SAO.update (all ranks' rows)
     loss: float  # Σ over micro-batches of −Σ c·logprobs (NaN on critic-only steps)
     finite: bool  # False: a micro-batch's loss was not finite, so no gradient may be applied
 
@@ -76,16 +80,20 @@ def policy_gradient_pass(
     with_policy_gradient: bool,
     temperature: float,
     logprob_chunk: int,
+    world: World = SINGLE,
 ) -> PassResult:
     """The teacher-forced pass and the policy gradient, ``rows`` trajectories at a time (see the module doc).
-    On a critic-only step no gradient is taken and ``loss`` is NaN."""
+    On a critic-only step no gradient is taken and ``loss`` is NaN. Under torchrun ``rollout`` and
+    ``rewards`` are the whole batch and this process passes only its rows (``world.shard``): ``forward``,
+    ``loss`` and ``finite`` are then this rank's, ``update`` the whole batch's."""
     mask = rollout.response_mask  # [B, R] every real response token (actions and observations)
     actions = rollout.actions  # [B, R] the tokens the model wrote
     n_tokens = float(actions.sum())  # N of the whole batch
+    own = world.shard(len(mask))  # this process's rows (all of them on one process)
     logprobs, hidden, values = [], [], []
     loss_total, finite = 0.0, True
-    for start in range(0, len(mask), rows):
-        part = slice(start, start + rows)
+    for start in range(own.start, own.stop, rows):
+        part = slice(start, min(start + rows, own.stop))
         with torch.set_grad_enabled(with_policy_gradient):
             forward = teacher_forced(
                 models.policy,
@@ -117,10 +125,10 @@ def policy_gradient_pass(
         values.append(part_values)
         del forward
     forward = TeacherForced(logprobs=torch.cat(logprobs), hidden=torch.cat(hidden))
-    whole_batch = {
-        "logprobs": forward.logprobs,
+    whole_batch = {  # every rank's rows gathered (on one process: as passed)
+        "logprobs": world.gather_rows(forward.logprobs),
         "sampler_logprobs": rollout.sampler_logprobs,
-        "values": torch.cat(values),
+        "values": world.gather_rows(torch.cat(values)),
         "rewards": rewards.to(forward.logprobs),
         "action_mask": actions,
     }
@@ -150,9 +158,15 @@ def critic_steps(
     targets: torch.Tensor,  # [B, R] Monte Carlo returns
     action_mask: torch.Tensor,  # [B, R]
     steps: int,
+    world: World = SINGLE,
 ) -> float:
     """``steps`` squared-error updates toward the targets on action tokens; returns the first loss (the error
-    of the values this step's advantages were computed with). One step is always measured, even at 0."""
+    of the values this step's advantages were computed with). One step is always measured, even at 0.
+    Under torchrun the arguments are this rank's rows: the squared error is divided by the whole batch's
+    token count and the value head's gradients are summed over the ranks, so every rank takes the step a
+    single process takes on the whole batch."""
+    if world.size > 1:
+        return _critic_steps_sharded(value_head, optimizer, hidden, targets, action_mask, steps, world)
     first = float("nan")
     for i in range(max(steps, 1)):
         values = value_head(hidden)[action_mask]  # [N]
@@ -163,5 +177,23 @@ def critic_steps(
             break
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        optimizer.step()
+    return first
+
+
+def _critic_steps_sharded(value_head, optimizer, hidden, targets, action_mask, steps: int, world: World) -> float:
+    n_tokens = world.total(float(action_mask.sum()))  # N of the whole batch
+    first = float("nan")
+    for i in range(max(steps, 1)):
+        values = value_head(hidden)[action_mask]  # [n] this rank's action tokens
+        loss = ((values - targets[action_mask].float()) ** 2).sum() / n_tokens  # this rank's share of the mean
+        whole = world.total(loss.item())  # the whole batch's mean squared error, the same on every rank
+        if i == 0:
+            first = whole
+        if not math.isfinite(whole):
+            break
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        world.sum_gradients(value_head.parameters())
         optimizer.step()
     return first

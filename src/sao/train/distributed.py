@@ -1,0 +1,240 @@
+"""Data-parallel training over ``torch.distributed``: one process per device, launched by torchrun.
+
+    torchrun --nproc-per-node N $(which sao) train --out DIR ...
+
+Why: the policy step is a sum over trajectories, so N devices can each take 1/N of the batch and add their
+gradients; the update is then the single-process update on the whole batch (up to the order of float sums).
+
+    world      each process reads WORLD_SIZE, RANK and LOCAL_RANK from torchrun's environment and joins the
+               group: gloo on the CPU, nccl on GPUs (process r trains on cuda:LOCAL_RANK). Without torchrun the
+               world is one process and every collective here is the identity, so the single-process path
+               computes exactly what it did before.
+    batches    rank 0 owns the source (the stale sampler, or the Ray workers, which only it starts) and
+               broadcasts each batch; every rank grades the whole batch (cheap), so every rank has the same
+               rewards and the same log record.
+    shard      rank r trains rows [r·B/N, (r+1)·B/N): the teacher-forced pass and the backward on its rows
+               only, with the whole batch's action-token count in the coefficients. A row's coefficients depend
+               on that row and the count alone, so the sum of the shards' gradients is the whole batch's.
+    reduce     the LoRA gradients are summed over ranks (one flat float32 all-reduce) before the clip, so every
+               rank clips and steps AdamW on the same gradient and the adapters stay identical without a
+               broadcast; the log-probabilities and values are gathered so that every rank computes the whole
+               batch's ``SAO.update`` (stats, value targets): the numbers a single process logs.
+    critic     sharded the same way: each rank's squared error over its action tokens divided by the whole
+               batch's count, value-head gradients summed, the same AdamW step on every rank.
+    writing    rank 0 alone writes config.json, checkpoints, train_log.json, the adapter and tracking; every rank
+               reads the checkpoint on --resume. config.json and every log record carry ``world_size``.
+
+The gradient reduction is written out rather than taken from ``DistributedDataParallel``: DDP averages
+(the coefficients already hold the global count, so the sum is wanted), reduces inside every micro-batch's
+backward unless told not to, and cannot hold a gradient back from a step that turns out non-finite.
+
+Deliberately left out: sharding the decode (rank 0 draws the whole batch; ``--engine ray`` is the way to more
+decode throughput), FSDP and tensor parallelism (the frozen base is replicated on every device; only the adapter
+and the value head have gradients), overlapping the all-reduce with the backward (the adapter's gradient is a
+small fraction of the model), and ``sao recipe``/``sweep`` under torchrun (their evals would run on every rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from sao.core.errors import ConfigError
+from sao.rollout.sampler import Rollout
+from sao.rollout.source import Batch, Source
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a rank waiting this long for the others stops with an error
+
+
+@dataclass(frozen=True)
+class World:
+    """The processes training one run together; ``World()`` is a single process (every collective a no-op)."""
+
+    size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    local_size: int = 1  # processes of this group on this node
+    backend: str | None = None
+
+    @classmethod
+    def from_env(cls, device: str = "auto") -> World:
+        """Join the process group torchrun described in the environment (WORLD_SIZE > 1), else one process.
+        ``device`` is the run's --device setting: a GPU setting uses nccl and cuda:LOCAL_RANK, the CPU gloo."""
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        if size <= 1:
+            return cls()
+        rank = int(os.environ["RANK"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        if on_gpu and local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"process {rank} of {size} wants cuda:{local_rank} but this node has {torch.cuda.device_count()} GPUs; "
+                "lower --nproc-per-node"
+            )
+        backend = "nccl" if on_gpu else "gloo"
+        if on_gpu:
+            torch.cuda.set_device(local_rank)
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+        return cls(size=size, rank=rank, local_rank=local_rank, local_size=local_size, backend=backend)
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that draws, writes and reports."""
+        return self.rank == 0
+
+    def device(self, setting: str) -> str:
+        """The device this process trains on: cuda:LOCAL_RANK when the group runs on GPUs, else ``setting``."""
+        return f"cuda:{self.local_rank}" if self.backend == "nccl" else setting
+
+    def training_gpus(self) -> list[int] | None:
+        """The GPUs (cuda indices) this node's training processes use, when the group runs on GPUs; else None."""
+        return list(range(self.local_size)) if self.backend == "nccl" else None
+
+    def shard(self, rows: int) -> slice:
+        """This process's rows of a batch of ``rows``: an equal contiguous block per rank."""
+        if rows % self.size:
+            raise ConfigError(f"--batch-size {rows} must be a multiple of the {self.size} training processes")
+        n = rows // self.size
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+    # -- collectives (identities on one process) -------------------------------------------------------------
+
+    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[b, ...] on every rank → [size·b, ...], the ranks' rows in rank order (the whole batch)."""
+        if self.size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+    def sum_(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Sum each tensor over the ranks, in place, through one flat buffer (float32 at least)."""
+        tensors = list(tensors)
+        if self.size == 1 or not tensors:
+            return
+        import torch.distributed as dist
+
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors), torch.float32)  # bf16 → float32
+        flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])  # [Σ numel]
+        dist.all_reduce(flat)
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.detach().copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+    def sum_gradients(self, params: Iterable[nn.Parameter]) -> None:
+        """Sum the parameters' gradients over the ranks (a missing gradient counts as zeros)."""
+        if self.size == 1:
+            return
+        params = list(params)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.sum_(p.grad for p in params)
+
+    def total(self, value: float) -> float:
+        """Σ over ranks of a number."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self._device())
+        self.sum_([t])
+        return float(t)
+
+    def all(self, flag: bool) -> bool:
+        """True when ``flag`` is True on every rank."""
+        return flag if self.size == 1 else self.total(0.0 if flag else 1.0) == 0.0
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled; tensors in it should be on the CPU)."""
+        if self.size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+
+
+SINGLE = World()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rows of a rollout, and the source every rank reads.
+
+
+def rollout_rows(rollout: Rollout, part: slice) -> Rollout:
+    """Rows ``part`` of a rollout, every per-row field cut the same way; widths (P, R) are kept."""
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(rollout):
+        value = getattr(rollout, f.name)
+        if isinstance(value, torch.Tensor | list):  # tensors [B, ...] and texts
+            changes[f.name] = value[part]
+    return dataclasses.replace(rollout, **changes)
+
+
+def rollout_to(rollout: Rollout, device: torch.device | str) -> Rollout:
+    """The rollout with every tensor on ``device``."""
+    changes = {
+        f.name: getattr(rollout, f.name).to(device)
+        for f in dataclasses.fields(rollout)
+        if isinstance(getattr(rollout, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(rollout, **changes)
+
+
+class BroadcastSource:
+    """A ``Source`` for a group of ranks: rank 0 reads the real source and broadcasts every batch; the other
+    ranks hold no source (``source`` None) and receive. The publish hook, the state and close reach the real
+    source on rank 0 only, so only rank 0 starts Ray workers or keeps a stale sampler."""
+
+    def __init__(self, world: World, source: Source | None, device: torch.device | str):
+        if world.is_main and source is None:
+            raise ValueError("rank 0 needs the real source")
+        self.world, self.source, self.device = world, source, torch.device(device)
+
+    def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:
+        batch = None
+        if self.source is not None:
+            batch = self.source.next_batch(step, phase, policy_version)
+            batch = dataclasses.replace(batch, rollout=rollout_to(batch.rollout, "cpu"))
+        batch = self.world.broadcast(batch)
+        return dataclasses.replace(batch, rollout=rollout_to(batch.rollout, self.device))
+
+    def after_update(self, policy_version: int) -> None:
+        if self.source is not None:
+            self.source.after_update(policy_version)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.source.state_dict() if self.source is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.source is not None:
+            self.source.load_state_dict(state)
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()

@@ -1,0 +1,160 @@
+"""Data-parallel training (``sao.train.distributed``): ``torchrun --nproc-per-node 2`` with the gloo backend on the
+CPU takes the same steps as one process on the whole batch — the same rewards, loss, gradient norm and final
+adapter within float tolerance — writes one train_log.json, one checkpoint and one adapter, records
+world_size in config.json and the log, and resumes after one of its processes is SIGKILLed mid-run. The
+helpers (shards, gathers, the identity world of one process) are checked without a process group."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sao.core.errors import ConfigError
+from sao.rollout.sampler import Rollout
+from sao.train.distributed import World, rollout_rows, rollout_to
+
+# The child torchrun starts on every rank: optionally SIGKILL rank 1 as it enters step `kill_at`, then the CLI.
+CHILD = r"""
+import os, signal, sys
+from sao import cli
+from sao.train import trainer
+kill_at = int(sys.argv[1])
+if kill_at >= 0:
+    real_step = trainer.Trainer.step
+    def step(self, g):
+        if g == kill_at and self.world.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_step(self, g)
+    trainer.Trainer.step = step
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+SETTINGS = {"batch_size": 8, "steps": 2, "critic_warmup": 1, "train_prompts": 64, "lag": 1}
+FLAGS = ["--preset", "tiny", "--batch-size", "8", "--steps", "2", "--critic-warmup", "1", "--train-prompts", "64",
+         "--lag", "1", "--quiet"]  # fmt: skip
+TORCHRUN_TIMEOUT_S = 600
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Without a process group
+
+
+def _rollout(B: int = 4, P: int = 3, R: int = 5, turns: bool = False) -> Rollout:
+    g = torch.Generator().manual_seed(0)
+    extra = {}
+    if turns:
+        extra = {"action_mask": torch.rand(B, R, generator=g) > 0.3, "turn_rewards": torch.rand(B, R, generator=g),
+                 "rewards": torch.rand(B, generator=g), "turns": torch.arange(B), "tool_calls": torch.arange(B),
+                 "tool_errors": torch.zeros(B, dtype=torch.long)}  # fmt: skip
+    return Rollout(
+        prompt_ids=torch.randint(0, 50, (B, P), generator=g),
+        prompt_mask=torch.ones(B, P, dtype=torch.bool),
+        response_ids=torch.randint(0, 50, (B, R), generator=g),
+        response_mask=torch.ones(B, R, dtype=torch.bool),
+        sampler_logprobs=-torch.rand(B, R, generator=g),
+        truncated=torch.tensor([True, False] * (B // 2)),
+        texts=[f"reply {i}" for i in range(B)],
+        **extra,
+    )
+
+
+def test_one_process_is_the_identity_world(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    world = World.from_env()  # no torchrun environment: one process
+    assert (world.size, world.rank, world.is_main, world.backend) == (1, 0, True, None)
+    x = torch.randn(3, 4)
+    assert world.gather_rows(x) is x and world.total(2.5) == 2.5 and world.all(False) is False
+    assert world.broadcast({"a": 1}) == {"a": 1} and world.shard(8) == slice(0, 8)
+    grads = [torch.ones(2)]
+    world.sum_(grads)
+    assert grads[0].tolist() == [1.0, 1.0]
+    assert world.device("auto") == "auto" and world.training_gpus() is None
+
+
+def test_each_rank_takes_an_equal_block_of_rows_and_an_uneven_batch_is_refused():
+    blocks = [World(size=3, rank=r).shard(9) for r in range(3)]
+    assert blocks == [slice(0, 3), slice(3, 6), slice(6, 9)]
+    with pytest.raises(ConfigError, match="multiple of the 2 training processes"):
+        World(size=2, rank=0).shard(7)
+    assert World(size=4, rank=2, local_rank=2, local_size=4, backend="nccl").training_gpus() == [0, 1, 2, 3]
+    assert World(size=4, rank=2, local_rank=2, local_size=4, backend="nccl").device("auto") == "cuda:2"
+
+
+def test_rollout_rows_cut_every_per_row_field_and_keep_the_widths():
+    for turns in (False, True):
+        rollout = _rollout(turns=turns)
+        part = rollout_rows(rollout, slice(1, 3))
+        assert part.texts == ["reply 1", "reply 2"]
+        for name, value in vars(rollout).items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(getattr(part, name), value[1:3]), name
+        assert part.response_ids.shape == (2, 5) and part.prompt_ids.shape == (2, 3)
+        assert (part.action_mask is None) == (not turns)
+        moved = rollout_to(part, "cpu")
+        assert torch.equal(moved.sampler_logprobs, part.sampler_logprobs) and moved.texts == part.texts
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torchrun, two processes, gloo
+
+
+def _torchrun(child: Path, kill_at: int, args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # one thread per rank on 2 cores
+    env.pop("WORLD_SIZE", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(child), str(kill_at), *args]  # fmt: skip
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
+
+
+def _close(a: float | None, b: float | None, rel: float = 1e-4, abs_: float = 1e-6) -> bool:
+    """Equal within float tolerance; None is how the log writes NaN (a critic-only step's loss)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
+
+
+def test_torchrun_two_processes_take_the_single_process_steps_and_resume(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from sao.core.config import Config
+    from sao.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    Trainer(Config.preset("tiny", **SETTINGS), tmp_path / "single", progress=False).run()
+    single = json.loads((tmp_path / "single" / "train_log.json").read_text())
+
+    child = tmp_path / "child.py"
+    child.write_text(CHILD)
+    out = tmp_path / "ddp"
+    killed = _torchrun(child, 2, ["train", *FLAGS, "--out", str(out)])  # rank 1 dies entering the last step
+    assert killed.returncode != 0, killed.stderr[-3000:]
+    interrupted = json.loads((out / "train_log.json").read_text())
+    assert 1 <= len(interrupted) < len(single), "killed mid-run, after a checkpoint"
+    resumed = _torchrun(child, -1, ["train", *FLAGS, "--out", str(out), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    records = json.loads((out / "train_log.json").read_text())
+    assert [r["step"] for r in records] == [r["step"] for r in single]
+    for mine, ref in zip(records, single, strict=True):
+        assert mine["world_size"] == 2 and ref["world_size"] == 1
+        assert mine["reward_mean"] == ref["reward_mean"] and mine["staleness_hist"] == ref["staleness_hist"]
+        assert mine["response_length"] == ref["response_length"], "the same trajectories were drawn"
+        for key in ("loss", "grad_norm", "critic_loss", "masked_share", "ratio_max", "advantage_mean",
+                    "explained_variance", "abs_log_ratio_max"):  # fmt: skip
+            assert _close(mine[key], ref[key]), (mine["step"], key, mine[key], ref[key])
+    assert any(r["phase"] == "policy" and r["grad_norm"] > 0 for r in records), "policy steps took a gradient"
+
+    assert json.loads((out / "config.json").read_text())["world_size"] == 2
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "checkpoint.pt", "config.json", "train_log.json"]
+    ours, theirs = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (out, tmp_path / "single"))
+    assert ours.keys() == theirs.keys()
+    assert all(torch.allclose(ours[k], theirs[k], atol=1e-6, rtol=1e-4) for k in ours), "the same final adapter"
+    assert not any(torch.equal(ours[k], torch.zeros_like(ours[k])) for k in ours if "lora_B" in k), "it trained"
+    assert "Traceback" not in resumed.stderr
