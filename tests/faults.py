@@ -52,6 +52,39 @@ KINDS: dict[str, tuple[str, str]] = {
         "the same seed trained twice on the CPU",
         "identical train_log.json (timings aside); another seed differs",
     ),
+    "damaged run folders": (
+        "--resume over a truncated, missing or foreign checkpoint.pt or config.json, a truncated, missing or stale "
+        "train_log.json, truncated or foreign evals and a truncated experiment.json in a recipe folder; --resume of a "
+        "missing or empty folder",
+        "one-line error naming the file and what to do, exit code 2, nothing written or overwritten; a damaged "
+        "train_log.json is instead rebuilt exactly from the checkpoint's copy of the same records",
+    ),
+    "odd flags": (
+        "--device cuda, cuda:N or tpu where there is none, a 20-digit or negative --seed or --data-seed, "
+        "--lora-alpha 0 or -32, --lora-rank 1e20, --dead-band-share nan or -1, --lr 1e308, --critic-lr 5, --threads -1",
+        "one-line error giving the allowed range, exit code 2, no traceback, nothing written",
+    ),
+    "malformed results.json": (
+        "curves entries of the wrong shape (a list, a string, a number) for an arm or a run, then sao report",
+        "one-line error naming results.json and the entry, exit code 2, report.md and plots/ untouched",
+    ),
+    "wrong output paths": (
+        "--out that is a file, under a file, /dev/null or under /proc; sao eval --out on a folder, a pipe or a full "
+        "disk",
+        "one-line error naming the path and the fix that applies (another path, or free space and rerun; --resume "
+        "only where the command has it), exit code 2, nothing written or replaced",
+    ),
+    "shared machines": (
+        "a tiny-preset command on a busy 2-core machine with and without OMP_NUM_THREADS and --threads; starting "
+        "the CLI",
+        "one torch thread for the tiny model unless OMP_NUM_THREADS or --threads says otherwise; sao.cli starts "
+        "without importing torch or scipy",
+    ),
+    "big inputs": (
+        "a 50 MB single-line train.jsonl; 20,000 short records",
+        "the long line refused in one line after reading 1 MiB; memory the tasks drawn plus 16 bytes a row, never "
+        "a copy of the file",
+    ),
 }
 
 _recorded: dict[str, set[str]] = defaultdict(set)

@@ -63,7 +63,7 @@ elif where == "eval":  # while drawing the eval of `label`, after its first deco
 sys.exit(cli.main(sys.argv[4:]))
 """
 
-VOLATILE = {"time", "time_sample", "seconds", "this_invocation", "wall_time", "versions"}
+VOLATILE = {"time", "time_sample", "seconds", "this_invocation", "wall_time", "versions", "command"}
 
 
 def _strip(obj):

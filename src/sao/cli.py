@@ -5,6 +5,7 @@
     sao eval   --preset tiny [--adapter DIR] [--out FILE]    pass@1 on the held-out tasks
     sao recipe --preset tiny --out DIR  the whole experiment: both arms, base evals, verdict, report
     sao sweep  --preset tiny --lags 1 4 8 16 --lrs 1e-3 3e-3 --train-runs 2 --out DIR   where the ratio breaks
+    sao confirm PLAN --out DIR          a confirmation planned in a file before it runs: fresh seeds, Holm
     sao report DIR                      rebuild report.md (or sweep.md) and the plots from the JSON
     sao export RUN --merge OUT          fold a run's adapter into its base: a plain HF model folder to serve
 
@@ -29,7 +30,7 @@ from sao.core.config import read_config_file
 from sao.core.errors import ConfigError, SaoError
 
 # Flags whose spelling differs from the field or that take two values.
-_SPECIAL = {"band": {"nargs": 2, "type": float, "metavar": ("LO", "HI")}}
+_SPECIAL = {"band": {"nargs": 2, "type": float, "metavar": ("LO", "HI")}, "random_mask_share": {"type": float}}
 
 
 def _field_docs() -> dict[str, str]:
@@ -76,14 +77,18 @@ def _bool(text: str) -> bool:
 
 
 def config_from_args(args: argparse.Namespace):
-    """The run's Config: the preset's defaults, then --config FILE's settings, then the flags given."""
-    from sao.core.config import Config
+    """The run's Config: the preset's defaults, then --config FILE's settings, then the flags given. Every
+    command that runs a model starts here, so torch's CPU thread count is set here, once, as the Config says
+    (``--threads``; 0: one thread for the tiny model on the CPU unless OMP_NUM_THREADS is set)."""
+    from sao.core.config import Config, apply_threads
 
     from_file = read_config_file(args.config)[0] if getattr(args, "config", None) else {}
     changes = {
         f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name, None) is not None
     }
-    return Config.preset(args.preset, **{**from_file, **changes})
+    config = Config.preset(args.preset, **{**from_file, **changes})
+    apply_threads(config)
+    return config
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -147,7 +152,7 @@ def summarize_training(records: list[dict[str, Any]], lag: int) -> str:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from sao.core.io import write_json
+    from sao.core.io import check_output_path, write_json
     from sao.experiment.evaluate import load_adapter
     from sao.experiment.runner import pass_at_1
     from sao.model.policy import load_base, pick_device
@@ -155,6 +160,8 @@ def _eval(args: argparse.Namespace) -> int:
     from sao.tasks import instruction_for, load_split, model_path
 
     config = config_from_args(args)
+    if args.out:
+        check_output_path(args.out, folder=False)  # a folder or a device as --out fails now, not after the eval
     split = load_split(config)
     model, tokenizer = load_base(model_path(config), pick_device(config.device))
     if args.adapter:
@@ -240,6 +247,35 @@ def _fmt_list(values: list[float]) -> str:
     return ", ".join(f"{v:.3f}" for v in values) if values else "—"
 
 
+def _confirm(args: argparse.Namespace) -> int:
+    """A planned confirmation: the plan file fixes the grid, arms, seeds, settings, primary endpoint and family."""
+    import shlex
+
+    from sao.core.config import apply_threads
+    from sao.experiment import confirm
+
+    plan = confirm.read_plan(args.plan)
+    apply_threads(plan.config)
+    print(
+        f"sao confirm: {plan.path.name} (sha256 {plan.sha256[:12]}): primary {plan.primary['comparison']} at "
+        f"{plan.primary['cell']} (expect {plan.primary['expect']}); {len(plan.family)} comparisons, "
+        f"{plan.correction} at alpha {plan.alpha:g}; {len(plan.grid.cells())} cell(s) x arms "
+        f"{' '.join(plan.grid.arms)} x {len(plan.seeds)} fresh seeds ({plan.seeds[0]}..{plan.seeds[-1]})"
+    )
+    command = "sao " + shlex.join(a for a in args.argv if a != "--resume")
+    results = confirm.run(args.plan, args.out, resume=args.resume, progress=not args.quiet, command=command)
+    block = results["confirmation"]
+    for row in block["family"]:
+        interval = f"[{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]"
+        print(f"  {row['cell']} {row['comparison']}: delta {row['delta']:+.4f} {interval}, p {row['p_value']:.3g}, "
+              f"Holm {row['p_holm']:.3g}: {row['verdict']}")  # fmt: skip
+    print(f"  primary: {block['outcome']} ({results['reason']})")
+    for message in [*results["warnings"], *results["provenance"]["warnings"]]:
+        print("  warning: " + message)
+    print(f"  report: {Path(args.out) / 'report.md'}")
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from sao.experiment import report
 
@@ -310,6 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p, skip=("arm", "lag", "lr", "band"))
     p.set_defaults(func=_sweep)
 
+    p = sub.add_parser("confirm", help="run a confirmation planned in a YAML/JSON file (fresh seeds, Holm)")
+    p.add_argument("plan", help="the plan: primary endpoint, family, arms, fresh seeds, exploratory runs cited")
+    p.add_argument("--out", required=True, help="output folder (results.json with the plan, report.md, plots/)")
+    p.add_argument("--resume", action="store_true", help="continue the confirmation in --out where it stopped")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_confirm)
+
     p = sub.add_parser("report", help="rebuild report.md and plots/ from an experiment folder's JSON files")
     p.add_argument("dir", help="the experiment folder (holds results.json and train_log.json)")
     p.set_defaults(func=_report)
@@ -344,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except SaoError as error:
-        print(f"sao {args.command}: error: {error}", file=sys.stderr)
+        # A write that failed for lack of space says to rerun with --resume only where the command has one.
+        message = error.message(resumable=hasattr(args, "resume")) if hasattr(error, "message") else str(error)
+        print(f"sao {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"sao {args.command}: interrupted", file=sys.stderr)

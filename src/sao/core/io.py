@@ -1,15 +1,27 @@
-"""Writing files so that a crash never leaves a half-written one: write beside, fsync, rename.
+"""Writing files so that a crash never leaves a half-written one: write beside, fsync, rename; and reading
+back the files sao wrote, so that a damaged one is a one-line error naming it rather than a traceback.
 
 JSON is written with NaN and ±inf as ``null`` (JSON has no such numbers; a reader should not choke on a
 log because one step's explained variance was undefined).
+
+A failed write says what to do about its cause: a full disk (free space, then rerun: with ``--resume`` where
+the command has one, see ``OutputError.message``) is not a bad path (a file where a folder should be, a
+device such as ``/dev/null``, a folder where a file should be, a read-only or virtual file system such as
+``/proc``: choose another output path). Only regular files are ever replaced: a target that exists and is a
+folder, a device or a pipe is refused before anything is written.
+
+Deliberately left out: deciding what a damaged file means for a run (``sao.train.checkpoint`` and the
+experiment runner do: regenerate it when that is exact, otherwise say which file and what to do).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,7 +32,27 @@ from sao.core.errors import SaoError
 
 
 class OutputError(SaoError, OSError):
-    """A result file could not be written (disk full, read-only folder, ...)."""
+    """A result file could not be written. ``problem`` says which file and why; ``space`` is True when the cause
+    is room on the disk (free some and run again) rather than the path (choose another)."""
+
+    def __init__(self, problem: str, *, space: bool = False) -> None:
+        self.problem, self.space = problem, space
+        super().__init__(self.message(resumable=True))
+
+    def message(self, resumable: bool) -> str:
+        """The one line for a user; ``resumable``: the command has ``--resume`` (train, recipe, sweep)."""
+        if not self.space:
+            return self.problem
+        again = "then rerun with --resume" if resumable else "then run the same command again"
+        return f"{self.problem}; the files already there are complete — free space, {again}"
+
+
+class DamagedFileError(SaoError, ValueError):
+    """A file sao wrote earlier cannot be read back (truncated, edited by hand, or not sao's)."""
+
+
+# Errors whose cause is room on the disk: the same command succeeds once there is space.
+_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 def clean(value: Any) -> Any:
@@ -38,11 +70,82 @@ def clean(value: Any) -> Any:
     return value
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write to a temporary file beside ``path``, fsync, then rename over it. On any failure the temporary
-    file is removed and ``path`` keeps its previous complete content; an OS error (disk full, permission
-    denied) becomes an ``OutputError`` with one line a user can act on."""
+def _kind_of(path: Path) -> str | None:
+    """What ``path`` is when it exists and is not a regular file ("a folder", "a device", ...), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a pipe, socket or other special file"
+
+
+def _first_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists."""
+    for candidate in (path, *path.parents):
+        if os.path.lexists(candidate):
+            return candidate
+    return Path(path.anchor or ".")
+
+
+def output_problem(path: Path, error: OSError) -> OutputError:
+    """The OutputError for ``error`` raised while writing ``path``: what is wrong, and what to do about it."""
+    reason = error.strerror or str(error)
+    where = f"could not write {path}: {reason}"
+    if error.errno in _SPACE_ERRNOS:
+        return OutputError(where, space=True)
+    if error.errno in (errno.ENOTDIR, errno.EEXIST):  # some folder on the way is a file (or a device)
+        blocker = next((p for p in path.parents if os.path.lexists(p) and not os.path.isdir(p)), None)
+        if blocker is not None:
+            return OutputError(f"{where}: {blocker} is {_kind_of(blocker) or 'a file'}, not a folder; "
+                               "choose another output path")  # fmt: skip
+    if error.errno == errno.EISDIR:
+        return OutputError(f"{where}: it is a folder; name a file instead")
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return OutputError(f"{where}; choose an output path you can write to (or change the folder's permissions)")
+    if error.errno == errno.EROFS:
+        return OutputError(f"{where}; the file system is read-only: choose another output path")
+    return OutputError(f"{where}; {_first_existing(path.parent)} cannot hold sao's files: choose an output path on "
+                       "an ordinary, writable disk")  # fmt: skip
+
+
+def check_output_path(path: str | os.PathLike[str], *, folder: bool) -> None:
+    """Before any work: an OutputError when ``path`` can never be the output folder (``folder``) or file it is
+    meant to be, because it, or a folder above it, exists and is something else (a file where a folder should
+    be, ``/dev/null``, a folder where a file should be). What only a write can tell (a full disk, a file system
+    that refuses files, as ``/proc`` does) is left to the write."""
     path = Path(path)
+    above = next((p for p in path.parents if os.path.lexists(p)), None)
+    if above is not None and not os.path.isdir(above):
+        raise OutputError(f"cannot write {path}: {above} is {_kind_of(above) or 'a file'}, not a folder; "
+                          "choose another output path")  # fmt: skip
+    if not os.path.lexists(path):
+        return
+    kind = _kind_of(path) or "a file"
+    if folder and kind != "a folder":
+        raise OutputError(f"cannot write into {path}: it is {kind}, not a folder; choose another output folder")
+    if not folder and kind != "a file":
+        hint = "name a file instead" if kind == "a folder" else "choose an ordinary file as the output"
+        raise OutputError(f"cannot write {path}: it is {kind}, not a file; {hint}")
+
+
+def _atomic_write(path: Path, write, durable: bool = True) -> None:
+    """Write to a temporary file beside ``path``, fsync (unless not ``durable``), then rename over it. On any
+    failure the temporary file is removed and ``path`` keeps its previous complete content; an OS error (disk
+    full, a bad path) becomes an ``OutputError`` with one line a user can act on. A ``path`` that exists and
+    is not a regular file (a folder, ``/dev/null``, a pipe) is refused: renaming over it would replace it.
+
+    Without the fsync a crash of the process still leaves either file whole (the rename is atomic); only a
+    crash of the machine can leave the new name with no data, which is why only files that can be rebuilt
+    from a durable one are written that way (the per-step log, from the checkpoint)."""
+    path = Path(path)
+    kind = _kind_of(path)
+    if kind is not None:
+        hint = "name a file instead" if kind == "a folder" else "choose an ordinary file as the output"
+        raise OutputError(f"could not write {path}: it is {kind}, not a file; {hint}")
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -50,24 +153,23 @@ def _atomic_write(path: Path, write) -> None:
         with os.fdopen(fd, "wb") as handle:
             write(handle)
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException as error:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        if isinstance(error, OSError):
-            raise OutputError(
-                f"could not write {path}: {error.strerror or error}; the files already there are complete — "
-                "free space or fix permissions, then rerun with --resume"
-            ) from error
+        if isinstance(error, OSError) and not isinstance(error, OutputError):
+            raise output_problem(path, error) from error
         raise
 
 
-def write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    """Atomically write ``obj`` as indented JSON (NaN/inf → null)."""
+def write_json(path: str | os.PathLike[str], obj: Any, *, durable: bool = True) -> None:
+    """Atomically write ``obj`` as indented JSON (NaN/inf → null). ``durable`` False skips the fsync: only for
+    a file that can be rebuilt from a durable one (see ``_atomic_write``)."""
     data = json.dumps(clean(obj), indent=1, allow_nan=False).encode() + b"\n"
-    _atomic_write(Path(path), lambda handle: handle.write(data))
+    _atomic_write(Path(path), lambda handle: handle.write(data), durable)
 
 
 def as_json(obj: Any) -> Any:
@@ -79,6 +181,26 @@ def as_json(obj: Any) -> Any:
 def read_json(path: str | os.PathLike[str]) -> Any:
     with open(path, encoding="utf-8") as handle:
         return json.load(handle)
+
+
+def read_saved_json(path: str | os.PathLike[str], fix: str, expect: type = object) -> Any:
+    """A JSON file sao wrote, read back; missing, unreadable, not JSON or not of type ``expect``, it is a
+    ``DamagedFileError``: "<path> is damaged (<why>); <fix>"."""
+    try:
+        value = read_json(path)
+    except FileNotFoundError:
+        raise DamagedFileError(f"{path} is missing; {fix}") from None
+    except json.JSONDecodeError as error:
+        why = f"not valid JSON: {error.msg} at line {error.lineno}"
+        raise DamagedFileError(f"{path} is damaged ({why}); {fix}") from None
+    except UnicodeDecodeError:
+        raise DamagedFileError(f"{path} is damaged (not UTF-8 text); {fix}") from None
+    except OSError as error:
+        raise DamagedFileError(f"{path} cannot be read ({error.strerror or error}); {fix}") from None
+    if not isinstance(value, expect):
+        found = {dict: "object", list: "list", str: "string"}.get(type(value), "number, boolean or null")
+        raise DamagedFileError(f"{path} is damaged (it holds a JSON {found}, not what sao writes there); {fix}")
+    return value
 
 
 def save_torch(path: str | os.PathLike[str], obj: Any) -> None:

@@ -3,24 +3,30 @@
 SPEC §4, in symbols. Per task j a model's score s_j is its mean correctness over the task's samples.
 
 * One training run per arm (scores ``[tasks]``): the task is the unit. d_j = after_j − before_j,
-  delta = mean(d), interval = delta ± t(0.975, n−1) · sd(d) / √n over the n tasks.
+  delta = mean(d), interval = delta ± t(0.975, n−1) · sd(d) / √n over the n tasks. That interval holds the
+  eval's noise, not training's: it compares *two trained models*, not the procedure that trained them.
 * Several training seeds per arm (scores ``[seeds, tasks]``): the seed is the unit. Each seed's pass@1
   is its mean over tasks. With the same number of seeds on both sides the seeds are paired by index
   (seed s of one arm shares prompts and sampler seeds with seed s of the other) and the interval is a
   paired t over seeds with S−1 df. With unequal counts it is Welch's two-sample t over seed means; a side
-  with a single run counts as a fixed reference (variance 0).
+  given as ``before_fixed`` (the untrained base: one fixed model, no training to repeat) is a fixed
+  reference (variance 0).
+* p-value: the two-sided t test of delta = 0 that goes with the interval (same t, same df), for
+  corrections across a planned family of comparisons (``holm``).
 * Noise floor from R repeated evals of one model: floor = t(0.975, R−1) · √2 · run_std, where run_std is
   the sample sd of the R pass@1 values (the page's 0.132 = 4.303 · 1.414 · 0.0217).
-* Verdict: ``improved`` / ``regressed`` only when the interval excludes 0 *and* |delta| exceeds the
-  floor; ``flat`` only with ≥ 2 seeds per arm and the whole interval inside ± floor; otherwise
-  ``unresolved``, and ``reason`` says why in words.
+* Verdict about a training procedure: ``improved`` / ``regressed`` only with ≥ 2 training seeds on every
+  trained side, when the interval excludes 0 *and* |delta| exceeds the floor; ``flat`` only with ≥ 2 seeds
+  per arm and the whole interval inside ± floor; otherwise ``unresolved``, and ``reason`` says why in words.
+  With one seed the per-task interval is still reported, and ``about`` says it compares two trained models.
 
 An optional proxy (e.g. training reward before and after) is reported beside the target; a proxy that
 rises while the target falls — its whole interval below zero, not a noise-level dip — is flagged, because
 that is what over-optimising a proxy looks like.
 
-Left out on purpose: multiple-comparison corrections across many cells (a sweep reports each cell's
-interval and says so) and bootstrap intervals (the t interval over tasks is what the page used).
+``holm`` adjusts the p-values of a family of comparisons planned in advance (``sao confirm``). Left out on
+purpose: corrections applied after the fact to an exploratory grid (a sweep reports each cell's interval and
+says so) and bootstrap intervals (the t interval is what the page used).
 """
 
 from __future__ import annotations
@@ -30,11 +36,18 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy import stats as sps
 
 from sao.core.errors import ConfigError
 
 ArrayLike = Sequence[float] | Sequence[Sequence[float]] | np.ndarray
+
+
+def _student_t():
+    """scipy's Student t distribution, imported on first use: scipy.stats takes seconds to import on a busy
+    machine, and only the statistics need it (``import sao``, ``sao train`` and ``sao --help`` do not)."""
+    from scipy import stats
+
+    return stats.t
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,8 @@ class Comparison:
     reason: str
     unit: str  # "task" or "seed": what the interval is over
     n: int  # number of units
+    p_value: float  # two-sided t test of delta = 0, the same t and df as the interval
+    about: str  # what the interval is about: "training procedure" or "two trained models"
     before_mean: float
     after_mean: float
     proxy_delta: float | None = None
@@ -65,7 +80,7 @@ def noise_floor(run_std: float, runs: int) -> float:
         raise ConfigError(f"run_std_runs must be >= 2 to estimate a noise floor, got {runs}")
     if not (math.isfinite(run_std) and run_std >= 0):
         raise ConfigError(f"run_std must be a finite number >= 0, got {run_std}")
-    return float(sps.t.ppf(0.975, runs - 1) * math.sqrt(2.0) * run_std)
+    return float(_student_t().ppf(0.975, runs - 1) * math.sqrt(2.0) * run_std)
 
 
 def run_std_of(pass_at_1: Sequence[float]) -> tuple[float, int]:
@@ -83,13 +98,19 @@ def compare(
     run_std: float | None = None,
     run_std_runs: int | None = None,
     proxy: tuple[ArrayLike | float, ArrayLike | float] | None = None,
+    before_fixed: bool = False,
 ) -> Comparison:
     """Compare ``after`` against ``before`` on the same tasks (SPEC §4).
 
-    ``before`` / ``after``: per-task scores, ``[tasks]`` or ``[seeds, tasks]``; the task axis must match.
-    ``run_std`` / ``run_std_runs``: sd of R repeated pass@1 evals of one model, and R; without them there
-    is no noise floor, so the verdict can be ``improved``/``regressed`` on the interval alone but never
-    ``flat``. ``proxy``: (before, after) values of a proxy metric, scalars or arrays (their means are used).
+    ``before`` / ``after``: per-task scores, ``[tasks]`` or ``[seeds, tasks]`` (one row per training seed);
+    the task axis must match. ``run_std`` / ``run_std_runs``: sd of R repeated pass@1 evals of one model, and
+    R; without them there is no noise floor, so the verdict can be ``improved``/``regressed`` on the interval
+    alone but never ``flat``. ``proxy``: (before, after) values of a proxy metric, scalars or arrays (their
+    means are used). ``before_fixed``: ``before`` is one fixed model (the untrained base), not a training
+    procedure, so its single row is a reference rather than a seed; only ``after`` then needs seeds.
+
+    With one training seed on a trained side the verdict is ``unresolved`` whatever the interval says: the
+    per-task interval is reported (``unit`` "task", ``about`` "two trained models") but holds no training noise.
     """
     b = _as_runs(before, "before")
     a = _as_runs(after, "after")
@@ -101,20 +122,23 @@ def compare(
             raise ConfigError("run_std and run_std_runs go together: pass both or neither")
         floor = noise_floor(run_std, run_std_runs)
 
-    seeds = max(b.shape[0], a.shape[0])
-    if seeds == 1:
-        d = a[0] - b[0]
-        delta, half, n = _t_interval(d)
+    if before_fixed and b.shape[0] != 1:
+        raise ConfigError(f"before_fixed: before must be one model's per-task scores, got {b.shape[0]} rows")
+    if max(b.shape[0], a.shape[0]) == 1:
+        delta, half, n, p = _t_interval(a[0] - b[0])
         unit = "task"
     elif b.shape[0] == a.shape[0]:
-        d = a.mean(axis=1) - b.mean(axis=1)
-        delta, half, n = _t_interval(d)
+        delta, half, n, p = _t_interval(a.mean(axis=1) - b.mean(axis=1))
         unit = "seed"
     else:
-        delta, half, n = _welch(b.mean(axis=1), a.mean(axis=1))
+        delta, half, n, p = _welch(b.mean(axis=1), a.mean(axis=1))
         unit = "seed"
+    seeds = a.shape[0] if before_fixed else min(b.shape[0], a.shape[0])  # seeds on the trained side(s)
+    about = "training procedure" if seeds >= 2 else "two trained models"
+    if before_fixed and seeds < 2:
+        about = "the base and one trained model"
     lo, hi = delta - half, delta + half
-    verdict, reason = _verdict(delta, lo, hi, floor, min(b.shape[0], a.shape[0]), unit, n)
+    verdict, reason = _verdict(delta, lo, hi, floor, seeds, unit, n, about)
 
     proxy_delta, diverges = None, False
     if proxy is not None:
@@ -135,6 +159,8 @@ def compare(
         reason=reason,
         unit=unit,
         n=int(n),
+        p_value=float(p),
+        about=about,
         before_mean=float(b.mean()),
         after_mean=float(a.mean()),
         proxy_delta=proxy_delta,
@@ -153,31 +179,65 @@ def _as_runs(x: ArrayLike, name: str) -> np.ndarray:
     return arr
 
 
-def _t_interval(d: np.ndarray) -> tuple[float, float, int]:
-    """(mean, half-width of the 95% t interval, n) of paired differences."""
+def _t_interval(d: np.ndarray) -> tuple[float, float, int, float]:
+    """(mean, half-width of the 95% t interval, n, two-sided p of mean = 0) of paired differences."""
     n = d.size
     if n < 2:
         raise ConfigError(f"need at least 2 paired units for an interval, got {n}")
-    half = sps.t.ppf(0.975, n - 1) * d.std(ddof=1) / math.sqrt(n)
-    return float(d.mean()), float(half), n
+    se = d.std(ddof=1) / math.sqrt(n)
+    half = _student_t().ppf(0.975, n - 1) * se
+    return float(d.mean()), float(half), n, _p_value(float(d.mean()), se, n - 1)
 
 
-def _welch(b: np.ndarray, a: np.ndarray) -> tuple[float, float, int]:
-    """Welch's interval for mean(a) − mean(b); a side with one run is a fixed reference (variance 0)."""
+def _welch(b: np.ndarray, a: np.ndarray) -> tuple[float, float, int, float]:
+    """Welch's interval (and p) for mean(a) − mean(b); a side with one run is a fixed reference (variance 0)."""
     vb = b.var(ddof=1) / b.size if b.size > 1 else 0.0
     va = a.var(ddof=1) / a.size if a.size > 1 else 0.0
     se2 = va + vb
     terms = [v**2 / (x.size - 1) for v, x in ((va, a), (vb, b)) if x.size > 1]
     df = se2**2 / sum(terms) if se2 > 0 and terms else max(a.size, b.size) - 1
-    half = sps.t.ppf(0.975, df) * math.sqrt(se2)
-    return float(a.mean() - b.mean()), float(half), int(max(a.size, b.size))
+    half = _student_t().ppf(0.975, df) * math.sqrt(se2)
+    delta = float(a.mean() - b.mean())
+    return delta, float(half), int(max(a.size, b.size)), _p_value(delta, math.sqrt(se2), df)
 
 
-def _verdict(delta: float, lo: float, hi: float, floor: float | None, seeds: int, unit: str, n: int) -> tuple[str, str]:
+def _p_value(delta: float, se: float, df: float) -> float:
+    """Two-sided p of the t statistic delta / se; a zero standard error gives 0 (a delta) or 1 (none)."""
+    if se == 0:
+        return 0.0 if delta != 0 else 1.0
+    return float(2 * _student_t().sf(abs(delta) / se, df))
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of a family of m p-values, in the order given: sort ascending, multiply the
+    k-th smallest by (m − k + 1), carry the running maximum, cap at 1. Rejecting where the adjusted p < alpha
+    keeps the chance of any false rejection in the family at most alpha, whatever the dependence."""
+    m = len(p_values)
+    for p in p_values:
+        if not (isinstance(p, (int, float)) and math.isfinite(p) and 0.0 <= p <= 1.0):
+            raise ConfigError(f"holm needs p-values in [0, 1], got {p!r}")
+    adjusted, running = [0.0] * m, 0.0
+    for k, i in enumerate(sorted(range(m), key=lambda i: p_values[i])):
+        running = max(running, min(1.0, (m - k) * float(p_values[i])))
+        adjusted[i] = running
+    return adjusted
+
+
+def _verdict(
+    delta: float, lo: float, hi: float, floor: float | None, seeds: int, unit: str, n: int, about: str
+) -> tuple[str, str]:
     span = f"delta {delta:+.3f}, 95% interval [{lo:+.3f}, {hi:+.3f}] over {n} {unit}s"
     floor_txt = "no noise floor given" if floor is None else f"noise floor {floor:.3f}"
     excludes_zero = lo > 0 or hi < 0
     above_floor = floor is None or abs(delta) > floor
+    if seeds < 2:
+        why = (
+            f"unresolved: with one training seed this compares {about}, not the training procedure: {span} "
+            "holds the eval's noise, not training's"
+        )
+        if excludes_zero and above_floor:
+            why += " (it separates those two models, which a second seed could reverse)"
+        return "unresolved", why + "; pass --train-runs 2 or more to judge the procedure."
     if excludes_zero and above_floor:
         word = "improved" if delta > 0 else "regressed"
         return word, f"{word}: {span} excludes 0 and |delta| exceeds the {floor_txt}."
@@ -186,9 +246,7 @@ def _verdict(delta: float, lo: float, hi: float, floor: float | None, seeds: int
     if excludes_zero:
         return "unresolved", f"unresolved: {span} excludes 0, but |delta| is within the {floor_txt}."
     why = f"unresolved: {span} covers 0"
-    if seeds < 2:
-        why += "; with one training seed per arm it cannot be called flat (pass --train-runs 2 or more)"
-    elif floor is None:
+    if floor is None:
         why += "; without a noise floor it cannot be called flat"
     else:
         why += f" and reaches beyond ± the {floor_txt}; more seeds or tasks would narrow it"

@@ -5,9 +5,18 @@ A recipe is the one-cell grid (its lag, lr and band; rules dis and none): the sa
 
     for cell in grid, for seed s in seed .. seed + S − 1, for arm in arms:   arms share prompts, order,
         train (critic warmup + policy steps)  → cells/<cell>/runs/<arm>-s<seed>/     sampler and eval seeds
+          (--eval-every K: eval every K steps → cells/<cell>/evals/<arm>-s<seed>-step<k>.json)
         eval the trained policy               → cells/<cell>/evals/<arm>-s<seed>.json
     eval the untrained base R times           → evals/base-<i>.json                  (the noise floor)
+      (--eval-every: and once per seed        → evals/start-s<seed>.json             (step 0 of the curves))
     compare every rule with none per cell     → results.json, train_log.json, report.md, plots/
+
+The seeds are seed, seed + 1, ... or, for a planned confirmation, the fresh seeds its plan names. The
+``random`` arm (a random token mask, a control) drops the share of tokens the ``dis`` arm of the same cell
+and seed masked, unless --random-mask-share fixes it: dis trains first, and the two differ in which tokens
+are dropped, not in how many. Every piece records the provenance of the invocation that made it (model,
+tokenizer and data hashes, machine, code: ``provenance.json`` in its run folder; ``base-evals.provenance.json``
+for the base evals); results.json holds this invocation's, and a warning names pieces whose hashes differ.
 
 Training comes first so that the reachability warning (a band that masks almost nothing) fires in the
 first minutes, before the evals are paid for. Each finished piece is a file; ``--resume`` skips finished
@@ -15,32 +24,43 @@ pieces and continues a training run from its last completed step, so a killed ex
 same numbers as one that never stopped. The config's lag, lr, band and arm are set to the grid's first
 cell, so an experiment folder records one config that replays it (``experiment.json``).
 
+Files read back are checked: a damaged ``experiment.json``, eval file or run checkpoint is a one-line error
+naming it and what to do (delete the piece and rerun with ``--resume``: it is made again, with the same
+numbers), and nothing is overwritten; a run's damaged ``train_log.json`` is rebuilt from its checkpoint,
+which holds the same records.
+
 Deliberately left out: choosing hyperparameters, and statistics beyond ``sao.core.stats.compare``.
 """
 
 from __future__ import annotations
 
 import gc
+import json
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from sao.core import provenance as prov
 from sao.core.config import Config
 from sao.core.errors import ConfigError
-from sao.core.io import read_json, write_json
+from sao.core.io import DamagedFileError, check_output_path, clean, read_saved_json, write_json
 from sao.experiment import report, results
 from sao.experiment.evaluate import EvalResult, evaluate
 from sao.model.policy import POLICY_ADAPTER, eos_ids, load_base, pick_device
 from sao.rollout.sampler import derived_seed
-from sao.rollout.source import make_decoder
+from sao.rollout.source import POLICY, make_decoder
 from sao.tasks import DataSplit, instruction_for, load_reward, load_split, model_path
 from sao.tasks.envs import episodes_for
 from sao.train import checkpoint
 from sao.train.trainer import Trainer
 
 MARKER = "experiment.json"
+PROVENANCE = "provenance.json"  # in each run folder: the provenance of every invocation that made or continued it
+BASE_PROVENANCE = "base-evals.provenance.json"  # the same for the untrained model's evals (evals/)
+BASE_REDO = "delete it and rerun with --resume to make that eval again"
 
 
 @dataclass(frozen=True)
@@ -83,6 +103,22 @@ def run_label(arm: str, seed: int) -> str:
     return f"{arm}-s{seed}"
 
 
+def read_eval(path: Path, fix: str) -> EvalResult:
+    """An eval file written by ``pass_at_1``'s caller, read back and checked; a damaged one is a DamagedFileError
+    ending in ``fix``."""
+    data = read_saved_json(path, fix, expect=dict)
+    try:
+        result = EvalResult.from_dict(data)
+    except TypeError as error:  # a field missing or unknown
+        raise DamagedFileError(f"{path} is damaged (not an eval sao wrote: {error}); {fix}") from None
+    scores = [result.pass_at_1, *result.per_task] if isinstance(result.per_task, list) else [None]
+    aligned = isinstance(result.task_ids, list) and len(result.task_ids) == len(scores) - 1
+    if not (aligned and all(isinstance(x, int | float) and not isinstance(x, bool) for x in scores)):
+        why = "its pass_at_1, per_task or task_ids are not what sao writes"
+        raise DamagedFileError(f"{path} is damaged ({why}); {fix}")
+    return result
+
+
 def pass_at_1(
     config: Config, model, tokenizer, tasks: list, instruction: str, seed: int, label: str, progress: bool
 ) -> EvalResult:
@@ -96,7 +132,7 @@ def pass_at_1(
         decoder, tokenizer, tasks, instruction=instruction, samples=config.eval_samples,
         temperature=config.eval_temperature, max_new_tokens=config.eval_max_new_tokens, batch=config.eval_batch,
         seed=seed, eos_token_ids=eos_ids(tokenizer, model), label=label, progress=progress, episodes=episodes,
-        score=score,
+        score=score, truncated_reward=config.truncated_reward,
     )  # fmt: skip
 
 
@@ -113,33 +149,114 @@ class Experiment:
         resume: bool = False,
         progress: bool = True,
         command: str | None = None,
+        seeds: list[int] | None = None,
+        record: dict[str, Any] | None = None,
     ):
+        """``seeds``: the training seeds (default seed, seed + 1, ... for train_runs); ``record``: further settings
+        the experiment is started with (a confirmation's plan hash), kept in experiment.json and checked on
+        --resume like the rest."""
+        if "random" in grid.arms and config.random_mask_share is None:
+            arms = list(grid.arms)
+            if "dis" not in arms or arms.index("dis") > arms.index("random"):
+                raise ConfigError("the random arm masks the share the dis arm masked: list dis before random in "
+                                  "--arms, or give --random-mask-share")  # fmt: skip
         first = grid.cells()[0]
         self.config = config.replace(lag=first["lag"], lr=first["lr"], band=first["band"], arm=grid.arms[0])
         self.grid, self.command, self.progress = grid, command, progress
         self.out = Path(out_dir)
         self.settings = {"config": self.config.to_dict(), "grid": asdict(grid)}
+        if seeds is not None:  # a planned confirmation names its fresh seeds; else seed, seed + 1, ...
+            if not seeds or len(set(seeds)) != len(seeds):
+                raise ConfigError(f"the training seeds must be distinct and at least one, got {seeds}")
+            self.settings["seeds"] = [int(s) for s in seeds]
+        self.settings.update(record or {})
         for cell in grid.cells():  # every cell's settings are valid before anything runs
             for arm in grid.arms:
                 self._run_config(cell, arm, self.config.seed)
         self._claim(resume)
         self.split: DataSplit = load_split(self.config)
         self.instruction = instruction_for(self.config)
-        self.seeds = [self.config.seed + s for s in range(self.config.train_runs)]
+        self.seeds = self.settings.get("seeds") or [self.config.seed + s for s in range(self.config.train_runs)]
+        self._provenance: dict[str, Any] | None = None  # this invocation's, taken when first needed
+        if resume:
+            self._check_finished()
+
+    def _check_finished(self) -> None:
+        """--resume: every finished piece is read back before anything runs, so that a damaged one is reported
+        now rather than after the training that comes before it."""
+        for cell in self.grid.cells():
+            for seed in self.seeds:
+                for arm in self.grid.arms:
+                    run_dir, eval_file, redo = self._paths(cell, arm, seed)
+                    if eval_file.exists():
+                        self._finished(cell, arm, seed)
+                        checkpoint.load(run_dir, redo)
+        for path in self._base_paths():
+            if path.exists():
+                read_eval(path, BASE_REDO)
+
+    def _paths(self, cell: dict[str, Any], arm: str, seed: int) -> tuple[Path, Path, str]:
+        """(run folder, eval file, what to do when either is damaged) of one run."""
+        folder, label = self.out / "cells" / cell["name"], run_label(arm, seed)
+        run_dir, eval_file = folder / "runs" / label, folder / "evals" / f"{label}.json"
+        return run_dir, eval_file, f"delete {run_dir} and {eval_file}, then rerun with --resume to make them again"
+
+    def _finished(self, cell: dict[str, Any], arm: str, seed: int) -> tuple[EvalResult, list[dict]]:
+        """A finished run's eval and log, read back."""
+        run_dir, eval_file, redo = self._paths(cell, arm, seed)
+        fix = f"delete it and rerun with --resume to evaluate {run_label(arm, seed)} again"
+        return read_eval(eval_file, fix), checkpoint.read_log(run_dir, redo)
+
+    def _base_paths(self) -> list[Path]:
+        return [self.out / "evals" / f"base-{i}.json" for i in range(self.config.base_evals)]
 
     def _claim(self, resume: bool) -> None:
         """A folder with an experiment needs --resume and the same settings; one with other files is not ours."""
         marker = self.out / MARKER
+        check_output_path(self.out, folder=True)
         if marker.exists():
             if not resume:
                 raise ConfigError(f"output folder {self.out} already holds an experiment; pass --resume or a new --out")
-            if not checkpoint.same_settings(read_json(marker), self.settings):
+            fix = "it records the settings the experiment was started with: restore it, or start again with a new --out"
+            if not checkpoint.same_settings(read_saved_json(marker, fix, expect=dict), self.settings):
                 raise ConfigError(f"--resume: the experiment in {self.out} was started with other settings")
+        elif resume:
+            what = "does not exist"
+            if self.out.exists():
+                what = "holds no experiment" if any(self.out.iterdir()) else "is empty"
+            raise ConfigError(f"--resume: {self.out} {what}; check --out, or leave out --resume to start a new one")
         elif self.out.exists() and any(self.out.iterdir()):
             raise ConfigError(f"output folder {self.out} is not empty and holds no sao experiment; choose a new --out")
 
-    def _run_config(self, cell: dict[str, Any], arm: str, seed: int) -> Config:
-        return self.config.replace(lag=cell["lag"], lr=cell["lr"], band=cell["band"], arm=arm, seed=seed)
+    def _run_config(self, cell: dict[str, Any], arm: str, seed: int, share: float | None = None) -> Config:
+        """One run's settings. The random arm without a share of its own masks ``share``: the dis arm's, measured
+        in the same cell and seed (0 while settings are only being checked)."""
+        changes: dict[str, Any] = {"lag": cell["lag"], "lr": cell["lr"], "band": cell["band"], "arm": arm, "seed": seed}
+        if arm == "random" and self.config.random_mask_share is None:
+            changes["random_mask_share"] = share or 0.0
+        return self.config.replace(**changes)
+
+    def _dis_share(self, cell: dict[str, Any], seed: int) -> float:
+        """The mean masked share of the dis run of this cell and seed over its policy steps (trained before the
+        random arm: the arms run in grid order, dis first)."""
+        run_dir, _, redo = self._paths(cell, "dis", seed)
+        shares = [r["masked_share"] for r in checkpoint.read_log(run_dir, redo)
+                  if r["phase"] == POLICY and r.get("masked_share") is not None]  # fmt: skip
+        return statistics.fmean(shares) if shares else 0.0
+
+    @property
+    def provenance(self) -> dict[str, Any]:
+        """This invocation's provenance (model, tokenizer and data hashes, machine, code), taken once."""
+        if self._provenance is None:
+            self._provenance = prov.collect(model_path(self.config), self.split.train, self.split.test,
+                                            self.split.source, name=self.config.model)  # fmt: skip
+        return self._provenance
+
+    def _record_provenance(self, path: Path) -> None:
+        """Add this invocation's provenance to the list in ``path`` (a piece made or continued by it)."""
+        blocks = read_saved_json(path, "delete it", expect=list) if path.exists() else []
+        if not blocks or blocks[-1] != json.loads(json.dumps(clean(self.provenance))):
+            write_json(path, [*blocks, self.provenance])
 
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
@@ -165,14 +282,16 @@ class Experiment:
     def _train_and_eval(self, cell: dict[str, Any], arm: str, seed: int) -> tuple[int, EvalResult, list[dict]]:
         """Train one run (resuming a partial one) and eval it; a finished eval file is read back instead."""
         label = run_label(arm, seed)
-        folder = self.out / "cells" / cell["name"]
-        run_dir, eval_file = folder / "runs" / label, folder / "evals" / f"{label}.json"
+        run_dir, eval_file, _ = self._paths(cell, arm, seed)
         if not eval_file.exists():
-            config = self._run_config(cell, arm, seed)
-            trainer = Trainer(config, run_dir, split=self.split, resume=run_dir.exists(), progress=self.progress,
+            share = self._dis_share(cell, seed) if arm == "random" and self.config.random_mask_share is None else None
+            config = self._run_config(cell, arm, seed, share)
+            resume = (run_dir / checkpoint.CONFIG_FILE).exists()  # else a new run (a killed first write aside)
+            trainer = Trainer(config, run_dir, split=self.split, resume=resume, progress=self.progress,
                               label=f"{cell['name']} {label}" if len(self.grid.cells()) > 1 else label)  # fmt: skip
+            self._record_provenance(run_dir / PROVENANCE)
             try:
-                trainer.run(close_tracker=False)
+                trainer.run(close_tracker=False, after_step=self._eval_every(trainer, config, cell, label, seed))
                 m = trainer.models
                 result = pass_at_1(config, m.policy, m.tokenizer, self.split.test, self.instruction,
                                    derived_seed(seed, "eval"), label, self.progress)  # fmt: skip
@@ -182,29 +301,96 @@ class Experiment:
             write_json(eval_file, result.to_dict())
             del trainer, m
             gc.collect()
-        return seed, EvalResult.from_dict(read_json(eval_file)), read_json(run_dir / checkpoint.LOG_FILE)
+        return seed, *self._finished(cell, arm, seed)
+
+    def _eval_every(self, trainer: Trainer, config: Config, cell: dict[str, Any], label: str, seed: int):
+        """With ``eval_every`` K: the ``after_step`` that evaluates the policy after every K-th policy step (the
+        last one is the final eval), with the final eval's sampling seed, so the points of a curve differ by the
+        training between them and not by the draw."""
+        if not config.eval_every:
+            return None
+        warmup, every, steps = trainer.sao.critic_warmup, config.eval_every, config.steps
+
+        def after_step(g: int) -> None:
+            k = g + 1 - warmup  # policy steps taken
+            path = self._step_eval_path(cell, label, k)
+            if 0 < k < steps and k % every == 0 and not path.exists():
+                m = trainer.models
+                result = pass_at_1(config, m.policy, m.tokenizer, self.split.test, self.instruction,
+                                   derived_seed(seed, "eval"), f"{label} step {k}", self.progress)  # fmt: skip
+                write_json(path, result.to_dict())
+
+        return after_step
+
+    def _step_eval_path(self, cell: dict[str, Any], label: str, k: int) -> Path:
+        return self.out / "cells" / cell["name"] / "evals" / f"{label}-step{k}.json"
+
+    def _start_path(self, seed: int) -> Path:
+        return self.out / "evals" / f"start-s{seed}.json"
 
     def _base_evals(self) -> list[EvalResult]:
-        """The untrained base evaluated ``base_evals`` times with different sampling seeds (the noise floor)."""
-        paths = [self.out / "evals" / f"base-{i}.json" for i in range(self.config.base_evals)]
-        todo = [i for i, path in enumerate(paths) if not path.exists()]
+        """The untrained base evaluated ``base_evals`` times with different sampling seeds (the noise floor); with
+        ``eval_every``, also once per training seed with that seed's eval seed: step 0 of every arm's curve (an
+        adapter at its initialisation adds exactly 0, so the untrained policy is the base)."""
+        paths = self._base_paths()
+        todo = [(path, derived_seed(self.config.seed, "base-eval", i), f"base-{i}")
+                for i, path in enumerate(paths) if not path.exists()]  # fmt: skip
+        if self.config.eval_every:
+            todo += [(self._start_path(s), derived_seed(s, "eval"), f"start-s{s}") for s in self.seeds
+                     if not self._start_path(s).exists()]  # fmt: skip
         if todo:
             base, tokenizer = load_base(model_path(self.config), pick_device(self.config.device))
-            for i in todo:
-                seed = derived_seed(self.config.seed, "base-eval", i)
-                result = pass_at_1(self.config, base, tokenizer, self.split.test, self.instruction, seed, f"base-{i}",
+            for path, seed, label in todo:
+                result = pass_at_1(self.config, base, tokenizer, self.split.test, self.instruction, seed, label,
                                    self.progress)  # fmt: skip
-                write_json(paths[i], result.to_dict())
+                write_json(path, result.to_dict())
+            self._record_provenance(self.out / BASE_PROVENANCE)
             del base
             gc.collect()
-        return [EvalResult.from_dict(read_json(path)) for path in paths]
+        return [read_eval(path, BASE_REDO) for path in paths]
+
+    def _eval_curve(self, cell: dict[str, Any], arm: str, runs: list) -> dict[int, dict[int, float]] | None:
+        """seed → policy step → pass@1 for one arm: step 0 (the untrained policy), every K-th step, the final."""
+        if not self.config.eval_every:
+            return None
+        curve: dict[int, dict[int, float]] = {}
+        for seed, result, _ in runs:
+            label, points = run_label(arm, seed), {}
+            start = self._start_path(seed)
+            if start.exists():
+                points[0] = read_eval(start, BASE_REDO).pass_at_1
+            for k in range(self.config.eval_every, self.config.steps, self.config.eval_every):
+                path = self._step_eval_path(cell, label, k)
+                if path.exists():
+                    points[k] = read_eval(path, f"delete it and rerun {label} to evaluate step {k} again").pass_at_1
+            points[self.config.steps] = result.pass_at_1
+            curve[seed] = points
+        return curve
+
+    def _provenance_warnings(self) -> tuple[list[str], list[str]]:
+        """(warnings for pieces whose provenance differs from this invocation's, pieces that record none)."""
+        blocks: dict[str, Any] = {"this invocation": self.provenance}
+        files = {"base evals": self.out / BASE_PROVENANCE} if self._base_paths() or self.config.eval_every else {}
+        for cell in self.grid.cells():
+            for seed in self.seeds:
+                for arm in self.grid.arms:
+                    files[f"{cell['name']} {run_label(arm, seed)}"] = self._paths(cell, arm, seed)[0] / PROVENANCE
+        unrecorded = []
+        for label, path in files.items():
+            if not path.exists():
+                unrecorded.append(label)
+                continue
+            recorded = read_saved_json(path, "delete it to stop this check", expect=list)
+            for i, block in enumerate(recorded):
+                blocks[label if len(recorded) == 1 else f"{label} (part {i + 1})"] = block
+        return prov.differences(blocks), unrecorded
 
     def _summarize(self, cells: list[dict], base: list[EvalResult], trained: dict) -> dict[str, Any]:
         floor = results.base_block(base)
         base_scores = results.base_per_task(base)
         out_cells, warnings, train_s, eval_s = [], [], {}, {e.label: e.seconds for e in base}
         for cell in cells:
-            arms = {arm: results.summarize_arm(runs, arm, self.config.grad_clip)
+            arms = {arm: results.summarize_arm(runs, arm, self.config.grad_clip, self._eval_curve(cell, arm, runs))
                     for arm, runs in trained[cell["name"]].items()}  # fmt: skip
             compare, vs_base = results.compare_cell(arms, base_scores, floor)
             out_cells.append({**cell, "band": list(cell["band"]), "arms": arms, "compare": compare, "vs_base": vs_base})
@@ -212,17 +398,22 @@ class Experiment:
                 for seed, result, log in runs:
                     key = f"{cell['name']} {run_label(arm, seed)}"
                     train_s[key], eval_s[key] = sum(r["time"] for r in log), result.seconds
-                    state = checkpoint.load(self.out / "cells" / cell["name"] / "runs" / run_label(arm, seed))
+                    run_dir, _, redo = self._paths(cell, arm, seed)
+                    state = checkpoint.load(run_dir, redo)
                     warnings += (state or {}).get("warnings", [])
         records = [{"cell": name, **r} for name, arms in trained.items() for runs in arms.values()
                    for _, _, log in runs for r in log]  # fmt: skip
         write_json(self.out / checkpoint.LOG_FILE, records)
         cell_name_, comparison = results.primary(out_cells)
         main = out_cells[0]["compare"][comparison]
+        differ, unrecorded = self._provenance_warnings()
+        for message in differ:
+            print("warning: " + message, file=sys.stderr, flush=True)
         return {
             "question": results.question(list(self.grid.arms), len(cells)),
             "command": self.command,
             "versions": results.versions(),
+            "provenance": {**self.provenance, "pieces_without_provenance": unrecorded, "warnings": differ},
             "config": self.config.to_dict(),
             "grid": asdict(self.grid),
             "seeds": self.seeds,

@@ -18,6 +18,13 @@ lines of a file, or among the rows of the hub split), so the hub and an identica
 same ids. Every problem with the data raises :class:`~sao.core.errors.DataError` with one line naming the file
 and line.
 
+Limits, so that a wrong or hostile file costs what is used and no more: a local file is read one line at a
+time and every record is checked, but only each record's byte offset is kept (8 bytes a row); the held-out
+and training tasks drawn are read back by offset, so memory holds the tasks drawn, the held-out 8-grams and
+two offset arrays, whatever the file's size. A line longer than ``MAX_LINE_BYTES`` (1 MiB; a GSM8K record is
+under 2 kB) is refused after reading at most that much. Time is one pass over each file (a million short
+records in seconds). The hub path loads the split as ``datasets`` gives it.
+
 Deliberately left out: grading (``sao.core.grading`` compares answers; the gold here is the raw text after the
 last ``####``, e.g. ``"1,000"``, not a parsed number), shuffling for training (the trainer orders its
 batches with its own seed), few-shot prompts and system turns (the model's chat template supplies its
@@ -26,11 +33,13 @@ default system turn), and deduplication within the training split.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
 import re
-from collections.abc import Iterable, Mapping
+from array import array
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +61,7 @@ __all__ = [
 HUB_ID = "openai/gsm8k"
 HUB_CONFIG = "main"
 GOLD_MARKER = "####"
+MAX_LINE_BYTES = 1 << 20  # the longest JSONL line read: 1 MiB
 
 DEFAULT_INSTRUCTION = (
     "Solve the problem step by step. On the last line, write only the final answer in the form "
@@ -122,44 +132,115 @@ def _task_from_record(record: Any, split: str, row: int, where: str) -> Task:
     return Task(id=f"gsm8k/{split}/{row}", question=record["question"].strip(), answer=gold)
 
 
-def read_jsonl_tasks(path: str | os.PathLike[str], split: str) -> list[Task]:
-    """Read a GSM8K-style JSONL file: one JSON object per line with ``question`` and ``answer``.
-
-    Blank lines are skipped (row indices count only non-blank lines). A missing or empty file, a line
-    that is not JSON (including a truncated last line), a record missing a field, or an answer with no
-    ``####`` gold marker raises DataError naming the file and line.
-    """
-    path = Path(path)
+def _open(path: Path):
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.open("rb")
     except FileNotFoundError:
         raise DataError(f"{path}: file not found; a data directory needs train.jsonl and test.jsonl") from None
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise DataError(f"{path}: cannot read file ({e.strerror or e})") from None
 
-    tasks: list[Task] = []
-    # Split on "\n" only (str.splitlines would also split inside a line on U+2028 and similar).
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path} line {lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-        tasks.append(_task_from_record(record, split, len(tasks), where))
-    if not tasks:
+
+def _read_line(handle, path: Path, lineno: int) -> bytes:
+    """The next line (at most MAX_LINE_BYTES and its newline); a longer one is a DataError, read no further."""
+    raw = handle.readline(MAX_LINE_BYTES + 1)
+    if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+        raise DataError(
+            f"{path} line {lineno}: longer than {MAX_LINE_BYTES >> 20} MiB (a GSM8K record is a few kB); "
+            "is this the right file?"
+        )
+    return raw
+
+
+def _decode(raw: bytes, where: str, offset: int) -> str:
+    try:
+        return raw.decode("utf-8-sig" if offset == 0 else "utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {offset + e.start})") from None
+
+
+def _parse(text: str, split: str, row: int, where: str) -> Task:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    return _task_from_record(record, split, row, where)
+
+
+def _records(path: Path, split: str) -> Iterator[tuple[int, Task]]:
+    """(byte offset, task) of every record of a JSONL file, one line at a time, checked as it is read. Lines
+    split on b"\\n" only (not inside a line on U+2028 and similar); blank lines are skipped and not counted as
+    rows. A missing or empty file, a line that is too long, not UTF-8 or not JSON (a truncated last line
+    included), a record missing a field, or an answer with no ``####`` gold marker is a DataError naming the
+    file and line."""
+    with _open(path) as handle:
+        offset, row = 0, 0
+        for lineno in itertools.count(1):
+            raw = _read_line(handle, path, lineno)
+            if not raw:
+                break
+            where = f"{path} line {lineno}"
+            text = _decode(raw, where, offset)
+            if text.strip():
+                yield offset, _parse(text, split, row, where)
+                row += 1
+            offset += len(raw)
+    if row == 0:
         raise DataError(f"{path}: file is empty (no records)")
-    return tasks
 
 
-def _load_local(directory: Path) -> tuple[list[Task], list[Task]]:
+def read_jsonl_tasks(path: str | os.PathLike[str], split: str) -> list[Task]:
+    """Read a GSM8K-style JSONL file: one JSON object per line with ``question`` and ``answer``.
+
+    Blank lines are skipped (row indices count only non-blank lines). A missing or empty file, a line over
+    ``MAX_LINE_BYTES``, a line that is not JSON (including a truncated last line), a record missing a field,
+    or an answer with no ``####`` gold marker raises DataError naming the file and line.
+    """
+    return [task for _, task in _records(Path(path), split)]
+
+
+class _Rows:
+    """One local split, read once: the byte offset of every record, and the rows that share no word 8-gram
+    with ``banned`` (every row when ``banned`` is None). The tasks drawn are read back by offset."""
+
+    def __init__(self, path: Path, split: str, banned: set[tuple[str, ...]] | None = None) -> None:
+        self.path, self.split = path, split
+        self.offsets, self.kept = array("q"), array("q")  # [rows] byte offsets; [kept rows] row numbers
+        starts = {gram[0] for gram in banned or ()}
+        for offset, task in _records(path, split):
+            if banned is None or not _shares_ngram(task.question, banned, starts):
+                self.kept.append(len(self.offsets))
+            self.offsets.append(offset)
+
+    def tasks(self, rows: Iterable[int]) -> list[Task]:
+        with _open(self.path) as handle:
+            out = []
+            for row in rows:
+                where, offset = f"{self.path} row {row}", self.offsets[row]
+                handle.seek(offset)
+                raw = _read_line(handle, self.path, row + 1)
+                out.append(_parse(_decode(raw, where, offset), self.split, row, where))
+            return out
+
+
+def _load_local(directory: Path, n_train: int, n_test: int, seed: int) -> DataSplit:
+    """The split of a local directory, streamed (see the module's limits): the held-out tasks are drawn from
+    test.jsonl first, then train.jsonl is read once, dropping contaminated rows as it goes."""
     if not directory.is_dir():
         raise DataError(f"{directory}: not a directory; --data needs a directory with train.jsonl and test.jsonl")
-    train = read_jsonl_tasks(directory / "train.jsonl", "train")
-    return train, read_jsonl_tasks(directory / "test.jsonl", "test")
+    label = f"local:{directory.resolve().name}"
+    test_rows = _Rows(directory / "test.jsonl", "test")
+    _check_test_count(n_test, len(test_rows.offsets), label)
+    test = test_rows.tasks(sorted(random.Random(seed).sample(range(len(test_rows.offsets)), n_test)))
+    banned: set[tuple[str, ...]] = set().union(*(word_ngrams(t.question) for t in test))
+    train_rows = _Rows(directory / "train.jsonl", "train", banned)
+    pool, kept = len(train_rows.offsets), len(train_rows.kept)
+    _check_train_count(n_train, kept, pool, pool - kept, label)
+    drawn = sorted(random.Random(seed + 1).sample(range(kept), n_train))
+    train = train_rows.tasks(train_rows.kept[i] for i in drawn)
+    counts = {"train_pool": pool, "test_pool": len(test_rows.offsets), "test": len(test),
+              "train_contaminated": pool - kept, "train_kept": kept, "train": len(train)}  # fmt: skip
+    return DataSplit(train=train, test=test, counts=counts, source=label)
 
 
 def _load_hub(hub_id: str, *, explicit: bool = False) -> tuple[list[Task], list[Task]]:
@@ -209,10 +290,21 @@ def _resolve_source(source: str | os.PathLike[str] | None) -> tuple[str, str]:
 # --- decontamination -----------------------------------------------------------------------------------
 
 
+# Neither alphanumeric nor whitespace: re's \w is str.isalnum() plus "_", its \s is str.isspace().
+_NOT_WORD = re.compile(r"[^\w\s]|_")
+
+
 def _words(text: str) -> list[str]:
     """Lowercase, replace every character that is neither alphanumeric (str.isalnum) nor whitespace with
     a space, and split on whitespace: "Janet’s $2-eggs" -> ["janet", "s", "2", "eggs"]."""
-    return "".join(c if c.isalnum() or c.isspace() else " " for c in text.lower()).split()
+    return _NOT_WORD.sub(" ", text.lower()).split()
+
+
+def _shares_ngram(text: str, banned: set[tuple[str, ...]], starts: set[str], n: int = 8) -> bool:
+    """Whether ``text`` has a word n-gram in ``banned`` (``word_ngrams(text, n) & banned`` without building the
+    set); ``starts`` holds the first word of every banned n-gram, so most positions cost one set lookup."""
+    words = _words(text)
+    return any(words[i] in starts and tuple(words[i : i + n]) in banned for i in range(len(words) - n + 1))
 
 
 def word_ngrams(text: str, n: int = 8) -> set[tuple[str, ...]]:
@@ -235,8 +327,9 @@ def decontaminate(train: list[Task], held_out: list[Task], n: int = 8) -> tuple[
         banned |= word_ngrams(task.question, n)
     kept: list[Task] = []
     dropped: list[Task] = []
+    starts = {gram[0] for gram in banned}
     for task in train:
-        (dropped if word_ngrams(task.question, n) & banned else kept).append(task)
+        (dropped if _shares_ngram(task.question, banned, starts, n) else kept).append(task)
     return kept, dropped
 
 
@@ -246,6 +339,21 @@ def decontaminate(train: list[Task], held_out: list[Task], n: int = 8) -> tuple[
 def _sample(pool: list[Task], k: int, rng: random.Random) -> list[Task]:
     """``k`` tasks drawn without replacement, returned in source order."""
     return [pool[i] for i in sorted(rng.sample(range(len(pool)), k))]
+
+
+def _check_test_count(n_test: int, pool: int, label: str) -> None:
+    if n_test > pool:
+        raise DataError(
+            f"asked for {n_test} held-out tasks but the test split of {label} has only {pool}; lower --test-prompts"
+        )
+
+
+def _check_train_count(n_train: int, kept: int, pool: int, dropped: int, label: str) -> None:
+    if n_train > kept:
+        raise DataError(
+            f"asked for {n_train} training prompts but only {kept} remain after decontamination "
+            f"({pool} in the train split of {label}, {dropped} dropped); lower --train-prompts or --test-prompts"
+        )
 
 
 def load_gsm8k(
@@ -262,25 +370,13 @@ def load_gsm8k(
         raise DataError(f"prompt counts must be non-negative, got n_train={n_train}, n_test={n_test}")
     kind, where = _resolve_source(source)
     if kind == "local":
-        train_pool, test_pool = _load_local(Path(where))
-        label = f"local:{Path(where).resolve().name}"
-    else:
-        train_pool, test_pool = _load_hub(where, explicit=kind == "guess")
-        label = f"hub:{where}"
-
-    if n_test > len(test_pool):
-        raise DataError(
-            f"asked for {n_test} held-out tasks but the test split of {label} has only {len(test_pool)}; "
-            "lower --test-prompts"
-        )
+        return _load_local(Path(where), n_train, n_test, seed)
+    train_pool, test_pool = _load_hub(where, explicit=kind == "guess")
+    label = f"hub:{where}"
+    _check_test_count(n_test, len(test_pool), label)
     test = _sample(test_pool, n_test, random.Random(seed))
     kept, dropped = decontaminate(train_pool, test)
-    if n_train > len(kept):
-        raise DataError(
-            f"asked for {n_train} training prompts but only {len(kept)} remain after decontamination "
-            f"({len(train_pool)} in the train split of {label}, {len(dropped)} dropped); "
-            "lower --train-prompts or --test-prompts"
-        )
+    _check_train_count(n_train, len(kept), len(train_pool), len(dropped), label)
     train = _sample(kept, n_train, random.Random(seed + 1))
     counts = {
         "train_pool": len(train_pool),
