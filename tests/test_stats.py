@@ -1,12 +1,14 @@
-"""compare(): the page's arithmetic, interval coverage on simulated data, and every verdict branch."""
+"""compare(): the page's arithmetic, interval coverage on simulated data, every verdict branch, the rule that one
+training seed per arm never judges a procedure, p-values and Holm's adjustment."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from scipy import stats as sps
 
 from sao.core.errors import ConfigError
-from sao.core.stats import compare, noise_floor, run_std_of
+from sao.core.stats import compare, holm, noise_floor, run_std_of
 
 
 def test_noise_floor_reproduces_the_recipe_page():
@@ -67,15 +69,73 @@ def test_seed_level_interval_covers_about_95_percent():
     assert 0.93 <= hits / trials <= 0.97
 
 
-def test_improved_needs_interval_off_zero_and_delta_above_floor():
-    before = np.zeros(100)
-    after = np.full(100, 0.3) + np.linspace(-0.05, 0.05, 100)
+def _seeds(per_seed_shift, tasks=100):
+    """[seeds, tasks] scores: a task ramp plus one shift per training seed."""
+    return np.linspace(-0.05, 0.05, tasks)[None, :] + np.asarray(per_seed_shift, dtype=float)[:, None]
+
+
+def test_improved_needs_two_seeds_the_interval_off_zero_and_delta_above_the_floor():
+    before = _seeds([0.0, 0.01, -0.01])
+    after = _seeds([0.30, 0.32, 0.29])
     c = compare(before, after, run_std=0.0217, run_std_runs=3)
     assert c.verdict == "improved" and "exceeds" in c.reason
-    small = compare(before, before + 0.05 + np.linspace(-0.01, 0.01, 100), run_std=0.0217, run_std_runs=3)
+    assert c.unit == "seed" and c.about == "training procedure"
+    # seed deltas 0.04..0.16: the interval [+0.056, +0.145] excludes 0 and reaches past the floor 0.132
+    small = compare(_seeds([0.0] * 6), _seeds([0.04, 0.16, 0.07, 0.13, 0.10, 0.10]), run_std=0.0217, run_std_runs=3)
     assert small.verdict == "unresolved" and "within the noise floor" in small.reason
     down = compare(after, before, run_std=0.0217, run_std_runs=3)
     assert down.verdict == "regressed"
+
+
+def test_one_seed_per_arm_never_says_improved_or_regressed_but_reports_the_per_task_interval():
+    """However large the per-task delta, one trained model per arm says nothing about the procedure."""
+    before = np.zeros(100)
+    after = np.full(100, 0.3) + np.linspace(-0.05, 0.05, 100)
+    for b, a in ((before, after), (after, before)):
+        c = compare(b, a, run_std=0.0217, run_std_runs=3)
+        assert c.verdict == "unresolved"
+        assert c.ci_low > 0 or c.ci_high < 0, "the per-task interval is still computed and reported"
+        assert c.unit == "task" and c.n == 100 and c.about == "two trained models"
+        assert "two trained models, not the training procedure" in c.reason and "train-runs 2" in c.reason
+    rng = np.random.default_rng(11)
+    for _ in range(200):  # no floor, any size of delta, either sign: never a verdict about the procedure
+        b, a = rng.uniform(0, 1, 40), rng.uniform(0, 1, 40) + rng.uniform(-1, 1)
+        assert compare(b, a).verdict == "unresolved"
+        assert compare(b[None, :], np.stack([a, a + 0.01])).verdict == "unresolved", "a one-seed trained side too"
+
+
+def test_a_fixed_base_needs_seeds_only_on_the_trained_side():
+    base = np.linspace(0.2, 0.6, 60)
+    trained = np.stack([base + 0.2, base + 0.22, base + 0.19])
+    c = compare(base, trained, run_std=0.0217, run_std_runs=3, before_fixed=True)
+    assert c.verdict == "improved" and c.unit == "seed" and c.about == "training procedure"
+    one = compare(base, trained[0], run_std=0.0217, run_std_runs=3, before_fixed=True)
+    assert one.verdict == "unresolved" and one.about == "the base and one trained model"
+    assert "the base and one trained model" in one.reason
+    with pytest.raises(ConfigError, match="one model"):
+        compare(trained, trained, before_fixed=True)
+
+
+def test_p_values_are_the_t_tests_behind_the_intervals():
+    rng = np.random.default_rng(5)
+    b, a = rng.uniform(0, 1, (4, 30)), rng.uniform(0, 1, (4, 30)) + 0.1
+    paired = compare(b, a)
+    assert paired.p_value == pytest.approx(sps.ttest_rel(a.mean(axis=1), b.mean(axis=1)).pvalue, rel=1e-9)
+    tasks = compare(b[0], a[0])
+    assert tasks.p_value == pytest.approx(sps.ttest_rel(a[0], b[0]).pvalue, rel=1e-9)
+    welch = compare(b[:3], a)
+    expected = sps.ttest_ind(a.mean(axis=1), b[:3].mean(axis=1), equal_var=False).pvalue
+    assert welch.p_value == pytest.approx(expected, rel=1e-9)
+    assert (paired.p_value < 0.05) == (paired.ci_low > 0 or paired.ci_high < 0), "same t, same df"
+
+
+def test_holm_by_hand():
+    # sorted 0.01 (x4), 0.03 (x3), 0.04 (x2 = 0.08, but never below the step before: 0.09), 0.5 (x1)
+    assert holm([0.04, 0.01, 0.5, 0.03]) == pytest.approx([0.09, 0.04, 0.5, 0.09])
+    assert holm([0.6, 0.9]) == pytest.approx([1.0, 1.0]), "capped at 1"
+    assert holm([0.02]) == [0.02] and holm([]) == []
+    with pytest.raises(ConfigError, match="p-values"):
+        holm([0.1, float("nan")])
 
 
 def test_flat_needs_two_seeds_and_the_interval_inside_the_floor():

@@ -2,6 +2,9 @@
 
     per-task score   s_j = (1/k) Σ_i correct(sample_i of task j)        the unit ``stats.compare`` pairs
     pass@1           mean_j s_j
+    cut-off replies  a reply that hit the token limit without finishing scores 0 (``truncated_reward``
+                     "zero", the config's default; "grade" grades it like any other); ``truncated_replies``
+                     counts them and ``truncated_with_credit`` those the grader would have credited
 
 Every sample of every task goes into one decode batch (``eval_batch`` sequences at a time: 480 = 120 tasks
 × 4 samples at once on a GPU), drawn with the same sampler as training (``sampler.draw``) at the eval
@@ -49,6 +52,9 @@ class EvalResult:
     examples: list[dict[str, Any]]  # a few (question, reply, gold, correct) for the report
     batch: int = 0  # sequences decoded together (after any out-of-memory halving)
     oom_retries: int = 0
+    truncated_reward: str = "grade"  # how cut-off replies were scored ("grade": what evals before the option did)
+    truncated_replies: int = 0  # samples that hit the token limit without finishing
+    truncated_with_credit: int = 0  # of those, how many the grader credits (> 0); with "zero" they scored 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,24 +81,28 @@ def evaluate(
     progress: bool = False,
     episodes: Episodes | None = None,
     score: Callable[[str, Task], float] | None = None,
+    truncated_reward: str = "zero",
 ) -> EvalResult:
     """pass@1 of what ``decoder`` draws (the plain loop over a model, or a ``sao.rollout.engine.Engine``) over
     ``tasks``, ``samples`` draws each. A sample's score is ``score(reply, task)`` (default: the GSM8K grader's
     exact numeric match); with ``episodes`` each sample is a multi-turn episode and its score the
-    environment's total reward.
+    environment's total reward. ``truncated_reward`` "zero" scores a reply cut off at ``max_new_tokens`` 0,
+    "grade" grades it (episodes are scored by their environment either way).
 
     Out of memory: the eval restarts with half the batch (its samples then differ from a full-batch eval
     of the same seed, because each batch has its own generator); ``oom_retries`` says how often.
     """
     if not tasks:
         raise ValueError("evaluate needs at least one task")
+    if truncated_reward not in ("zero", "grade"):
+        raise ConfigError(f"truncated_reward must be 'zero' or 'grade', got {truncated_reward!r}")
     start = time.perf_counter()
     retries = 0
     while True:
         try:
             result = _evaluate_once(
                 decoder, tokenizer, tasks, instruction, samples, temperature, max_new_tokens, batch, seed,
-                eos_token_ids, label, progress, episodes, score,
+                eos_token_ids, label, progress, episodes, score, truncated_reward,
             )  # fmt: skip
             break
         except RuntimeError as error:
@@ -109,7 +119,7 @@ def evaluate(
 
 def _evaluate_once(
     decoder, tokenizer, tasks, instruction, samples, temperature, max_new_tokens, batch, seed, eos_token_ids,
-    label, progress, episodes, score,
+    label, progress, episodes, score, truncated_reward,
 ) -> EvalResult:  # fmt: skip
     from tqdm import tqdm
 
@@ -118,6 +128,7 @@ def _evaluate_once(
     rows = [(j, i, prompts[j]) for j in range(len(tasks)) for i in range(samples)]  # task-major
     correct = torch.zeros(len(tasks), dtype=torch.float64)
     chars = tokens = truncated = 0.0
+    cut_off = cut_off_credited = 0
     examples: list[dict[str, Any]] = []
     chunks = range(0, len(rows), batch)
     for c, first in enumerate(tqdm(chunks, desc=f"eval {label}", disable=not progress, leave=False)):
@@ -131,6 +142,11 @@ def _evaluate_once(
             rollout = draw_batch(decoder, tokenizer, [p for _, _, p in chunk], sampling, generator)
             grade = score or (lambda text, task: grading.math_equal(text, task.answer))
             scores = [grade(text, tasks[j]) for (j, _, _), text in zip(chunk, rollout.texts, strict=True)]
+            cut = rollout.truncated.tolist()  # [n] hit the token limit without finishing
+            cut_off += sum(cut)
+            cut_off_credited += sum(bool(c) and s > 0 for c, s in zip(cut, scores, strict=True))
+            if truncated_reward == "zero":
+                scores = [0.0 if c else s for c, s in zip(cut, scores, strict=True)]
         texts = rollout.texts
         every = max(1, len(tasks) // 6)
         for (j, i, _), text, ok in zip(chunk, texts, scores, strict=True):
@@ -155,6 +171,9 @@ def _evaluate_once(
         truncation_share=truncated / n,
         seconds=0.0,
         examples=examples,
+        truncated_reward=truncated_reward,
+        truncated_replies=int(cut_off),
+        truncated_with_credit=int(cut_off_credited),
     )
 
 

@@ -3,13 +3,16 @@
 A recipe is a one-cell sweep, so one page serves both: a cell is one (lag, lr, band) setting; in every cell each
 arm trains with the same seeds and is compared with the baseline ``none`` (and with the untrained base). The
 module only lays out what results.json and train_log.json hold: four plots (training reward, masked share by
-staleness, the worst ratio against the band, pass@1 with the paired deltas), one small panel per cell, and a
-page that states the verdict in words with the tables behind it. Verdicts, intervals, floors, folds and checks
-are read, never recomputed; the only arithmetic is averaging over seeds for display, and counting.
+staleness, the worst ratio against the band, pass@1 with the paired deltas; a fifth, pass@1 over steps, with
+``--eval-every``), one small panel per cell, and a page that states the verdict in words with the tables behind
+it, and the provenance. A planned confirmation (`sao confirm`) states its plan first — primary endpoint, family,
+fresh seeds, correction — then what came out, Holm-adjusted. Verdicts, intervals, p-values, floors, folds and
+checks are read, never recomputed; the only arithmetic is averaging over seeds for display, and counting.
 
-Deliberately left out: statistics (``sao.core.stats`` owns them), correction for multiple comparisons (the page
-says each interval is its own), judgement beyond the recorded verdicts, HTML, and imports above ``sao.core``:
-matplotlib loads only when plots are drawn; no torch (``sao.core.io`` imports it, hence the own atomic write).
+Deliberately left out: statistics (``sao.core.stats`` owns them), correction for multiple comparisons outside a
+planned family (the page says each interval is its own), judgement beyond the recorded verdicts, HTML, and
+imports above ``sao.core``: matplotlib loads only when plots are drawn; no torch (``sao.core.io`` imports it,
+hence the own atomic write).
 """
 
 from __future__ import annotations
@@ -39,18 +42,22 @@ PLOTS = {  # file stem → caption in report.md; every plot has one panel per ce
     "evals": "pass@1 per cell and arm with its 95% interval (dots: seeds, ×: diverged; grey: base mean ± noise "
     "floor), and each arm's paired delta against `none` with its 95% interval (shaded: ± noise floor).",
 }
+EVAL_CURVE = ("eval_curve", "Held-out pass@1 over policy steps (`--eval-every`; thin: each seed, thick: the mean "
+              "over seeds; step 0 is the untrained policy, grey: base mean ± noise floor).")  # fmt: skip
 KEY_SERIES = ("reward_mean", "masked_share", "would_be_masked_share", "ratio_max", "explained_variance",
               "response_length", "kl_sampler_policy",  # and, for agents (shown when logged):
               "turns_mean", "tool_calls_mean", "tool_use_share", "tool_error_rate", "observation_share")  # fmt: skip
 SHARE_SERIES = {"reward_mean", "masked_share", "would_be_masked_share", "tool_use_share", "tool_error_rate",
-                "observation_share"}
+                "observation_share"}  # fmt: skip
 CONFIG_KEYS = ("model", "data", "band", "lag", "lr", "critic_lr", "steps", "critic_warmup", "critic_steps",
                "batch_size", "train_runs", "seed", "base_evals", "eval_samples", "eval_temperature", "temperature",
                "max_new_tokens", "grad_clip", "lora_rank", "lora_alpha", "gae_alpha", "dead_band_share", "tis_cap",
-               "engine", "env", "max_turns", "reward")  # fmt: skip
+               "engine", "env", "max_turns", "reward", "truncated_reward", "eval_every", "random_mask_share",
+               "threads")  # fmt: skip
 WALL_TOTALS = {"train_total": "**train, total**", "eval_total": "**eval, total**",
                "compute_total": "**compute, total**", "this_invocation": "this invocation"}  # fmt: skip
 EXAMPLES_PER_MODEL = 3
+ORIGIN = "Model, data and machine"  # the section of hashes and machine (its usual name contains "nan")
 DASH = "—"
 
 # ---------------------------------------------------------------------------------------------------------
@@ -432,6 +439,26 @@ def _plot_evals(path: Path, results: dict, arms: list[str], colors: dict) -> Non
     _save(fig, path)
 
 
+def _has_eval_curve(results: dict[str, Any]) -> bool:
+    return any(isinstance(arm.get("eval_curve"), dict) for cell in results["cells"] for arm in cell["arms"].values())
+
+
+def _eval_curve_panel(ax, cell: dict[str, Any], arms: list[str], colors: dict, base: dict[str, Any]) -> None:
+    """pass@1 at each evaluated policy step: each seed thin, the mean over seeds thick; the base band in grey."""
+    base_mean, floor = _mean(base.get("pass_at_1") or []), _num(base.get("noise_floor"))
+    if base_mean is not None:
+        ax.axhspan(base_mean - (floor or 0), base_mean + (floor or 0), color=COLORS["base"], alpha=0.15, lw=0,
+                   label="base mean ± noise floor")  # fmt: skip
+    for name in [a for a in arms if isinstance(cell["arms"].get(a, {}).get("eval_curve"), dict)]:
+        curve = cell["arms"][name]["eval_curve"]
+        steps = curve.get("policy_steps") or []
+        for values in (curve.get("per_seed") or {}).values():
+            ax.plot(steps, [_num(v, math.nan) for v in values], color=colors[name], lw=0.8, alpha=0.4)
+        ax.plot(steps, [_num(v, math.nan) for v in curve.get("mean") or []], color=colors[name], lw=2.2, marker="o",
+                ms=3, label=f"{name}: mean over seeds")  # fmt: skip
+    ax.set_xlabel("policy step")
+
+
 def _write_plots(results: dict[str, Any], log: list[dict[str, Any]], plots: Path) -> None:
     """The four PNGs under ``plots``: three with a panel per cell, then the evals."""
     cells, arms, runs = results["cells"], _arms(results), _runs(log)
@@ -445,6 +472,10 @@ def _write_plots(results: dict[str, Any], log: list[dict[str, Any]], plots: Path
                       lambda ax, c: (_steps_panel(ax, runs.get(c["name"], {}), arms, colors, "ratio_max"),
                                      _band_axis(ax, c["band"]))),
     }  # fmt: skip
+    if _has_eval_curve(results):
+        base = results.get("base") or {}
+        figures[EVAL_CURVE[0]] = ("Held-out pass@1 over policy steps", "pass@1",
+                                  lambda ax, c: _eval_curve_panel(ax, c, arms, colors, base))  # fmt: skip
     for stem, (title, ylabel, draw) in figures.items():
         fig, axes = _panels(cells)
         for cell in cells:
@@ -467,7 +498,8 @@ def _comparison_table(found: list[tuple[dict[str, Any], str, dict[str, Any]]], w
         verdict = _cell(c.get("verdict") or DASH)
         rows.append([_cell(cell["name"]), label, fmt_share(c.get("before_mean")), fmt_share(c.get("after_mean")),
                      fmt_signed(c.get("delta")), fmt_interval(c.get("ci_low"), c.get("ci_high")),
-                     f"±{fmt_share(c.get('noise_floor'))}", f"{_cell(c.get('unit', DASH))} ({fmt(c.get('n'))})",
+                     f"±{fmt_share(c.get('noise_floor'))}", f"{_cell(c.get('unit', DASH))} ({fmt(c.get('n'))})"
+                     + (f"<br>{_cell(c['about'])}" if c.get("about") not in (None, "training procedure") else ""),
                      f"**{verdict}**" if verdict in SEPARATED else verdict])  # fmt: skip
     header = ["cell", what, f"{before} mean", "arm mean", "delta", "95% interval", "noise floor", "unit (n)", "verdict"]
     reasons = [f"- {_text(cell['name'])}, {label}: {_text(c.get('reason') or DASH)}" for cell, label, c in found]
@@ -503,7 +535,10 @@ def _verdict_section(results: dict[str, Any]) -> list[str]:
     if proxies:
         out += _table(["cell", "comparison", "proxy delta (training reward, last 10 steps)",
                        "proxy rises while the target falls"], proxies)  # fmt: skip
-    if len(comps) > 1:
+    if len(comps) > 1 and results.get("confirmation"):
+        out += ["Each interval here is its own 95% interval; the planned family's Holm-adjusted p-values and the "
+                "verdicts after the correction are in *What came out*, above.", ""]  # fmt: skip
+    elif len(comps) > 1:
         n = _plural(len(comps), "comparison")
         out += [f"Each interval is its own 95% interval, with no correction for multiple comparisons across the {n}: "
                 "by chance alone about 1 in 20 misses the true delta.", ""]  # fmt: skip
@@ -513,6 +548,7 @@ def _verdict_section(results: dict[str, Any]) -> list[str]:
 def _pass_section(results: dict[str, Any], arms: list[str]) -> list[str]:
     base = results.get("base") or {}
     values, evals = base.get("pass_at_1") or [], base.get("evals") or []
+    evals_of_base = evals
     rows = [[_cell(e.get("label") or f"base-{i}"), fmt_share(v), fmt(e.get("mean_reply_tokens")),
              fmt_share(e.get("truncation_share"))]
             for i, v in enumerate(values) for e in [evals[i] if i < len(evals) else {}]]  # fmt: skip
@@ -544,9 +580,28 @@ def _pass_section(results: dict[str, Any], arms: list[str]) -> list[str]:
             "the arm's evals.", ""]  # fmt: skip
     out += _table(["cell", "arm", "pass@1 mean", "95% interval", "per seed", "mean reply tokens", "truncation share",
                    "diverged"], rows)  # fmt: skip
+    trained = [e for _, _, arm in _each(results, arms) for e in arm.get("evals") or []]
+    out += _cut_off_line(results, [*evals_of_base, *trained])
     if notes:
         return [*out, "Diverged runs, with the reasons recorded:", "", *notes, ""]
     return [*out, "No run diverged.", ""]
+
+
+def _cut_off_line(results: dict[str, Any], evals: list[dict[str, Any]]) -> list[str]:
+    """How the evals scored replies cut off at the token limit, and how many there were (when recorded)."""
+    counted = [e for e in evals if isinstance(e, dict) and "truncated_replies" in e]
+    if not counted:
+        return []
+    rule = (results.get("config") or {}).get("truncated_reward")
+    how = {
+        "zero": "score 0 (`truncated_reward` zero: our choice, not the page's)",
+        "grade": "are graded like any reply (`truncated_reward` grade)",
+    }.get(rule, f"are scored as {_text(rule)}")
+    samples = sum(len(e.get("per_task") or []) * int(_num(e.get("samples"), 0)) for e in counted)
+    cut = sum(int(_num(e.get("truncated_replies"), 0)) for e in counted)
+    credit = sum(int(_num(e.get("truncated_with_credit"), 0)) for e in counted)
+    return [f"Replies cut off at the token limit {how}: {cut} of {samples} eval samples were cut off, and the grader "
+            f"would have credited {credit} of them.", ""]  # fmt: skip
 
 
 def _vs_base_section(results: dict[str, Any], arms: list[str]) -> list[str]:
@@ -652,7 +707,84 @@ def _tail_sections(results: dict[str, Any]) -> list[str]:
     if results.get("data"):
         out += ["Data: " + ", ".join(f"{_cell(k)} {_cell(fmt(v))}" for k, v in results["data"].items()) + ".", ""]
     versions = [[_cell(k), _cell(v)] for k, v in (results.get("versions") or {}).items()]
-    return [*out, "## Versions", "", *_table(["package", "version"], versions or [[DASH, DASH]], text=2)]
+    out += ["## Versions", "", *_table(["package", "version"], versions or [[DASH, DASH]], text=2)]
+    return out + _provenance_section(results)
+
+
+def _provenance_section(results: dict[str, Any]) -> list[str]:
+    """The hashes and the machine this invocation ran with (results.json's ``provenance``), when recorded."""
+    p = results.get("provenance")
+    if not isinstance(p, dict):
+        return [f"## {ORIGIN}", "", "results.json records no hashes of its model and data (written before sao recorded "
+                "them).", ""]  # fmt: skip
+    model, data = p.get("model") or {}, p.get("data") or {}
+    machine, code = p.get("machine") or {}, p.get("code") or {}
+    commit = str(code.get("commit") or DASH) + (" (source differs from it)" if code.get("dirty") else "")
+    rows = [["model", _cell(model.get("name", DASH))], ["model weights sha256", _cell(model.get("weights_sha256"))],
+            ["tokenizer sha256", _cell(model.get("tokenizer_sha256"))],
+            ["training prompts sha256", f"{_cell(data.get('train_sha256'))} ({fmt(data.get('train'))})"],
+            ["held-out tasks sha256", f"{_cell(data.get('test_sha256'))} ({fmt(data.get('test'))})"],
+            ["CPU", f"{_cell(machine.get('cpu'))}, {_cell(machine.get('cpu_capability'))}, "
+                    f"{fmt(machine.get('cores'))} cores"],
+            ["torch threads (intra-op, inter-op)", f"{fmt(machine.get('torch_threads'))}, "
+                                                   f"{fmt(machine.get('torch_interop_threads'))}"],
+            ["GPU", _cell(machine.get("gpu") or DASH)], ["sao commit", _cell(commit)]]  # fmt: skip
+    out = [f"## {ORIGIN}", "", "What this invocation ran with; every run folder and `base-evals.provenance.json` "
+           "keep the same record of each invocation that made them, and a piece whose hashes differ is named in the "
+           "warnings.", ""]  # fmt: skip
+    out += _table(["what", "value"], rows, text=2)
+    out += [f"> warning: {_cell(w)}" for w in p.get("warnings") or []] + ([""] if p.get("warnings") else [])
+    unrecorded = p.get("pieces_without_provenance") or []
+    if unrecorded:
+        out += [f"{_plural(len(unrecorded), 'piece')} record no hashes (made before sao recorded them): "
+                f"{_text(', '.join(unrecorded))}.", ""]  # fmt: skip
+    return out
+
+
+def _plan_section(results: dict[str, Any]) -> list[str]:
+    """A planned confirmation: the plan as it was fixed before the run, then the family's outcome, Holm-adjusted."""
+    plan, done = results.get("plan"), results.get("confirmation")
+    if not isinstance(plan, dict) or not isinstance(done, dict):
+        return []
+    primary, seeds = plan.get("primary") or {}, plan.get("seeds") or []
+    arms = plan.get("arms") or []
+    share = plan.get("random_mask_share")
+    controls = {"random": "a random token mask at " + ("the share dis masked in the same cell and seed" if share is None
+                else f"share {fmt_share(share)}"), "tis": "truncated IS", "seqmask": "sequence masking"}  # fmt: skip
+    named = [f"`{a}` ({controls[a]})" if a in controls else f"`{a}`" for a in arms]
+    cited = plan.get("exploratory") or []
+    fresh = ("; ".join(f"{_text(e.get('path'))} used {_seed_span(e.get('seeds') or [])}" for e in cited)
+             if cited else "the plan cites no exploratory run")  # fmt: skip
+    out = ["## Plan (fixed before the run)", "",
+           f"- **Plan file:** `{_text(plan.get('file'))}`, sha256 `{_text(str(plan.get('sha256'))[:16])}…` "
+           f"(kept beside the results){'; written ' + _text(plan['written']) if plan.get('written') else ''}.",
+           f"- **Primary endpoint:** {_text(primary.get('after'))} − {_text(primary.get('before'))} in "
+           f"{_text(primary.get('cell'))}, expected **{_text(primary.get('expect'))}**.",
+           f"- **Family:** {_plural(len(plan.get('family') or []), 'comparison')}: the primary, and "
+           f"{_text(', '.join(plan.get('secondary') or []) or 'nothing else')} in every cell of the grid.",
+           f"- **Correction:** {_text(plan.get('correction'))} across the family at alpha {fmt(plan.get('alpha'))}.",
+           f"- **Arms:** {', '.join(named)}.",
+           f"- **Seeds:** {_plural(len(seeds), 'fresh training seed')} per arm ({_seed_span(seeds)}), disjoint from "
+           f"every exploratory run cited: {fresh}.", ""]  # fmt: skip
+    first = done.get("primary") or {}
+    out += ["## What came out", "",
+            f"**Primary: {_text(done.get('outcome'))}** (expected {_text(done.get('expect'))}; after "
+            f"{_text(done.get('correction'))}: {_text(first.get('verdict'))}). {_text(first.get('reason'))}",
+            ""]  # fmt: skip
+    rows = [[_cell(r.get("cell")), _cell(r.get("comparison")) + (" (primary)" if i == 0 else ""),
+             fmt_signed(r.get("delta")), fmt_interval(r.get("ci_low"), r.get("ci_high")), fmt(r.get("p_value")),
+             fmt(r.get("p_holm")), _cell(r.get("verdict_unadjusted")),
+             f"**{_cell(r.get('verdict'))}**" if r.get("verdict") in SEPARATED else _cell(r.get("verdict"))]
+            for i, r in enumerate(done.get("family") or [])]  # fmt: skip
+    header = ["cell", "comparison", "delta", "95% interval", "p", "Holm-adjusted p", "verdict alone", "verdict"]
+    return out + _table(header, rows)
+
+
+def _seed_span(seeds: list[Any]) -> str:
+    ints = sorted(s for s in seeds if isinstance(s, int))
+    if ints and ints == list(range(ints[0], ints[-1] + 1)) and len(ints) > 2:
+        return f"seeds {ints[0]}–{ints[-1]}"
+    return "seeds " + (", ".join(map(str, ints)) or DASH)
 
 
 def render(results: dict[str, Any], log: list[dict[str, Any]]) -> str:
@@ -668,8 +800,10 @@ def render(results: dict[str, Any], log: list[dict[str, Any]]) -> str:
              "is read from results.json and train_log.json.", ""]  # fmt: skip
     if results.get("command"):
         lines += ["Regenerate with:", "", "```", str(results["command"]), "```", ""]
-    plots = ["## Plots", "", *(f"![{stem}](plots/{stem}.png)\n\n*{caption}*\n" for stem, caption in PLOTS.items())]
-    for section in (_verdict_section(results), _pass_section(results, arms), _vs_base_section(results, arms),
+    captions = [*PLOTS.items(), *([EVAL_CURVE] if _has_eval_curve(results) else [])]
+    plots = ["## Plots", "", *(f"![{stem}](plots/{stem}.png)\n\n*{caption}*\n" for stem, caption in captions)]
+    for section in (_plan_section(results), _verdict_section(results), _pass_section(results, arms),
+                    _vs_base_section(results, arms),
                     _reach_section(results, arms), _checks_section(results, arms), _curves_section(results, arms),
                     plots, _examples_section(results, arms), _tail_sections(results)):  # fmt: skip
         lines += section

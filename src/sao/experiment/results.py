@@ -7,7 +7,10 @@
     divergence   a run diverged when a step was skipped for a non-finite value, a token was non-finite, or its
                  last-10 training reward fell below half its first-10
     compare      per cell, every rule against the baseline ``none`` (``sao.core.stats.compare``, seeds paired
-                 by index) and every arm against the base model, under the base evals' noise floor
+                 by index) and every arm against the base model (a fixed reference), under the base evals'
+                 noise floor; with one seed per arm the verdict is ``unresolved`` and the interval is labelled
+                 as a comparison of two trained models
+    eval curve   pass@1 at each intermediate checkpoint (``--eval-every``) per seed, and the mean over seeds
 
 Everything is computed from the files a run wrote, so a resumed experiment summarises the whole of it.
 Deliberately left out: statistics beyond ``compare`` and any presentation (``sao.experiment.report``).
@@ -16,13 +19,10 @@ Deliberately left out: statistics beyond ``compare`` and any presentation (``sao
 from __future__ import annotations
 
 import math
-import platform
 import statistics
 from typing import Any
 
-import torch
-
-from sao.core import stats
+from sao.core import provenance, stats
 from sao.experiment.evaluate import EvalResult
 from sao.rollout.source import POLICY
 
@@ -150,31 +150,20 @@ def interval(values: list[float]) -> tuple[float, float, float]:
 
 
 def versions() -> dict[str, str]:
-    import numpy
-    import peft
-    import scipy
-    import transformers
-
-    import sao
-
-    out = {
-        "sao": sao.__version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-        "numpy": numpy.__version__,
-        "scipy": scipy.__version__,
-    }
-    out["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.machine()})"
-    return out
+    return provenance.library_versions()
 
 
-def summarize_arm(runs: list[tuple[int, EvalResult, list[dict[str, Any]]]], arm: str, grad_clip: float) -> dict:
-    """One arm of one cell over its seeds: pass@1 with its interval, the evals, the curves, each run's checks."""
+def summarize_arm(
+    runs: list[tuple[int, EvalResult, list[dict[str, Any]]]],
+    arm: str,
+    grad_clip: float,
+    eval_curve: dict[int, dict[int, float]] | None = None,
+) -> dict:
+    """One arm of one cell over its seeds: pass@1 with its interval, the evals, the curves, each run's checks,
+    and (with ``eval_curve``: seed → policy step → pass@1) pass@1 over the policy steps."""
     passes = [result.pass_at_1 for _, result, _ in runs]
     mean, lo, hi = interval(passes)
-    return {
+    out = {
         "pass_at_1": passes,
         "pass_at_1_mean": mean,
         "pass_at_1_ci": [lo, hi],
@@ -182,6 +171,23 @@ def summarize_arm(runs: list[tuple[int, EvalResult, list[dict[str, Any]]]], arm:
         "curves": curves(mean_over_seeds([log for _, _, log in runs])),
         "runs": {f"{arm}-s{seed}": run_summary(seed, log, grad_clip) for seed, _, log in runs},
     }
+    if eval_curve:
+        out["eval_curve"] = fold_eval_curve(eval_curve)
+    return out
+
+
+def fold_eval_curve(points: dict[int, dict[int, float]]) -> dict[str, Any]:
+    """seed → {policy step: pass@1} as ``{"policy_steps": [...], "per_seed": {seed: [...]}, "mean": [...]}``;
+    a step some seed lacks is None in its list and left out of that step's mean."""
+    steps = sorted({k for by_step in points.values() for k in by_step})
+    per_seed = {str(seed): [by_step.get(k) for k in steps] for seed, by_step in points.items()}
+    means = [_mean_present([values[i] for values in per_seed.values()]) for i in range(len(steps))]
+    return {"policy_steps": steps, "per_seed": per_seed, "mean": means}
+
+
+def _mean_present(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
 
 
 def run_summary(seed: int, log: list[dict[str, Any]], grad_clip: float) -> dict[str, Any]:
@@ -208,9 +214,24 @@ def compare_cell(arms: dict[str, dict[str, Any]], base_per_task: list[float] | N
     vs_base = {}
     if base_per_task is not None:
         for arm in arms:
-            c = stats.compare(base_per_task, scores(arm), run_std=run_std, run_std_runs=runs)
+            c = stats.compare(base_per_task, scores(arm), run_std=run_std, run_std_runs=runs, before_fixed=True)
             vs_base[arm] = {"before": "base", "after": arm, **c.to_dict()}
     return comparisons, vs_base
+
+
+def compare_arms(arms: dict[str, dict[str, Any]], after: str, before: str, floor: dict) -> dict[str, Any]:
+    """``after`` against ``before`` in one cell (seeds paired by index), as ``compare_cell`` writes each entry:
+    for comparisons other than rule-vs-none, such as a planned ``dis_vs_random``."""
+    for arm in (after, before):
+        if arm not in arms:
+            raise KeyError(f"the cell has no arm {arm!r} (it has {sorted(arms)})")
+    scores, last10 = (
+        [[e["per_task"] for e in arms[arm]["evals"]] for arm in (before, after)],
+        [[run["checks"]["reward_last10"] for run in arms[arm]["runs"].values()] for arm in (before, after)],
+    )
+    c = stats.compare(scores[0], scores[1], run_std=floor.get("run_std"), run_std_runs=floor.get("runs"),
+                      proxy=(last10[0], last10[1]))  # fmt: skip
+    return {"before": before, "after": after, **c.to_dict()}
 
 
 def base_block(base: list[EvalResult]) -> dict[str, Any]:

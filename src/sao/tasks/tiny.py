@@ -7,15 +7,23 @@ Everything a run needs without a GPU or a network:
     tokenizer   byte-level BPE with no merges (one token per byte) plus ChatML's <|im_start|>/<|im_end|>
                 and a ChatML chat template — Qwen's tokenizer family, so the product's own prompt code
                 (``data.format_prompt``) and loading code (``models.load_base``) run unchanged on it.
-    model       ``Qwen2ForCausalLM`` from a config: 2 layers, width 64 (~0.13M parameters).
+    model       ``Qwen2ForCausalLM`` from a config: 2 layers, width 64 (~0.14M parameters).
     warm start  a short supervised run on demonstrations from a careless tutor who is right half the time
                 (the other half slips by ±1, ±2 or ±10, in the working and the final line alike). The
                 model learns the facts *and* the carelessness, so its sampled accuracy starts well above 0
                 and well below 1, and RL has a real job: keep the right answer, drop the slips.
-                The result is saved with ``save_pretrained`` into a cache folder keyed by every setting
-                of the warm start, written to a temporary folder first and renamed when complete.
+    shipped     the warm start's weights are shipped beside this file (``tiny_model.safetensors``, float32,
+                ~0.55 MB) rather than trained on each machine: 700 AdamW steps amplify the last bit of every
+                matrix product, and those bits differ between CPUs (AVX2 vs AVX-512 kernels, summation
+                order), so two machines trained two different models from the same settings (base pass@1
+                0.40208 vs 0.40417 on the same eval seed). ``ensure_model`` builds the model folder from
+                the shipped tensors and checks their hash (``SHIPPED_SHA256``); the folder is saved with
+                ``save_pretrained`` into a cache folder keyed by the settings and that hash, written to a
+                temporary folder first and renamed when complete. ``train_warm_start`` is the recipe that
+                made the shipped file, kept so that it can be remade (its output is this CPU's).
 
-Deliberately left out: anything that would make the toy look like GSM8K. It exists so the whole pipeline
+Deliberately left out: retraining the warm start on every machine (see "shipped"), and anything that would
+make the toy look like GSM8K. It exists so the whole pipeline
 — sampler, ratios, critic, mask, eval, statistics — runs end to end on a CPU; what it can and cannot say
 about a 1.5B model is said in the docs, not implied here.
 """
@@ -34,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from sao.core import grading
+from sao.core import grading, provenance
 from sao.core.errors import DataError
 from sao.rollout.sampler import decode, draw, encode_prompts
 from sao.tasks.gsm8k import DataSplit, Task, format_prompt
@@ -46,6 +54,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 PHRASINGS = ("What is {a}{op}{b}?", "Compute {a}{op}{b}.", "{a}{op}{b}=?")
+SHIPPED_WEIGHTS = Path(__file__).with_name("tiny_model.safetensors")
+# provenance.weights_sha256 of the shipped tensors: a model folder built anywhere must hash to this.
+SHIPPED_SHA256 = "9f19f91da6dfc70d1537041ed9c72c15948660a5ce1f2e789a96a64dcb0a1e57"
 
 
 @dataclass(frozen=True)
@@ -61,7 +72,7 @@ class WarmStart:
     lr: float = 3e-3
     tutor_accuracy: float = 0.5
     seed: int = 0
-    version: int = 3  # bump when the task, the tokenizer or the recipe changes
+    version: int = 4  # bump when the task, the tokenizer or the recipe changes (4: shipped weights)
 
 
 def _byte_alphabet() -> list[str]:
@@ -179,19 +190,20 @@ def cache_root() -> Path:
 
 
 def warm_start_dir(settings: WarmStart = WarmStart()) -> Path:
-    key = hashlib.sha256(json.dumps(asdict(settings), sort_keys=True).encode()).hexdigest()[:12]
-    return cache_root() / f"tiny-{key}"
+    key = {**asdict(settings), "weights": SHIPPED_SHA256}
+    return cache_root() / f"tiny-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}"
 
 
 def ensure_model(settings: WarmStart = WarmStart(), progress: bool = True) -> Path:
-    """The warm-started tiny model's directory, training and caching it on first use (~1 minute)."""
+    """The warm-started tiny model's directory, built from the shipped weights and cached on first use (~1 s).
+    ``progress`` is kept for callers; the build has nothing slow to show."""
     target = warm_start_dir(settings)
     if (target / "warmstart.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        _train_and_save(settings, scratch, progress)
+        build_from_shipped(settings, scratch)
         try:
             os.rename(scratch, target)
         except OSError:  # another process finished first: theirs is as good as ours
@@ -203,13 +215,10 @@ def ensure_model(settings: WarmStart = WarmStart(), progress: bool = True) -> Pa
     return target
 
 
-def _train_and_save(settings: WarmStart, out: Path, progress: bool) -> None:
-    from tqdm import tqdm
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def _model_config(settings: WarmStart, tokenizer):
+    from transformers import Qwen2Config
 
-    tokenizer = build_tokenizer()
-    torch.manual_seed(settings.seed)
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=settings.hidden_size,
         intermediate_size=4 * settings.hidden_size,
@@ -222,7 +231,58 @@ def _train_and_save(settings: WarmStart, out: Path, progress: bool) -> None:
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
     )
-    model = Qwen2ForCausalLM(config)
+
+
+def build_from_shipped(settings: WarmStart, out: Path) -> dict:
+    """Write the tiny model folder into ``out``: the tokenizer built here, the config from ``settings``, the
+    shipped warm-start tensors; checks that the saved weights hash to ``SHIPPED_SHA256``. Returns the record
+    it writes to ``warmstart.json``. The same bytes on every machine: nothing here is computed in floating point
+    but the sampled accuracy it records."""
+    from safetensors.torch import load_file
+    from transformers import Qwen2ForCausalLM
+
+    if settings != WarmStart():
+        raise DataError(f"the shipped tiny model was made with {WarmStart()}; other settings need train_warm_start")
+    if not SHIPPED_WEIGHTS.is_file():
+        raise DataError(f"{SHIPPED_WEIGHTS} is missing: reinstall sao (the tiny model's weights ship with it)")
+    tokenizer = build_tokenizer()
+    model = Qwen2ForCausalLM(_model_config(settings, tokenizer))
+    state = load_file(SHIPPED_WEIGHTS)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # the head is tied to the embedding
+        raise DataError(f"{SHIPPED_WEIGHTS} does not fit the tiny config: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    model.eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    weights, _ = provenance.weights_sha256(out)
+    if weights != SHIPPED_SHA256:
+        raise DataError(f"the tiny model built from {SHIPPED_WEIGHTS.name} hashes to {weights}, not {SHIPPED_SHA256}")
+    record = {
+        "settings": asdict(settings),
+        "weights": SHIPPED_WEIGHTS.name,
+        "weights_sha256": weights,
+        "sampled_accuracy": sampled_accuracy(model, tokenizer, all_questions(), settings.seed),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    (out / "warmstart.json").write_text(json.dumps(record, indent=2))
+    return record
+
+
+def train_warm_start(settings: WarmStart, out: Path, progress: bool = True) -> None:
+    """The recipe that made the shipped weights: the careless tutor's demonstrations, AdamW with a one-cycle
+    schedule, ``settings.steps`` steps; writes a model folder (and ``warmstart.json``) into ``out``. Its tensors
+    depend on this CPU's floating point, which is why sao ships one result instead of running this everywhere.
+    To remake the shipped file: run it, copy ``out/model.safetensors`` over ``SHIPPED_WEIGHTS`` and set
+    ``SHIPPED_SHA256`` to ``provenance.weights_sha256(out)``."""
+    from tqdm import tqdm
+    from transformers import Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(settings.seed)
+    model = Qwen2ForCausalLM(_model_config(settings, tokenizer))
     tasks = all_questions()
     rng = random.Random(settings.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)

@@ -200,9 +200,7 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------------------
 
-    def run(
-        self, close_tracker: bool = True, after_step: Callable[[int], None] | None = None
-    ) -> list[dict[str, Any]]:
+    def run(self, close_tracker: bool = True, after_step: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
         """Every remaining step, a checkpoint after each, then the adapter. ``close_tracker`` False leaves the
         tracker open for the caller's eval. ``after_step(g)`` runs after step g and before its checkpoint (the
         experiment's intermediate evals): a run killed inside it repeats step g and the call on --resume."""

@@ -1,0 +1,270 @@
+"""Where a result came from: content hashes of the model, tokenizer and data, and the machine and code that ran it.
+
+Two runs can only be compared when they trained the same model on the same data. A hash says so where a name
+cannot: "tiny" or "Qwen/Qwen2.5-1.5B-Instruct" names different weights on two machines when the model is built
+locally or the hub revision moved. Every results.json carries a ``provenance`` block, and every training run
+and base eval of an experiment its own, so that aggregating pieces made apart can be checked.
+
+    weights      sha256 over the tensors of the model folder's *.safetensors files: each tensor's name, dtype,
+                 shape and bytes, in name order — the same for any sharding or file metadata (a folder with
+                 only *.bin files: the files' bytes, in name order)
+    tokenizer    sha256 over the tokenizer files present (tokenizer.json, its config, vocab, merges, chat
+                 template, ...); JSON files canonicalised (sorted keys), so whitespace does not count
+    data         sha256 of the training prompts and of the held-out tasks: every field of every task, in order
+    machine      CPU model and the instruction set torch's kernels use, cores, torch's intra- and inter-op
+                 threads, OMP/MKL thread settings: what decides whether floating point repeats bit for bit
+    code         library versions, sao's version and git commit (and whether its source differs from it)
+
+``differences`` turns several such blocks into warnings in words: a differing hash means the pieces are not
+about the same model or data; a differing machine or version means they need not agree bit for bit.
+
+Deliberately left out: hashing a hub model before it is downloaded (the hash is recorded once the files are
+local), hashing optimizer states or checkpoints (the run folder holds them), and refusing to aggregate: the
+warning says what differs, the person decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import struct
+import subprocess
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+CHUNK = 1 << 24  # bytes read at a time while hashing a tensor (16 MiB)
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+HASHES = {  # path in a provenance block → what it names, for the warnings
+    ("model", "weights_sha256"): "model weights",
+    ("model", "tokenizer_sha256"): "tokenizer",
+    ("data", "train_sha256"): "training prompts",
+    ("data", "test_sha256"): "held-out tasks",
+}
+ENVIRONMENT = {  # what changes floating point but not what was computed
+    ("machine", "cpu"): "CPU",
+    ("machine", "cpu_capability"): "CPU instruction set",
+    ("machine", "torch_threads"): "torch threads",
+    ("code", "versions"): "library versions",
+    ("code", "commit"): "sao commit",
+}
+
+
+def weights_sha256(folder: str | os.PathLike[str]) -> tuple[str | None, str]:
+    """(hash, how it was taken) of the model weights in ``folder``; (None, why) when it holds none."""
+    folder = Path(folder)
+    shards = sorted(folder.glob("*.safetensors"))
+    if shards:
+        tensors: dict[str, tuple[Path, int, dict[str, Any]]] = {}
+        for shard in shards:
+            with shard.open("rb") as handle:
+                (size,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(size))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    tensors[name] = (shard, 8 + size, info)
+        digest = hashlib.sha256()
+        for name in sorted(tensors):
+            shard, start, info = tensors[name]
+            lo, hi = info["data_offsets"]
+            digest.update(json.dumps([name, info["dtype"], info["shape"]]).encode())
+            with shard.open("rb") as handle:
+                handle.seek(start + lo)
+                left = hi - lo
+                while left > 0:
+                    block = handle.read(min(CHUNK, left))
+                    if not block:
+                        raise OSError(f"{shard} ends inside tensor {name!r}")
+                    digest.update(block)
+                    left -= len(block)
+        return digest.hexdigest(), f"safetensors tensors ({len(tensors)} in {len(shards)} file(s))"
+    files = sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
+    if files:
+        return _files_sha256(files, canonical_json=False), f"file bytes ({len(files)} file(s))"
+    return None, f"no *.safetensors, *.bin or *.pt in {folder.name}"
+
+
+def tokenizer_sha256(folder: str | os.PathLike[str]) -> str | None:
+    """Hash of the tokenizer files present in ``folder`` (None when there is none)."""
+    files = [Path(folder) / name for name in TOKENIZER_FILES if (Path(folder) / name).is_file()]
+    return _files_sha256(files, canonical_json=True) if files else None
+
+
+def _files_sha256(files: Iterable[Path], canonical_json: bool) -> str:
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0")
+        if canonical_json and path.suffix == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"))
+            digest.update(json.dumps(data, sort_keys=True, separators=(",", ":")).encode())
+        else:
+            with path.open("rb") as handle:
+                while block := handle.read(CHUNK):
+                    digest.update(block)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def tasks_sha256(tasks: Iterable[Any]) -> str:
+    """Hash of a list of tasks (dataclasses: every field, in order; anything else: its JSON form)."""
+    rows = [dataclasses.asdict(t) if dataclasses.is_dataclass(t) else t for t in tasks]
+    text = json.dumps(rows, sort_keys=True, default=str, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def model_dir(model: str) -> Path | None:
+    """The local folder of ``model``: itself when it is a folder, else the hub cache's snapshot (None when the
+    hub id has not been downloaded here)."""
+    if Path(model).is_dir():
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:  # not cached, not a hub id, or no huggingface_hub: nothing local to hash
+        return None
+
+
+def model_block(model: str, name: str | None = None) -> dict[str, Any]:
+    """The model at ``model`` (a folder or hub id) with its weights and tokenizer hashes, recorded under ``name``
+    (what the config calls it, e.g. "tiny"; default ``model``) and its folder's last component only, so that no
+    machine's paths end up in a results file."""
+    folder = model_dir(model)
+    if folder is None:
+        return {"name": name or model, "folder": None, "weights_sha256": None,
+                "weights_hashed": "not available locally", "tokenizer_sha256": None}  # fmt: skip
+    weights, how = weights_sha256(folder)
+    return {"name": name or model, "folder": folder.name, "weights_sha256": weights, "weights_hashed": how,
+            "tokenizer_sha256": tokenizer_sha256(folder)}  # fmt: skip
+
+
+def machine() -> dict[str, Any]:
+    """The CPU, its instruction set as torch's kernels see it, cores and thread settings."""
+    import torch
+
+    cpu = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    capability = None
+    with contextlib.suppress(AttributeError, RuntimeError):  # older torch builds lack it
+        capability = torch.backends.cpu.get_cpu_capability()
+    return {
+        "cpu": cpu or platform.processor() or platform.machine() or None,
+        "cpu_capability": capability,
+        "architecture": platform.machine(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "mkl_num_threads": os.environ.get("MKL_NUM_THREADS"),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of python and of every library that computes a number in a run, and the device."""
+    import numpy
+    import peft
+    import scipy
+    import torch
+    import transformers
+
+    import sao
+
+    out = {
+        "sao": sao.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "numpy": numpy.__version__,
+        "scipy": scipy.__version__,
+    }
+    out["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.machine()})"
+    return out
+
+
+def sao_commit() -> dict[str, Any]:
+    """sao's git commit and whether its source differs from it, when sao runs from a git checkout of itself
+    (an installed copy inside some other repository reports "unknown")."""
+    import sao
+
+    package = Path(sao.__file__).resolve().parent
+    try:
+        top = _git(package, "rev-parse", "--show-toplevel")
+        if (Path(top) / "src" / "sao").resolve() != package:
+            return {"commit": "unknown", "dirty": None}
+        commit = _git(package, "rev-parse", "HEAD")
+        dirty = bool(_git(Path(top), "status", "--porcelain", "--untracked-files=no", "--", "src"))
+        return {"commit": commit, "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": "unknown", "dirty": None}
+
+
+def _git(where: Path, *args: str) -> str:
+    done = subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, timeout=10, check=True)
+    return done.stdout.strip()
+
+
+def collect(
+    model: str, train: list[Any], test: list[Any], source: str | None = None, name: str | None = None
+) -> dict[str, Any]:
+    """The whole provenance block of a run of ``model`` (a folder or hub id; ``name``: what the config calls it)
+    on these training prompts and held-out tasks."""
+    return {
+        "model": model_block(model, name),
+        "data": {
+            "source": source,
+            "train": len(train),
+            "train_sha256": tasks_sha256(train),
+            "test": len(test),
+            "test_sha256": tasks_sha256(test),
+        },
+        "machine": machine(),
+        "code": {"versions": library_versions(), **sao_commit()},
+    }
+
+
+def _get(block: Mapping[str, Any], path: tuple[str, str]) -> Any:
+    return (block.get(path[0]) or {}).get(path[1]) if isinstance(block, Mapping) else None
+
+
+def differences(blocks: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Warnings in words for provenance blocks (label → block) that disagree: one per differing hash (the
+    pieces are not about the same model or data), then one note for the machine and code (they need not agree
+    bit for bit). A value missing from a block is not a difference; ``missing`` reports blocks without a hash."""
+    out = []
+    for path, what in HASHES.items():
+        groups: dict[str, list[str]] = {}
+        for label, block in blocks.items():
+            value = _get(block, path)
+            if value is not None:
+                groups.setdefault(str(value), []).append(label)
+        if len(groups) > 1:
+            parts = "; ".join(f"{h[:12]}: {', '.join(labels)}" for h, labels in groups.items())
+            out.append(f"the {what} differ between the pieces aggregated here ({parts}): they are not runs of the "
+                       "same experiment, so comparing them measures the difference too")  # fmt: skip
+    varying = [what for path, what in ENVIRONMENT.items()
+               if len({json.dumps(v, sort_keys=True) for b in blocks.values() if (v := _get(b, path)) is not None}) > 1
+               ]  # fmt: skip
+    if varying:
+        out.append(f"the pieces aggregated here ran with different {', '.join(varying)}: the same settings need "
+                   "not give the same numbers bit for bit")  # fmt: skip
+    return out
+
+
+def missing(blocks: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Labels of blocks that record no model weights hash (made before sao recorded provenance, or unhashable)."""
+    return [label for label, block in blocks.items() if _get(block, ("model", "weights_sha256")) is None]

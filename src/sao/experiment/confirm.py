@@ -1,0 +1,359 @@
+"""`sao confirm PLAN`: a confirmation planned before it runs — the primary endpoint, the family of comparisons and
+its correction, and fresh seeds, all fixed in a file before the first step is trained.
+
+An exploratory sweep picks its cell after looking; its `improved` is a lead, not a finding. A confirmation
+names in advance the one comparison it is about and every other comparison it will report, runs them on seeds
+no exploratory run used, and corrects for the number of comparisons. The plan (YAML or JSON):
+
+    question: Does dis beat none at lag 16, lr 2e-3 on the tiny preset?
+    written: 2026-01-05, before any of these seeds was trained        # free text, shown in the report
+    preset: tiny                                                      # then settings: any Config fields
+    settings: {steps: 40, base_evals: 5}                              # but lag, lr, band, arm, seed, train_runs
+    grid: {lags: [8, 16, 32], lrs: [2.0e-3], bands: [[0.7, 6.0]]}    # optional; default: the primary cell
+    arms: [dis, none, random, tis, seqmask]                           # random: the dis arm's share, at random
+    primary: {lag: 16, lr: 2.0e-3, comparison: dis_vs_none, expect: improved}   # band: the config's unless named
+    secondary: [dis_vs_none, dis_vs_random, tis_vs_none, seqmask_vs_none]        # made in every cell
+    seeds: {first: 101, count: 16}                                    # or a list
+    exploratory: [../sweep-tiny-lr2e-3/sweep.json]                    # paths from the plan's folder
+    correction: holm
+    alpha: 0.05
+
+The family is the primary comparison and every secondary comparison in every cell of the grid (the primary
+cell's copy of the primary comparison counted once). Each is ``sao.core.stats.compare`` over seeds (the seed is
+the unit, paired by index), its p-value adjusted by Holm's method across the family; a verdict of improved or
+regressed stands only when the adjusted p is below alpha, else it becomes unresolved and says why. The seeds
+must be disjoint from every seed of every exploratory run cited (results.json, an old sweep.json, an experiment
+folder or a run folder); a plan that cites none says so in the report.
+
+The run is one ``sao.experiment.runner.Experiment`` over the plan's grid (no second runner): the same files,
+plus ``plan.<ext>`` (the plan as given, its sha256 kept in experiment.json, so --resume with a changed plan is
+refused), and results.json gains ``plan`` and ``confirmation`` blocks that the report states first.
+
+Deliberately left out: choosing the plan (a person writes it, before the run), gatekeeping or hierarchical
+testing schemes beyond Holm, and any comparison that was not planned (the report's other tables show the
+experiment as it ran; the confirmation speaks only for its family).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sao.core import stats
+from sao.core.config import PRESETS, Config, _parse_json, _parse_yaml
+from sao.core.errors import ConfigError
+from sao.core.io import read_json, write_json
+from sao.experiment import report, results
+from sao.experiment.runner import Experiment, Grid, cell_name
+
+CORRECTIONS = ("holm",)
+EXPECT = ("improved", "regressed")
+PLAN_SET = ("lag", "lr", "band", "arm", "seed", "train_runs")  # the plan sets these, not its settings
+KEYS = {"question", "written", "preset", "settings", "grid", "arms", "primary", "secondary", "seeds", "exploratory",
+        "correction", "alpha"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A confirmation plan, read and checked. ``family`` lists (cell name, comparison) with the primary first."""
+
+    path: Path
+    sha256: str
+    question: str
+    written: str | None
+    config: Config
+    grid: Grid
+    primary: dict[str, Any]  # cell, comparison, after, before, expect
+    secondary: list[str]
+    seeds: list[int]
+    correction: str
+    alpha: float
+    exploratory: list[dict[str, Any]] = field(default_factory=list)  # path, seeds, weights_sha256
+
+    @property
+    def family(self) -> list[tuple[str, str]]:
+        first = (self.primary["cell"], self.primary["comparison"])
+        rest = [(c["name"], k) for c in self.grid.cells() for k in self.secondary if (c["name"], k) != first]
+        return [first, *rest]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "file": self.path.name,
+            "sha256": self.sha256,
+            "question": self.question,
+            "written": self.written,
+            "primary": self.primary,
+            "secondary": self.secondary,
+            "family": [{"cell": cell, "comparison": key} for cell, key in self.family],
+            "arms": list(self.grid.arms),
+            "grid": asdict(self.grid),
+            "seeds": self.seeds,
+            "correction": self.correction,
+            "alpha": self.alpha,
+            "exploratory": self.exploratory,
+            "random_mask_share": self.config.random_mask_share,
+        }
+
+
+def _fail(path: Path, message: str) -> ConfigError:
+    return ConfigError(f"plan {path}: {message}")
+
+
+def _comparison(path: Path, text: Any, arms: tuple[str, ...], where: str) -> tuple[str, str]:
+    parts = text.split("_vs_") if isinstance(text, str) else []
+    if len(parts) != 2 or not all(parts) or parts[0] == parts[1]:
+        raise _fail(path, f"{where} must be a comparison like dis_vs_none (after_vs_before), got {text!r}")
+    missing = [a for a in parts if a not in arms]
+    if missing:
+        raise _fail(path, f"{where} {text} compares arm(s) {missing} that the plan's arms {list(arms)} lack")
+    return parts[0], parts[1]
+
+
+def read_plan(path: str | Path) -> Plan:
+    """The plan in ``path``, checked: every field present and of its kind, the primary cell in the grid, every
+    compared arm trained, the seeds fresh against every exploratory run it cites. Any problem is a ConfigError
+    naming the plan and the field."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise _fail(path, f"cannot be read ({error.strerror or error})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _fail(path, "is not UTF-8 text") from None
+    where = f"plan {path}"
+    data = _parse_json(text, where) if path.suffix.lower() == ".json" else _parse_yaml(text, where)
+    if not isinstance(data, dict):
+        raise _fail(path, "must be a mapping (question, primary, seeds, ...)")
+    unknown = sorted(set(data) - KEYS)
+    if unknown:
+        raise _fail(path, f"unknown field(s) {unknown}; a plan has {sorted(KEYS)}")
+    for name in ("question", "primary", "seeds", "arms", "correction"):
+        if data.get(name) in (None, "", [], {}):
+            raise _fail(path, f"lacks '{name}': a confirmation states it before it runs")
+    if not isinstance(data["question"], str):
+        raise _fail(path, "'question' must be text")
+
+    settings = data.get("settings") or {}
+    if not isinstance(settings, dict):
+        raise _fail(path, "'settings' must be a mapping of settings (name: value)")
+    clash = sorted(set(settings) & set(PLAN_SET))
+    if clash:
+        raise _fail(path, f"settings {clash} are set by the plan's grid, primary and seeds, not by 'settings'")
+    preset = data.get("preset", "protocol")
+    if preset not in PRESETS:
+        raise _fail(path, f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+
+    seeds = _seeds(path, data["seeds"])
+    try:
+        config = Config.preset(preset, **settings, seed=seeds[0], train_runs=len(seeds))
+    except (ConfigError, TypeError) as error:
+        raise _fail(path, f"settings: {error}") from None
+
+    arms = data["arms"]
+    if not (isinstance(arms, list) and all(isinstance(a, str) for a in arms)):
+        raise _fail(path, "'arms' must be a list of correction rules")
+    primary = data["primary"]
+    if not isinstance(primary, dict) or not {"lag", "lr", "comparison"} <= set(primary):
+        raise _fail(path, "'primary' must name lag, lr and comparison (and band, unless the config's)")
+    band = tuple(primary.get("band") or config.band)
+    grid_spec = data.get("grid") or {}
+    if not isinstance(grid_spec, dict) or set(grid_spec) - {"lags", "lrs", "bands"}:
+        raise _fail(path, "'grid' must be a mapping with lags, lrs and bands")
+    try:
+        grid = Grid(
+            lags=tuple(grid_spec.get("lags") or (primary["lag"],)),
+            lrs=tuple(float(x) for x in grid_spec.get("lrs") or (primary["lr"],)),
+            bands=tuple(tuple(b) for b in grid_spec.get("bands") or (band,)),
+            arms=tuple(arms),
+        )
+        for arm in arms:
+            Config.preset(preset, **settings, arm=arm, random_mask_share=config.random_mask_share or 0.0)
+    except (ConfigError, TypeError, ValueError) as error:
+        raise _fail(path, f"grid or arms: {error}") from None
+    after, before = _comparison(path, primary["comparison"], grid.arms, "primary.comparison")
+    expect = primary.get("expect", "improved")
+    if expect not in EXPECT:
+        raise _fail(path, f"primary.expect must be one of {list(EXPECT)}, got {expect!r}")
+    try:
+        name = cell_name(int(primary["lag"]), float(primary["lr"]), (float(band[0]), float(band[1])))
+    except (TypeError, ValueError, IndexError):
+        raise _fail(path, f"primary: lag, lr and band must be numbers, got {primary}") from None
+    if name not in [c["name"] for c in grid.cells()]:
+        raise _fail(path, f"the primary cell {name} is not a cell of the grid {[c['name'] for c in grid.cells()]}")
+    secondary = data.get("secondary") or []
+    if not isinstance(secondary, list):
+        raise _fail(path, "'secondary' must be a list of comparisons like dis_vs_random")
+    for key in secondary:
+        _comparison(path, key, grid.arms, "secondary")
+
+    correction = data["correction"]
+    if correction not in CORRECTIONS:
+        raise _fail(path, f"correction must be one of {list(CORRECTIONS)}, got {correction!r}")
+    alpha = data.get("alpha", 0.05)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
+        raise _fail(path, f"alpha must be a number in (0, 1), got {alpha!r}")
+    written = data.get("written")
+
+    exploratory = [_exploratory(path, item) for item in data.get("exploratory") or []]
+    reused = {e["path"]: sorted(set(seeds) & set(e["seeds"])) for e in exploratory}
+    reused = {k: v for k, v in reused.items() if v}
+    if reused:
+        listed = "; ".join(f"{k} used {v}" for k, v in reused.items())
+        raise _fail(path, f"the seeds are not fresh: {listed}. Choose seeds no exploratory run has used")
+    return Plan(
+        path=path, sha256=hashlib.sha256(raw).hexdigest(), question=data["question"],
+        written=None if written is None else str(written), config=config, grid=grid,
+        primary={"cell": name, "comparison": f"{after}_vs_{before}", "after": after, "before": before,
+                 "expect": expect},
+        secondary=[str(k) for k in secondary], seeds=seeds, correction=correction, alpha=float(alpha),
+        exploratory=exploratory,
+    )  # fmt: skip
+
+
+def _seeds(path: Path, spec: Any) -> list[int]:
+    if isinstance(spec, dict) and set(spec) == {"first", "count"}:
+        first, count = spec["first"], spec["count"]
+        if not (isinstance(first, int) and isinstance(count, int)) or count < 1:
+            raise _fail(path, "seeds: first and count must be integers, count >= 1")
+        return list(range(first, first + count))
+    if isinstance(spec, list) and spec and all(isinstance(s, int) and not isinstance(s, bool) for s in spec):
+        if len(set(spec)) != len(spec):
+            raise _fail(path, f"seeds must be distinct, got {spec}")
+        return list(spec)
+    raise _fail(path, f"seeds must be a list of integers or {{first: N, count: S}}, got {spec!r}")
+
+
+def _exploratory(plan: Path, item: Any) -> dict[str, Any]:
+    """An exploratory run the plan cites: its path (as written), the training seeds it used, its model hash."""
+    if not isinstance(item, str):
+        raise _fail(plan, f"exploratory entries are paths to results.json files or experiment folders, got {item!r}")
+    where = (plan.parent / item) if not Path(item).is_absolute() else Path(item)
+    if where.is_dir():
+        found = [where / name for name in ("results.json", "sweep.json", "experiment.json", "config.json")]
+        where = next((f for f in found if f.is_file()), where)
+    if not where.is_file():
+        raise _fail(plan, f"exploratory {item}: no such file, or a folder without results.json, sweep.json, "
+                          "experiment.json or config.json, so its seeds cannot be checked")  # fmt: skip
+    try:
+        data = read_json(where)
+    except (OSError, ValueError) as error:
+        raise _fail(plan, f"exploratory {item}: not readable JSON ({error})") from None
+    seeds = seeds_of(data)
+    if not seeds:
+        raise _fail(plan, f"exploratory {item}: records no training seeds, so freshness cannot be checked")
+    weights = ((data.get("provenance") or {}).get("model") or {}).get("weights_sha256")
+    return {"path": item, "seeds": sorted(seeds), "weights_sha256": weights}
+
+
+def seeds_of(data: Any) -> set[int]:
+    """Every training seed a results.json, sweep.json, experiment.json or run config.json records."""
+    seeds: set[int] = set()
+    if not isinstance(data, dict):
+        return seeds
+    seeds |= {s for s in data.get("seeds") or [] if isinstance(s, int)}
+    config = data.get("config") if isinstance(data.get("config"), dict) else None
+    if config and isinstance(config.get("seed"), int):
+        runs = config.get("train_runs") if isinstance(config.get("train_runs"), int) else 1
+        seeds |= set(range(config["seed"], config["seed"] + max(runs, 1)))
+    for cell in data.get("cells") or []:
+        for arm in (cell.get("arms") or {}).values() if isinstance(cell, dict) else []:
+            for run in (arm.get("runs") or {}).values() if isinstance(arm, dict) else []:
+                if isinstance(run, dict) and isinstance(run.get("seed"), int):
+                    seeds.add(run["seed"])
+    return seeds
+
+
+def confirmation(summary: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """The planned family, compared and Holm-adjusted, from an experiment's results.json content. A comparison
+    against an arm other than none is made here (and added to its cell's ``compare``) by the same ``compare``."""
+    cells = {c["name"]: c for c in summary["cells"]}
+    rows = []
+    for cell_name_, key in plan.family:
+        cell = cells[cell_name_]
+        if key not in cell["compare"]:
+            after, before = key.split("_vs_")
+            cell["compare"][key] = results.compare_arms(cell["arms"], after, before, summary["base"])
+        c = cell["compare"][key]
+        rows.append({"cell": cell_name_, "comparison": key, "after": c["after"], "before": c["before"],
+                     "delta": c["delta"], "ci_low": c["ci_low"], "ci_high": c["ci_high"], "p_value": c["p_value"],
+                     "unit": c["unit"], "n": c["n"], "noise_floor": c["noise_floor"], "verdict_unadjusted":
+                     c["verdict"], "reason_unadjusted": c["reason"]})  # fmt: skip
+    adjusted = stats.holm([r["p_value"] for r in rows])
+    m = len(rows)
+    for row, p in zip(rows, adjusted, strict=True):
+        row["p_holm"] = p
+        verdict = row["verdict_unadjusted"]
+        if verdict in EXPECT and p >= plan.alpha:
+            row["verdict"] = "unresolved"
+            row["reason"] = (f"unresolved after Holm's correction: alone it would be {verdict} "
+                             f"(p = {row['p_value']:.3g}), but across the {m} planned comparisons the adjusted "
+                             f"p = {p:.3g} is not below alpha {plan.alpha:g}.")  # fmt: skip
+        else:
+            row["verdict"] = verdict
+            row["reason"] = row["reason_unadjusted"] + (f" Holm-adjusted p = {p:.3g} across {m} comparisons."
+                                                        if verdict in EXPECT else "")  # fmt: skip
+    first = rows[0]
+    outcome = ("confirmed" if first["verdict"] == plan.primary["expect"]
+               else "contradicted" if first["verdict"] in EXPECT else "not confirmed")  # fmt: skip
+    return {
+        "correction": plan.correction,
+        "alpha": plan.alpha,
+        "family_size": m,
+        "family": rows,
+        "primary": first,
+        "expect": plan.primary["expect"],
+        "outcome": outcome,
+    }
+
+
+def _exploratory_warnings(plan: Plan, weights: str | None) -> list[str]:
+    out = []
+    for e in plan.exploratory:
+        if e["weights_sha256"] is None:
+            out.append(f"the exploratory run {e['path']} records no model hash, so whether it ran on the model "
+                       "confirmed here cannot be checked")  # fmt: skip
+        elif weights is not None and e["weights_sha256"] != weights:
+            out.append(f"the exploratory run {e['path']} ran on other model weights "
+                       f"({e['weights_sha256'][:12]}) than this confirmation ({weights[:12]}): it is not a repeat of "
+                       "that experiment")  # fmt: skip
+    return out
+
+
+def run(
+    plan_path: str | Path, out_dir: str | Path, *, resume: bool = False, progress: bool = True,
+    command: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Run the plan in ``plan_path`` into ``out_dir``; write and return results.json's content."""
+    plan = read_plan(plan_path)
+    out = Path(out_dir)
+    copy = out / f"plan{plan.path.suffix.lower()}"
+    if resume and copy.is_file() and hashlib.sha256(copy.read_bytes()).hexdigest() != plan.sha256:
+        raise ConfigError(f"--resume: {plan.path} differs from the plan this confirmation started with ({copy})")
+    experiment = Experiment(plan.config, plan.grid, out, resume=resume, progress=progress, command=command,
+                            seeds=plan.seeds, record={"plan_sha256": plan.sha256})  # fmt: skip
+    if not copy.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        copy.write_bytes(plan.path.read_bytes())  # the plan as given, before anything is trained
+    summary = experiment.run()
+    block = confirmation(summary, plan)
+    summary["question"] = plan.question
+    summary["plan"] = plan.to_dict()
+    summary["confirmation"] = block
+    summary["primary"] = {"cell": plan.primary["cell"], "comparison": plan.primary["comparison"]}
+    summary["verdict"], summary["reason"] = block["primary"]["verdict"], block["primary"]["reason"]
+    extra = _exploratory_warnings(plan, ((summary.get("provenance") or {}).get("model") or {}).get("weights_sha256"))
+    for message in extra:
+        print("warning: " + message, file=sys.stderr, flush=True)
+    summary["provenance"]["warnings"] = [*summary["provenance"].get("warnings", []), *extra]
+    write_json(out / "results.json", summary)
+    report.write(out)
+    return json.loads(json.dumps(summary, default=str))
+
+
+__all__ = ["Plan", "confirmation", "read_plan", "run", "seeds_of"]

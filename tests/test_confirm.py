@@ -1,0 +1,250 @@
+"""`sao confirm PLAN`: a tiny plan (one cell, arms dis / none / random, 2 fresh seeds, 4 policy steps) runs end to
+end through the one runner — plan first in the report, Holm across the family, the random control at the dis arm's
+share, pass@1 over steps, provenance — and the checks a plan must pass before anything trains."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from sao.cli import main
+from sao.core import stats
+from sao.core.algorithm import SAO
+from sao.core.config import Config
+from sao.core.errors import ConfigError
+from sao.core.io import clean
+from sao.experiment import confirm
+from sao.experiment.runner import Grid
+from sao.tasks import tiny
+
+CELL = "lag2-lr0.003-band0.7-6"
+SETTINGS = {"batch_size": 16, "steps": 4, "critic_warmup": 1, "train_prompts": 64, "test_prompts": 16,
+            "eval_samples": 2, "base_evals": 2, "eval_every": 2, "micro_batch": 16}  # fmt: skip
+OTHER_WEIGHTS = "ab" * 32
+
+
+def write_plan(folder, **changes) -> str:
+    """A tiny plan in ``folder`` citing an exploratory run (seeds 17 and 18, other model weights) beside it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    explored = folder / "explored" / "results.json"
+    explored.parent.mkdir(exist_ok=True)
+    explored.write_text(json.dumps({"seeds": [17, 18], "provenance": {"model": {"weights_sha256": OTHER_WEIGHTS}}}))
+    plan = {
+        "question": "Does dis beat none in this tiny cell?",
+        "written": "by the test, before the run",
+        "preset": "tiny",
+        "settings": SETTINGS,
+        "arms": ["dis", "none", "random"],
+        "primary": {"lag": 2, "lr": 3.0e-3, "comparison": "dis_vs_none", "expect": "improved"},
+        "secondary": ["dis_vs_random", "random_vs_none"],
+        "seeds": [201, 202],
+        "exploratory": ["explored/results.json"],
+        "correction": "holm",
+        "alpha": 0.05,
+        **changes,
+    }
+    path = folder / "plan.json"
+    path.write_text(json.dumps(plan, indent=1))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def confirmed(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("confirm")
+    plan = write_plan(root / "plan")
+    out = root / "out"
+    assert main(["confirm", plan, "--out", str(out), "--quiet"]) == 0
+    return plan, out, json.loads((out / "results.json").read_text())
+
+
+def test_the_plan_runs_end_to_end_and_the_report_states_it_first(confirmed):
+    plan, out, results = confirmed
+    assert results["seeds"] == [201, 202] and results["config"]["seed"] == 201
+    assert (out / "plan.json").read_text() == Path(plan).read_text(), "the plan is kept as given"
+    assert set(results["cells"][0]["arms"]) == {"dis", "none", "random"}
+    block = results["confirmation"]
+    assert block["family_size"] == 3 and [r["comparison"] for r in block["family"]] == [
+        "dis_vs_none", "dis_vs_random", "random_vs_none"]  # fmt: skip
+    assert [r["p_holm"] for r in block["family"]] == pytest.approx(stats.holm([r["p_value"] for r in block["family"]]))
+    assert all(r["p_holm"] >= r["p_value"] and r["unit"] == "seed" and r["n"] == 2 for r in block["family"])
+    assert results["primary"] == {"cell": CELL, "comparison": "dis_vs_none"}
+    assert results["verdict"] == block["primary"]["verdict"] and block["outcome"] in {
+        "confirmed", "not confirmed", "contradicted"}  # fmt: skip
+    assert "dis_vs_random" in results["cells"][0]["compare"], "a planned comparison against another arm is made"
+    text = (out / "report.md").read_text()
+    assert text.index("## Plan (fixed before the run)") < text.index("## What came out") < text.index("## Verdict")
+    assert "seeds 201, 202" in text and "explored/results.json used seeds 17, 18" in text
+    assert "Holm-adjusted p" in text and "`random` (a random token mask at the share dis masked" in text
+
+
+def test_the_random_arm_masks_the_share_the_dis_arm_masked(confirmed):
+    _, out, _ = confirmed
+    for seed in (201, 202):
+        runs = out / "cells" / CELL / "runs"
+        dis = json.loads((runs / f"dis-s{seed}" / "train_log.json").read_text())
+        share = statistics.fmean(r["masked_share"] for r in dis if r["phase"] == "policy")
+        random_run = json.loads((runs / f"random-s{seed}" / "config.json").read_text())
+        assert random_run["config"]["arm"] == "random" and random_run["config"]["random_mask_share"] == share
+        log = json.loads((runs / f"random-s{seed}" / "train_log.json").read_text())
+        none = json.loads((runs / f"none-s{seed}" / "train_log.json").read_text())
+        assert log[0]["reward_mean"] == none[0]["reward_mean"], "the arms share prompts and sampler seeds"
+
+
+def test_pass_at_1_over_steps_exists_per_arm_and_seed(confirmed):
+    _, out, results = confirmed
+    for name, arm in results["cells"][0]["arms"].items():
+        curve = arm["eval_curve"]
+        assert curve["policy_steps"] == [0, 2, 4] and set(curve["per_seed"]) == {"201", "202"}
+        for i, seed in enumerate((201, 202)):
+            assert curve["per_seed"][str(seed)][-1] == arm["pass_at_1"][i], f"{name}: the last point is the final eval"
+        starts = [curve["per_seed"][s][0] for s in ("201", "202")]
+        assert starts == [json.loads((out / "evals" / f"start-s{s}.json").read_text())["pass_at_1"] for s in (201, 202)]
+    assert (out / "plots" / "eval_curve.png").stat().st_size > 1000 and "plots/eval_curve.png" in (
+        out / "report.md").read_text()  # fmt: skip
+
+
+def test_results_carry_provenance_and_warn_about_the_exploratory_model(confirmed):
+    _, out, results = confirmed
+    p = results["provenance"]
+    assert p["model"]["weights_sha256"] == tiny.SHIPPED_SHA256 and p["model"]["tokenizer_sha256"]
+    assert p["data"]["test"] == 16 and p["machine"]["torch_threads"] >= 1 and p["code"]["versions"]["torch"]
+    assert p["pieces_without_provenance"] == []
+    assert any("explored/results.json ran on other model weights" in w for w in p["warnings"])
+    run = json.loads((out / "cells" / CELL / "runs" / "dis-s201" / "provenance.json").read_text())
+    assert run[-1]["model"]["weights_sha256"] == tiny.SHIPPED_SHA256
+    assert "## Model, data and machine" in (out / "report.md").read_text()
+
+
+def test_aggregating_a_run_made_on_other_weights_warns(confirmed, tmp_path, capsys):
+    plan, out, _ = confirmed
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    stamp = copy / "cells" / CELL / "runs" / "none-s202" / "provenance.json"
+    blocks = json.loads(stamp.read_text())
+    blocks[-1]["model"]["weights_sha256"] = OTHER_WEIGHTS
+    stamp.write_text(json.dumps(blocks))
+    assert main(["confirm", plan, "--out", str(copy), "--resume", "--quiet"]) == 0
+    warnings = json.loads((copy / "results.json").read_text())["provenance"]["warnings"]
+    assert any("model weights differ" in w and f"{CELL} none-s202" in w for w in warnings)
+    assert "model weights differ" in capsys.readouterr().err
+
+
+def test_intermediate_evals_leave_training_unchanged(confirmed, tmp_path):
+    """The dis run of seed 201 again, without --eval-every: the same log step for step (timings aside)."""
+    from sao.train.trainer import Trainer
+
+    _, out, _ = confirmed
+    config = Config.preset("tiny", **{**SETTINGS, "eval_every": 0}, lag=2, lr=3e-3, arm="dis", seed=201)
+    plain = Trainer(config, tmp_path / "run", progress=False).run()
+    evaluated = json.loads((out / "cells" / CELL / "runs" / "dis-s201" / "train_log.json").read_text())
+    volatile = {"time", "time_sample", "rollouts_per_s"}
+    assert [{k: v for k, v in r.items() if k not in volatile} for r in clean(plain)] == [
+        {k: v for k, v in r.items() if k not in volatile} for r in evaluated]  # fmt: skip
+
+
+def test_a_changed_plan_cannot_resume(confirmed, tmp_path):
+    _, out, _ = confirmed
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    changed = write_plan(tmp_path / "changed", alpha=0.01)
+    with pytest.raises(ConfigError, match="differs from the plan"):
+        confirm.run(changed, copy, resume=True, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"seeds": [18, 301]}, "not fresh: explored/results.json used \\[18\\]"),
+        ({"seeds": {"first": 16, "count": 2}}, "not fresh"),
+        (
+            {"grid": {"lags": [2, 8]}, "primary": {"lag": 4, "lr": 3e-3, "comparison": "dis_vs_none"}},
+            "primary cell .* is not a cell",
+        ),
+        ({"secondary": ["tis_vs_none"]}, "arm\\(s\\) \\['tis'\\]"),
+        ({"settings": {"lag": 4}}, "set by the plan"),
+        ({"correction": "bonferroni"}, "correction must be one of"),
+        ({"exploratory": ["nowhere/results.json"]}, "no such file"),
+        ({"hypothesis": "x"}, "unknown field"),
+        ({"seeds": []}, "lacks 'seeds'"),
+    ],
+)
+def test_a_plan_is_checked_before_anything_trains(tmp_path, capsys, changes, needle):
+    plan = write_plan(tmp_path / "plan", **changes)
+    with pytest.raises(ConfigError, match=needle):
+        confirm.read_plan(plan)
+    assert main(["confirm", plan, "--out", str(tmp_path / "out")]) == 2
+    assert "error: plan" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_seeds_of_reads_every_kind_of_exploratory_file():
+    assert confirm.seeds_of({"seeds": [17, 18, 19, 20]}) == {17, 18, 19, 20}  # results.json, old sweep.json
+    assert confirm.seeds_of({"config": {"seed": 5, "train_runs": 3}}) == {5, 6, 7}  # experiment.json
+    assert confirm.seeds_of({"config": {"seed": 9}}) == {9}  # a sao train run's config.json
+    assert confirm.seeds_of({"cells": [{"arms": {"dis": {"runs": {"dis-s4": {"seed": 4}}}}}]}) == {4}
+
+
+def test_holm_turns_a_lone_improvement_unresolved_when_the_family_is_large(tmp_path):
+    grid = Grid(lags=(1, 2, 3), lrs=(1e-3,), arms=("dis", "none"))
+    plan = confirm.Plan(path=tmp_path / "p.yaml", sha256="0", question="q", written=None, config=Config(),
+                        grid=grid, primary={"cell": grid.cells()[0]["name"], "comparison": "dis_vs_none",
+                                            "after": "dis", "before": "none", "expect": "improved"},
+                        secondary=["dis_vs_none"], seeds=[1, 2], correction="holm", alpha=0.05)  # fmt: skip
+
+    def comparison(p: float) -> dict:
+        return {"after": "dis", "before": "none", "delta": 0.2, "ci_low": 0.01, "ci_high": 0.39, "p_value": p,
+                "unit": "seed", "n": 3, "noise_floor": 0.1, "verdict": "improved",
+                "reason": "improved: made up."}  # fmt: skip
+
+    cells = [{"name": c["name"], "compare": {"dis_vs_none": comparison(p)}, "arms": {}}
+             for c, p in zip(grid.cells(), (0.03, 0.001, 0.5), strict=True)]  # fmt: skip
+    block = confirm.confirmation({"cells": cells, "base": {}}, plan)
+    assert [r["p_holm"] for r in block["family"]] == pytest.approx([0.06, 0.003, 0.5])
+    assert [r["verdict"] for r in block["family"]] == ["unresolved", "improved", "unresolved"]
+    assert "alone it would be improved" in block["family"][0]["reason"] and block["outcome"] == "not confirmed"
+    assert block["family"][2]["verdict_unadjusted"] == "improved"
+
+
+def _batch(B: int = 6, T: int = 40) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 30:] = False
+    sampler = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    return {"logprobs": sampler + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64),
+            "sampler_logprobs": sampler, "values": torch.zeros(B, T, dtype=torch.float64),
+            "rewards": torch.tensor([1.0, 0, 1, 0, 1, 1], dtype=torch.float64), "action_mask": mask}  # fmt: skip
+
+
+def test_the_random_rule_drops_its_share_whatever_the_ratio_and_however_the_batch_is_split():
+    batch = _batch()
+    rule = SAO(correction="random", random_mask_share=0.25)
+    whole = rule.update(batch)
+    assert 0.15 < whole.stats["masked_share"] < 0.35
+    dropped = batch["action_mask"] & ~whole.mask
+    in_band = (whole.ratio > 0.7) & (whole.ratio < 6.0)
+    assert (dropped & in_band).any(), "it drops tokens dis would keep"
+    shifted = rule.update({**batch, "logprobs": batch["logprobs"] + 1.0})
+    assert torch.equal(batch["action_mask"] & ~shifted.mask, dropped), "the mask does not depend on the ratio"
+    n = float(batch["action_mask"].sum())
+    halves = [rule.update({k: v[rows] for k, v in batch.items()}, normalizer=n) for rows in (slice(0, 3), slice(3, 6))]
+    assert torch.equal(torch.cat([h.mask for h in halves]), whole.mask), "micro-batches draw the same mask"
+    assert torch.equal(torch.cat([h.coefficients for h in halves]), whole.coefficients)
+    none = SAO(correction="none").update(batch)
+    kept = whole.mask
+    assert torch.equal(whole.coefficients[kept], none.coefficients[kept]), "elsewhere it is the plain ratio"
+    assert torch.equal(SAO(correction="random").update(batch).coefficients, none.coefficients), "share 0 is none"
+
+
+def test_the_random_arm_needs_a_share_or_a_dis_arm_before_it(tmp_path):
+    from sao.experiment.runner import Experiment
+
+    with pytest.raises(ConfigError, match="random-mask-share"):
+        Config(arm="random")
+    with pytest.raises(ConfigError, match="list dis before random"):
+        Experiment(Config.preset("tiny"), Grid(lags=(1,), lrs=(1e-3,), arms=("random", "dis", "none")), tmp_path / "x")
+    with pytest.raises(ConfigError, match="share in"):
+        SAO(correction="random", random_mask_share=1.0)
