@@ -43,14 +43,13 @@ def test_gae_over_real_multi_turn_rollouts_matches_the_slow_reference(tiny_model
     """Per-turn rewards and observation gaps from real episodes, through SAO.update, against the per-token
     reference loop: the advantages and the return-to-go targets agree to float64 precision."""
     pytest.importorskip("skyrl_gym")
-    from test_algorithm import reference_per_turn
-
     from sao.core.algorithm import SAO
     from sao.model.policy import load_base
     from sao.rollout.episodes import draw_episodes
     from sao.tasks import tiny
     from sao.tasks.envs import env_factory
     from sao.tasks.gsm8k import build_messages
+    from test_algorithm import reference_per_turn
 
     lm, tokenizer = load_base(tiny_model_dir, torch.device("cpu"))
     split = tiny.make_split(16, 8)
@@ -64,8 +63,9 @@ def test_gae_over_real_multi_turn_rollouts_matches_the_slow_reference(tiny_model
     )  # fmt: skip
     assert int(rollout.turns.max()) > 1, "at least one episode took several turns"
     values = torch.randn(rollout.response_ids.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    batch = {"logprobs": rollout.sampler_logprobs.double(), "sampler_logprobs": rollout.sampler_logprobs.double(),
-             "values": values, "rewards": rollout.turn_rewards.double(), "action_mask": rollout.action_mask}  # fmt: skip
+    sampler_logprobs = rollout.sampler_logprobs.double()
+    batch = {"logprobs": sampler_logprobs, "sampler_logprobs": sampler_logprobs, "values": values,
+             "rewards": rollout.turn_rewards.double(), "action_mask": rollout.action_mask}  # fmt: skip
     update = SAO().update(batch)
     advantages, targets, _ = reference_per_turn(values.tolist(), batch["rewards"].tolist(),
                                                 rollout.action_mask.tolist(), SAO().gae_alpha)  # fmt: skip

@@ -260,4 +260,5 @@ def _compact(prompt_ids, prompt_mask, cols: _Columns, rows, tokenizer, pad: int)
         turns=torch.tensor([r.turns for r in rows], device=dev),
         tool_calls=torch.tensor([r.tool_calls for r in rows], device=dev),
         tool_errors=torch.tensor([r.tool_errors for r in rows], device=dev),
+        cut=torch.tensor([r.cut for r in rows], device=dev),
     )

@@ -54,6 +54,7 @@ class Rollout:
     turns: torch.Tensor | None = None  # [B] long: actions taken
     tool_calls: torch.Tensor | None = None  # [B] long
     tool_errors: torch.Tensor | None = None  # [B] long
+    cut: torch.Tensor | None = None  # [B] bool: the last action was cut at a token limit, not finished
 
     @property
     def actions(self) -> torch.Tensor:

@@ -185,7 +185,7 @@ class Trainer:
         rollout = batch.rollout
         self.truncation = {}
         if rollout.rewards is not None:
-            return rollout.turn_rewards if bool((rollout.turns > 1).any()) else rollout.rewards
+            return self._episode_rewards(rollout)
         pairs = zip(rollout.texts, batch.task_ids, strict=True)
         graded = torch.tensor([self.reward_fn(text, self.tasks[i]) for text, i in pairs])  # [B]
         cut = rollout.truncated.to(graded.device)  # [B] hit max_new_tokens without finishing
@@ -194,6 +194,20 @@ class Trainer:
         if self.config.truncated_reward == "zero":
             return torch.where(cut, torch.zeros_like(graded), graded)
         return graded
+
+    def _episode_rewards(self, rollout) -> torch.Tensor:
+        """The environments' rewards, per turn when some trajectory took several: under ``truncated_reward``
+        "zero" the turn whose action was cut at a token limit earns 0, as a cut single reply does."""
+        per_turn = rollout.turn_rewards.clone()  # [B, R] each turn's reward on its last action token
+        columns = torch.arange(per_turn.shape[1], device=per_turn.device)
+        last = (rollout.actions.long() * columns).argmax(dim=1)  # [B] the last action token
+        rows = torch.arange(per_turn.shape[0], device=per_turn.device)
+        cut = rollout.cut.to(per_turn.device)  # [B]
+        credited = cut & (per_turn[rows, last] > 0)
+        self.truncation = {"truncated_replies": int(cut.sum()), "truncated_with_credit": int(credited.sum())}
+        if self.config.truncated_reward == "zero":
+            per_turn[rows[cut], last[cut]] = 0.0
+        return per_turn if bool((rollout.turns > 1).any()) else per_turn.sum(dim=1)
 
     def _say_oom(self, rows: int) -> None:
         tqdm.write(f"[{self.label}] out of memory in the training pass: micro-batch -> {rows}, retrying")
