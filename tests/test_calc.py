@@ -1,0 +1,304 @@
+"""The calculator's rules, the calculator environments' steps in both tool formats, GSM8K as an environment,
+the tiny-calc split, and (slow) the warm-started tiny-calc agent's starting point."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from sao.core import grading
+from sao.rollout.env import render_observation
+from sao.tasks import calc, tiny_calc
+from sao.tasks.calc import CalcEnv, Gsm8kEnv, calculate
+from sao.tasks.tiny import build_tokenizer
+
+# --- the calculator --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [
+        ("1+2*3", "7"),
+        ("2*3+1", "7"),
+        ("10-4-3", "3"),  # left to right
+        ("64/4/2", "8"),
+        ("(1+2)*3", "9"),
+        ("((2))", "2"),
+        ("2*(3+(4-1))/3", "4"),
+        ("-3--2", "-1"),
+        ("-(2+3)*-2", "10"),
+        ("+4", "4"),
+        ("1234+5678", "6912"),
+        ("1234-5678", "-4444"),
+        ("1.5+2.25", "3.75"),
+        ("0.1+0.2", "0.3"),  # exact, not binary floating point
+        (".5*4", "2"),
+        ("10/4", "2.5"),
+        ("1/3", "0.33333333"),
+        ("-2/3", "-0.66666667"),
+        ("1/1024", "0.0009765625"),
+        ("1,234+5,678", "6912"),
+        ("$5 * 3", "15"),
+        ("12x3", "36"),
+        ("7÷2", "3.5"),
+        ("3×4", "12"),
+        ("3−5", "-2"),
+        ("  2 + 3 =", "5"),
+    ],
+)
+def test_calculator_follows_precedence_parentheses_signs_and_decimals(expression, value):
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize(
+    ("expression", "error"),
+    [
+        ("1/0", "division by zero"),
+        ("5/(2-2)", "division by zero"),
+        ("(1+2", "unbalanced parenthesis"),
+        ("1+2)", "unbalanced parenthesis"),
+        ("()", "unbalanced parenthesis"),
+        ("", "empty expression"),
+        ("1+", "unexpected end"),
+        ("2**10", "exponentiation"),
+        ("2^10", "exponentiation"),
+        ("1e5", "unexpected 'e'"),
+        ("__import__('os').system('true')", "unexpected '_'"),
+        ("open('/etc/passwd')", "unexpected 'o'"),
+        ("[1]*9", "unexpected '['"),
+        ("1 2", "unexpected '2'"),
+    ],
+)
+def test_calculator_refuses_bad_input_with_an_error_string(expression, error):
+    result = calculate(expression)
+    assert result.startswith("error: ") and error in result
+
+
+def test_calculator_refuses_huge_inputs_quickly_and_never_raises():
+    huge = [
+        "1+" * 5000 + "1",  # too long
+        "(" * 100 + "1" + ")" * 100,  # too deep
+        "-" * 100 + "1",  # signs nest too
+        "9" * 31,  # too many digits in one number
+        "*".join(["9" * 30] * 6),  # an intermediate value too large
+        "1/" + "/".join(["7" * 30] * 5),  # a denominator too large
+        "9" * 10**6,
+        None,
+        12,
+    ]
+    start = time.perf_counter()
+    results = [calculate(text) for text in huge]
+    assert time.perf_counter() - start < 0.5
+    assert all(r.startswith("error: ") for r in results), results
+
+
+def test_calculator_never_evaluates_python(monkeypatch):
+    import builtins
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the calculator must not call eval/exec/compile")
+
+    for name in ("eval", "exec", "compile"):
+        monkeypatch.setattr(builtins, name, refuse)
+    assert calculate("2*(3+4)") == "14"
+    assert calculate("__import__('os')").startswith("error: ")
+
+
+def test_calculator_results_grade_as_their_value():
+    rng = random.Random(0)
+    for _ in range(200):
+        a, b = rng.randint(-9999, 9999), rng.randint(1, 999)
+        op = rng.choice("+-*/")
+        result = calculate(f"{a}{op}({b})")
+        exact = {"+": a + b, "-": a - b, "*": a * b, "/": None}[op]
+        if exact is not None:
+            assert result == str(exact)
+        else:
+            assert abs(float(result) - a / b) <= 0.5e-8
+
+
+# --- the environments ------------------------------------------------------------------------------------
+
+FIELDS = {"question": "What is 1234+5678?", "answer": "6912"}
+
+# A stand-in for a tokenizer whose chat template renders tools, as Qwen2.5's does: the tool's answer is
+# wrapped in <tool_response> inside a user turn.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def json_call(expression, name="calculator"):
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {{"expression": "{expression}"}}}}\n</tool_call>'
+
+
+def test_tool_format_follows_the_chat_template():
+    tokenizer = build_tokenizer()
+    assert calc.tool_format_for(tokenizer) == "tag"
+    tokenizer.chat_template = TOOL_TEMPLATE
+    assert calc.tool_format_for(tokenizer) == "json"
+    assert calc.calc_env_factory(tokenizer)("t/0", FIELDS).stop_strings == ["</tool_call>"]
+
+
+def test_tag_call_is_answered_by_a_tool_message():
+    env = CalcEnv("t/0", FIELDS, tool_format="tag")
+    assert env.stop_strings == ["</calc>"]
+    prompt = [{"role": "user", "content": "What is 1234+5678?"}]
+    assert env.init(prompt)[0] == prompt
+    out = env.step("Let me add. <calc>1234+5678</calc>")
+    assert out == {
+        "observations": [{"role": "tool", "content": "6912"}],
+        "reward": 0.0,
+        "done": False,
+        "metadata": {"tool_calls": 1, "tool_errors": 0},
+    }
+
+
+@pytest.mark.parametrize(
+    ("action", "error"),
+    [
+        ("<calc>1234+</calc>", "unexpected end"),
+        ("<calc>1/0</calc>", "division by zero"),
+        ("<calc>1234+5678", "without </calc>"),
+    ],
+)
+def test_bad_tag_call_is_an_error_observation_and_a_tool_error(action, error):
+    out = CalcEnv("t/0", FIELDS, tool_format="tag").step(action)
+    assert out["done"] is False and out["reward"] == 0.0
+    assert out["observations"][0]["role"] == "tool" and error in out["observations"][0]["content"]
+    assert out["metadata"] == {"tool_calls": 1, "tool_errors": 1}
+
+
+@pytest.mark.parametrize("tool_format", ["tag", "json"])
+@pytest.mark.parametrize(("answer", "reward"), [("#### 6912", 1.0), ("1234+5678=6913\n#### 6913", 0.0), ("", 0.0)])
+def test_final_answer_ends_the_episode_with_the_graded_reward(tool_format, answer, reward):
+    out = CalcEnv("t/0", FIELDS, tool_format=tool_format).step(answer)
+    assert out == {"observations": [], "reward": reward, "done": True, "metadata": {"tool_calls": 0, "tool_errors": 0}}
+
+
+def test_json_call_is_answered_and_rendered_by_the_template():
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = TOOL_TEMPLATE
+    env = CalcEnv("t/0", FIELDS, tool_format="json")
+    assert env.stop_strings == ["</tool_call>"]
+    assert env.init([{"role": "user", "content": "q"}])[1]["tools"] == [calc.TOOL_SCHEMA]
+    out = env.step(json_call("(1234+5678)/2"))
+    assert out["observations"] == [{"role": "tool", "content": "3456"}] and out["done"] is False
+    assert out["metadata"] == {"tool_calls": 1, "tool_errors": 0}
+    text = render_observation(tokenizer, out["observations"], eos_text=None)
+    response = "<|im_start|>user\n<tool_response>\n3456\n</tool_response><|im_end|>\n"
+    assert text == "<|im_end|>\n" + response + "<|im_start|>assistant\n"
+    # the arguments as a JSON string, as some models write them, are read too
+    stringly = '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"2+2\\"}"}</tool_call>'
+    assert env.step(stringly)["observations"][0]["content"] == "4"
+
+
+@pytest.mark.parametrize(
+    ("action", "error"),
+    [
+        ('<tool_call>{"name": "calculator", "arguments": </tool_call>', "not valid JSON"),
+        (json_call("1+1", name="python"), "unknown tool 'python'"),
+        ('<tool_call>["calculator"]</tool_call>', "JSON object"),
+        ('<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>', '{"expression"'),
+        (json_call("2**8"), "exponentiation"),
+        ("<tool_call>" + "[" * 100000 + "</tool_call>", "longer than"),
+        ('<tool_call>{"name": "calculator"', "without </tool_call>"),
+    ],
+)
+def test_malformed_json_call_is_an_error_observation_and_a_tool_error(action, error):
+    out = CalcEnv("t/0", FIELDS, tool_format="json").step(action)
+    assert out["done"] is False and out["reward"] == 0.0
+    content = out["observations"][0]["content"]
+    assert content.startswith("error: ") and error in content
+    assert out["metadata"] == {"tool_calls": 1, "tool_errors": 1}
+
+
+def test_a_tag_is_not_a_call_in_the_json_format_and_vice_versa():
+    assert CalcEnv("t/0", FIELDS, tool_format="json").step("<calc>1+1</calc> #### 6912")["done"] is True
+    assert CalcEnv("t/0", FIELDS, tool_format="tag").step(json_call("1+1") + " #### 6912")["done"] is True
+
+
+def test_calc_env_refuses_an_unknown_format_and_a_missing_gold():
+    with pytest.raises(ValueError, match="tool_format"):
+        CalcEnv("t/0", FIELDS, tool_format="xml")
+    with pytest.raises(ValueError, match="answer"):
+        CalcEnv("t/0", {"question": "q"}, tool_format="tag")
+
+
+def test_gsm8k_env_gives_exactly_the_single_turn_reward():
+    from grading_corpus import NASTY  # hostile texts the grader is tested on
+
+    replies = ["#### 18", "#### 17", "The answer is 1,000.", r"\boxed{18}", "18 eggs", "no number", "#### 1/2"]
+    replies += [text for _, text in NASTY[:12]]
+    cases = [(reply, gold) for reply in replies for gold in ("18", "1,000", "0.5", "Janet has 18.\n#### 18")]
+    for text, gold in cases:
+        env = Gsm8kEnv("gsm8k/test/0", {"question": "q", "answer": gold})
+        out = env.step(text)
+        assert out["reward"] == grading.reward(text, gold)
+        assert out["done"] is True and out["observations"] == []
+        assert out["metadata"] == {"tool_calls": 0, "tool_errors": 0}
+    assert {Gsm8kEnv("t", {"answer": "18"}).step(x)["reward"] for x in ("#### 18", "#### 17")} == {0.0, 1.0}
+
+
+# --- tiny-calc -------------------------------------------------------------------------------------------
+
+
+def test_tiny_calc_questions_have_three_or_four_digit_operands_and_right_answers():
+    rng = random.Random(0)
+    for index in [0, tiny_calc.POOL_SIZE - 1, *rng.sample(range(tiny_calc.POOL_SIZE), 300)]:
+        task = tiny_calc.question(index)
+        assert task.id == f"tiny-calc/{index}"
+        expression = tiny_calc._expression(task)
+        op = "+" if "+" in expression else "-"
+        a, b = expression.split(op)
+        assert 3 <= len(a) <= 4 and 3 <= len(b) <= 4
+        assert calculate(expression) == task.answer
+    with pytest.raises(IndexError):
+        tiny_calc.question(tiny_calc.POOL_SIZE)
+
+
+def test_tiny_calc_split_has_the_sizes_asked_is_disjoint_and_seeded():
+    split = tiny_calc.make_split(480, 120, seed=0)
+    assert len(split.train) == 480 and len(split.test) == 120
+    assert split.counts["train"] == 480 and split.counts["test"] == 120
+    assert len({t.question for t in split.train}) == 480
+    assert not {t.question for t in split.train} & {t.question for t in split.test}
+    again = tiny_calc.make_split(480, 120, seed=0)
+    assert [t.id for t in again.train] == [t.id for t in split.train]
+    assert [t.id for t in again.test] == [t.id for t in split.test]
+    assert [t.id for t in tiny_calc.make_split(480, 120, seed=1).test] != [t.id for t in split.test]
+    # the held-out draw does not depend on how many training prompts are asked for
+    assert [t.id for t in tiny_calc.make_split(10, 120, seed=0).test] == [t.id for t in split.test]
+
+
+def test_tutor_calls_the_tool_about_as_often_as_configured_and_its_calls_are_right():
+    rng = random.Random(0)
+    tasks = [tiny_calc.question(i) for i in random.Random(1).sample(range(tiny_calc.POOL_SIZE), 2000)]
+    actions = [tiny_calc.tutor_actions(t, rng, tool_share=0.3, direct_accuracy=0.3) for t in tasks]
+    calls = [a for a in actions if len(a) == 2]
+    assert 0.27 < len(calls) / len(tasks) < 0.33
+    for task, acts in zip(tasks, actions, strict=True):
+        env = tiny_calc.make_env(task)
+        if len(acts) == 2:
+            assert env.step(acts[0])["observations"] == [{"role": "tool", "content": task.answer}]
+            assert env.step(acts[1])["reward"] == 1.0
+
+
+def test_demonstration_trains_on_actions_and_renders_observations_as_the_sampler_does():
+    tokenizer = build_tokenizer()
+    task = tiny_calc.question(12345)  # "What is 101+1346?"
+    actions = [f"<calc>{tiny_calc._expression(task)}</calc>", f"#### {task.answer}"]
+    ids, labels = tiny_calc.demonstration(tokenizer, task, actions, tiny_calc.TINY_CALC_INSTRUCTION)
+    observation = render_observation(tokenizer, [{"role": "tool", "content": task.answer}], eos_text=None)
+    trained = tokenizer.decode([t for t, label in zip(ids, labels, strict=True) if label != -100])
+    assert trained == actions[0] + actions[1] + tokenizer.eos_token
+    text = tokenizer.decode(ids)
+    assert text.endswith(actions[0] + observation + actions[1] + tokenizer.eos_token)
+    assert observation == f"<|im_end|>\n<|im_start|>tool\n{task.answer}<|im_end|>\n<|im_start|>assistant\n"
