@@ -21,7 +21,7 @@ lint: install
 test: install lint
 	$(PY) -m pytest
 
-# The edit loop: every test that builds or trains no model (under a minute).
+# The edit loop: every test that builds or trains no model (about a minute on 2 cores).
 test-fast: install
 	$(PY) -m pytest -m "not slow"
 
