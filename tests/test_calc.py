@@ -3,12 +3,15 @@ the tiny-calc split, and (slow) the warm-started tiny-calc agent's starting poin
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
 import pytest
+import torch
 
 from sao.core import grading
+from sao.core.errors import DataError
 from sao.rollout.env import render_observation
 from sao.tasks import calc, tiny_calc
 from sao.tasks.calc import CalcEnv, Gsm8kEnv, calculate
@@ -252,14 +255,17 @@ def test_gsm8k_env_gives_exactly_the_single_turn_reward():
 
 def test_tiny_calc_questions_have_three_or_four_digit_operands_and_right_answers():
     rng = random.Random(0)
-    for index in [0, tiny_calc.POOL_SIZE - 1, *rng.sample(range(tiny_calc.POOL_SIZE), 300)]:
+    for index in [0, tiny_calc.POOL_SIZE - 1, *(tiny_calc.draw_index(rng) for _ in range(300))]:
         task = tiny_calc.question(index)
         assert task.id == f"tiny-calc/{index}"
+        assert task.question.startswith("What is ") and task.question.endswith("?")
         expression = tiny_calc._expression(task)
         op = "+" if "+" in expression else "-"
         a, b = expression.split(op)
         assert 3 <= len(a) <= 4 and 3 <= len(b) <= 4
         assert calculate(expression) == task.answer
+    assert tiny_calc.question(0).question == "What is 100+100?"
+    assert tiny_calc.question(tiny_calc.POOL_SIZE - 1).question == "What is 9999-9999?"
     with pytest.raises(IndexError):
         tiny_calc.question(tiny_calc.POOL_SIZE)
 
@@ -268,7 +274,7 @@ def test_tiny_calc_split_has_the_sizes_asked_is_disjoint_and_seeded():
     split = tiny_calc.make_split(480, 120, seed=0)
     assert len(split.train) == 480 and len(split.test) == 120
     assert split.counts["train"] == 480 and split.counts["test"] == 120
-    assert len({t.question for t in split.train}) == 480
+    assert len({t.question for t in split.train}) == 480 and len({t.question for t in split.test}) == 120
     assert not {t.question for t in split.train} & {t.question for t in split.test}
     again = tiny_calc.make_split(480, 120, seed=0)
     assert [t.id for t in again.train] == [t.id for t in split.train]
@@ -276,29 +282,98 @@ def test_tiny_calc_split_has_the_sizes_asked_is_disjoint_and_seeded():
     assert [t.id for t in tiny_calc.make_split(480, 120, seed=1).test] != [t.id for t in split.test]
     # the held-out draw does not depend on how many training prompts are asked for
     assert [t.id for t in tiny_calc.make_split(10, 120, seed=0).test] == [t.id for t in split.test]
+    with pytest.raises(DataError):
+        tiny_calc.make_split(-1, 10)
 
 
 def test_tutor_calls_the_tool_about_as_often_as_configured_and_its_calls_are_right():
     rng = random.Random(0)
-    tasks = [tiny_calc.question(i) for i in random.Random(1).sample(range(tiny_calc.POOL_SIZE), 2000)]
+    tasks = [tiny_calc.question(tiny_calc.draw_index(rng)) for _ in range(2000)]
     actions = [tiny_calc.tutor_actions(t, rng, tool_share=0.3, direct_accuracy=0.3) for t in tasks]
-    calls = [a for a in actions if len(a) == 2]
-    assert 0.27 < len(calls) / len(tasks) < 0.33
+    assert 0.27 < sum(len(a) == 2 for a in actions) / len(tasks) < 0.33
+    direct_right = []
     for task, acts in zip(tasks, actions, strict=True):
         env = tiny_calc.make_env(task)
         if len(acts) == 2:
             assert env.step(acts[0])["observations"] == [{"role": "tool", "content": task.answer}]
             assert env.step(acts[1])["reward"] == 1.0
+        else:
+            direct_right.append(env.step(acts[0])["reward"])
+    assert 0.25 < sum(direct_right) / len(direct_right) < 0.35
+
+
+def test_demonstrations_show_calls_but_train_the_decision_at_the_tutors_rate():
+    """90% of demonstrations show a call, but of the first action tokens that are trained, 30% open a call."""
+    tokenizer = build_tokenizer()
+    settings = tiny_calc.CalcWarmStart(batch_size=400)
+    buckets = tiny_calc.demonstration_batch(tokenizer, random.Random(0), settings)
+    assert 0.86 < len(buckets[True]) / 400 < 0.94
+    header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    decisions = []
+    for calls, bucket in buckets.items():
+        for ids, labels in bucket:
+            first = next(i for i in range(len(ids)) if ids[i : i + len(header)] == header) + len(header)
+            assert tokenizer.decode([ids[first]]) == ("<" if calls else "#")
+            assert labels[first + 1] != -100  # the rest of the action is trained either way
+            if labels[first] != -100:
+                decisions.append(calls)
+            else:
+                assert calls
+    assert 0.24 < sum(decisions) / len(decisions) < 0.36
+    assert tiny_calc.decision_kept(0.3, 0.9) == pytest.approx(0.3 * 0.1 / (0.9 * 0.7))
+    with pytest.raises(ValueError):
+        tiny_calc.decision_kept(0.5, 0.3)
 
 
 def test_demonstration_trains_on_actions_and_renders_observations_as_the_sampler_does():
     tokenizer = build_tokenizer()
-    task = tiny_calc.question(12345)  # "What is 101+1346?"
-    actions = [f"<calc>{tiny_calc._expression(task)}</calc>", f"#### {task.answer}"]
+    task = tiny_calc.question(12345)
+    assert task.question == "What is 101+2545?"
+    actions = tiny_calc.tool_actions(task)
+    assert actions == ["<calc>101+2545</calc>", "#### 2646"]
     ids, labels = tiny_calc.demonstration(tokenizer, task, actions, tiny_calc.TINY_CALC_INSTRUCTION)
     observation = render_observation(tokenizer, [{"role": "tool", "content": task.answer}], eos_text=None)
+    assert observation == "<|im_end|>\n<|im_start|>tool\n2646<|im_end|>\n<|im_start|>assistant\n"
     trained = tokenizer.decode([t for t, label in zip(ids, labels, strict=True) if label != -100])
     assert trained == actions[0] + actions[1] + tokenizer.eos_token
-    text = tokenizer.decode(ids)
-    assert text.endswith(actions[0] + observation + actions[1] + tokenizer.eos_token)
-    assert observation == f"<|im_end|>\n<|im_start|>tool\n{task.answer}<|im_end|>\n<|im_start|>assistant\n"
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": task.question}], tokenize=False, add_generation_prompt=True
+    )
+    assert tokenizer.decode(ids) == prompt + actions[0] + observation + actions[1] + tokenizer.eos_token
+
+
+# --- the warm-started tiny-calc agent (slow: trains it once, then reads the cache) ----------------------
+
+
+@pytest.fixture(scope="module")
+def calc_model_dir():
+    return tiny_calc.ensure_calc_model(progress=False)
+
+
+@pytest.mark.slow
+def test_warm_started_agent_calls_the_tool_sometimes_and_is_right_mostly_when_it_does(calc_model_dir):
+    """The ranges are the measured starting point (warmstart.json on the 2-core CPU: tool use 0.29, right with
+    the tool 0.78, without it 0.00, overall 0.23, 7% of calls malformed; 600 trajectories) widened for a retrain
+    on another CPU or library version, which follows another path to the same target. Tool use: ±0.07 is four
+    binomial standard errors of 600 trajectories, and as much again is allowed for the retrained decision rate
+    (the tutor's 0.3 is what it is trained towards) -> [0.15, 0.45]. Right with the tool: the warm start trains
+    until a probe of 64 tool trajectories says 0.75 and then sharpens, so a retrain lands near 0.75-0.85; 0.6 is
+    that less five standard errors of ~175 sampled tool trajectories (0.03 each). Without the tool the model
+    cannot add four-digit numbers (0 of 425 here): 0.05 would already be a different model. What must hold is the
+    RL story: tool use well inside (0, 1), calls mostly right, direct answers wrong, overall well below 1."""
+    from sao.model.policy import load_base
+
+    record = json.loads((calc_model_dir / "warmstart.json").read_text())
+    assert 0.15 <= record["tool_use"] <= 0.45
+    assert record["accuracy_with_tool"] >= 0.6
+    assert record["accuracy_without_tool"] <= 0.05
+    assert record["accuracy"] <= 0.45
+    assert record["tool_error_rate"] <= 0.15
+    assert record["target_reached_at"] is not None
+    assert tiny_calc.ensure_calc_model(progress=False) == calc_model_dir  # a second call reuses the cache
+
+    model, tokenizer = load_base(calc_model_dir, torch.device("cpu"))
+    split = tiny_calc.make_split(480, 120, seed=0)
+    again = tiny_calc.measure_agent(model, tokenizer, split.train + split.test, seed=record["settings"]["seed"])
+    assert abs(again["accuracy"] - record["accuracy"]) <= 0.02, "the saved model is the one that was measured"
+    assert abs(again["tool_use"] - record["tool_use"]) <= 0.02

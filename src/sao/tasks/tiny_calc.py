@@ -1,27 +1,34 @@
 """tiny-calc: the CPU preset's agent task — 3- and 4-digit sums and differences, and a calculator to call.
 
-    task        "What is 1234+5678?" / "Compute 1234-5678." / "1234+5678=?" with operands 100..9999 and ops + and −:
-                2 × 3 × 9900² questions, each named by its index in that fixed order (``tiny-calc/<index>``),
-                so a split is a seeded draw of indices and never needs the pool in memory.
+    task        "What is 1234+5678?" / "What is 123-4567?": operands 100..9999, ops + and −, 2 × 9900² questions,
+                each named by its index in a fixed order (``tiny-calc/<index>``), so that a split is a seeded draw of
+                indices and never needs the pool in memory. No instruction is appended (``TINY_CALC_INSTRUCTION``
+                is empty): the tiny model learns the tool and the ``#### N`` form from its demonstrations.
     environment ``CalcEnv`` in the tag format (``<calc>1234+5678</calc>`` → a "tool" message ``6912``): the tiny
-                tokenizer's chat template has no tools.
-    model       its own tiny Qwen2 (byte-level tokenizer from ``sao.tasks.tiny``), warm-started on demonstrations
-                from a tutor who calls the tool on ``tool_share`` of the questions (``<calc>a+b</calc>``, the
-                environment's answer, then ``#### <answer>``) and answers the rest at once, right only with
-                probability ``direct_accuracy`` (the other answers slip by ±1, ±10, ±100 or ±1000). The loss covers
-                action tokens only; each observation is produced by ``CalcEnv.step`` and rendered by
-                ``render_observation`` exactly as the sampler renders it. The model learns to copy digits (question
-                → call, observation → answer), which it does well, and cannot add four-digit numbers, so a
-                trajectory that calls the tool is mostly right and one that does not is mostly wrong: RL has a
-                visible job — call the tool more often.
+                tokenizer's chat template has no tools. ``make_env(task)`` builds it.
+    model       its own tiny Qwen2 (the byte-level tokenizer of ``sao.tasks.tiny``; 2 layers, width 64, ~0.1M
+                parameters), warm-started on demonstrations of a tutor who decides to call the tool on
+                ``tool_share`` = 30% of the questions (``<calc>a+b</calc>``, the environment's answer, then
+                ``#### <answer>``) and otherwise answers at once, right only with probability
+                ``direct_accuracy`` (else off by ±1, ±10, ±100 or ±1000). The loss covers action tokens only;
+                each observation is produced by ``CalcEnv.step`` and rendered by ``render_observation`` as the
+                sampler renders it. Copying digits (question → call, observation → answer) is the slow part to
+                learn — it appears suddenly after a plateau whose length varies from run to run — so 90% of the
+                demonstrations show a call, with the decision token trained on only enough of them that the model
+                still decides to call 30% of the time (``decision_kept``), and training runs until a probe says
+                tool trajectories are mostly right, then decays the learning rate. The model cannot add
+                four-digit numbers, so a trajectory that calls the tool is mostly right and one that does not is
+                almost always wrong: RL has a visible job — call the tool more often.
     cache       ``ensure_calc_model()`` trains once and saves into ``$SAO_CACHE`` (default ``~/.cache/sao``) under a
-                folder keyed by every warm-start setting, written to a temporary folder and renamed when complete.
+                folder keyed by every warm-start setting, written to a temporary folder and renamed when complete;
+                ``warmstart.json`` there records the measured starting point and the time it took.
     measure     ``measure_agent`` plays whole trajectories turn by turn with ``sao.rollout.sampler.draw`` (one call per
                 turn, cut at the stop string) and reports accuracy with and without the tool and the tool-use rate.
 
 Deliberately left out: multiplication and division (a call already pays off on addition), more than one call per
-demonstration, and any claim about real models — the task exists so the multi-turn pipeline (actions, observations,
-per-turn rewards, tool metrics) runs end to end on a CPU and RL has something it can visibly improve.
+demonstration, several phrasings (copying is learned later when the expression moves around), and any claim about
+real models — the task exists so the multi-turn pipeline (actions, observations, per-turn rewards, tool metrics)
+runs end to end on a CPU and RL has something it can visibly improve.
 """
 
 from __future__ import annotations
@@ -44,26 +51,36 @@ from sao.rollout.env import render_observation
 from sao.rollout.sampler import draw
 from sao.tasks.calc import TAG_CLOSE, TAG_OPEN, CalcEnv
 from sao.tasks.gsm8k import DataSplit, Task, build_messages
-from sao.tasks.tiny import PHRASINGS, build_tokenizer, cache_root
+from sao.tasks.tiny import build_tokenizer, cache_root
 
 __all__ = [
     "POOL_SIZE",
     "TINY_CALC_INSTRUCTION",
     "CalcWarmStart",
     "calc_model_dir",
+    "decision_kept",
+    "demonstration",
+    "demonstration_batch",
+    "direct_actions",
+    "draw_index",
     "ensure_calc_model",
     "make_env",
     "make_split",
     "measure_agent",
     "question",
+    "tool_actions",
     "tutor_actions",
 ]
 
-TINY_CALC_INSTRUCTION = "Tool: <calc>. End with #### N."
+# No instruction: the tiny model learns the tool and the answer form from its demonstrations, and every prompt
+# token costs warm-start time (a prompt is ~37 tokens of a ~93-token demonstration with a call).
+TINY_CALC_INSTRUCTION = ""
+PHRASING = "What is {a}{op}{b}?"  # one phrasing: copying is learned sooner when the expression sits in one place
 LOW, HIGH = 100, 9999  # operands: every 3- and 4-digit number
 _SPAN = HIGH - LOW + 1
 OPS = "+-"
-POOL_SIZE = len(PHRASINGS) * len(OPS) * _SPAN * _SPAN
+POOL_SIZE = len(OPS) * _SPAN * _SPAN
+MAX_SPLIT = 1_000_000  # train + held out at most: a small part of the pool, so drawing without repeats ends fast
 SLIPS = (-1000, -100, -10, -1, 1, 10, 100, 1000)
 
 
@@ -72,15 +89,27 @@ class CalcWarmStart:
     """Settings of the tiny-calc warm start; every field is part of the cache key."""
 
     hidden_size: int = 64
+    intermediate_size: int = 128  # the work is copying (attention); 256 was slower and, once, learned no better
     layers: int = 2
     heads: int = 4
-    kv_heads: int = 2
-    steps: int = 600
+    # Every head its own keys, and a RoPE base whose slow angles still turn over the ~30 tokens between a digit
+    # and its copy: together they learned copying in fewer steps than tiny's 2 KV heads and base 10000.
+    kv_heads: int = 4
+    rope_theta: float = 100.0
     batch_size: int = 64
-    lr: float = 3e-3
-    tool_share: float = 0.3
+    lr: float = 1.5e-3  # held after a short warmup until the probe reaches the target, then decayed linearly
+    warmup_steps: int = 25
+    target_success: float = 0.75  # the probe's mean probability of its whole tool trajectory at temperature 1
+    check_every: int = 25  # steps between probes
+    decay_steps: int = 100  # after the target: lr decays to 0 over these, sharpening what was learned
+    max_steps: int = 1200  # a bound on the time if the target is never reached (the record says so)
+    probe_size: int = 64
+    tool_share: float = 0.3  # how often the tutor decides to call the tool: the model's starting call rate
+    shown_tool_share: float = 0.9  # share of demonstrations that show a call (extra ones without the decision)
     direct_accuracy: float = 0.3
-    threads: int = 2  # torch threads while training: the 2-core CPU the preset targets
+    # torch threads while training (at most the CPU count): the preset's 2-core CPU. Two threads take a step in
+    # 0.6× the time of one on an idle machine, but several times longer when other jobs hold the cores.
+    threads: int = 2
     seed: int = 0
     version: int = 1  # bump when the task, the tokenizer, the environment or the recipe changes
 
@@ -89,29 +118,40 @@ class CalcWarmStart:
 
 
 def question(index: int) -> Task:
-    """The question at ``index`` of the fixed order: phrasing, then op, then first and second operand."""
+    """The question at ``index`` of the fixed order: op, then first operand, then second (``tiny-calc/<index>``)."""
     if not 0 <= index < POOL_SIZE:
         raise IndexError(f"tiny-calc has {POOL_SIZE} questions; no index {index}")
     rest, b = divmod(index, _SPAN)
-    rest, a = divmod(rest, _SPAN)
-    phrasing, op = divmod(rest, len(OPS))
+    op, a = divmod(rest, _SPAN)
     a, b, op_char = a + LOW, b + LOW, OPS[op]
     answer = a + b if op_char == "+" else a - b
-    text = PHRASINGS[phrasing].format(a=a, op=op_char, b=b)
-    return Task(id=f"tiny-calc/{index}", question=text, answer=str(answer))
+    return Task(id=f"tiny-calc/{index}", question=PHRASING.format(a=a, op=op_char, b=b), answer=str(answer))
+
+
+def draw_index(rng: random.Random) -> int:
+    """One question's index, uniform over the pool (so 81% of questions add or subtract two 4-digit numbers)."""
+    return rng.randrange(POOL_SIZE)
+
+
+def _distinct(rng: random.Random, n: int, exclude: set[int]) -> list[int]:
+    chosen: set[int] = set()
+    while len(chosen) < n:
+        index = draw_index(rng)
+        if index not in exclude:
+            chosen.add(index)
+    return sorted(chosen)
 
 
 def make_split(n_train: int, n_test: int, seed: int = 0) -> DataSplit:
-    """Held-out questions from ``random.Random(seed)`` and training questions from ``random.Random(seed + 1)``
-    among the rest: disjoint as strings (each index is a distinct question), each list in index order."""
+    """``n_test`` held-out questions drawn with ``random.Random(seed)`` and ``n_train`` training questions with
+    ``random.Random(seed + 1)`` among the rest (``draw_index``, no repeats): disjoint as strings, since each index
+    is a distinct question, and each list in index order."""
     if n_train < 0 or n_test < 0:
         raise DataError(f"prompt counts must be non-negative, got n_train={n_train}, n_test={n_test}")
-    if n_train + n_test > POOL_SIZE:
-        raise DataError(f"tiny-calc has {POOL_SIZE} questions; asked for {n_train} train + {n_test} held out")
-    test_ids = sorted(random.Random(seed).sample(range(POOL_SIZE), n_test))
-    held = set(test_ids)
-    candidates = random.Random(seed + 1).sample(range(POOL_SIZE), n_train + n_test)
-    train_ids = sorted([i for i in candidates if i not in held][:n_train])
+    if n_train + n_test > MAX_SPLIT:
+        raise DataError(f"tiny-calc draws at most {MAX_SPLIT} questions; asked for {n_train} train + {n_test} held out")
+    test_ids = _distinct(random.Random(seed), n_test, set())
+    train_ids = _distinct(random.Random(seed + 1), n_train, set(test_ids))
     counts = {
         "train_pool": POOL_SIZE - n_test,
         "test_pool": POOL_SIZE,
@@ -134,21 +174,41 @@ def make_env(task: Task) -> CalcEnv:
 
 
 def _expression(task: Task) -> str:
-    for prefix, suffix in (("What is ", "?"), ("Compute ", "."), ("", "=?")):
-        if task.question.startswith(prefix) and task.question.endswith(suffix):
-            return task.question[len(prefix) : len(task.question) - len(suffix)]
-    raise ValueError(f"not a tiny-calc question: {task.question!r}")
+    """ "1234+5678" from "What is 1234+5678?"."""
+    prefix, suffix = PHRASING.split("{a}{op}{b}")
+    if not (task.question.startswith(prefix) and task.question.endswith(suffix)):
+        raise ValueError(f"not a tiny-calc question: {task.question!r}")
+    return task.question[len(prefix) : len(task.question) - len(suffix)]
+
+
+def tool_actions(task: Task) -> list[str]:
+    """The tutor's actions when it calls the tool: ``["<calc>a+b</calc>", "#### <answer>"]``."""
+    return [f"{TAG_OPEN}{_expression(task)}{TAG_CLOSE}", f"#### {task.answer}"]
+
+
+def direct_actions(task: Task, rng: random.Random, accuracy: float) -> list[str]:
+    """The tutor's action when it answers at once: ``["#### <guess>"]``, right with probability ``accuracy``,
+    else off by ±1, ±10, ±100 or ±1000."""
+    value = int(task.answer)
+    if rng.random() >= accuracy:
+        value += rng.choice(SLIPS)
+    return [f"#### {value}"]
 
 
 def tutor_actions(task: Task, rng: random.Random, tool_share: float, direct_accuracy: float) -> list[str]:
-    """The tutor's actions for one question: ``["<calc>a+b</calc>", "#### <answer>"]`` with probability
-    ``tool_share``, else ``["#### <guess>"]`` with the guess right with probability ``direct_accuracy``."""
-    value = int(task.answer)
+    """The tutor's actions for one question: it calls the tool with probability ``tool_share``."""
     if rng.random() < tool_share:
-        return [f"{TAG_OPEN}{_expression(task)}{TAG_CLOSE}", f"#### {value}"]
-    if rng.random() >= direct_accuracy:
-        value += rng.choice(SLIPS)
-    return [f"#### {value}"]
+        return tool_actions(task)
+    return direct_actions(task, rng, direct_accuracy)
+
+
+def decision_kept(tool_share: float, shown_tool_share: float) -> float:
+    """Of the demonstrations that show a call, the share whose first action token (the decision to call) is
+    trained, so that the trained decisions call the tool at ``tool_share``: with s = shown_tool_share,
+    s·k / (s·k + 1 − s) = tool_share."""
+    if not 0 < tool_share <= shown_tool_share < 1:
+        raise ValueError(f"need 0 < tool_share <= shown_tool_share < 1, got {tool_share} and {shown_tool_share}")
+    return tool_share * (1 - shown_tool_share) / (shown_tool_share * (1 - tool_share))
 
 
 def demonstration(tokenizer: Any, task: Task, actions: list[str], instruction: str) -> tuple[list[int], list[int]]:
@@ -303,23 +363,65 @@ def _padded(rows: list[list[int]], value: int) -> torch.Tensor:
     return torch.tensor([row + [value] * (width - len(row)) for row in rows])  # [N, width]
 
 
+def probe_success(model: Any, probe: list[tuple[list[int], list[int]]], pad_token_id: int) -> float:
+    """Mean over the probe's tool demonstrations of the probability, at temperature 1, that the model writes the
+    whole trajectory after deciding to call: call, answer and EOS (every trained token but the first). It is what
+    ``accuracy_with_tool`` will be, measured without sampling, so the warm start can stop once it is high enough."""
+    ids = _padded([d[0] for d in probe], pad_token_id)  # [N, W]
+    labels = _padded([d[1] for d in probe], -100)[:, 1:]  # [N, W-1]
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)  # [N, W-1, V]
+    model.train(was_training)
+    trained = labels != -100  # [N, W-1]
+    trained[torch.arange(len(probe)), trained.float().argmax(dim=1)] = False  # the decision token
+    token = logprobs.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)  # [N, W-1]
+    return (token * trained).sum(dim=1).exp().mean().item()
+
+
+def demonstration_batch(
+    tokenizer: Any, rng: random.Random, settings: CalcWarmStart
+) -> dict[bool, list[tuple[list[int], list[int]]]]:
+    """One batch of demonstrations, split by whether they show a call (so that each part is padded only to its
+    own length; the loss is still the mean over every trained token of the batch).
+
+    ``shown_tool_share`` of them show a call, since copying digits (question → call, observation → answer) is
+    what takes the model longest to learn; the decision to call (the first action token) is trained on only
+    ``decision_kept`` of those, so that the trained decisions call at ``tool_share``, the tutor's own rate.
+    """
+    keep = decision_kept(settings.tool_share, settings.shown_tool_share)
+    buckets: dict[bool, list[tuple[list[int], list[int]]]] = {True: [], False: []}
+    for _ in range(settings.batch_size):
+        task = question(draw_index(rng))
+        calls = rng.random() < settings.shown_tool_share
+        actions = tool_actions(task) if calls else direct_actions(task, rng, settings.direct_accuracy)
+        ids, labels = demonstration(tokenizer, task, actions, TINY_CALC_INSTRUCTION)
+        if calls and rng.random() >= keep:
+            first = next(i for i, label in enumerate(labels) if label != -100)
+            labels[first] = -100  # shown, not decided: this demonstration does not vote on calling
+        buckets[calls].append((ids, labels))
+    return buckets
+
+
 def _train_and_save(settings: CalcWarmStart, out: Path, progress: bool) -> None:
     from tqdm import tqdm
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(settings.threads)
+    torch.set_num_threads(max(1, min(settings.threads, os.cpu_count() or 1)))
     try:
         tokenizer = build_tokenizer()
         torch.manual_seed(settings.seed)
         config = Qwen2Config(
             vocab_size=len(tokenizer),
             hidden_size=settings.hidden_size,
-            intermediate_size=4 * settings.hidden_size,
+            intermediate_size=settings.intermediate_size,
             num_hidden_layers=settings.layers,
             num_attention_heads=settings.heads,
             num_key_value_heads=settings.kv_heads,
             max_position_embeddings=512,
+            rope_theta=settings.rope_theta,
             tie_word_embeddings=True,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
@@ -327,21 +429,29 @@ def _train_and_save(settings: CalcWarmStart, out: Path, progress: bool) -> None:
         )
         model = Qwen2ForCausalLM(config)
         rng = random.Random(settings.seed)
+        probe_rng = random.Random(settings.seed + 10_000)
+        probe = []
+        for _ in range(settings.probe_size):
+            task = question(draw_index(probe_rng))
+            probe.append(demonstration(tokenizer, task, tool_actions(task), TINY_CALC_INSTRUCTION))
         optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
-        schedule = torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=settings.lr, total_steps=settings.steps, pct_start=0.1
-        )
-        losses = []
-        start = time.time()
+        losses, probes = [], []
+        reached = None  # the step at which the probe first reached the target
+        start, cpu_start = time.time(), time.process_time()
         model.train()
-        for _ in tqdm(range(settings.steps), desc="tiny-calc warm start", disable=not progress, leave=False):
-            buckets: dict[bool, list[tuple[list[int], list[int]]]] = {True: [], False: []}
-            for _ in range(settings.batch_size):
-                task = question(rng.randrange(POOL_SIZE))
-                actions = tutor_actions(task, rng, settings.tool_share, settings.direct_accuracy)
-                buckets[len(actions) > 1].append(demonstration(tokenizer, task, actions, TINY_CALC_INSTRUCTION))
-            # Demos with and without a call go through the model separately, so that short ones are not padded
-            # to long ones; the loss is the mean over every action token of the batch either way.
+        bar = tqdm(total=settings.max_steps, desc="tiny-calc warm start", disable=not progress, leave=False)
+        for step in range(settings.max_steps):
+            if reached is not None and step >= reached + settings.decay_steps:
+                break
+            if step < settings.warmup_steps:
+                factor = (step + 1) / settings.warmup_steps
+            elif reached is None:
+                factor = 1.0
+            else:
+                factor = (reached + settings.decay_steps - step) / settings.decay_steps
+            for group in optimizer.param_groups:
+                group["lr"] = settings.lr * factor
+            buckets = demonstration_batch(tokenizer, rng, settings)
             total = sum(label != -100 for bucket in buckets.values() for _, labels in bucket for label in labels)
             optimizer.zero_grad()
             step_loss = 0.0
@@ -356,24 +466,39 @@ def _train_and_save(settings: CalcWarmStart, out: Path, progress: bool) -> None:
                 loss.backward()
                 step_loss += loss.item()
             optimizer.step()
-            schedule.step()
             losses.append(step_loss)
-        seconds = time.time() - start
+            bar.update()
+            if reached is None and (step + 1) % settings.check_every == 0:
+                probes.append(round(probe_success(model, probe, tokenizer.pad_token_id), 4))
+                if probes[-1] >= settings.target_success:
+                    reached = step + 1
+        bar.close()
+        seconds, cpu_seconds = time.time() - start, time.process_time() - cpu_start
         model.eval()
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
         split = make_split(480, 120, seed=0)
-        measured = measure_agent(model, tokenizer, split.train + split.test, seed=settings.seed)
+        measured = measure_agent(
+            model, tokenizer, split.train + split.test, seed=settings.seed, instruction=TINY_CALC_INSTRUCTION
+        )
         record = {
             "settings": asdict(settings),
             **measured,
             "measured_on": "make_split(480, 120, seed=0), train + test, one trajectory each at temperature 1",
             "parameters": sum(p.numel() for p in model.parameters()),
+            "steps": len(losses),
+            "target_reached_at": reached,
+            "probe_every_check": probes,
+            "probe_final": round(probe_success(model, probe, tokenizer.pad_token_id), 4),
             "loss_first": losses[0],
             "loss_last_50": sum(losses[-50:]) / len(losses[-50:]),
+            "loss_by_100_steps": [
+                round(sum(losses[i : i + 100]) / len(losses[i : i + 100]), 4) for i in range(0, len(losses), 100)
+            ],
             "seconds": seconds,
+            "cpu_seconds": cpu_seconds,
         }
         (out / "warmstart.json").write_text(json.dumps(record, indent=2))
     finally:
