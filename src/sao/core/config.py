@@ -152,6 +152,33 @@ class Config:
     )
     max_new_tokens: int = option(256, "Rollout length cap. The page's 256.")
 
+    # --- logged traces (sao.rollout.traces) ---------------------------------------------------------------
+    traces: str | None = option(
+        None,
+        "Train on logged traces instead of drawing rollouts: a JSONL file or a folder of *.jsonl files a serving "
+        "system wrote (format: trace.schema.json, README). Each trace names the policy version that sampled it; "
+        "--max-staleness bounds how old it may be; rewards come from the trace or from --reward on its task. The run "
+        "takes min(--steps, what the log allows) steps and publishes each adapter to OUT/published/.",
+    )
+    follow: bool = option(
+        False,
+        "--traces: wait for the log to grow (new lines, new files) instead of ending the run when it is read to its "
+        "end; the run ends cleanly after --follow-timeout seconds with no new line. For a live server's log.",
+    )
+    follow_timeout: float = option(
+        600.0, "--follow: seconds without a new trace line after which the run ends cleanly with what it did."
+    )
+    skip_bad_traces: bool = option(
+        False,
+        "--traces: count and skip malformed lines instead of stopping with a one-line error naming the file, line "
+        "and field. Off by default, because a malformed log usually means a writer bug or the wrong file.",
+    )
+    publish: bool = option(
+        False,
+        "After each policy update write the adapter to OUT/published/v{N}/ and point OUT/published/LATEST.json at it "
+        "(version 0 at the start; the newest 3 kept), for a server to reload (sao serve). On with --traces.",
+    )
+
     # --- evaluation --------------------------------------------------------------------------------------
     eval_samples: int = option(4, "Samples per held-out task for pass@1. The page's 4.")
     eval_temperature: float = option(0.7, "Eval sampling temperature. The page's 0.7.")
@@ -210,7 +237,8 @@ class Config:
         "--engine ray: the oldest a trajectory may be when it is put in a batch (policy updates since the adapter that"
         " wrote it). Workers draw only as far ahead as this allows, so nothing drawn ages past it (0 = synchronous "
         "training); anything older would be dropped and counted. Equal to the default LAG, so both engines train on "
-        "the same staleness range (0..4).",
+        "the same staleness range (0..4). --traces: older traces are dropped and counted (raise it to use older logs; "
+        "the correction is measured on 1..LAG-old data).",
     )
     rollout_workers: int = option(2, "--engine ray: rollout workers (Ray actors), each with its own copy of the model.")
     ray_address: str | None = option(
@@ -341,6 +369,20 @@ class Config:
             raise ConfigError(
                 "--env with --engine ray is not supported yet: multi-turn episodes run with --engine local"
             )
+        if self.traces is not None:
+            if not self.traces.strip():
+                raise ConfigError("--traces must name a JSONL file or a folder of *.jsonl files")
+            if self.engine == "ray" or self.env is not None:
+                flag = "--engine ray" if self.engine == "ray" else "--env"
+                raise ConfigError(
+                    f"--traces with {flag} makes no sense: the trajectories come from the log, not from rollout "
+                    "workers or an environment; leave that flag out"
+                )
+        elif self.follow or self.skip_bad_traces:
+            flag = "--follow" if self.follow else "--skip-bad-traces"
+            raise ConfigError(f"{flag} needs --traces (a trace log to read)")
+        if not (math.isfinite(self.follow_timeout) and self.follow_timeout > 0):
+            raise ConfigError(f"--follow-timeout must be a finite number of seconds > 0, got {self.follow_timeout}")
         if self.track not in (None, "tensorboard", "trackio", "wandb"):
             raise ConfigError(f"--track must be 'tensorboard', 'trackio' or 'wandb', got {self.track!r}")
 
@@ -384,7 +426,8 @@ class Config:
     def preset(cls, name: str, **changes: Any) -> Config:
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **changes})
+        overlay = PRESET_ENVS.get((name, changes.get("env", PRESETS[name].get("env"))), {})
+        return cls(**{**PRESETS[name], **overlay, **changes})
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -406,6 +449,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eval_max_new_tokens": 20,
         "micro_batch": 64,
     },
+}
+
+# A preset's defaults for one environment, applied over the preset and under the file and flags.
+PRESET_ENVS: dict[tuple[str, str], dict[str, Any]] = {
+    # A call is up to 22 tokens ("<calc>9999-9999</calc>", the stop string ends it), so 20 new tokens would
+    # cut every long call; 24 leaves the model room to write one, and the answer ("#### 19998" + EOS) is 11.
+    ("tiny", "tiny-calc"): {"max_new_tokens": 24, "eval_max_new_tokens": 24},
 }
 
 

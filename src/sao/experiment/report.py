@@ -793,7 +793,8 @@ def render(results: dict[str, Any], log: list[dict[str, Any]]) -> str:
     arms, cells, config = _arms(results), results["cells"], results["config"]
     seeds = results.get("seeds") or []
     axes = [f"{k}s {', '.join(dict.fromkeys(fmt(c[k]) for c in cells))}" for k in ("lag", "lr", "band")]
-    lines = [f"# sao experiment: {_text(config.get('model', DASH))} on {_text(config.get('data', DASH))}", "",
+    where = _text(config.get("data", DASH)) + (f", environment {_text(config['env'])}" if config.get("env") else "")
+    lines = [f"# sao experiment: {_text(config.get('model', DASH))} on {where}", "",
              f"**Question.** {_text(results.get('question') or DASH)}", "",
              f"Grid: {'; '.join(axes)}: {_plural(len(cells), 'cell')}; in each, the arms {', '.join(arms)} train "
              f"{_plural(len(seeds), 'seed')} each (seeds {', '.join(map(fmt, seeds)) or DASH}). Every number below "
