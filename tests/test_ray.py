@@ -72,6 +72,28 @@ def test_concat_repads_ragged_rollouts():
         Rollout.concat([a, b], 0)
 
 
+def test_multi_turn_rows_split_and_concat_back_with_their_action_spans_and_turn_rewards():
+    """Workers split a drawn batch into rows and the source concatenates rows from many calls: the action
+    masks, per-turn rewards and per-row counters of multi-turn trajectories survive both, and a batch never
+    mixes episodes with single replies."""
+    episodes = _rollout([[5, 6], [7]], [[1, 2, 3, 4], [8, 9]], P=2, R=4)
+    episodes.action_mask = torch.tensor([[True, False, False, True], [True, True, False, False]])
+    episodes.turn_rewards = torch.tensor([[0.5, 0.0, 0.0, 1.0], [0.0, 2.0, 0.0, 0.0]])
+    episodes.rewards, episodes.turns = torch.tensor([1.5, 2.0]), torch.tensor([2, 1])
+    episodes.tool_calls, episodes.tool_errors = torch.tensor([1, 0]), torch.tensor([0, 0])
+    episodes.cut = torch.tensor([False, True])
+    first, second = episodes.row(0), episodes.row(1)
+    assert second.response_ids.tolist() == [[8, 9]] and second.action_mask.tolist() == [[True, True]]
+    assert second.turn_rewards.tolist() == [[0.0, 2.0]] and second.turns.tolist() == [1]
+    back = Rollout.concat([second, first], pad_token_id=0)
+    assert back.action_mask.tolist() == [[True, True, False, False], [True, False, False, True]]
+    assert back.turn_rewards.tolist() == [[0.0, 2.0, 0.0, 0.0], [0.5, 0.0, 0.0, 1.0]]
+    assert back.rewards.tolist() == [2.0, 1.5] and back.cut.tolist() == [True, False]
+    assert back.to(torch.device("cpu")).tool_calls.tolist() == [0, 1]
+    with pytest.raises(ValueError, match="mixing"):
+        Rollout.concat([first, _rollout([[1]], [[2]], P=1, R=1)], pad_token_id=0)
+
+
 def test_concat_equals_one_batch_through_the_model(tiny_model_dir):
     """Re-padding changes no log-probability: the teacher-forced pass over a concatenation of separately
     padded rollouts matches the pass over each one alone."""
@@ -406,3 +428,24 @@ def test_synchronous_run_drops_nothing_and_a_resumed_run_uses_no_draw_twice(ray_
     assert records[-1]["admitted_total"] == len(records) * config.batch_size
     assert second.source.next_seq >= saved["next_seq"]
     assert set(saved["pending"]) <= set(after) | set(second.source.dropped) | set(second.source.state_dict()["pending"])
+
+
+def test_ray_workers_draw_multi_turn_episodes(ray_module, tiny_model_dir, tmp_path):
+    """--engine ray --env tiny-calc, synchronous (K = 0): the worker builds calculator environments and draws
+    whole episodes; the trainer gets turns, tool calls and observation tokens, and at staleness 0 the
+    teacher-forced log-probs match the worker's at every action token."""
+    from sao.tasks import tiny_calc
+    from sao.train.trainer import Trainer
+
+    tiny_calc.ensure_calc_model(progress=False)
+    config = Config.preset("tiny", env="tiny-calc", engine="ray", batch_size=8, steps=2, critic_warmup=1,
+                           rollout_workers=1, max_staleness=0, train_prompts=32, test_prompts=8)  # fmt: skip
+    trainer = Trainer(config, tmp_path / "run", progress=False)
+    daemons = _ray_children()  # the cluster the source started
+    records = trainer.run()
+    assert len(records) == 3 and all(r["staleness_max"] == 0 for r in records)
+    assert all(r["turns_mean"] >= 1.0 for r in records) and any(r["tool_calls_mean"] > 0 for r in records)
+    assert any(r["observation_share"] > 0 for r in records)
+    assert all(r["abs_log_ratio_max"] < 1e-4 for r in records), "workers draw with the published weights"
+    assert not ray_module.is_initialized()
+    _assert_ray_gone(daemons)

@@ -365,10 +365,6 @@ class Config:
             raise ConfigError(
                 f"--max-turns and --max-total-tokens must be >= 1, got {self.max_turns} and {self.max_total_tokens}"
             )
-        if self.env is not None and self.engine == "ray":
-            raise ConfigError(
-                "--env with --engine ray is not supported yet: multi-turn episodes run with --engine local"
-            )
         if self.traces is not None:
             if not self.traces.strip():
                 raise ConfigError("--traces must name a JSONL file or a folder of *.jsonl files")

@@ -126,7 +126,7 @@ def pass_at_1(
     the task's reward on one reply per sample, or the environment's total reward on one episode per sample."""
     adapter = POLICY_ADAPTER if hasattr(model, "peft_config") else None
     episodes = episodes_for(config, tokenizer, tasks, instruction)
-    decoder = make_decoder(model, adapter, "plain" if episodes else config.decoder)  # episodes: the plain loop
+    decoder = make_decoder(model, adapter, config.decoder)
     score = load_reward(config.reward) if config.reward else None
     return evaluate(
         decoder, tokenizer, tasks, instruction=instruction, samples=config.eval_samples,

@@ -408,6 +408,12 @@ class Engine:
             entry = self._entry(key)
             return entry.run(prompt_ids, prompt_mask.bool(), max_new_tokens, generator)
 
+    def stepper(self, rows: int, capacity: int) -> EngineStepper:
+        """A multi-turn session over ``rows`` rows (``sao.rollout.episodes``): the engine's kernels on a static
+        cache of ``capacity`` columns to start with (it grows if the episodes need more), decoded eagerly."""
+        self.sync_weights()
+        return EngineStepper(self, rows, capacity)
+
     def _entry(self, key: tuple) -> _Graph:
         """The cached entry for ``key`` (now the most recently used), or a new one: the least recently used
         are evicted first to make room, and the new one is stored only once its capture has succeeded."""
@@ -571,3 +577,52 @@ class _Graph:
             sampler_logprobs=self.logps[:B, :used].clone(),
             truncated=~self.done[:B].clone(),
         )
+
+
+class EngineStepper:
+    """The engine as ``sao.rollout.episodes`` drives it: every fed column (holes included) takes the next cache
+    slot; a query sees the real keys before it and its own chunk's real keys up to itself (a hole sees only
+    itself, so nothing is NaN, and nothing attends to it). Eager everywhere: rows act and wait between turns."""
+
+    def __init__(self, engine: Engine, rows: int, capacity: int):
+        self.e, self.rows, self.used = engine, rows, 0
+        self._allocate(_round_up(max(capacity, 1), 64))
+
+    def _allocate(self, capacity: int) -> None:
+        e, old = self.e, getattr(self, "cache_k", None)
+        shape = (len(e.layers), self.rows, e.kv_heads, capacity, e.head_dim)
+        cache_k = torch.zeros(shape, dtype=e.dtype, device=e.device)
+        cache_v = torch.zeros(shape, dtype=e.dtype, device=e.device)
+        key_real = torch.zeros(self.rows, capacity, dtype=torch.bool, device=e.device)  # [B, S]
+        if old is not None:
+            cache_k[..., : self.used, :] = self.cache_k[..., : self.used, :]
+            cache_v[..., : self.used, :] = self.cache_v[..., : self.used, :]
+            key_real[:, : self.used] = self.key_real[:, : self.used]
+        self.cache_k, self.cache_v, self.key_real, self.capacity = cache_k, cache_v, key_real, capacity
+
+    @torch.no_grad()
+    def feed(self, ids: torch.Tensor, real: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        e = self.e
+        B, L = ids.shape
+        if self.used + L > self.capacity:
+            self._allocate(_round_up(max(2 * self.capacity, self.used + L), 64))
+        slots = torch.arange(self.used, self.used + L, device=e.device)  # [L]
+        self.key_real[:, slots] = real
+        S = self.capacity
+        # [B, L, S]: the keys each new query sees — earlier real keys, its chunk's real keys up to itself, itself
+        seen = self.key_real[:, None, :].expand(B, L, S).clone()
+        later = torch.arange(S, device=e.device)[None, :] > slots[:, None]  # [L, S] keys after the query
+        seen &= ~later[None]
+        seen[:, torch.arange(L, device=e.device), slots] = True
+        bias = torch.zeros(B, 1, L, S, dtype=e.dtype, device=e.device).masked_fill_(~seen[:, None], -math.inf)
+        cos, sin = e._rope_tables(positions)
+        x = F.embedding(ids, e.embed)  # [B, L, H]
+        with e._kernels():
+            for i in range(len(e.layers)):
+                x = e._block(i, x, cos, sin, bias, self.cache_k, self.cache_v, slots)
+        self.used += L
+        return _rms_norm(x, e.final_norm, e.eps)  # [B, L, H] as the trunk's last_hidden_state
+
+    def logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+        logits = self.e.head(hidden).float()  # [B, V]
+        return logits / temperature if temperature != 1.0 else logits

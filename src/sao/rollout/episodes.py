@@ -17,23 +17,64 @@ holes; the returned ``Rollout`` is compacted row by row (holes dropped, position
 count only real tokens), so the teacher-forced pass sees exactly the sequence the sampler attended to.
 With one turn per row, the draws, tokens and log-probabilities are those of ``sampler.draw``.
 
-Deliberately left out: asynchronous environments (a slow tool holds its whole batch), and the graph engine
-(multi-turn decoding runs on the plain loop).
+Two ways to run the network, one loop (``Stepper``): ``HFStepper`` feeds the Hugging Face model with a
+``DynamicCache`` (the plain loop), ``sao.rollout.engine.EngineStepper`` feeds the engine's static cache with its
+own kernels (``--decoder graph``; on the CPU it draws the plain loop's tokens). Both append every fed column,
+holes included, so positions, masks and draws are the same whichever runs.
+
+Deliberately left out: asynchronous environments (a slow tool holds its whole batch), and CUDA-graph replay
+for multi-turn decoding (the engine's multi-turn path runs its decode steps eagerly: rows join and leave
+between turns, which a captured graph of fixed shape does not express).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from sao.model.forward import cache_keyword, logits_fp32, position_ids_from, trunk_and_head
+from sao.rollout.engine import Engine
 from sao.rollout.env import Message, TextEnv, render_observation
 from sao.rollout.sampler import Rollout, encode_prompts, gumbel_sample_
 
 ACT, WAIT, DONE = 0, 1, 2
+
+
+class Stepper(Protocol):
+    """The network as the episode loop drives it: columns in, hidden states out, the cache kept inside."""
+
+    def feed(self, ids: torch.Tensor, real: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Append columns ids [B, L] (``real`` [B, L] bool: False is a hole no later query attends to) at RoPE
+        positions [B, L]; return the final-normed hidden states [B, L, H]."""
+        ...
+
+    def logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+        """[B, H] → [B, V] float32 logits / τ, as ``forward.logits_fp32`` computes them."""
+        ...
+
+
+class HFStepper:
+    """The plain loop: the Hugging Face model (its active adapter) over a growing ``DynamicCache``."""
+
+    def __init__(self, model: nn.Module):
+        from transformers import DynamicCache
+
+        self.trunk, self.head = trunk_and_head(model)
+        self.kw, self.cache = cache_keyword(self.trunk), DynamicCache()
+        self.mask: torch.Tensor | None = None  # [B, S] every column fed so far: 1 real, 0 a hole
+
+    def feed(self, ids: torch.Tensor, real: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.mask = real.long() if self.mask is None else torch.cat([self.mask, real.long()], dim=1)
+        out = self.trunk(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True,
+                         **{self.kw: self.cache})  # fmt: skip
+        return out.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+        return logits_fp32(self.head, hidden, temperature)
 
 
 @dataclass
@@ -75,7 +116,7 @@ class _Columns:
 
 @torch.no_grad()
 def draw_episodes(
-    model: nn.Module,
+    model: nn.Module | Engine,
     tokenizer,
     envs: Sequence[TextEnv],
     prompts: Sequence[list[Message]],
@@ -88,9 +129,8 @@ def draw_episodes(
     pad_token_id: int,
     generator: torch.Generator,
 ) -> Rollout:
-    """One episode per environment (see the module docstring), with the model's active adapter."""
-    from transformers import DynamicCache
-
+    """One episode per environment (see the module docstring): with a model, its active adapter on the plain
+    loop; with an ``Engine``, the engine's adapter on its static cache."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
     device = generator.device
@@ -101,15 +141,15 @@ def draw_episodes(
         tools = (info or {}).get("tools") or None  # a tool-calling template lists the tools in the prompt
         texts.append(tokenizer.apply_chat_template(start, tools=tools, tokenize=False, add_generation_prompt=True))
     prompt_ids, prompt_mask = encode_prompts(tokenizer, texts, device)  # [B, P]
-    trunk, head = trunk_and_head(model)
-    kw, cache = cache_keyword(trunk), DynamicCache()
-    eos = set(eos_token_ids)
     B = len(rows)
+    if isinstance(model, Engine):
+        net: Stepper = model.stepper(B, prompt_ids.shape[1] + max_total_tokens)
+    else:
+        net = HFStepper(model)
+    eos = set(eos_token_ids)
 
-    mask = prompt_mask.long()  # [B, S] grows with every fed column
-    positions = position_ids_from(mask)
-    out = trunk(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{kw: cache})
-    hidden = out.last_hidden_state[:, -1]  # [B, H] the state each acting row samples from
+    positions = position_ids_from(prompt_mask.long())
+    hidden = net.feed(prompt_ids, prompt_mask.bool(), positions)[:, -1]  # [B, H] each acting row samples from
     next_pos = positions[:, -1] + 1  # [B]
     cols = _Columns()
     pending = None  # the last sampled column, not yet fed to the cache
@@ -117,7 +157,7 @@ def draw_episodes(
     while True:
         acting = torch.tensor([r.state == ACT for r in rows], device=device)  # [B]
         if bool(acting.any()):
-            logits = logits_fp32(head, hidden, temperature)  # [B, V]
+            logits = net.logits(hidden, temperature)  # [B, V]
             noise = torch.rand(logits.shape, generator=generator, device=device, dtype=torch.float32)
             token, token_logp = gumbel_sample_(logits, noise)  # [B], [B]
             ids = torch.where(acting, token, torch.full_like(token, pad_token_id))
@@ -127,10 +167,8 @@ def draw_episodes(
                 if r.state == ACT:
                     _extend_action(r, int(token[i]), tokenizer, eos, max_new_tokens, max_total_tokens)
             if any(r.state == ACT for r in rows):
-                mask = torch.cat([mask, acting.long()[:, None]], dim=1)
-                out = trunk(input_ids=ids[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                            use_cache=True, **{kw: cache})  # fmt: skip
-                hidden = torch.where(acting[:, None], out.last_hidden_state[:, -1], hidden)
+                fed = net.feed(ids[:, None], acting[:, None], next_pos[:, None])[:, -1]  # [B, H]
+                hidden = torch.where(acting[:, None], fed, hidden)
                 next_pos = next_pos + acting.long()
                 pending = None
                 continue
@@ -142,14 +180,12 @@ def draw_episodes(
         for j in range(1 if pending is not None else 0, chunk.shape[1]):  # the observation columns
             real = chunk_mask[:, j].bool()
             cols.add(chunk[:, j], real, torch.zeros_like(real), torch.zeros(B, device=device))
-        mask = torch.cat([mask, chunk_mask], dim=1)
         chunk_pos = next_pos[:, None] + chunk_mask.cumsum(dim=1) - 1  # [B, L]
-        out = trunk(input_ids=chunk, attention_mask=mask, position_ids=chunk_pos.clamp(min=0), use_cache=True,
-                    **{kw: cache})  # fmt: skip
+        out = net.feed(chunk, chunk_mask.bool(), chunk_pos.clamp(min=0))  # [B, L, H]
         columns = torch.arange(chunk.shape[1], device=device)
         last = (chunk_mask * columns).argmax(dim=1)  # [B] each row's last real column (column 0 may be a hole)
         fed = chunk_mask.any(dim=1)
-        hidden = torch.where(fed[:, None], out.last_hidden_state[torch.arange(B), last], hidden)
+        hidden = torch.where(fed[:, None], out[torch.arange(B), last], hidden)
         next_pos = next_pos + chunk_mask.sum(dim=1)
         pending = None
 

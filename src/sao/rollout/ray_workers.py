@@ -55,8 +55,12 @@ throughput, when decoding dominates and more devices are at hand. A Ray run is N
 adapter version wrote which trajectory depends on timing. Resume is sensible but not exact: the prompt
 stream continues where the checkpoint left it, and trajectories pending at the checkpoint are drawn again.
 
+With ``episodes`` (``--env``), each worker draws one multi-turn episode per prompt through
+``draw_episode_batch``, building the environments in its own process; the trajectories keep their action
+masks and per-turn rewards through the buffer and ``Rollout.concat``.
+
 Deliberately left out: a separate inference engine (vLLM and the like), sharding one model over several
-devices, partial rollouts interrupted by a weight update, multi-turn episodes on workers, and pinning the
+devices, partial rollouts interrupted by a weight update, environments shared across workers, and pinning the
 trainer's GPU on a cluster sao did not start (start it with the trainer's GPU hidden; see the README).
 """
 
@@ -79,7 +83,16 @@ import torch
 from sao.core.errors import ConfigError
 from sao.model.policy import POLICY_ADAPTER, add_lora, eos_ids, load_base, lora_state
 from sao.rollout.sampler import Rollout, derived_seed
-from sao.rollout.source import WARMUP, Batch, PromptOrder, Sampling, draw_batch, make_decoder
+from sao.rollout.source import (
+    WARMUP,
+    Batch,
+    Episodes,
+    PromptOrder,
+    Sampling,
+    draw_batch,
+    draw_episode_batch,
+    make_decoder,
+)
 
 if TYPE_CHECKING:
     from sao.core.config import Config
@@ -135,9 +148,9 @@ def worker_gpu_ids(visible: str | None, device_count: int, reserved: Sequence[in
 class RolloutWorker:
     """One rollout worker: the base model, a LoRA adapter at the version it last received, the decoder."""
 
-    def __init__(self, model_path: str, settings: dict[str, Any]):
+    def __init__(self, model_path: str, settings: dict[str, Any], episodes: Episodes | None = None):
         started = time.perf_counter()
-        self.settings = settings
+        self.settings, self.episodes = settings, episodes
         torch.set_num_threads(max(1, int(settings["threads"])))  # the CPUs Ray reserved for this worker
         self.device = torch.device(settings["device"])
         base, self.tokenizer = load_base(model_path, self.device, getattr(torch, settings["dtype"]))
@@ -177,41 +190,12 @@ class RolloutWorker:
 
             self.load_adapter(version, ray.get(ref))
         generator = torch.Generator(device=self.device).manual_seed(job["seed"])
-        rollout = draw_batch(self.decoder, self.tokenizer, job["prompts"], self.sampling, generator)
-        return {"seqs": job["seqs"], "version": self.version, "rollout": _to(rollout, torch.device("cpu"))}
-
-
-def _to(rollout: Rollout, device: torch.device) -> Rollout:
-    return Rollout(
-        prompt_ids=rollout.prompt_ids.to(device),
-        prompt_mask=rollout.prompt_mask.to(device),
-        response_ids=rollout.response_ids.to(device),
-        response_mask=rollout.response_mask.to(device),
-        sampler_logprobs=rollout.sampler_logprobs.to(device),
-        truncated=rollout.truncated.to(device),
-        texts=list(rollout.texts),
-    )
-
-
-def _rows(rollout: Rollout) -> list[Rollout]:
-    """Split a drawn batch into one-row rollouts trimmed to their own prompt and response lengths."""
-    out = []
-    for i in range(rollout.prompt_ids.shape[0]):
-        p = int(rollout.prompt_mask[i].sum())
-        r = max(int(rollout.response_mask[i].sum()), 1)
-        P = rollout.prompt_ids.shape[1]
-        out.append(
-            Rollout(
-                prompt_ids=rollout.prompt_ids[i : i + 1, P - p :].clone(),
-                prompt_mask=rollout.prompt_mask[i : i + 1, P - p :].clone(),
-                response_ids=rollout.response_ids[i : i + 1, :r].clone(),
-                response_mask=rollout.response_mask[i : i + 1, :r].clone(),
-                sampler_logprobs=rollout.sampler_logprobs[i : i + 1, :r].clone(),
-                truncated=rollout.truncated[i : i + 1].clone(),
-                texts=rollout.texts[i : i + 1],
-            )
-        )
-    return out
+        if self.episodes is not None:  # one multi-turn episode per task, its environment built here
+            tokenizer, episodes, sampling = self.tokenizer, self.episodes, self.sampling
+            rollout = draw_episode_batch(self.decoder, tokenizer, job["task_ids"], episodes, sampling, generator)
+        else:
+            rollout = draw_batch(self.decoder, self.tokenizer, job["prompts"], self.sampling, generator)
+        return {"seqs": job["seqs"], "version": self.version, "rollout": rollout.to(torch.device("cpu"))}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -329,6 +313,7 @@ class RaySource:
         label: str = "ray",
         progress: bool = True,
         reserved_gpus: Sequence[int] | None = None,
+        episodes: Episodes | None = None,
     ):
         ray = self.ray = import_ray()
         c = self.config = config
@@ -355,6 +340,7 @@ class RaySource:
             "temperature": c.temperature,
             "decoder": c.decoder,
         }
+        self._episodes = None if episodes is None else ray.put(episodes)  # stored once, shared by every actor
         self._death = _death_errors(ray)
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -456,7 +442,7 @@ class RaySource:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=self._placement, placement_group_bundle_index=index
             )
-        actor = self._actor_class.options(**options).remote(self._model_path, self._settings)
+        actor = self._actor_class.options(**options).remote(self._model_path, self._settings, self._episodes)
         slot = _Slot(index=index, actor=actor, spawned=time.perf_counter(), generation=generation)
         slot.starting = actor.ready.remote()
         return slot
@@ -549,7 +535,8 @@ class RaySource:
             self._replace(slot, error, hung=False)
             return
         with self._cond:
-            rows = _rows(result["rollout"])
+            drawn = result["rollout"]
+            rows = [drawn.row(i) for i in range(drawn.prompt_ids.shape[0])]
             job = slot.job
             for seq, task_id, row in zip(result["seqs"], job["task_ids"], rows, strict=True):
                 self._buffer.append(_Trajectory(seq, task_id, result["version"], job["deadline"], slot.name, row))
@@ -671,7 +658,7 @@ class RaySource:
                 "buffered": len(self._buffer),
                 "rollouts_per_s": self.counts["received"] / (time.perf_counter() - self._started_at),
             }
-        rollout = _to(Rollout.concat([t.rollout for t in chosen], self.pad_token_id), self.device)
+        rollout = Rollout.concat([t.rollout for t in chosen], self.pad_token_id).to(self.device)
         return Batch(
             task_ids=[t.task_id for t in chosen],
             rollout=rollout,

@@ -35,6 +35,10 @@ from sao.model.policy import POLICY_ADAPTER, lora_state
 SAMPLER_ADAPTER = "sampler"
 
 
+PER_TOKEN = ("action_mask", "turn_rewards")  # [B, R] multi-turn fields, padded like the response
+PER_ROW = ("rewards", "turns", "tool_calls", "tool_errors", "cut")  # [B] multi-turn fields
+
+
 @dataclass
 class Rollout:
     """A batch of trajectories as drawn. Prompts left-padded to P, responses right-padded to R."""
@@ -65,13 +69,44 @@ class Rollout:
     def lengths(self) -> torch.Tensor:
         return self.response_mask.sum(dim=1)
 
+    def _optional(self) -> dict[str, torch.Tensor]:
+        """The multi-turn fields this rollout carries (none for single replies)."""
+        return {name: getattr(self, name) for name in (*PER_TOKEN, *PER_ROW) if getattr(self, name) is not None}
+
+    def to(self, device: torch.device) -> Rollout:
+        """The same trajectories on ``device``."""
+        fields = {name: getattr(self, name) for name in ("prompt_ids", "prompt_mask", "response_ids",
+                                                         "response_mask", "sampler_logprobs", "truncated")}  # fmt: skip
+        moved = {name: t.to(device) for name, t in {**fields, **self._optional()}.items()}
+        return Rollout(**moved, texts=list(self.texts))
+
+    def row(self, i: int) -> Rollout:
+        """Row i alone, trimmed to its own prompt and response lengths."""
+        p = int(self.prompt_mask[i].sum())
+        r = max(int(self.response_mask[i].sum()), 1)
+        P = self.prompt_ids.shape[1]
+        per_token = {name: t[i : i + 1, :r].clone() for name, t in self._optional().items() if name in PER_TOKEN}
+        per_row = {name: t[i : i + 1].clone() for name, t in self._optional().items() if name in PER_ROW}
+        return Rollout(
+            prompt_ids=self.prompt_ids[i : i + 1, P - p :].clone(),
+            prompt_mask=self.prompt_mask[i : i + 1, P - p :].clone(),
+            response_ids=self.response_ids[i : i + 1, :r].clone(),
+            response_mask=self.response_mask[i : i + 1, :r].clone(),
+            sampler_logprobs=self.sampler_logprobs[i : i + 1, :r].clone(),
+            truncated=self.truncated[i : i + 1].clone(),
+            texts=self.texts[i : i + 1],
+            **per_token,
+            **per_row,
+        )
+
     @staticmethod
     def concat(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
         """Stack rollouts drawn separately (different prompt and response widths) into one batch.
 
         Prompts are re-padded on the left to the widest P, responses on the right to the widest R, with
         ``pad_token_id``, mask False and sampler log-probability 0 in the new padding; ``truncated`` and
-        ``texts`` are concatenated in order. The result lives on the first rollout's device.
+        ``texts`` are concatenated in order, and so are the multi-turn fields (every rollout carries them or
+        none does). The result lives on the first rollout's device.
         """
         if not rollouts:
             raise ValueError("Rollout.concat needs at least one rollout")
@@ -89,6 +124,14 @@ class Rollout:
             filler = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=device)
             return torch.cat([filler, t] if left else [t, filler], dim=1)
 
+        carried = [set(r._optional()) for r in rollouts]
+        if any(c != carried[0] for c in carried):
+            raise ValueError("Rollout.concat: mixing multi-turn trajectories with single replies")
+        optional = {
+            name: torch.cat([pad(r._optional()[name], R, False if name == "action_mask" else 0, False)
+                             if name in PER_TOKEN else r._optional()[name].to(device) for r in rollouts])
+            for name in sorted(carried[0])
+        }  # fmt: skip
         return Rollout(
             prompt_ids=torch.cat([pad(r.prompt_ids, P, pad_token_id, True) for r in rollouts]),
             prompt_mask=torch.cat([pad(r.prompt_mask.bool(), P, False, True) for r in rollouts]),
@@ -97,6 +140,7 @@ class Rollout:
             sampler_logprobs=torch.cat([pad(r.sampler_logprobs, R, 0.0, False) for r in rollouts]),
             truncated=torch.cat([r.truncated.to(device) for r in rollouts]),
             texts=[text for r in rollouts for text in r.texts],
+            **optional,
         )
 
 

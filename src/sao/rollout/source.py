@@ -4,8 +4,10 @@
                  under the exact distribution it was drawn from. ``PlainDecoder`` (the reference loop) or
                  ``sao.rollout.engine.Engine`` (static KV cache, CUDA graph); ``make_decoder`` picks one.
     Source       hands the trainer one ``Batch`` per step and hears about each policy update (the publish
-                 hook). ``LocalStaleSource`` (here: the stale sampler in this process, reproducible) or
-                 ``sao.rollout.ray_workers.RaySource`` (asynchronous workers, for throughput).
+                 hook). ``LocalStaleSource`` (here: the stale sampler in this process, reproducible),
+                 ``sao.rollout.ray_workers.RaySource`` (asynchronous workers, for throughput) or
+                 ``sao.rollout.traces.TraceSource`` (a serving system's logged traces; ``SourceExhausted`` ends
+                 the run when the log has no further batch).
     PromptOrder  the seeded order every source reads the training prompts in.
 
 A source is built from what it needs — the policy model, the prompts, the settings, a publish hook — and
@@ -66,6 +68,15 @@ class Batch:
     rollout: Rollout
     staleness: list[int]
     info: dict[str, Any] = field(default_factory=dict)  # the source's counters, logged with the step
+    # Rows that carry their own task (logged traces: ``sao.rollout.traces``): row i's task fields, graded by the
+    # trainer's reward function, or None where the row's reward is already in ``rollout.turn_rewards``. None:
+    # every task id is looked up in the trainer's tasks.
+    tasks: list[dict[str, Any] | None] | None = None
+
+
+class SourceExhausted(Exception):
+    """Raised by ``next_batch`` when a source has no further batch (a trace log read to its end): the run stops
+    cleanly after its last completed step. ``str(error)`` says why, in words."""
 
 
 class Source(Protocol):
@@ -137,16 +148,19 @@ class Episodes:
 
 
 def draw_episode_batch(
-    decoder: PlainDecoder, tokenizer: Any, task_ids: list[str], episodes: Episodes, sampling: Sampling, generator
+    decoder: Decoder, tokenizer: Any, task_ids: list[str], episodes: Episodes, sampling: Sampling, generator
 ) -> Rollout:
-    """One multi-turn episode per task id, an environment each (closed afterwards), on the plain loop."""
+    """One multi-turn episode per task id, an environment each (closed afterwards), on the decoder's path: the
+    plain loop over its model, or the engine's static cache."""
     envs = [episodes.env_factory(i, episodes.fields[i]) for i in task_ids]
+    messages = [episodes.messages[i] for i in task_ids]
+    limits = {"max_turns": episodes.max_turns, "max_total_tokens": episodes.max_total_tokens}
     try:
-        with decoder.active() as model:
-            return draw_episodes(
-                model, tokenizer, envs, [episodes.messages[i] for i in task_ids], max_turns=episodes.max_turns,
-                max_total_tokens=episodes.max_total_tokens, generator=generator, **sampling.as_kwargs(),
-            )  # fmt: skip
+        if isinstance(decoder, PlainDecoder):
+            with decoder.active() as model:
+                return draw_episodes(model, tokenizer, envs, messages, generator=generator, **limits,
+                                     **sampling.as_kwargs())  # fmt: skip
+        return draw_episodes(decoder, tokenizer, envs, messages, generator=generator, **limits, **sampling.as_kwargs())
     finally:
         for env in envs:
             env.close()
@@ -192,8 +206,7 @@ class LocalStaleSource:
         self.tokenizer, self.prompts, self.order, self.episodes = tokenizer, prompts, order, episodes
         self.batch_size, self.critic_warmup, self.sampling, self.seed = batch_size, critic_warmup, sampling, seed
         self.sampler = StaleSampler(policy, lag)
-        kind = "plain" if episodes is not None else decoder  # multi-turn episodes run on the plain loop
-        self.decoder = make_decoder(policy, SAMPLER_ADAPTER, kind)  # reads the sampler's adapter
+        self.decoder = make_decoder(policy, SAMPLER_ADAPTER, decoder)  # reads the sampler's adapter
         self.device = next(policy.parameters()).device
 
     def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:

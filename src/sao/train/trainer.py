@@ -114,7 +114,7 @@ class Trainer:
             return RaySource(
                 c, model_path=self.model_path, policy=m.policy, pad_token_id=m.tokenizer.pad_token_id,
                 prompts=self.prompts, order=order, label=self.label, progress=self.progress,
-                reserved_gpus=self.world.training_gpus(),
+                reserved_gpus=self.world.training_gpus(), episodes=self.episodes,
             )  # fmt: skip
         sampling = Sampling(c.max_new_tokens, c.temperature, m.eos_token_ids, m.tokenizer.pad_token_id)
         return LocalStaleSource(
