@@ -160,3 +160,18 @@ def test_the_engine_draws_the_plain_loops_multi_turn_episodes(tiny_model_dir, mo
         tf = teacher_forced(policy, fast.prompt_ids, fast.prompt_mask, fast.response_ids, fast.response_mask)
     gap = (tf.logprobs - fast.sampler_logprobs)[fast.action_mask].abs()
     assert gap.max() < 1e-5, f"lag-0 |log ratio| max {gap.max():.2e}"
+
+
+def test_a_trajectory_splits_into_its_action_and_observation_spans(model):
+    from sao.rollout.episodes import render_segments, segments
+
+    lm, tokenizer = model
+    rollout = draw_episodes(lm, tokenizer, [Nudge(turns=2)], _prompts()[:1], max_turns=3, max_total_tokens=200,
+                            generator=torch.Generator().manual_seed(0), **_settings(tokenizer))  # fmt: skip
+    spans = segments(tokenizer, rollout, 0)
+    assert [s["kind"] for s in spans] == ["action", "observation", "action"]
+    assert "try again 1" in spans[1]["text"] and "<|im_start|>tool" in spans[1]["text"]
+    real = rollout.response_ids[0][rollout.response_mask[0]].tolist()
+    assert "".join(s["text"] for s in spans) == tokenizer.decode(real, skip_special_tokens=False)
+    marked = render_segments(spans)
+    assert marked.startswith("[action]") and marked.count("[observation]") == 1 and marked.endswith("[/action]")

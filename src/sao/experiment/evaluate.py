@@ -27,6 +27,7 @@ import torch
 
 from sao.core import grading
 from sao.core.errors import ConfigError
+from sao.rollout.episodes import render_segments, segments
 from sao.rollout.sampler import derived_seed
 from sao.rollout.source import Decoder, Episodes, Sampling, draw_batch, draw_episode_batch
 from sao.tasks.envs import prompt_text
@@ -49,7 +50,7 @@ class EvalResult:
     mean_reply_tokens: float
     truncation_share: float
     seconds: float
-    examples: list[dict[str, Any]]  # a few (question, reply, gold, correct) for the report
+    examples: list[dict[str, Any]]  # a few (question, reply, gold, correct; an episode also its spans) to show
     batch: int = 0  # sequences decoded together (after any out-of-memory halving)
     oom_retries: int = 0
     truncated_reward: str = "grade"  # how cut-off replies were scored ("grade": what evals before the option did)
@@ -149,11 +150,15 @@ def _evaluate_once(
                 scores = [0.0 if c else s for c, s in zip(cut, scores, strict=True)]
         texts = rollout.texts
         every = max(1, len(tasks) // 6)
-        for (j, i, _), text, ok in zip(chunk, texts, scores, strict=True):
+        for row, ((j, i, _), text, ok) in enumerate(zip(chunk, texts, scores, strict=True)):
             correct[j] += ok
             chars += len(text)
             if i == 0 and j % every == 0 and len(examples) < 6:
-                examples.append({"question": tasks[j].question, "reply": text, "gold": tasks[j].answer, "correct": ok})
+                example = {"question": tasks[j].question, "reply": text, "gold": tasks[j].answer, "correct": ok}
+                if episodes is not None:  # the trajectory with its action and observation spans marked
+                    spans = segments(tokenizer, rollout, row)
+                    example.update(reply=render_segments(spans), spans=spans)
+                examples.append(example)
         tokens += float(rollout.lengths.sum())
         truncated += float(rollout.truncated.sum())
     per_task = (correct / samples).tolist()

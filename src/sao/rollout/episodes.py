@@ -298,3 +298,24 @@ def _compact(prompt_ids, prompt_mask, cols: _Columns, rows, tokenizer, pad: int)
         tool_errors=torch.tensor([r.tool_errors for r in rows], device=dev),
         cut=torch.tensor([r.cut for r in rows], device=dev),
     )
+
+
+def segments(tokenizer, rollout: Rollout, row: int) -> list[dict[str, str]]:
+    """Row ``row``'s response as the trainer sees it, split into its spans: ``{"kind": "action" | "observation",
+    "text": ...}`` in order, special tokens kept (an observation carries the chat template's turn markers)."""
+    real = rollout.response_mask[row]  # [R]
+    ids = rollout.response_ids[row][real].tolist()
+    acts = rollout.actions[row][real].tolist()
+    out: list[dict[str, str]] = []
+    start = 0
+    for j in range(1, len(ids) + 1):
+        if j == len(ids) or acts[j] != acts[start]:
+            kind = "action" if acts[start] else "observation"
+            out.append({"kind": kind, "text": tokenizer.decode(ids[start:j], skip_special_tokens=False)})
+            start = j
+    return out
+
+
+def render_segments(spans: list[dict[str, str]]) -> str:
+    """One line a person can read: each span wrapped in its kind, e.g. ``[action]<calc>1+2</calc>[/action]``."""
+    return "".join(f"[{s['kind']}]{s['text']}[/{s['kind']}]" for s in spans)
