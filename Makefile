@@ -29,11 +29,12 @@ test-fast: install
 docs: install
 	SAO_WRITE_DOCS=1 $(PY) -m pytest -m faults
 
-# The whole controlled experiment on the CPU stand-in: base evals, both arms, compare, report (~1-2 min).
+# The whole controlled experiment on the CPU stand-in, on the calculator agent (multi-turn episodes, tool
+# calls, observation tokens): base evals, both arms, compare, report (~2 min on 2 cores).
 demo: install
 	$(VENV)/bin/sao selftest
 	rm -rf runs/demo
-	$(VENV)/bin/sao recipe --preset tiny --out runs/demo
+	$(VENV)/bin/sao recipe --preset tiny --env tiny-calc --out runs/demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis runs
