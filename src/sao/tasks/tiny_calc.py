@@ -19,9 +19,13 @@
                 tool trajectories are mostly right, then decays the learning rate. The model cannot add
                 four-digit numbers, so a trajectory that calls the tool is mostly right and one that does not is
                 almost always wrong: RL has a visible job — call the tool more often.
-    cache       ``ensure_calc_model()`` trains once and saves into ``$SAO_CACHE`` (default ``~/.cache/sao``) under a
-                folder keyed by every warm-start setting, written to a temporary folder and renamed when complete;
-                ``warmstart.json`` there records the measured starting point and the time it took.
+    shipped     the warm start's weights ship beside this file (``tiny_calc_model.safetensors``, float32, ~0.4 MB)
+                with the record its training wrote (``tiny_calc_warmstart.json``: the measured starting point, the
+                steps and the time it took), because training follows floating point: another CPU or library
+                version lands on other weights. ``ensure_calc_model()`` builds the model folder from them (the same
+                bytes on every machine, checked against ``SHIPPED_SHA256``) into ``$SAO_CACHE`` (default
+                ``~/.cache/sao``); other settings train there instead (``train_calc_warm_start``, ~1.5 min), in a
+                folder keyed by every setting, written to a temporary folder and renamed when complete.
     measure     ``measure_agent`` plays whole trajectories turn by turn with ``sao.rollout.sampler.draw`` (one call per
                 turn, cut at the stop string) and reports accuracy with and without the tool and the tool-use rate.
 
@@ -46,6 +50,7 @@ from typing import Any
 
 import torch
 
+from sao.core import provenance
 from sao.core.errors import DataError
 from sao.rollout.env import render_observation
 from sao.rollout.sampler import draw
@@ -55,8 +60,10 @@ from sao.tasks.tiny import build_tokenizer, cache_root
 
 __all__ = [
     "POOL_SIZE",
+    "SHIPPED_SHA256",
     "TINY_CALC_INSTRUCTION",
     "CalcWarmStart",
+    "build_from_shipped",
     "calc_model_dir",
     "decision_kept",
     "demonstration",
@@ -69,6 +76,7 @@ __all__ = [
     "measure_agent",
     "question",
     "tool_actions",
+    "train_calc_warm_start",
     "tutor_actions",
 ]
 
@@ -333,20 +341,29 @@ def measure_agent(
 # --- the warm start ------------------------------------------------------------------------------------
 
 
+SHIPPED_WEIGHTS = Path(__file__).with_name("tiny_calc_model.safetensors")
+SHIPPED_RECORD = Path(__file__).with_name("tiny_calc_warmstart.json")
+SHIPPED_SHA256 = "e2457606184a8d4e5a3cb9eaca133d7b6d8520cf0fd72060638d62adef3fe5ff"
+
+
 def calc_model_dir(settings: CalcWarmStart = CalcWarmStart()) -> Path:
-    key = hashlib.sha256(json.dumps(asdict(settings), sort_keys=True).encode()).hexdigest()[:12]
-    return cache_root() / f"tiny-calc-{key}"
+    key = {**asdict(settings), **({"weights": SHIPPED_SHA256} if settings == CalcWarmStart() else {})}
+    return cache_root() / f"tiny-calc-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}"
 
 
 def ensure_calc_model(settings: CalcWarmStart = CalcWarmStart(), progress: bool = True) -> Path:
-    """The warm-started tiny-calc model's folder, training and caching it on first use (about a minute)."""
+    """The warm-started tiny-calc model's folder, cached on first use: built from the shipped weights (~1 s)
+    with the default settings, trained (~1.5 min on 2 cores) with any other."""
     target = calc_model_dir(settings)
     if (target / "warmstart.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        _train_and_save(settings, scratch, progress)
+        if settings == CalcWarmStart():
+            build_from_shipped(scratch)
+        else:
+            train_calc_warm_start(settings, scratch, progress)
         try:
             os.rename(scratch, target)
         except OSError:  # another process finished first: theirs is as good as ours
@@ -404,30 +421,76 @@ def demonstration_batch(
     return buckets
 
 
-def _train_and_save(settings: CalcWarmStart, out: Path, progress: bool) -> None:
-    from tqdm import tqdm
+def _model(settings: CalcWarmStart, tokenizer: Any):
+    """A randomly initialised tiny-calc model of ``settings``' shape (seeded by the caller)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=settings.hidden_size,
+        intermediate_size=settings.intermediate_size,
+        num_hidden_layers=settings.layers,
+        num_attention_heads=settings.heads,
+        num_key_value_heads=settings.kv_heads,
+        max_position_embeddings=512,
+        rope_theta=settings.rope_theta,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def _save(model: Any, tokenizer: Any, out: Path) -> None:
+    model.eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def build_from_shipped(out: Path) -> dict:
+    """Write the default tiny-calc model folder into ``out`` from the shipped tensors, check that its weights
+    hash to ``SHIPPED_SHA256``, and copy the record the training wrote to ``warmstart.json``. Nothing here is
+    computed in floating point: the same bytes on every machine."""
+    from safetensors.torch import load_file
+
+    for shipped in (SHIPPED_WEIGHTS, SHIPPED_RECORD):
+        if not shipped.is_file():
+            raise DataError(f"{shipped} is missing: reinstall sao (the tiny-calc model ships with it)")
+    tokenizer = build_tokenizer()
+    model = _model(CalcWarmStart(), tokenizer)
+    missing, unexpected = model.load_state_dict(load_file(SHIPPED_WEIGHTS), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # the head is tied to the embedding
+        raise DataError(
+            f"{SHIPPED_WEIGHTS} does not fit the tiny-calc config: missing {missing}, unexpected {unexpected}"
+        )
+    model.tie_weights()
+    _save(model, tokenizer, out)
+    weights, _ = provenance.weights_sha256(out)
+    if weights != SHIPPED_SHA256:
+        raise DataError(
+            f"the tiny-calc model built from {SHIPPED_WEIGHTS.name} hashes to {weights}, not {SHIPPED_SHA256}"
+        )
+    record = {**json.loads(SHIPPED_RECORD.read_text()), "weights": SHIPPED_WEIGHTS.name, "weights_sha256": weights}
+    (out / "warmstart.json").write_text(json.dumps(record, indent=2))
+    return record
+
+
+def train_calc_warm_start(settings: CalcWarmStart, out: Path, progress: bool = True) -> None:
+    """The recipe that made the shipped weights (see the module docstring): writes a model folder and
+    ``warmstart.json`` into ``out``. To remake the shipped files: run it with the default settings, copy
+    ``out/model.safetensors`` over ``SHIPPED_WEIGHTS`` and ``out/warmstart.json`` over ``SHIPPED_RECORD``, and set
+    ``SHIPPED_SHA256`` to ``provenance.weights_sha256(out)``."""
+    from tqdm import tqdm
 
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, min(settings.threads, os.cpu_count() or 1)))
     try:
         tokenizer = build_tokenizer()
         torch.manual_seed(settings.seed)
-        config = Qwen2Config(
-            vocab_size=len(tokenizer),
-            hidden_size=settings.hidden_size,
-            intermediate_size=settings.intermediate_size,
-            num_hidden_layers=settings.layers,
-            num_attention_heads=settings.heads,
-            num_key_value_heads=settings.kv_heads,
-            max_position_embeddings=512,
-            rope_theta=settings.rope_theta,
-            tie_word_embeddings=True,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
-        )
-        model = Qwen2ForCausalLM(config)
+        model = _model(settings, tokenizer)
         rng = random.Random(settings.seed)
         probe_rng = random.Random(settings.seed + 10_000)
         probe = []
@@ -474,11 +537,7 @@ def _train_and_save(settings: CalcWarmStart, out: Path, progress: bool) -> None:
                     reached = step + 1
         bar.close()
         seconds, cpu_seconds = time.time() - start, time.process_time() - cpu_start
-        model.eval()
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        _save(model, tokenizer, out)
         split = make_split(480, 120, seed=0)
         measured = measure_agent(
             model, tokenizer, split.train + split.test, seed=settings.seed, instruction=TINY_CALC_INSTRUCTION
