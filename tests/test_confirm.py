@@ -186,6 +186,10 @@ def test_seeds_of_reads_every_kind_of_exploratory_file():
     assert confirm.seeds_of({"config": {"seed": 5, "train_runs": 3}}) == {5, 6, 7}  # experiment.json
     assert confirm.seeds_of({"config": {"seed": 9}}) == {9}  # a sao train run's config.json
     assert confirm.seeds_of({"cells": [{"arms": {"dis": {"runs": {"dis-s4": {"seed": 4}}}}}]}) == {4}
+    # the committed sweeps' format: "seeds" counts the seeds, which start at the config's seed
+    assert confirm.seeds_of({"seeds": 4, "config": {"seed": 17}}) == {17, 18, 19, 20}
+    committed = Path(__file__).resolve().parents[1] / "docs" / "sweep-tiny-lr2e-3" / "sweep.json"
+    assert confirm.seeds_of(json.loads(committed.read_text())) == {17, 18, 19, 20}
 
 
 def test_holm_turns_a_lone_improvement_unresolved_when_the_family_is_large(tmp_path):

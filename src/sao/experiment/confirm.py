@@ -256,10 +256,13 @@ def seeds_of(data: Any) -> set[int]:
     seeds: set[int] = set()
     if not isinstance(data, dict):
         return seeds
-    seeds |= {s for s in data.get("seeds") or [] if isinstance(s, int)}
+    listed = data.get("seeds")
+    seeds |= {s for s in listed if isinstance(s, int)} if isinstance(listed, list) else set()
     config = data.get("config") if isinstance(data.get("config"), dict) else None
     if config and isinstance(config.get("seed"), int):
         runs = config.get("train_runs") if isinstance(config.get("train_runs"), int) else 1
+        if isinstance(listed, int) and not isinstance(listed, bool):  # an older sweep.json: the count of seeds
+            runs = max(runs, listed)
         seeds |= set(range(config["seed"], config["seed"] + max(runs, 1)))
     for cell in data.get("cells") or []:
         for arm in (cell.get("arms") or {}).values() if isinstance(cell, dict) else []:
