@@ -11,7 +11,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,hub,ray,track,agents]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,hub,ray,track,agents,serve]"
 	touch $(STAMP)
 
 lint: install

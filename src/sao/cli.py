@@ -8,6 +8,7 @@
     sao confirm PLAN --out DIR          a confirmation planned in a file before it runs: fresh seeds, Holm
     sao report DIR                      rebuild report.md (or sweep.md) and the plots from the JSON
     sao export RUN --merge OUT          fold a run's adapter into its base: a plain HF model folder to serve
+    sao serve  --preset tiny --traces LOG [--watch RUN]      OpenAI-style chat endpoint that logs every trace
 
 Every setting of ``sao.core.config.Config`` is a flag (``--batch-size`` sets ``batch_size``), documented from
 the same place it is defined (the field's metadata); a preset supplies the defaults, ``--config FILE`` (YAML or
@@ -31,6 +32,8 @@ from sao.core.errors import ConfigError, SaoError
 
 # Flags whose spelling differs from the field or that take two values.
 _SPECIAL = {"band": {"nargs": 2, "type": float, "metavar": ("LO", "HI")}, "random_mask_share": {"type": float}}
+# Switches that read as plain flags (``--follow``) and still take a value (``--follow false``).
+_SWITCHES = ("follow", "skip_bad_traces", "publish")
 
 
 def _field_docs() -> dict[str, str]:
@@ -59,6 +62,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (
         kwargs: dict[str, Any] = {"default": None, "help": docs.get(f.name, "")}
         if f.name in _SPECIAL:
             kwargs.update(_SPECIAL[f.name])
+        elif f.name in _SWITCHES:
+            kwargs.update(nargs="?", const=True, type=_bool)
         elif isinstance(f.default, bool):
             kwargs["type"] = _bool
         elif isinstance(f.default, int):
@@ -107,13 +112,29 @@ def _train(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     trainer = Trainer(config, args.out, resume=args.resume, progress=not args.quiet)
     print(f"sao train: {config.arm} arm, seed {config.seed}, model {config.model}: {trainer.describe()}")
-    print(f"  data {trainer.split.source}: {_counts(trainer.split.counts)}")
+    print(f"  data {trainer.split.source}" + (f": {_counts(trainer.split.counts)}" if trainer.split.counts else ""))
     records = trainer.run()
     print(summarize_training(records, trainer.max_staleness))
+    if config.traces is not None:
+        print(summarize_traces(trainer.traces_summary()))
+    if trainer.ended_early:
+        print(f"  stopped after {len(records)} of {trainer.total_steps} steps: {trainer.ended_early}")
     print(f"  wrote {Path(args.out) / 'train_log.json'} and the adapter in {Path(args.out) / 'adapter'}")
     for message in trainer.warnings:
         print("  warning: " + message)
     return 0
+
+
+def summarize_traces(summary: dict[str, Any]) -> str:
+    """One line on a trace log: used, dropped by reason, the staleness of what was used."""
+    if not summary:
+        return "  traces: none read"
+    dropped = ", ".join(f"{k.removeprefix('traces_dropped_')} {v}" for k, v in summary.items()
+                        if k.startswith("traces_dropped_") and v)  # fmt: skip
+    hist = " ".join(f"{s}:{n}" for s, n in summary["traces_staleness_hist"].items())
+    return (f"  traces: used {summary['traces_used']}, dropped {summary['traces_dropped']}"
+            f"{f' ({dropped})' if dropped else ''}, waiting for feedback {summary['traces_waiting_for_feedback']}; "
+            f"staleness of those used {hist or '-'}")  # fmt: skip
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -299,6 +320,17 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from sao.serve.server import ensure_serve_extra, serve
+
+    ensure_serve_extra()  # before loading anything: one line naming the extra to install
+    _silence_library_progress_bars()  # the first line printed says where it serves
+    config = config_from_args(args)  # --threads: torch's CPU threads (1 on the tiny model by default)
+    host = args.host or "127.0.0.1"
+    return serve(config, args.traces, host=host, host_given=args.host is not None, port=args.port, watch=args.watch,
+                 max_prompt_tokens=args.max_prompt_tokens)  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -364,6 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--base-model", metavar="PATH", help="the base model's hub id or folder (default: the one the adapter names)"
     )
     p.set_defaults(func=_export)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible chat endpoint on the current adapter, logging traces")
+    p.add_argument("--traces", required=True, metavar="LOG", help="the JSONL trace log every completion is appended to")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one; the first line says which)")
+    p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; anything else warns)")
+    p.add_argument("--watch", metavar="RUN", help="a sao train --traces run folder: serve each adapter it publishes")
+    p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted (default 4096)")
+    _add_config_flags(p, skip=("traces",))
+    p.set_defaults(func=_serve)
     return parser
 
 

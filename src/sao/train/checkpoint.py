@@ -4,6 +4,10 @@
                          folder holding one needs --resume and the same settings, so runs never mix
     OUT/checkpoint.pt    adapters, value head, both optimizers, counters, the source's state, the records
     OUT/train_log.json   the records, readable while the run goes on
+    OUT/traces.json      with --traces: the run's totals (used, dropped by reason, staleness histogram, footing)
+    OUT/published/       with --traces or --publish: v{N}/ the adapter after N policy updates (the newest 3), and
+                         LATEST.json {"version": N, "path": "v{N}"}, replaced atomically once v{N} is complete, for a
+                         server to reload
 
 Both per-step files are written atomically (beside, rename), the checkpoint first and fsynced: a run killed
 between the two resumes from the checkpoint and rewrites the log, so nothing is lost or counted twice. The
@@ -22,6 +26,8 @@ repairing a damaged checkpoint (its weights and optimizer state exist nowhere el
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +84,9 @@ def claim(out: Path, record: dict[str, Any], resume: bool) -> None:
         raise ConfigError(f"output folder {out} is not empty and holds no sao run; choose another --out")
 
 
-# Settings that change how a run is watched, not what it computes: a resume may change them.
-NOT_COMPARED_ON_RESUME = ("track",)
+# Settings that change how a run is watched, how long it waits for a trace log or whether a malformed trace line
+# stops it, not what a step computes: a resume may change them.
+NOT_COMPARED_ON_RESUME = ("track", "follow", "follow_timeout", "skip_bad_traces")
 
 
 def same_settings(saved: Any, record: dict[str, Any]) -> bool:
@@ -102,6 +109,32 @@ def save(out: Path, state: dict[str, Any], records: list[dict[str, Any]]) -> Non
     """The checkpoint (fsynced), then the log (rebuilt from the checkpoint if a machine crash damages it)."""
     save_torch(out / CHECKPOINT_FILE, state)
     write_json(out / LOG_FILE, records, durable=False)
+
+
+PUBLISHED_DIR, LATEST_FILE, KEEP_PUBLISHED = "published", "LATEST.json", 3
+
+
+def publish(out: Path, version: int, write_adapter: Callable[[Path], Any]) -> Path:
+    """Publish the adapter after ``version`` policy updates: ``write_adapter(folder)`` writes OUT/published/v{N}/
+    (staged and fsynced, so it appears complete or not at all), then LATEST.json is replaced atomically to point
+    at it, then all but the newest ``KEEP_PUBLISHED`` versions are removed. A server that reads LATEST.json and
+    then the folder it names always finds a complete adapter (a reader slower than 2 updates may lose it)."""
+    root = out / PUBLISHED_DIR
+    folder = root / f"v{version}"
+    write_adapter(folder)
+    write_json(root / LATEST_FILE, {"version": version, "path": folder.name})
+    versions = sorted(int(p.name[1:]) for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit())
+    for old in versions[:-KEEP_PUBLISHED]:
+        shutil.rmtree(root / f"v{old}", ignore_errors=True)
+    return folder
+
+
+TRACES_FILE = "traces.json"
+
+
+def write_traces_summary(out: Path, summary: dict[str, Any]) -> None:
+    """OUT/traces.json: a trace run's totals (used, dropped by reason, staleness histogram, the footing audit)."""
+    write_json(out / TRACES_FILE, summary)
 
 
 def load(out: Path, fix: str | None = None) -> dict[str, Any] | None:

@@ -1,0 +1,169 @@
+"""Running ``sao serve``: the policy, the trace log, the adapter watcher and uvicorn, started and stopped together.
+
+``Server.start()`` runs uvicorn in a thread on a socket bound here (port 0 picks a free one; ``.port`` says
+which), ``Server.run()`` in the foreground until SIGINT/SIGTERM. ``ensure_serve_extra`` turns a missing
+fastapi/uvicorn into one line that says how to install them.
+
+Deliberately left out: TLS, authentication (the server binds 127.0.0.1 unless told otherwise), several
+workers (one model, one lock).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from sao.core.config import Config
+from sao.core.errors import ConfigError
+
+
+def ensure_serve_extra() -> None:
+    """A ConfigError naming the install command when fastapi or uvicorn is missing."""
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"sao serve needs {' and '.join(missing)}: pip install 'sao[serve]'")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Server:
+    """The whole server: build it, ``start()`` (background) or ``run()`` (foreground), ``stop()``."""
+
+    def __init__(
+        self,
+        config: Config,
+        traces: str | os.PathLike[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        watch: str | os.PathLike[str] | None = None,
+        max_tokens: int | None = None,
+        max_prompt_tokens: int = 4096,
+        poll_interval: float = 0.5,
+        say=print,
+    ):
+        ensure_serve_extra()
+        from sao.serve.app import ServeSettings, Service, create_app
+        from sao.serve.served import AdapterWatcher, ServedPolicy
+        from sao.serve.tracelog import TraceLog
+
+        self.say = say
+        max_tokens = max_tokens or config.max_new_tokens
+        if max_tokens < 1 or max_prompt_tokens < 1:
+            raise ConfigError("--max-tokens and --max-prompt-tokens must be >= 1")
+        self.log = TraceLog(traces)  # first: a second server on the same log stops here, before loading a model
+        try:
+            self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.sock.bind((host, port))
+            self.sock.listen(128)
+        except OSError as error:
+            self.log.close()
+            raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+        self.host, self.port = host, self.sock.getsockname()[1]
+        try:
+            self.policy = ServedPolicy(config, device=config.device if config.device != "auto" else "cpu")
+            self.watcher = AdapterWatcher(self.policy, watch, interval=poll_interval, say=say) if watch else None
+            if self.watcher is not None:
+                self.watcher.poll()  # serve the latest published version from the first request on
+            settings = ServeSettings(
+                model_name=config.model if config.model != "tiny" else "sao-tiny", max_tokens=max_tokens,
+                default_temperature=config.temperature, max_prompt_tokens=max_prompt_tokens, reward=config.reward,
+            )  # fmt: skip
+            self.service = Service(self.policy, self.log, settings)
+            self.app = create_app(self.service)
+        except BaseException:
+            self.sock.close()
+            self.log.close()
+            raise
+        self._uvicorn: Any = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def describe(self) -> str:
+        log = self.log
+        extra = f", cut a torn last line of {log.torn_bytes} bytes" if log.torn_bytes else ""
+        extra += f", {log.bad_lines} unreadable lines skipped" if log.bad_lines else ""
+        return (f"sao serve: {self.service.settings.model_name} with adapter v{self.policy.version} on {self.url} "
+                f"(trace log {log.path}: {log.records} trajectories{extra})")  # fmt: skip
+
+    def _make_uvicorn(self):
+        import uvicorn
+
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, timeout_keep_alive=5,
+                                limit_concurrency=256, lifespan="off")  # fmt: skip
+        self._uvicorn = uvicorn.Server(config)
+        return self._uvicorn
+
+    def run(self) -> None:
+        """Serve in the foreground until SIGINT or SIGTERM."""
+        server = self._make_uvicorn()
+        if self.watcher is not None:
+            self.watcher.start()
+        try:
+            server.run(sockets=[self.sock])
+        finally:
+            self.close()
+
+    def start(self, timeout: float = 30.0) -> Server:
+        """Serve from a background thread (tests, notebooks); returns once it accepts connections."""
+        server = self._make_uvicorn()
+        if self.watcher is not None:
+            self.watcher.start()
+        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not server.started:
+            self.stop()
+            raise RuntimeError(f"sao serve did not start within {timeout} s")
+        return self
+
+    def stop(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self.close()
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.sock.close()
+        self.log.close()
+
+
+def serve(config: Config, traces: str | Path, *, host: str, host_given: bool, port: int, **options: Any) -> int:
+    """``sao serve``: refuse nothing loopback, warn about anything else, then serve until interrupted."""
+    if not is_loopback(host):
+        if not host_given:
+            raise ConfigError(f"refusing to listen on {host}: pass --host explicitly to serve beyond this machine")
+        print(f"sao serve: warning: listening on {host}, not loopback: anyone who can reach this port can sample "
+              "from the model and write to the trace log (there is no authentication)")  # fmt: skip
+    server = Server(config, traces, host=host, port=port, **options)
+    print(server.describe(), flush=True)
+    server.run()
+    return 0
+
+
+__all__ = ["Server", "ensure_serve_extra", "is_loopback", "serve"]
