@@ -204,3 +204,31 @@ def test_a_dead_band_is_reported_early_and_a_live_one_is_not(tiny_config, tmp_pa
     live.run()
     assert live.warnings == []
     assert max(r["would_be_masked_share"] for r in live.records) > 0.001
+
+
+def test_observation_tokens_carry_no_critic_loss():
+    """The critic learns on action tokens only: whatever the hidden states and targets at observation positions
+    (a tool's answer), the loss and the value head after its steps are the same."""
+    from sao.model.policy import ValueHead
+
+    torch.manual_seed(0)
+    B, R, H = 3, 7, 8
+    hidden, targets = torch.randn(B, R, H), torch.rand(B, R)
+    actions = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0, 1]], dtype=torch.bool)
+    other_hidden, other_targets = hidden.clone(), targets.clone()
+    other_hidden[~actions] = 100 * torch.randn(int((~actions).sum()), H)
+    other_targets[~actions] = -50.0
+
+    def train(h, t):
+        torch.manual_seed(1)
+        head = ValueHead(H)
+        optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2)
+        loss = learn_module.critic_steps(head, optimizer, h, t, actions, steps=3)
+        return loss, [p.detach().clone() for p in head.parameters()]
+
+    (loss, params), (other_loss, other_params) = train(hidden, targets), train(other_hidden, other_targets)
+    assert loss == other_loss and all(torch.equal(a, b) for a, b in zip(params, other_params, strict=True))
+    head = ValueHead(H)
+    everywhere = learn_module.critic_steps(head, torch.optim.AdamW(head.parameters()), other_hidden, other_targets,
+                                           torch.ones_like(actions), steps=1)  # fmt: skip
+    assert everywhere > 10 * loss, "the check can fail: counting observation positions changes the loss"
