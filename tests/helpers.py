@@ -1,9 +1,10 @@
-"""Assertions shared by the report tests."""
+"""Assertions and helpers shared by several test files."""
 
 from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import Any
 
 
 def assert_png_linked(folder: Path, text: str, stem: str, min_bytes: int) -> None:
@@ -14,3 +15,13 @@ def assert_png_linked(folder: Path, text: str, stem: str, min_bytes: int) -> Non
     assert width >= 600 and height >= 300
     assert len(data) > min_bytes  # drawn, not an empty canvas
     assert f"](plots/{stem}.png)" in text
+
+
+def without_keys(obj: Any, keys: set[str]) -> Any:
+    """``obj`` (nested dicts and lists) with every dict entry whose key is in ``keys`` left out, at any depth:
+    what two runs should share once their timings and other volatile fields are set aside."""
+    if isinstance(obj, dict):
+        return {k: without_keys(v, keys) for k, v in obj.items() if k not in keys}
+    if isinstance(obj, list):
+        return [without_keys(v, keys) for v in obj]
+    return obj

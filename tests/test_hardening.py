@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import without_keys
 from sao.cli import main
 from sao.core.errors import DataError
 
@@ -79,11 +80,7 @@ def _truncate(path: Path, keep: int = 100) -> None:
 
 
 def _strip(obj):
-    if isinstance(obj, dict):
-        return {k: _strip(v) for k, v in obj.items() if k not in VOLATILE}
-    if isinstance(obj, list):
-        return [_strip(v) for v in obj]
-    return obj
+    return without_keys(obj, VOLATILE)
 
 
 # --- damaged run folders: `sao train --resume` -------------------------------------------------------------

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import without_keys
+
 SMALL = [
     "--preset", "tiny", "--batch-size", "16", "--steps", "5", "--critic-warmup", "2", "--lag", "2",
     "--train-prompts", "64", "--test-prompts", "24", "--eval-samples", "2", "--base-evals", "2", "--quiet",
@@ -67,11 +69,7 @@ VOLATILE = {"time", "time_sample", "seconds", "this_invocation", "wall_time", "v
 
 
 def _strip(obj):
-    if isinstance(obj, dict):
-        return {k: _strip(v) for k, v in obj.items() if k not in VOLATILE}
-    if isinstance(obj, list):
-        return [_strip(v) for v in obj]
-    return obj
+    return without_keys(obj, VOLATILE)
 
 
 def _env():
