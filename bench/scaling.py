@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     import torch
 
-    from sao.tasks import tiny
+    from sao.tiny import arithmetic as tiny
 
     started, load = time.perf_counter(), os.getloadavg()
     model_dir = str(tiny.ensure_model(progress=False))

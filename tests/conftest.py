@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
-    from sao.tasks import tiny
+    from sao.tiny import arithmetic as tiny
 
     return tiny.ensure_model(progress=False)
 

@@ -1,4 +1,4 @@
-"""Hostile inputs for sao.core.grading: each must grade without an exception and inside the time bound.
+"""Hostile inputs for sao.tasks.gsm8k.grading: each must grade without an exception and inside the time bound.
 
 ``NASTY`` is a list of (name, text), built at import (the largest strings are a few MB, built once).
 """

@@ -46,9 +46,9 @@ def test_gae_over_real_multi_turn_rollouts_matches_the_slow_reference(tiny_model
     from sao.core.algorithm import SAO
     from sao.model.policy import load_base
     from sao.rollout.episodes import draw_episodes
-    from sao.tasks import tiny
-    from sao.tasks.envs import env_factory
+    from sao.tasks.environments import env_factory
     from sao.tasks.gsm8k import build_messages
+    from sao.tiny import arithmetic as tiny
     from test_algorithm import reference_per_turn
 
     lm, tokenizer = load_base(tiny_model_dir, torch.device("cpu"))

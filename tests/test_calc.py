@@ -11,12 +11,13 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from sao.core import grading
 from sao.core.errors import DataError
-from sao.rollout.env import render_observation
-from sao.tasks import calc, tiny_calc
+from sao.rollout.environment import render_observation
+from sao.tasks import calc
 from sao.tasks.calc import CalcEnv, Gsm8kEnv, calculate
-from sao.tasks.tiny import build_tokenizer
+from sao.tasks.gsm8k import grading
+from sao.tiny import calculator as tiny_calc
+from sao.tiny.arithmetic import build_tokenizer
 
 # --- the calculator --------------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from sao.core.errors import ConfigError
 from sao.core.io import clean
 from sao.experiment import confirm
 from sao.experiment.runner import Grid
-from sao.tasks import tiny
+from sao.tiny import arithmetic as tiny
 
 CELL = "lag2-lr0.003-band0.7-6"
 SETTINGS = {"batch_size": 16, "steps": 4, "critic_warmup": 1, "train_prompts": 64, "test_prompts": 16,

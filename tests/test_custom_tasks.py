@@ -19,9 +19,11 @@ import pytest
 
 from sao.core.config import Config
 from sao.core.errors import ConfigError, DataError
-from sao.tasks import load_env_class, load_reward, load_split
+from sao.tasks import load_env_class, load_reward
+from sao.tasks.base import Task
 from sao.tasks.custom import default_reward, load_custom, source_kind, task_messages
-from sao.tasks.gsm8k import Task, build_messages, decontaminate, load_gsm8k
+from sao.tasks.gsm8k import build_messages, decontaminate, load_gsm8k
+from sao.train.build import load_split
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "gsm8k"
 NOUNS = ["apples", "pencils", "marbles", "tickets", "stamps", "books", "shells", "coins"]

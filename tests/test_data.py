@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from sao.core.errors import DataError
+from sao.tasks.base import Task
 from sao.tasks.gsm8k import (
     DEFAULT_INSTRUCTION,
-    Task,
     build_messages,
     decontaminate,
     format_prompt,

@@ -17,8 +17,8 @@ from sao.model.policy import add_lora, load_base, lora_state
 from sao.rollout import engine as engine_module
 from sao.rollout.engine import Engine, _bucket, _Graph
 from sao.rollout.sampler import SAMPLER_ADAPTER, PlainDecoder, StaleSampler, draw, encode_prompts, gumbel_sample_
-from sao.tasks import tiny
 from sao.tasks.gsm8k import format_prompt
+from sao.tiny import arithmetic as tiny
 
 
 def _policy(model_dir, dtype=torch.float32, device="cpu", lora_scale=0.05):

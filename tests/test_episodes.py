@@ -7,13 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sao.core import grading
 from sao.model.forward import teacher_forced
 from sao.model.policy import load_base
 from sao.rollout.episodes import draw_episodes
 from sao.rollout.sampler import draw, encode_prompts
-from sao.tasks import tiny
-from sao.tasks.gsm8k import build_messages
+from sao.tasks.gsm8k import build_messages, grading
+from sao.tiny import arithmetic as tiny
 
 QUESTIONS = ["What is 3+4?", "Compute 9-2.", "7+8=?", "What is 1+1?", "Compute 5-9.", "2+6=?"]
 

@@ -1,4 +1,4 @@
-"""sao.core.grading: the GSM8K reward. Real gold answers, hard replies, fuzzing, hostile inputs, a time bound."""
+"""sao.tasks.gsm8k.grading: the GSM8K reward. Real gold answers, hard replies, fuzzing, hostile inputs, a time bound."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import sao.core.grading as grading
+import sao.tasks.gsm8k.grading as grading
 from grading_corpus import LABELLED, NASTY
-from sao.core.grading import MAX_DIGITS, WINDOW, extract_answer, math_equal, reward
+from sao.tasks.gsm8k.grading import MAX_DIGITS, WINDOW, extract_answer, math_equal, reward
 
 GSM8K_TEST = Path(__file__).resolve().parents[1] / "data" / "gsm8k" / "test.jsonl"
 TIME_BOUND_S = 0.05  # the bound the module docstring states, per call

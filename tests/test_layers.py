@@ -1,5 +1,5 @@
 """The package's layers are real: every import (module level or inside a function) goes down the order
-core → model → rollout → tasks → serve → train → experiment → cli, or stays within its layer, and no two modules
+core → model → rollout → tasks → tiny → train → serve → experiment → cli, or stays within its layer, and no two modules
 import each other, directly or around a loop."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "sao"
-LAYERS = ("core", "model", "rollout", "tasks", "serve", "train", "experiment", "cli")
+LAYERS = ("core", "model", "rollout", "tasks", "tiny", "train", "serve", "experiment", "cli")
 
 
 def module_name(path: Path) -> str:

@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import save_file
 
 from sao.core import provenance as prov
-from sao.tasks import tiny
+from sao.tiny import arithmetic as tiny
 
 BUILD = """
 import json, sys, torch
 torch.set_num_threads(int(sys.argv[1]))
 from sao.core import provenance
-from sao.tasks import tiny
+from sao.tiny import arithmetic as tiny
 folder = tiny.ensure_model(progress=False)
 weights, tokenizer = provenance.weights_sha256(folder)[0], provenance.tokenizer_sha256(folder)
 data = (folder / "model.safetensors").read_bytes().hex()

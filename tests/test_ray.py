@@ -434,7 +434,7 @@ def test_ray_workers_draw_multi_turn_episodes(ray_module, tiny_model_dir, tmp_pa
     """--engine ray --env tiny-calc, synchronous (K = 0): the worker builds calculator environments and draws
     whole episodes; the trainer gets turns, tool calls and observation tokens, and at staleness 0 the
     teacher-forced log-probs match the worker's at every action token."""
-    from sao.tasks import tiny_calc
+    from sao.tiny import calculator as tiny_calc
     from sao.train.trainer import Trainer
 
     tiny_calc.ensure_calc_model(progress=False)

@@ -61,7 +61,7 @@ def small_model_dir(tmp_path_factory):
     """A random one-layer Qwen2 with the tiny task's tokenizer (byte-level, ChatML): a model in a second."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from sao.tasks import tiny
+    from sao.tiny import arithmetic as tiny
 
     tokenizer = tiny.build_tokenizer()
     config = Qwen2Config(

@@ -7,9 +7,9 @@ import json
 
 import torch
 
-from sao.core import grading
 from sao.model.policy import load_base
-from sao.tasks import tiny
+from sao.tasks.gsm8k import grading
+from sao.tiny import arithmetic as tiny
 
 
 def test_tokenizer_round_trips_through_save_and_autotokenizer(tmp_path):

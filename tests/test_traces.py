@@ -23,7 +23,7 @@ import pytest
 
 from sao.core.config import Config
 from sao.core.errors import ConfigError, DataError
-from sao.rollout.source import SourceExhausted
+from sao.rollout.sources import SourceExhausted
 from sao.rollout.traces import (
     FEEDBACK_FIELDS,
     FEEDBACK_REQUIRED,
@@ -40,7 +40,7 @@ from sao.rollout.traces import (
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from sao.tasks import tiny
+    from sao.tiny import arithmetic as tiny
 
     return tiny.build_tokenizer()
 
@@ -318,10 +318,10 @@ def sampled(tiny_model_dir, tmp_path_factory):
     from sao.model.forward import teacher_forced
     from sao.model.policy import eos_ids, load_base
     from sao.rollout.sampler import PlainDecoder
-    from sao.rollout.source import Sampling, draw_batch
-    from sao.tasks import tiny
-    from sao.tasks.envs import prompt_text
+    from sao.rollout.sources import Sampling, draw_batch
+    from sao.tasks.environments import prompt_text
     from sao.tasks.gsm8k import build_messages
+    from sao.tiny import arithmetic as tiny
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -12,9 +12,9 @@ from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.experiment.evaluate import EvalResult, evaluate
 from sao.model.policy import eos_ids, load_base
-from sao.rollout.source import make_decoder
-from sao.tasks import tiny
-from sao.tasks.gsm8k import Task
+from sao.rollout.sources import make_decoder
+from sao.tasks.base import Task
+from sao.tiny import arithmetic as tiny
 from sao.train.trainer import Trainer
 
 TASKS = {"a": Task("a", "What is 3+4?", "7"), "b": Task("b", "What is 2+2?", "4")}

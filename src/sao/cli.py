@@ -178,7 +178,7 @@ def _eval(args: argparse.Namespace) -> int:
     from sao.experiment.runner import pass_at_1
     from sao.model.policy import load_base, pick_device
     from sao.rollout.sampler import derived_seed
-    from sao.tasks import instruction_for, load_split, model_path
+    from sao.train.build import instruction_for, load_split, model_path
 
     config = config_from_args(args)
     if args.out:

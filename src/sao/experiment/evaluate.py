@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from sao.core import grading
 from sao.core.errors import ConfigError
 from sao.rollout.episodes import render_segments, segments
 from sao.rollout.sampler import derived_seed
-from sao.rollout.source import Decoder, Episodes, Sampling, draw_batch, draw_episode_batch
-from sao.tasks.envs import prompt_text
-from sao.tasks.gsm8k import Task
+from sao.rollout.sources import Decoder, Episodes, Sampling, draw_batch, draw_episode_batch
+from sao.tasks.base import Task
+from sao.tasks.environments import prompt_text
+from sao.tasks.gsm8k import grading
 from sao.train.learn import is_out_of_memory
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from sao.core import provenance, stats
 from sao.experiment.evaluate import EvalResult
-from sao.rollout.source import POLICY
+from sao.rollout.sources import POLICY
 
 FOLDED_SKIP = {"seed", "step", "policy_step", "policy_version"}
 BASELINE = "none"

@@ -51,10 +51,12 @@ from sao.experiment import report, results
 from sao.experiment.evaluate import EvalResult, evaluate
 from sao.model.policy import POLICY_ADAPTER, eos_ids, load_base, pick_device
 from sao.rollout.sampler import derived_seed
-from sao.rollout.source import POLICY, make_decoder
-from sao.tasks import DataSplit, instruction_for, load_reward, load_split, model_path
-from sao.tasks.envs import episodes_for
+from sao.rollout.sources import POLICY, make_decoder
+from sao.tasks import load_reward
+from sao.tasks.base import TaskSet
+from sao.tasks.environments import episodes_for
 from sao.train import checkpoint
+from sao.train.build import instruction_for, load_split, model_path
 from sao.train.trainer import Trainer
 
 MARKER = "experiment.json"
@@ -174,7 +176,7 @@ class Experiment:
             for arm in grid.arms:
                 self._run_config(cell, arm, self.config.seed)
         self._claim(resume)
-        self.split: DataSplit = load_split(self.config)
+        self.split: TaskSet = load_split(self.config)
         self.instruction = instruction_for(self.config)
         self.seeds = self.settings.get("seeds") or [self.config.seed + s for s in range(self.config.train_runs)]
         self._provenance: dict[str, Any] | None = None  # this invocation's, taken when first needed

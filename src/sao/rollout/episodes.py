@@ -38,7 +38,7 @@ from torch import nn
 
 from sao.model.forward import cache_keyword, logits_fp32, position_ids_from, trunk_and_head
 from sao.rollout.engine import Engine
-from sao.rollout.env import Message, TextEnv, render_observation
+from sao.rollout.environment import Message, TextEnv, render_observation
 from sao.rollout.sampler import Rollout, encode_prompts, gumbel_sample_
 
 ACT, WAIT, DONE = 0, 1, 2

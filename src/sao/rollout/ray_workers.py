@@ -1,6 +1,6 @@
 """``--engine ray``: asynchronous rollout workers on Ray, with bounded staleness and nothing wasted.
 
-The default engine (``LocalStaleSource`` in ``sao.rollout.source``) *simulates* staleness: one process, a frozen
+The default engine (``LocalStaleSource`` in ``sao.rollout.sources``) *simulates* staleness: one process, a frozen
 copy of the adapter refreshed every LAG steps, so every run reproduces exactly. This module is the regime
 it stands in for: a rollout fleet that never waits for the trainer longer than the staleness bound says.
 
@@ -83,7 +83,7 @@ import torch
 from sao.core.errors import ConfigError
 from sao.model.policy import POLICY_ADAPTER, add_lora, eos_ids, load_base, lora_state
 from sao.rollout.sampler import Rollout, derived_seed
-from sao.rollout.source import (
+from sao.rollout.sources import (
     WARMUP,
     Batch,
     Episodes,
@@ -293,7 +293,7 @@ class _Slot:
 class RaySource:
     """Batches from asynchronous Ray rollout workers, admitted under ``config.max_staleness``.
 
-    A ``sao.rollout.source.Source``, like ``LocalStaleSource``. Not bit-reproducible (arrival order depends on
+    A ``sao.rollout.sources.Source``, like ``LocalStaleSource``. Not bit-reproducible (arrival order depends on
     timing); ``state_dict`` keeps the prompt-stream position, the draws still pending and the counters.
     ``batches`` and ``dropped`` record the sequence numbers of every batch and every dropped trajectory;
     ``start_times`` the seconds from asking for each actor to its answering ``ready``.

@@ -13,7 +13,7 @@
 The loop is written here rather than borrowed from ``generate`` so that the distribution, the RNG and the
 recorded log-probability are ours to state and to test. It stops a row at EOS (the EOS token is part of
 the response and carries a log-probability; later positions are padding) and the batch when every row has
-stopped. ``PlainDecoder`` puts the loop behind the ``Decoder`` protocol (``sao.rollout.source``); the GPU engine in
+stopped. ``PlainDecoder`` puts the loop behind the ``Decoder`` protocol (``sao.rollout.sources``); the GPU engine in
 ``sao.rollout.engine`` keeps the same contract.
 
 Deliberately left out: beam search, speculative decoding, stop strings other than EOS.

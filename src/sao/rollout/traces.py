@@ -1,5 +1,5 @@
 """Training on logged traces: rollouts a serving system wrote, one to many policy versions old, each action token
-with the log-probability the server sampled it with. ``TraceSource`` is a ``Source`` (``sao.rollout.source``).
+with the log-probability the server sampled it with. ``TraceSource`` is a ``Source`` (``sao.rollout.sources``).
 
 The format (JSONL, UTF-8, one record per line; the contract with ``sao serve``, also shipped as JSON Schema in
 ``trace.schema.json`` beside this file, and described in the README):
@@ -70,7 +70,7 @@ import torch
 
 from sao.core.errors import DataError
 from sao.rollout.sampler import Rollout
-from sao.rollout.source import Batch, SourceExhausted
+from sao.rollout.sources import Batch, SourceExhausted
 
 SCHEMA_FILE = Path(__file__).with_name("trace.schema.json")
 # What the hand validator knows; a test checks that trace.schema.json says the same.

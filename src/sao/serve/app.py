@@ -39,7 +39,7 @@ from sao.core.errors import ConfigError
 from sao.serve.served import ServedPolicy
 from sao.serve.tracelog import OPEN, REWARDED, UNKNOWN, TraceLog
 from sao.tasks import load_reward
-from sao.tasks.gsm8k import Task
+from sao.tasks.base import Task
 
 MAX_BODY_BYTES = 1 << 20
 MAX_MESSAGES = 256

@@ -44,8 +44,8 @@ def post(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str,
 def tiny_tasks(seed: int) -> list[dict[str, Any]]:
     """The tiny preset's training tasks as chat messages with their gold answers, in a seeded order."""
     from sao.core.config import Config
-    from sao.tasks import instruction_for, load_split
     from sao.tasks.gsm8k import build_messages
+    from sao.train.build import instruction_for, load_split
 
     config = Config.preset("tiny")
     instruction = instruction_for(config)

@@ -32,7 +32,7 @@ from sao.core.errors import ConfigError
 from sao.model.artifacts import ADAPTER_CONFIG
 from sao.model.policy import POLICY_ADAPTER, Models, lora_state
 from sao.rollout.sampler import PlainDecoder, encode_prompts
-from sao.tasks import model_path
+from sao.train.build import model_path
 
 PUBLISHED, LATEST = "published", "LATEST.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -1,53 +1,10 @@
-"""Tasks: what the model is asked and how its answers are scored — GSM8K (``gsm8k``), the tiny
-arithmetic task with its CPU stand-in model (``tiny``), and your own data, reward and environment
-(``custom``). ``load_split``, ``instruction_for`` and ``model_path`` turn a config's ``data`` and ``model``
-settings into tasks, a prompt instruction and a model directory; ``load_reward`` and ``load_env_class`` turn
-its ``reward`` and ``env`` specs into callables."""
+"""Tasks: what the model is asked and how its answers are scored — the generic ``Task`` and ``TaskSet``
+(``base``), GSM8K (``gsm8k``: data and grader), your own data, reward and environment (``custom``), the
+calculator tool (``calc``) and the environments a run can name (``environments``)."""
 
 from __future__ import annotations
 
-from sao.core.config import Config
-from sao.tasks import custom, tiny, tiny_calc
+from sao.tasks.base import Task, TaskSet
 from sao.tasks.custom import load_env_class, load_reward
-from sao.tasks.gsm8k import DEFAULT_INSTRUCTION, DataSplit, Task, load_gsm8k
 
-__all__ = ["DataSplit", "Task", "instruction_for", "load_env_class", "load_reward", "load_split", "model_path"]
-
-
-def load_split(config: Config) -> DataSplit:
-    """The training prompts and held-out tasks the config names: a data file or hub dataset (with the config's
-    field names) through ``custom``; None, a GSM8K directory and "tiny" exactly as before."""
-    if custom.uses_custom_loader(config.data, config.prompt_field, config.answer_field, config.messages_field):
-        return custom.load_custom(
-            config.data,
-            prompt_field=config.prompt_field,
-            answer_field=config.answer_field,
-            messages_field=config.messages_field,
-            n_train=config.train_prompts,
-            n_test=config.test_prompts,
-            seed=config.data_seed,
-        )
-    if config.data == "tiny" and config.env == "tiny-calc":
-        return tiny_calc.make_split(config.train_prompts, config.test_prompts, config.data_seed)
-    if config.data == "tiny":
-        return tiny.make_split(config.train_prompts, config.test_prompts, config.data_seed)
-    return load_gsm8k(config.data, n_train=config.train_prompts, n_test=config.test_prompts, seed=config.data_seed)
-
-
-def instruction_for(config: Config) -> str:
-    """The instruction appended to each question (the tiny tasks ask for a shorter form)."""
-    if config.data == "tiny" and config.env == "tiny-calc":
-        return tiny_calc.TINY_CALC_INSTRUCTION
-    if config.data == "tiny":
-        return tiny.TINY_INSTRUCTION
-    return DEFAULT_INSTRUCTION
-
-
-def model_path(config: Config) -> str:
-    """A hub id or directory; "tiny" is the warm-started stand-in (the calculator agent's with --env tiny-calc),
-    built and cached on first use."""
-    if config.model == "tiny" and config.env == "tiny-calc":
-        return str(tiny_calc.ensure_calc_model())
-    if config.model == "tiny":
-        return str(tiny.ensure_model())
-    return config.model
+__all__ = ["Task", "TaskSet", "load_env_class", "load_reward"]

@@ -8,7 +8,7 @@
                      Bounded by construction: input length, nesting depth, digits per number and the size of
                      every intermediate value are capped, and there is no exponentiation, so a call costs
                      microseconds whatever the text.
-    CalcEnv          a TextEnv (``sao.rollout.env``) whose model may call the calculator any number of times
+    CalcEnv          a TextEnv (``sao.rollout.environment``) whose model may call the calculator any number of times
                      (the sampler enforces the turn limit) before its final answer. The call format is the
                      tokenizer's own when its chat template supports tools (``tool_format="json"``, Qwen2.5's
                      ``<tool_call>{"name": "calculator", "arguments": {"expression": ...}}</tool_call>``), a plain
@@ -30,8 +30,8 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
-from sao.core import grading
-from sao.rollout.env import Message, StepOutput
+from sao.rollout.environment import Message, StepOutput
+from sao.tasks.gsm8k import grading
 
 __all__ = [
     "CALC_INSTRUCTION",
@@ -288,7 +288,7 @@ def _find_call(action: str, tool_format: str) -> tuple[bool, str | None, str]:
 class CalcEnv:
     """A question with a numeric gold answer and a calculator the model may call before answering.
 
-    ``fields`` holds at least "answer" (the gold, graded by ``sao.core.grading``) and "question".
+    ``fields`` holds at least "answer" (the gold, graded by ``sao.tasks.gsm8k.grading``) and "question".
     ``tool_format``: "tag" (``<calc>EXPR</calc>``) or "json" (``<tool_call>{...}</tool_call>``).
     A step whose action holds a call (well-formed or not) answers with one "tool" message, reward 0, not
     done; any other action is the final answer: reward = ``grading.reward(action, gold)``, done.

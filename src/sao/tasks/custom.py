@@ -53,10 +53,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
-from sao.core import grading
 from sao.core.errors import ConfigError, DataError
-from sao.rollout.env import EnvFactory
-from sao.tasks.gsm8k import GOLD_MARKER, HUB_ID, DataSplit, Task, build_messages, decontaminate
+from sao.rollout.environment import EnvFactory
+from sao.tasks.base import Task, TaskSet
+from sao.tasks.gsm8k import GOLD_MARKER, HUB_ID, build_messages, decontaminate, grading
 
 __all__ = [
     "DEFAULT_ANSWER_FIELD",
@@ -462,7 +462,7 @@ def load_custom(
     n_train: int = 512,
     n_test: int = 120,
     seed: int = 0,
-) -> DataSplit:
+) -> TaskSet:
     """``n_train`` decontaminated training tasks and ``n_test`` held-out tasks from a ``.jsonl`` or ``.parquet``
     file (one pool), a directory's ``train.jsonl`` and ``test.jsonl``, or a hub dataset's train and test splits.
     The same arguments always give the same split. ``counts`` has GSM8K's keys; for a file ``test_pool`` is
@@ -523,7 +523,7 @@ def load_custom(
         "train_kept": len(kept),
         "train": len(train),
     }
-    return DataSplit(
+    return TaskSet(
         train=_complete(train_table, train, fields),
         test=_complete(test_table, test, fields),
         counts=counts,
@@ -588,7 +588,8 @@ def load_reward(spec: str | None) -> Callable[[str, Task], float]:
 def load_env_class(spec: str) -> EnvFactory:
     """The environment factory ``--env module:Class`` names: ``Class`` itself, called as
     ``Class(task_id, fields)`` for each trajectory. A class must have ``init``, ``step`` and ``close``
-    (:class:`sao.rollout.env.TextEnv`); any other callable taking ``(task_id, fields)`` is accepted as a factory."""
+    (:class:`sao.rollout.environment.TextEnv`); any other callable taking ``(task_id, fields)`` is accepted as a
+    factory."""
     factory = _resolve(spec, "--env", "Class")
     if isinstance(factory, type):
         missing = [name for name in _ENV_METHODS if not callable(getattr(factory, name, None))]

@@ -49,7 +49,7 @@ from torch import nn
 
 from sao.core.errors import ConfigError
 from sao.rollout.sampler import Rollout
-from sao.rollout.source import Batch, Source
+from sao.rollout.sources import Batch, Source
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a rank waiting this long for the others stops with an error
 

@@ -21,7 +21,7 @@ import torch
 
 from sao.core.algorithm import Update
 from sao.rollout.sampler import Rollout
-from sao.rollout.source import POLICY
+from sao.rollout.sources import POLICY
 
 
 def step_record(

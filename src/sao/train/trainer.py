@@ -37,10 +37,12 @@ from sao.core.io import read_json
 from sao.model import artifacts
 from sao.model.forward import token_logprobs, trunk_and_head
 from sao.model.policy import Models, auto_micro_batch, describe, lora_state
-from sao.rollout.source import POLICY, WARMUP, LocalStaleSource, PromptOrder, Sampling, Source, SourceExhausted
-from sao.tasks import DataSplit, Task, instruction_for, load_reward, load_split, model_path
-from sao.tasks.envs import episodes_for, prompt_text
+from sao.rollout.sources import POLICY, WARMUP, LocalStaleSource, PromptOrder, Sampling, Source, SourceExhausted
+from sao.tasks import load_reward
+from sao.tasks.base import Task, TaskSet
+from sao.tasks.environments import episodes_for, prompt_text
 from sao.train import checkpoint
+from sao.train.build import instruction_for, load_split, model_path
 from sao.train.distributed import BroadcastSource, World
 from sao.train.learn import apply_policy_step, critic_steps, policy_gradient_pass, with_oom_retry
 from sao.train.records import dead_band_warning, masking_line, step_record
@@ -62,7 +64,7 @@ class Trainer:
         config: Config,
         out_dir: str | Path,
         *,
-        split: DataSplit | None = None,
+        split: TaskSet | None = None,
         resume: bool = False,
         progress: bool = True,
         label: str | None = None,
@@ -72,7 +74,7 @@ class Trainer:
         self.label = label or f"{config.arm} seed {config.seed}"
         self.sao = config.sao()
         if config.traces is not None:  # the prompts, completions and tasks come from the log
-            split = split or DataSplit(train=[], test=[], counts={}, source=f"traces:{config.traces}")
+            split = split or TaskSet(train=[], test=[], counts={}, source=f"traces:{config.traces}")
         self.split = split or load_split(config)
         if config.traces is None and len(self.split.train) < config.batch_size:
             raise ConfigError(

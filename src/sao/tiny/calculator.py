@@ -6,7 +6,7 @@
                 is empty): the tiny model learns the tool and the ``#### N`` form from its demonstrations.
     environment ``CalcEnv`` in the tag format (``<calc>1234+5678</calc>`` → a "tool" message ``6912``): the tiny
                 tokenizer's chat template has no tools. ``make_env(task)`` builds it.
-    model       its own tiny Qwen2 (the byte-level tokenizer of ``sao.tasks.tiny``; 2 layers, width 64, ~0.1M
+    model       its own tiny Qwen2 (the byte-level tokenizer of ``sao.tiny.arithmetic``; 2 layers, width 64, ~0.1M
                 parameters), warm-started on demonstrations of a tutor who decides to call the tool on
                 ``tool_share`` = 30% of the questions (``<calc>a+b</calc>``, the environment's answer, then
                 ``#### <answer>``) and otherwise answers at once, right only with probability
@@ -52,11 +52,12 @@ import torch
 
 from sao.core import provenance
 from sao.core.errors import DataError
-from sao.rollout.env import render_observation
+from sao.rollout.environment import render_observation
 from sao.rollout.sampler import draw
+from sao.tasks.base import Task, TaskSet
 from sao.tasks.calc import TAG_CLOSE, TAG_OPEN, CalcEnv
-from sao.tasks.gsm8k import DataSplit, Task, build_messages
-from sao.tasks.tiny import build_tokenizer, cache_root
+from sao.tasks.gsm8k import build_messages
+from sao.tiny.arithmetic import build_tokenizer, cache_root
 
 __all__ = [
     "POOL_SIZE",
@@ -150,7 +151,7 @@ def _distinct(rng: random.Random, n: int, exclude: set[int]) -> list[int]:
     return sorted(chosen)
 
 
-def make_split(n_train: int, n_test: int, seed: int = 0) -> DataSplit:
+def make_split(n_train: int, n_test: int, seed: int = 0) -> TaskSet:
     """``n_test`` held-out questions drawn with ``random.Random(seed)`` and ``n_train`` training questions with
     ``random.Random(seed + 1)`` among the rest (``draw_index``, no repeats): disjoint as strings, since each index
     is a distinct question, and each list in index order."""
@@ -168,7 +169,7 @@ def make_split(n_train: int, n_test: int, seed: int = 0) -> DataSplit:
         "train_kept": POOL_SIZE - n_test,
         "train": n_train,
     }
-    return DataSplit(
+    return TaskSet(
         train=[question(i) for i in train_ids],
         test=[question(i) for i in test_ids],
         counts=counts,

@@ -3,7 +3,7 @@
 Everything a run needs without a GPU or a network:
 
     task        "What is 7+5?" / "Compute 3-8." / "7+5=?" for operands 0..9, ops + and −: 600 distinct
-                questions with numeric gold answers (negatives included), graded by ``sao.core.grading``.
+                questions with numeric gold answers (negatives included), graded by ``sao.tasks.gsm8k.grading``.
     tokenizer   byte-level BPE with no merges (one token per byte) plus ChatML's <|im_start|>/<|im_end|>
                 and a ChatML chat template — Qwen's tokenizer family, so the product's own prompt code
                 (``data.format_prompt``) and loading code (``models.load_base``) run unchanged on it.
@@ -42,10 +42,11 @@ from pathlib import Path
 
 import torch
 
-from sao.core import grading, provenance
+from sao.core import provenance
 from sao.core.errors import DataError
 from sao.rollout.sampler import decode, draw, encode_prompts
-from sao.tasks.gsm8k import DataSplit, Task, format_prompt
+from sao.tasks.base import Task, TaskSet
+from sao.tasks.gsm8k import format_prompt, grading
 
 TINY_INSTRUCTION = "End with #### N."
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -131,7 +132,7 @@ def all_questions() -> list[Task]:
     return tasks
 
 
-def make_split(n_train: int, n_test: int, seed: int = 0) -> DataSplit:
+def make_split(n_train: int, n_test: int, seed: int = 0) -> TaskSet:
     """Held-out questions and training prompts, disjoint as strings, drawn with fixed seeds."""
     pool = all_questions()
     if n_train + n_test > len(pool):
@@ -149,7 +150,7 @@ def make_split(n_train: int, n_test: int, seed: int = 0) -> DataSplit:
         "train_kept": len(pool) - n_test,
         "train": n_train,
     }
-    return DataSplit(train=train, test=test, counts=counts, source="generated:tiny-arithmetic")
+    return TaskSet(train=train, test=test, counts=counts, source="generated:tiny-arithmetic")
 
 
 def tutor_reply(task: Task, rng: random.Random, accuracy: float) -> str:

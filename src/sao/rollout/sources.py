@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from sao.rollout.engine import Engine
-from sao.rollout.env import EnvFactory, Message
+from sao.rollout.environment import EnvFactory, Message
 from sao.rollout.episodes import draw_episodes
 from sao.rollout.sampler import (
     SAMPLER_ADAPTER,

@@ -2,7 +2,7 @@
 
 The protocol (SPEC §3) trains on prompts from GSM8K's train split and evaluates pass@1 on tasks held out
 from its test split. This module turns either the Hugging Face hub copy (``openai/gsm8k``, config
-``main``) or a local directory holding ``train.jsonl`` and ``test.jsonl`` into a :class:`DataSplit`:
+``main``) or a local directory holding ``train.jsonl`` and ``test.jsonl`` into a :class:`TaskSet`:
 
 * the held-out set is ``n_test`` tasks sampled from the test split with ``random.Random(seed)``;
 * every training question that shares a word 8-gram with a held-out question is dropped (after
@@ -25,7 +25,7 @@ two offset arrays, whatever the file's size. A line longer than ``MAX_LINE_BYTES
 under 2 kB) is refused after reading at most that much. Time is one pass over each file (a million short
 records in seconds). The hub path loads the split as ``datasets`` gives it.
 
-Deliberately left out: grading (``sao.core.grading`` compares answers; the gold here is the raw text after the
+Deliberately left out: grading (``sao.tasks.gsm8k.grading`` compares answers; the gold here is the raw text after the
 last ``####``, e.g. ``"1,000"``, not a parsed number), shuffling for training (the trainer orders its
 batches with its own seed), few-shot prompts and system turns (the model's chat template supplies its
 default system turn), and deduplication within the training split.
@@ -40,16 +40,14 @@ import random
 import re
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sao.core.errors import DataError
+from sao.tasks.base import Task, TaskSet
 
 __all__ = [
     "DEFAULT_INSTRUCTION",
-    "DataSplit",
-    "Task",
     "build_messages",
     "decontaminate",
     "format_prompt",
@@ -70,42 +68,6 @@ DEFAULT_INSTRUCTION = (
 
 # A hub dataset id: "owner/name" with the characters the hub allows.
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-@dataclass(frozen=True)
-class Task:
-    """One task: a prompt and its gold answer.
-
-    ``id`` names the source and the row (GSM8K: ``gsm8k/test/17``); ``answer`` is the gold final answer
-    (GSM8K: the text after the last ``####`` in its answer field, stripped: ``"18"``, ``"1,000"``).
-    ``fields`` holds the record's raw fields, for a reward or an environment that needs more than the
-    answer (GSM8K's loader leaves it empty); ``messages`` is the prompt as chat messages when the data gives
-    one (``question`` is then its last user turn, the text decontamination and logs use). Both are left out
-    of the hash (a dict and a list cannot be hashed) but not of equality; ``Task(id, question, answer)``
-    leaves them empty.
-    """
-
-    id: str
-    question: str
-    answer: str
-    fields: dict[str, Any] = field(default_factory=dict, hash=False)  # the record as read: {"answer": ..., ...}
-    messages: list[dict[str, Any]] | None = field(default=None, hash=False)  # [{"role": ..., "content": ...}]
-
-
-@dataclass(frozen=True)
-class DataSplit:
-    """The training prompts and held-out tasks of one run, with the counts that produced them.
-
-    ``counts`` holds ``train_pool`` and ``test_pool`` (the split sizes), ``test`` (held out),
-    ``train_contaminated`` (training questions dropped for sharing an 8-gram with a held-out question),
-    ``train_kept`` (the pool left after that) and ``train`` (sampled from the kept pool).
-    ``source`` is ``hub:<id>`` or ``local:<directory name>``.
-    """
-
-    train: list[Task]
-    test: list[Task]
-    counts: dict[str, int]
-    source: str
 
 
 # --- reading -------------------------------------------------------------------------------------------
@@ -223,7 +185,7 @@ class _Rows:
             return out
 
 
-def _load_local(directory: Path, n_train: int, n_test: int, seed: int) -> DataSplit:
+def _load_local(directory: Path, n_train: int, n_test: int, seed: int) -> TaskSet:
     """The split of a local directory, streamed (see the module's limits): the held-out tasks are drawn from
     test.jsonl first, then train.jsonl is read once, dropping contaminated rows as it goes."""
     if not directory.is_dir():
@@ -240,7 +202,7 @@ def _load_local(directory: Path, n_train: int, n_test: int, seed: int) -> DataSp
     train = train_rows.tasks(train_rows.kept[i] for i in drawn)
     counts = {"train_pool": pool, "test_pool": len(test_rows.offsets), "test": len(test),
               "train_contaminated": pool - kept, "train_kept": kept, "train": len(train)}  # fmt: skip
-    return DataSplit(train=train, test=test, counts=counts, source=label)
+    return TaskSet(train=train, test=test, counts=counts, source=label)
 
 
 def _load_hub(hub_id: str, *, explicit: bool = False) -> tuple[list[Task], list[Task]]:
@@ -358,7 +320,7 @@ def _check_train_count(n_train: int, kept: int, pool: int, dropped: int, label: 
 
 def load_gsm8k(
     source: str | os.PathLike[str] | None = None, *, n_train: int = 512, n_test: int = 120, seed: int = 0
-) -> DataSplit:
+) -> TaskSet:
     """Load GSM8K and return ``n_train`` decontaminated training tasks and ``n_test`` held-out tasks.
 
     ``source``: None, ``"hub"`` or a hub id (``"openai/gsm8k"``, or ``"hub:<id>"``) loads with
@@ -386,7 +348,7 @@ def load_gsm8k(
         "train_kept": len(kept),
         "train": len(train),
     }
-    return DataSplit(train=train, test=test, counts=counts, source=label)
+    return TaskSet(train=train, test=test, counts=counts, source=label)
 
 
 # --- prompts -------------------------------------------------------------------------------------------

@@ -20,10 +20,11 @@ from typing import Any
 
 from sao.core.config import Config
 from sao.core.errors import ConfigError
-from sao.rollout.env import EnvFactory
-from sao.rollout.source import Episodes
+from sao.rollout.environment import EnvFactory
+from sao.rollout.sources import Episodes
 from sao.tasks import calc, custom
-from sao.tasks.gsm8k import Task, format_prompt
+from sao.tasks.base import Task
+from sao.tasks.gsm8k import format_prompt
 
 BUILT_IN = ("gsm8k", "gsm8k-calc", "tiny-calc")
 

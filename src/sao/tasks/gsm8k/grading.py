@@ -523,7 +523,7 @@ def _safe_value(text: object) -> Fraction | None:
     try:
         return _extract_value(text)  # type: ignore[arg-type]
     except Exception as error:  # a reward function must never take a training run down
-        warnings.warn(f"sao.core.grading: internal error {error!r}; graded as no answer", stacklevel=3)
+        warnings.warn(f"sao.tasks.gsm8k.grading: internal error {error!r}; graded as no answer", stacklevel=3)
         return None
 
 
