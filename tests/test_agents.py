@@ -46,6 +46,7 @@ def test_gae_over_real_multi_turn_rollouts_matches_the_slow_reference(tiny_model
     from sao.core.algorithm import SAO
     from sao.model.policy import load_base
     from sao.rollout.episodes import draw_episodes
+    from sao.rollout.sampler import PlainDecoder
     from sao.tasks.environments import env_factory
     from sao.tasks.gsm8k import build_messages
     from sao.tiny import arithmetic as tiny
@@ -56,16 +57,16 @@ def test_gae_over_real_multi_turn_rollouts_matches_the_slow_reference(tiny_model
     factory = env_factory(Config.preset("tiny", env="skyrl:gsm8k_multi_turn", max_turns=3), tokenizer)
     envs = [factory(t.id, {"answer": t.answer, "question": t.question}) for t in split.train[:8]]
     rollout = draw_episodes(
-        lm, tokenizer, envs, [build_messages(t.question, tiny.TINY_INSTRUCTION) for t in split.train[:8]],
+        PlainDecoder(lm), tokenizer, envs, [build_messages(t.question, tiny.TINY_INSTRUCTION) for t in split.train[:8]],
         max_new_tokens=24, max_turns=3, max_total_tokens=200, temperature=1.0,
         eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
         generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
-    assert int(rollout.turns.max()) > 1, "at least one episode took several turns"
+    assert int(rollout.turns.count.max()) > 1, "at least one episode took several turns"
     values = torch.randn(rollout.response_ids.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     sampler_logprobs = rollout.sampler_logprobs.double()
     batch = {"logprobs": sampler_logprobs, "sampler_logprobs": sampler_logprobs, "values": values,
-             "rewards": rollout.turn_rewards.double(), "action_mask": rollout.action_mask}  # fmt: skip
+             "rewards": rollout.turns.rewards.double(), "action_mask": rollout.action_mask}  # fmt: skip
     update = SAO().update(batch)
     advantages, targets, _ = reference_per_turn(values.tolist(), batch["rewards"].tolist(),
                                                 rollout.action_mask.tolist(), SAO().gae_alpha)  # fmt: skip

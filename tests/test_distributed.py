@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from sao.core.errors import ConfigError
-from sao.rollout.sampler import Rollout
-from sao.train.distributed import World, rollout_rows, rollout_to
+from sao.rollout.types import Rollout, Turns
+from sao.train.distributed import World
 
 # The child torchrun starts on every rank: optionally SIGKILL rank 1 as it enters step `kill_at`, then the CLI.
 CHILD = r"""
@@ -48,20 +48,25 @@ TORCHRUN_TIMEOUT_S = 600
 
 def _rollout(B: int = 4, P: int = 3, R: int = 5, turns: bool = False) -> Rollout:
     g = torch.Generator().manual_seed(0)
-    extra = {}
+    block = None
     if turns:
-        extra = {"action_mask": torch.rand(B, R, generator=g) > 0.3, "turn_rewards": torch.rand(B, R, generator=g),
-                 "rewards": torch.rand(B, generator=g), "turns": torch.arange(B), "tool_calls": torch.arange(B),
-                 "tool_errors": torch.zeros(B, dtype=torch.long)}  # fmt: skip
+        block = Turns(
+            rewards=torch.rand(B, R, generator=g),
+            count=torch.arange(B),
+            tool_calls=torch.arange(B),
+            tool_errors=torch.zeros(B, dtype=torch.long),
+            unfinished=torch.zeros(B, dtype=torch.bool),
+        )
     return Rollout(
         prompt_ids=torch.randint(0, 50, (B, P), generator=g),
         prompt_mask=torch.ones(B, P, dtype=torch.bool),
         response_ids=torch.randint(0, 50, (B, R), generator=g),
         response_mask=torch.ones(B, R, dtype=torch.bool),
+        action_mask=torch.rand(B, R, generator=g) > 0.3 if turns else torch.ones(B, R, dtype=torch.bool),
         sampler_logprobs=-torch.rand(B, R, generator=g),
-        truncated=torch.tensor([True, False] * (B // 2)),
+        cut=torch.tensor([True, False] * (B // 2)),
         texts=[f"reply {i}" for i in range(B)],
-        **extra,
+        turns=block,
     )
 
 
@@ -90,14 +95,17 @@ def test_each_rank_takes_an_equal_block_of_rows_and_an_uneven_batch_is_refused()
 def test_rollout_rows_cut_every_per_row_field_and_keep_the_widths():
     for turns in (False, True):
         rollout = _rollout(turns=turns)
-        part = rollout_rows(rollout, slice(1, 3))
+        part = rollout.rows(slice(1, 3))
         assert part.texts == ["reply 1", "reply 2"]
         for name, value in vars(rollout).items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(getattr(part, name), value[1:3]), name
+        if turns:
+            assert torch.equal(part.turns.rewards, rollout.turns.rewards[1:3])
+            assert torch.equal(part.turns.count, rollout.turns.count[1:3])
         assert part.response_ids.shape == (2, 5) and part.prompt_ids.shape == (2, 3)
-        assert (part.action_mask is None) == (not turns)
-        moved = rollout_to(part, "cpu")
+        assert (part.turns is None) == (not turns)
+        moved = part.to("cpu")
         assert torch.equal(moved.sampler_logprobs, part.sampler_logprobs) and moved.texts == part.texts
 
 

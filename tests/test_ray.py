@@ -20,7 +20,7 @@ import torch
 
 from sao.core.config import Config
 from sao.core.errors import ConfigError
-from sao.rollout.sampler import Rollout
+from sao.rollout.types import Rollout, Turns
 
 RAY_DAEMONS = ("raylet", "gcs_server")
 
@@ -37,8 +37,9 @@ def _rollout(prompts: list[list[int]], responses: list[list[int]], P: int, R: in
         prompt_mask=torch.zeros(B, P, dtype=torch.bool),
         response_ids=torch.full((B, R), pad),
         response_mask=torch.zeros(B, R, dtype=torch.bool),
+        action_mask=torch.zeros(B, R, dtype=torch.bool),
         sampler_logprobs=torch.zeros(B, R),
-        truncated=torch.tensor([len(r) == R for r in responses]),
+        cut=torch.tensor([len(r) == R for r in responses]),
         texts=[f"reply {i}" for i in range(B)],
     )
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
@@ -46,6 +47,7 @@ def _rollout(prompts: list[list[int]], responses: list[list[int]], P: int, R: in
         out.prompt_mask[i, P - len(p) :] = True
         out.response_ids[i, : len(r)] = torch.tensor(r)
         out.response_mask[i, : len(r)] = True
+        out.action_mask[i, : len(r)] = True
         out.sampler_logprobs[i, : len(r)] = -torch.arange(1, len(r) + 1) / 10
     return out
 
@@ -78,18 +80,18 @@ def test_multi_turn_rows_split_and_concat_back_with_their_action_spans_and_turn_
     mixes episodes with single replies."""
     episodes = _rollout([[5, 6], [7]], [[1, 2, 3, 4], [8, 9]], P=2, R=4)
     episodes.action_mask = torch.tensor([[True, False, False, True], [True, True, False, False]])
-    episodes.turn_rewards = torch.tensor([[0.5, 0.0, 0.0, 1.0], [0.0, 2.0, 0.0, 0.0]])
-    episodes.rewards, episodes.turns = torch.tensor([1.5, 2.0]), torch.tensor([2, 1])
-    episodes.tool_calls, episodes.tool_errors = torch.tensor([1, 0]), torch.tensor([0, 0])
     episodes.cut = torch.tensor([False, True])
+    episodes.turns = Turns(rewards=torch.tensor([[0.5, 0.0, 0.0, 1.0], [0.0, 2.0, 0.0, 0.0]]),
+                           count=torch.tensor([2, 1]), tool_calls=torch.tensor([1, 0]),
+                           tool_errors=torch.tensor([0, 0]), unfinished=torch.tensor([False, True]))  # fmt: skip
     first, second = episodes.row(0), episodes.row(1)
     assert second.response_ids.tolist() == [[8, 9]] and second.action_mask.tolist() == [[True, True]]
-    assert second.turn_rewards.tolist() == [[0.0, 2.0]] and second.turns.tolist() == [1]
+    assert second.turns.rewards.tolist() == [[0.0, 2.0]] and second.turns.count.tolist() == [1]
     back = Rollout.concat([second, first], pad_token_id=0)
     assert back.action_mask.tolist() == [[True, True, False, False], [True, False, False, True]]
-    assert back.turn_rewards.tolist() == [[0.0, 2.0, 0.0, 0.0], [0.5, 0.0, 0.0, 1.0]]
-    assert back.rewards.tolist() == [2.0, 1.5] and back.cut.tolist() == [True, False]
-    assert back.to(torch.device("cpu")).tool_calls.tolist() == [0, 1]
+    assert back.turns.rewards.tolist() == [[0.0, 2.0, 0.0, 0.0], [0.5, 0.0, 0.0, 1.0]]
+    assert back.turns.total.tolist() == [2.0, 1.5] and back.cut.tolist() == [True, False]
+    assert back.to(torch.device("cpu")).turns.tool_calls.tolist() == [0, 1]
     with pytest.raises(ValueError, match="mixing"):
         Rollout.concat([first, _rollout([[1]], [[2]], P=1, R=1)], pad_token_id=0)
 

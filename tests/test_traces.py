@@ -209,7 +209,7 @@ def test_feedback_brings_rewards_and_trajectories_without_one_are_counted(tmp_pa
     source = make_source(path, tokenizer, batch_size=4)
     (batch,) = drain(source)
     assert batch.task_ids == ["r2", "r1", "r9", "r3"]
-    assert batch.rollout.rewards.tolist() == [0.25, 0.5, 0.75, 0.0]
+    assert batch.rollout.turns.total.tolist() == [0.25, 0.5, 0.75, 0.0]
     assert batch.tasks == [None, None, None, {"question": "What is 1+1?", "answer": "2"}]
     c = source.counts
     assert (c["feedback_used"], c["feedback_ignored"], c["dropped_no_reward"]) == (2, 1, 1)
@@ -230,9 +230,9 @@ def test_multi_turn_segments_mask_observations_and_put_each_turns_reward_on_its_
     assert r.response_ids[0].tolist() == [72, 73, 74, 75, 76, 2]
     assert r.action_mask[0].tolist() == [True, True, False, False, True, True]
     assert r.action_mask[1].tolist() == [True, True, True, False, False, False]
-    assert r.turn_rewards[0].tolist() == [0.0, 0.5, 0.0, 0.0, 0.0, 1.0]
+    assert r.turns.rewards[0].tolist() == [0.0, 0.5, 0.0, 0.0, 0.0, 1.0]
     assert r.sampler_logprobs[0].tolist() == pytest.approx([-0.1, -0.2, 0.0, 0.0, -0.3, -0.4])
-    assert r.turns.tolist() == [2, 1] and r.rewards.tolist() == [1.5, 1.0]
+    assert r.turns.count.tolist() == [2, 1] and r.turns.total.tolist() == [1.5, 1.0]
 
 
 def test_a_trace_at_another_temperature_is_dropped_and_counted(tmp_path, tokenizer):
@@ -318,7 +318,8 @@ def sampled(tiny_model_dir, tmp_path_factory):
     from sao.model.forward import teacher_forced
     from sao.model.policy import eos_ids, load_base
     from sao.rollout.sampler import PlainDecoder
-    from sao.rollout.sources import Sampling, draw_batch
+    from sao.rollout.sources import draw_batch
+    from sao.rollout.types import Sampling
     from sao.tasks.environments import prompt_text
     from sao.tasks.gsm8k import build_messages
     from sao.tiny import arithmetic as tiny

@@ -22,8 +22,8 @@ TASKS = {"a": Task("a", "What is 3+4?", "7"), "b": Task("b", "What is 2+2?", "4"
 
 def _rewards(rule: str) -> tuple[torch.Tensor, dict[str, int]]:
     """``Trainer.rewards`` on four replies, two cut off (one of them holding the right number)."""
-    rollout = SimpleNamespace(rewards=None, texts=["3+4=7\n#### 7", "3+4=7", "3+4=8\n#### 8", "2+2=5"],
-                              truncated=torch.tensor([False, True, False, True]))  # fmt: skip
+    rollout = SimpleNamespace(turns=None, texts=["3+4=7\n#### 7", "3+4=7", "3+4=8\n#### 8", "2+2=5"],
+                              cut=torch.tensor([False, True, False, True]))  # fmt: skip
     trainer = SimpleNamespace(config=SimpleNamespace(truncated_reward=rule), tasks=TASKS,
                               reward_fn=lambda text, task: float(text.rstrip().endswith(task.answer)))  # fmt: skip
     rewards = Trainer.rewards(trainer, SimpleNamespace(rollout=rollout, task_ids=["a", "a", "a", "b"]))

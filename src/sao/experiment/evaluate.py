@@ -28,7 +28,8 @@ import torch
 from sao.core.errors import ConfigError
 from sao.rollout.episodes import render_segments, segments
 from sao.rollout.sampler import derived_seed
-from sao.rollout.sources import Decoder, Episodes, Sampling, draw_batch, draw_episode_batch
+from sao.rollout.sources import Episodes, draw_batch, draw_episode_batch
+from sao.rollout.types import Decoder, Sampling
 from sao.tasks.base import Task
 from sao.tasks.environments import prompt_text
 from sao.tasks.gsm8k import grading
@@ -138,12 +139,12 @@ def _evaluate_once(
         if episodes is not None:
             ids = [tasks[j].id for j, _, _ in chunk]
             rollout = draw_episode_batch(decoder, tokenizer, ids, episodes, sampling, generator)
-            scores = rollout.rewards.tolist()
+            scores = rollout.turns.total.tolist()
         else:
             rollout = draw_batch(decoder, tokenizer, [p for _, _, p in chunk], sampling, generator)
             grade = score or (lambda text, task: grading.math_equal(text, task.answer))
             scores = [grade(text, tasks[j]) for (j, _, _), text in zip(chunk, rollout.texts, strict=True)]
-            cut = rollout.truncated.tolist()  # [n] hit the token limit without finishing
+            cut = rollout.cut.tolist()  # [n] hit the token limit without finishing
             cut_off += sum(cut)
             cut_off_credited += sum(bool(c) and s > 0 for c, s in zip(cut, scores, strict=True))
             if truncated_reward == "zero":

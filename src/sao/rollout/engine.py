@@ -64,7 +64,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +75,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from sao.core.errors import ConfigError
 from sao.model.forward import position_ids_from
 from sao.model.policy import causal_lm, lora_state
-from sao.rollout.sampler import Rollout, gumbel_sample_
+from sao.rollout.sampler import gumbel_sample_
+from sao.rollout.types import Rollout
 
 SUPPORTED = ("qwen2", "llama", "mistral")
 # The SDPA backends the engine allows on CUDA: the fused kernels. The math backend is left out on purpose,
@@ -408,11 +409,12 @@ class Engine:
             entry = self._entry(key)
             return entry.run(prompt_ids, prompt_mask.bool(), max_new_tokens, generator)
 
-    def stepper(self, rows: int, capacity: int) -> EngineStepper:
+    @contextlib.contextmanager
+    def stepper(self, rows: int, capacity: int) -> Iterator[EngineStepper]:
         """A multi-turn session over ``rows`` rows (``sao.rollout.episodes``): the engine's kernels on a static
         cache of ``capacity`` columns to start with (it grows if the episodes need more), decoded eagerly."""
         self.sync_weights()
-        return EngineStepper(self, rows, capacity)
+        yield EngineStepper(self, rows, capacity)
 
     def _entry(self, key: tuple) -> _Graph:
         """The cached entry for ``key`` (now the most recently used), or a new one: the least recently used
@@ -574,8 +576,9 @@ class _Graph:
             prompt_mask=prompt_mask,
             response_ids=self.tokens[:B, :used].clone(),
             response_mask=alive[:, :used].clone(),
+            action_mask=alive[:, :used].clone(),
             sampler_logprobs=self.logps[:B, :used].clone(),
-            truncated=~self.done[:B].clone(),
+            cut=~self.done[:B].clone(),
         )
 
 

@@ -31,50 +31,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
-from torch import nn
 
-from sao.model.forward import cache_keyword, logits_fp32, position_ids_from, trunk_and_head
-from sao.rollout.engine import Engine
+from sao.model.forward import position_ids_from
 from sao.rollout.environment import Message, TextEnv, render_observation
-from sao.rollout.sampler import Rollout, encode_prompts, gumbel_sample_
+from sao.rollout.sampler import encode_prompts, gumbel_sample_
+from sao.rollout.types import Decoder, Rollout, Stepper, Turns
 
 ACT, WAIT, DONE = 0, 1, 2
-
-
-class Stepper(Protocol):
-    """The network as the episode loop drives it: columns in, hidden states out, the cache kept inside."""
-
-    def feed(self, ids: torch.Tensor, real: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Append columns ids [B, L] (``real`` [B, L] bool: False is a hole no later query attends to) at RoPE
-        positions [B, L]; return the final-normed hidden states [B, L, H]."""
-        ...
-
-    def logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
-        """[B, H] → [B, V] float32 logits / τ, as ``forward.logits_fp32`` computes them."""
-        ...
-
-
-class HFStepper:
-    """The plain loop: the Hugging Face model (its active adapter) over a growing ``DynamicCache``."""
-
-    def __init__(self, model: nn.Module):
-        from transformers import DynamicCache
-
-        self.trunk, self.head = trunk_and_head(model)
-        self.kw, self.cache = cache_keyword(self.trunk), DynamicCache()
-        self.mask: torch.Tensor | None = None  # [B, S] every column fed so far: 1 real, 0 a hole
-
-    def feed(self, ids: torch.Tensor, real: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        self.mask = real.long() if self.mask is None else torch.cat([self.mask, real.long()], dim=1)
-        out = self.trunk(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True,
-                         **{self.kw: self.cache})  # fmt: skip
-        return out.last_hidden_state
-
-    def logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
-        return logits_fp32(self.head, hidden, temperature)
 
 
 @dataclass
@@ -90,7 +55,6 @@ class _Row:
     cut: bool = False  # the current action hit max_new_tokens or the total budget
     truncated: bool = False
     response_tokens: int = 0
-    reward_total: float = 0.0
     tool_calls: int = 0
     tool_errors: int = 0
     observation_tokens: int = 0
@@ -116,7 +80,7 @@ class _Columns:
 
 @torch.no_grad()
 def draw_episodes(
-    model: nn.Module | Engine,
+    decoder: Decoder,
     tokenizer,
     envs: Sequence[TextEnv],
     prompts: Sequence[list[Message]],
@@ -129,8 +93,8 @@ def draw_episodes(
     pad_token_id: int,
     generator: torch.Generator,
 ) -> Rollout:
-    """One episode per environment (see the module docstring): with a model, its active adapter on the plain
-    loop; with an ``Engine``, the engine's adapter on its static cache."""
+    """One episode per environment (see the module docstring), on the decoder's own stepper: the plain loop's
+    model with its adapter, or the engine's static cache."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
     device = generator.device
@@ -142,11 +106,16 @@ def draw_episodes(
         texts.append(tokenizer.apply_chat_template(start, tools=tools, tokenize=False, add_generation_prompt=True))
     prompt_ids, prompt_mask = encode_prompts(tokenizer, texts, device)  # [B, P]
     B = len(rows)
-    if isinstance(model, Engine):
-        net: Stepper = model.stepper(B, prompt_ids.shape[1] + max_total_tokens)
-    else:
-        net = HFStepper(model)
-    eos = set(eos_token_ids)
+    with decoder.stepper(B, prompt_ids.shape[1] + max_total_tokens) as net:
+        return _run(net, rows, tokenizer, prompt_ids, prompt_mask, max_new_tokens, max_turns, max_total_tokens,
+                    temperature, set(eos_token_ids), pad_token_id, generator)  # fmt: skip
+
+
+def _run(net: Stepper, rows: list[_Row], tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, max_turns: int,
+         max_total_tokens: int, temperature: float, eos: set[int], pad_token_id: int,
+         generator) -> Rollout:  # fmt: skip
+    """The episode loop itself, on one stepper."""
+    B, device = len(rows), generator.device
 
     positions = position_ids_from(prompt_mask.long())
     hidden = net.feed(prompt_ids, prompt_mask.bool(), positions)[:, -1]  # [B, H] each acting row samples from
@@ -217,7 +186,6 @@ def _observe(rows, cols: _Columns, tokenizer, max_turns: int, budget: int) -> li
             continue
         result = r.env.step(tokenizer.decode(r.turn_tokens, skip_special_tokens=True))
         reward = float(result.get("reward", 0.0) or 0.0)
-        r.reward_total += reward
         _put_reward(cols, i, reward)
         meta = result.get("metadata") or {}
         r.tool_calls += int(meta.get("tool_calls", 0) or 0)
@@ -287,16 +255,17 @@ def _compact(prompt_ids, prompt_mask, cols: _Columns, rows, tokenizer, pad: int)
         prompt_mask=prompt_mask.bool(),
         response_ids=out["ids"],
         response_mask=out["real"],
-        sampler_logprobs=out["logprobs"],
-        truncated=torch.tensor([r.truncated for r in rows], device=dev),
-        texts=texts,
         action_mask=out["action"],
-        turn_rewards=out["rewards"],
-        rewards=torch.tensor([r.reward_total for r in rows], device=dev),
-        turns=torch.tensor([r.turns for r in rows], device=dev),
-        tool_calls=torch.tensor([r.tool_calls for r in rows], device=dev),
-        tool_errors=torch.tensor([r.tool_errors for r in rows], device=dev),
+        sampler_logprobs=out["logprobs"],
         cut=torch.tensor([r.cut for r in rows], device=dev),
+        texts=texts,
+        turns=Turns(
+            rewards=out["rewards"],
+            count=torch.tensor([r.turns for r in rows], device=dev),
+            tool_calls=torch.tensor([r.tool_calls for r in rows], device=dev),
+            tool_errors=torch.tensor([r.tool_errors for r in rows], device=dev),
+            unfinished=torch.tensor([r.truncated for r in rows], device=dev),
+        ),
     )
 
 
@@ -305,7 +274,7 @@ def segments(tokenizer, rollout: Rollout, row: int) -> list[dict[str, str]]:
     "text": ...}`` in order, special tokens kept (an observation carries the chat template's turn markers)."""
     real = rollout.response_mask[row]  # [R]
     ids = rollout.response_ids[row][real].tolist()
-    acts = rollout.actions[row][real].tolist()
+    acts = rollout.action_mask[row][real].tolist()
     out: list[dict[str, str]] = []
     start = 0
     for j in range(1, len(ids) + 1):

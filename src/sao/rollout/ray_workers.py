@@ -82,17 +82,9 @@ import torch
 
 from sao.core.errors import ConfigError
 from sao.model.policy import POLICY_ADAPTER, add_lora, eos_ids, load_base, lora_state
-from sao.rollout.sampler import Rollout, derived_seed
-from sao.rollout.sources import (
-    WARMUP,
-    Batch,
-    Episodes,
-    PromptOrder,
-    Sampling,
-    draw_batch,
-    draw_episode_batch,
-    make_decoder,
-)
+from sao.rollout.sampler import derived_seed
+from sao.rollout.sources import WARMUP, Episodes, PromptOrder, draw_batch, draw_episode_batch, make_decoder
+from sao.rollout.types import Batch, Rollout, Sampling
 
 if TYPE_CHECKING:
     from sao.core.config import Config

@@ -22,126 +22,17 @@ Deliberately left out: beam search, speculative decoding, stop strings other tha
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from sao.model.forward import cache_keyword, logits_fp32, position_ids_from, trunk_and_head
 from sao.model.policy import POLICY_ADAPTER, lora_state
+from sao.rollout.types import Rollout
 
 SAMPLER_ADAPTER = "sampler"
-
-
-PER_TOKEN = ("action_mask", "turn_rewards")  # [B, R] multi-turn fields, padded like the response
-PER_ROW = ("rewards", "turns", "tool_calls", "tool_errors", "cut")  # [B] multi-turn fields
-
-
-@dataclass
-class Rollout:
-    """A batch of trajectories as drawn. Prompts left-padded to P, responses right-padded to R."""
-
-    prompt_ids: torch.Tensor  # [B, P] long
-    prompt_mask: torch.Tensor  # [B, P] bool
-    response_ids: torch.Tensor  # [B, R] long, pad after EOS
-    response_mask: torch.Tensor  # [B, R] bool, True through the EOS token
-    sampler_logprobs: torch.Tensor  # [B, R] float32, 0 off the mask
-    truncated: torch.Tensor  # [B] bool: hit max_new_tokens without EOS
-    texts: list[str] = field(default_factory=list)  # decoded responses, special tokens dropped
-    # Multi-turn trajectories (``sao.rollout.episodes``); None for one reply per prompt, where every response
-    # token is an action and the reward is graded from the text.
-    action_mask: torch.Tensor | None = None  # [B, R] bool: tokens the model wrote (observations are not)
-    turn_rewards: torch.Tensor | None = None  # [B, R] float32: each turn's reward on its last action token
-    rewards: torch.Tensor | None = None  # [B] float32: the sum of the turns' rewards
-    turns: torch.Tensor | None = None  # [B] long: actions taken
-    tool_calls: torch.Tensor | None = None  # [B] long
-    tool_errors: torch.Tensor | None = None  # [B] long
-    cut: torch.Tensor | None = None  # [B] bool: the last action was cut at a token limit, not finished
-
-    @property
-    def actions(self) -> torch.Tensor:
-        """[B, R] bool: the action tokens (the whole response when there are no observations)."""
-        return self.response_mask if self.action_mask is None else self.action_mask
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.response_mask.sum(dim=1)
-
-    def _optional(self) -> dict[str, torch.Tensor]:
-        """The multi-turn fields this rollout carries (none for single replies)."""
-        return {name: getattr(self, name) for name in (*PER_TOKEN, *PER_ROW) if getattr(self, name) is not None}
-
-    def to(self, device: torch.device) -> Rollout:
-        """The same trajectories on ``device``."""
-        fields = {name: getattr(self, name) for name in ("prompt_ids", "prompt_mask", "response_ids",
-                                                         "response_mask", "sampler_logprobs", "truncated")}  # fmt: skip
-        moved = {name: t.to(device) for name, t in {**fields, **self._optional()}.items()}
-        return Rollout(**moved, texts=list(self.texts))
-
-    def row(self, i: int) -> Rollout:
-        """Row i alone, trimmed to its own prompt and response lengths."""
-        p = int(self.prompt_mask[i].sum())
-        r = max(int(self.response_mask[i].sum()), 1)
-        P = self.prompt_ids.shape[1]
-        per_token = {name: t[i : i + 1, :r].clone() for name, t in self._optional().items() if name in PER_TOKEN}
-        per_row = {name: t[i : i + 1].clone() for name, t in self._optional().items() if name in PER_ROW}
-        return Rollout(
-            prompt_ids=self.prompt_ids[i : i + 1, P - p :].clone(),
-            prompt_mask=self.prompt_mask[i : i + 1, P - p :].clone(),
-            response_ids=self.response_ids[i : i + 1, :r].clone(),
-            response_mask=self.response_mask[i : i + 1, :r].clone(),
-            sampler_logprobs=self.sampler_logprobs[i : i + 1, :r].clone(),
-            truncated=self.truncated[i : i + 1].clone(),
-            texts=self.texts[i : i + 1],
-            **per_token,
-            **per_row,
-        )
-
-    @staticmethod
-    def concat(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
-        """Stack rollouts drawn separately (different prompt and response widths) into one batch.
-
-        Prompts are re-padded on the left to the widest P, responses on the right to the widest R, with
-        ``pad_token_id``, mask False and sampler log-probability 0 in the new padding; ``truncated`` and
-        ``texts`` are concatenated in order, and so are the multi-turn fields (every rollout carries them or
-        none does). The result lives on the first rollout's device.
-        """
-        if not rollouts:
-            raise ValueError("Rollout.concat needs at least one rollout")
-        if any(r.texts for r in rollouts) and any(len(r.texts) != r.prompt_ids.shape[0] for r in rollouts):
-            raise ValueError("Rollout.concat: either every rollout carries one text per row, or none does")
-        device = rollouts[0].prompt_ids.device
-        P = max(r.prompt_ids.shape[1] for r in rollouts)
-        R = max(r.response_ids.shape[1] for r in rollouts)
-
-        def pad(t: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
-            t = t.to(device)
-            extra = width - t.shape[1]
-            if extra == 0:
-                return t
-            filler = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=device)
-            return torch.cat([filler, t] if left else [t, filler], dim=1)
-
-        carried = [set(r._optional()) for r in rollouts]
-        if any(c != carried[0] for c in carried):
-            raise ValueError("Rollout.concat: mixing multi-turn trajectories with single replies")
-        optional = {
-            name: torch.cat([pad(r._optional()[name], R, False if name == "action_mask" else 0, False)
-                             if name in PER_TOKEN else r._optional()[name].to(device) for r in rollouts])
-            for name in sorted(carried[0])
-        }  # fmt: skip
-        return Rollout(
-            prompt_ids=torch.cat([pad(r.prompt_ids, P, pad_token_id, True) for r in rollouts]),
-            prompt_mask=torch.cat([pad(r.prompt_mask.bool(), P, False, True) for r in rollouts]),
-            response_ids=torch.cat([pad(r.response_ids, R, pad_token_id, False) for r in rollouts]),
-            response_mask=torch.cat([pad(r.response_mask.bool(), R, False, False) for r in rollouts]),
-            sampler_logprobs=torch.cat([pad(r.sampler_logprobs, R, 0.0, False) for r in rollouts]),
-            truncated=torch.cat([r.truncated.to(device) for r in rollouts]),
-            texts=[text for r in rollouts for text in r.texts],
-            **optional,
-        )
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,8 +130,9 @@ def draw(
         prompt_mask=prompt_mask.bool(),
         response_ids=torch.stack(tokens, dim=1),
         response_mask=torch.stack(alive_masks, dim=1),
+        action_mask=torch.stack(alive_masks, dim=1),
         sampler_logprobs=torch.stack(logps, dim=1),
-        truncated=~done,
+        cut=~done,
     )
 
 
@@ -257,6 +149,13 @@ class PlainDecoder:
             return draw(model, prompt_ids, prompt_mask, **settings)
 
     @contextmanager
+    def stepper(self, rows: int, capacity: int) -> Iterator[HFStepper]:
+        """A multi-turn session (``sao.rollout.episodes``): the model with this decoder's adapter active, over a
+        growing ``DynamicCache`` (``rows`` and ``capacity`` are the engine's concern; this cache grows as fed)."""
+        with self.active() as model:
+            yield HFStepper(model)
+
+    @contextmanager
     def active(self):
         """The model with this decoder's adapter active (multi-turn episodes draw through it too)."""
         if self.adapter is None or not hasattr(self.model, "set_adapter"):
@@ -269,6 +168,26 @@ class PlainDecoder:
             self.model.set_adapter(POLICY_ADAPTER)
             for p in lora_state(self.model, self.adapter).values():
                 p.requires_grad_(False)  # set_adapter marks the active adapter trainable
+
+
+class HFStepper:
+    """The plain loop: the Hugging Face model (its active adapter) over a growing ``DynamicCache``."""
+
+    def __init__(self, model: nn.Module):
+        from transformers import DynamicCache
+
+        self.trunk, self.head = trunk_and_head(model)
+        self.kw, self.cache = cache_keyword(self.trunk), DynamicCache()
+        self.mask: torch.Tensor | None = None  # [B, S] every column fed so far: 1 real, 0 a hole
+
+    def feed(self, ids: torch.Tensor, real: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.mask = real.long() if self.mask is None else torch.cat([self.mask, real.long()], dim=1)
+        out = self.trunk(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True,
+                         **{self.kw: self.cache})  # fmt: skip
+        return out.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+        return logits_fp32(self.head, hidden, temperature)
 
 
 def decode(tokenizer, rollout: Rollout) -> list[str]:

@@ -19,7 +19,7 @@ Deliberately left out: rewards (the trainer grades what a source returns) and th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -28,50 +28,10 @@ from torch import nn
 from sao.rollout.engine import Engine
 from sao.rollout.environment import EnvFactory, Message
 from sao.rollout.episodes import draw_episodes
-from sao.rollout.sampler import (
-    SAMPLER_ADAPTER,
-    PlainDecoder,
-    Rollout,
-    StaleSampler,
-    decode,
-    derived_seed,
-    encode_prompts,
-)
+from sao.rollout.sampler import SAMPLER_ADAPTER, PlainDecoder, StaleSampler, decode, derived_seed, encode_prompts
+from sao.rollout.types import Batch, Decoder, Rollout, Sampling
 
 WARMUP, POLICY = "critic-warmup", "policy"
-
-
-class Decoder(Protocol):
-    """Anything that samples replies the way ``sao.rollout.sampler.draw`` does, on ``device``."""
-
-    device: torch.device
-
-    def generate(
-        self,
-        prompt_ids: torch.Tensor,  # [B, P] left-padded
-        prompt_mask: torch.Tensor,  # [B, P] bool
-        *,
-        max_new_tokens: int,
-        temperature: float,
-        eos_token_ids: list[int],
-        pad_token_id: int,
-        generator: torch.Generator,
-    ) -> Rollout: ...
-
-
-@dataclass
-class Batch:
-    """One optimizer step's trajectories: which prompts, what was drawn, and how stale each row is (policy
-    updates between the adapter that wrote it and the policy that trains on it)."""
-
-    task_ids: list[str]
-    rollout: Rollout
-    staleness: list[int]
-    info: dict[str, Any] = field(default_factory=dict)  # the source's counters, logged with the step
-    # Rows that carry their own task (logged traces: ``sao.rollout.traces``): row i's task fields, graded by the
-    # trainer's reward function, or None where the row's reward is already in ``rollout.turn_rewards``. None:
-    # every task id is looked up in the trainer's tasks.
-    tasks: list[dict[str, Any] | None] | None = None
 
 
 class SourceExhausted(Exception):
@@ -95,24 +55,6 @@ class Source(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How rollouts are drawn: the settings every decoder call of a run shares."""
-
-    max_new_tokens: int
-    temperature: float
-    eos_token_ids: list[int]
-    pad_token_id: int
-
-    def as_kwargs(self) -> dict[str, Any]:
-        return {
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "eos_token_ids": self.eos_token_ids,
-            "pad_token_id": self.pad_token_id,
-        }
 
 
 class PromptOrder:
@@ -156,10 +98,6 @@ def draw_episode_batch(
     messages = [episodes.messages[i] for i in task_ids]
     limits = {"max_turns": episodes.max_turns, "max_total_tokens": episodes.max_total_tokens}
     try:
-        if isinstance(decoder, PlainDecoder):
-            with decoder.active() as model:
-                return draw_episodes(model, tokenizer, envs, messages, generator=generator, **limits,
-                                     **sampling.as_kwargs())  # fmt: skip
         return draw_episodes(decoder, tokenizer, envs, messages, generator=generator, **limits, **sampling.as_kwargs())
     finally:
         for env in envs:

@@ -69,8 +69,8 @@ from typing import Any
 import torch
 
 from sao.core.errors import DataError
-from sao.rollout.sampler import Rollout
-from sao.rollout.sources import Batch, SourceExhausted
+from sao.rollout.sources import SourceExhausted
+from sao.rollout.types import Batch, Rollout, Turns
 
 SCHEMA_FILE = Path(__file__).with_name("trace.schema.json")
 # What the hand validator knows; a test checks that trace.schema.json says the same.
@@ -619,13 +619,12 @@ class TraceSource:
         d = self.device
         return Rollout(
             prompt_ids=prompt_ids.to(d), prompt_mask=prompt_mask.to(d), response_ids=response_ids.to(d),
-            response_mask=response_mask.to(d), sampler_logprobs=logprobs.to(d),
-            truncated=torch.tensor([t.cut for t in rows], device=d), texts=texts, action_mask=action_mask.to(d),
-            turn_rewards=turn_rewards.to(d), rewards=turn_rewards.sum(dim=1).to(d),
-            turns=torch.tensor([len(t.turn_ends) for t in rows], device=d),
-            tool_calls=torch.zeros(B, dtype=torch.long, device=d),
-            tool_errors=torch.zeros(B, dtype=torch.long, device=d),
-            cut=torch.tensor([t.cut for t in rows], device=d),
+            response_mask=response_mask.to(d), action_mask=action_mask.to(d), sampler_logprobs=logprobs.to(d),
+            cut=torch.tensor([t.cut for t in rows], device=d), texts=texts,
+            turns=Turns(rewards=turn_rewards.to(d), count=torch.tensor([len(t.turn_ends) for t in rows], device=d),
+                        tool_calls=torch.zeros(B, dtype=torch.long, device=d),
+                        tool_errors=torch.zeros(B, dtype=torch.long, device=d),
+                        unfinished=torch.zeros(B, dtype=torch.bool, device=d)),
         )  # fmt: skip
 
     def info(self) -> dict[str, Any]:

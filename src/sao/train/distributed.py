@@ -48,8 +48,8 @@ import torch
 from torch import nn
 
 from sao.core.errors import ConfigError
-from sao.rollout.sampler import Rollout
-from sao.rollout.sources import Batch, Source
+from sao.rollout.sources import Source
+from sao.rollout.types import Batch
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a rank waiting this long for the others stops with an error
 
@@ -186,26 +186,6 @@ SINGLE = World()
 # Rows of a rollout, and the source every rank reads.
 
 
-def rollout_rows(rollout: Rollout, part: slice) -> Rollout:
-    """Rows ``part`` of a rollout, every per-row field cut the same way; widths (P, R) are kept."""
-    changes: dict[str, Any] = {}
-    for f in dataclasses.fields(rollout):
-        value = getattr(rollout, f.name)
-        if isinstance(value, torch.Tensor | list):  # tensors [B, ...] and texts
-            changes[f.name] = value[part]
-    return dataclasses.replace(rollout, **changes)
-
-
-def rollout_to(rollout: Rollout, device: torch.device | str) -> Rollout:
-    """The rollout with every tensor on ``device``."""
-    changes = {
-        f.name: getattr(rollout, f.name).to(device)
-        for f in dataclasses.fields(rollout)
-        if isinstance(getattr(rollout, f.name), torch.Tensor)
-    }
-    return dataclasses.replace(rollout, **changes)
-
-
 class BroadcastSource:
     """A ``Source`` for a group of ranks: rank 0 reads the real source and broadcasts every batch; the other
     ranks hold no source (``source`` None) and receive. The publish hook, the state and close reach the real
@@ -220,9 +200,9 @@ class BroadcastSource:
         batch = None
         if self.source is not None:
             batch = self.source.next_batch(step, phase, policy_version)
-            batch = dataclasses.replace(batch, rollout=rollout_to(batch.rollout, "cpu"))
+            batch = dataclasses.replace(batch, rollout=batch.rollout.to("cpu"))
         batch = self.world.broadcast(batch)
-        return dataclasses.replace(batch, rollout=rollout_to(batch.rollout, self.device))
+        return dataclasses.replace(batch, rollout=batch.rollout.to(self.device))
 
     def after_update(self, policy_version: int) -> None:
         if self.source is not None:

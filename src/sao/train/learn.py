@@ -33,7 +33,7 @@ from torch import nn
 from sao.core.algorithm import SAO, Update
 from sao.model.forward import TeacherForced, teacher_forced
 from sao.model.policy import Models
-from sao.rollout.sampler import Rollout
+from sao.rollout.types import Rollout
 from sao.train.distributed import SINGLE, World
 
 T = TypeVar("T")
@@ -87,7 +87,7 @@ def policy_gradient_pass(
     ``rewards`` are the whole batch and this process passes only its rows (``world.shard``): ``forward``,
     ``loss`` and ``finite`` are then this rank's, ``update`` the whole batch's."""
     mask = rollout.response_mask  # [B, R] every real response token (actions and observations)
-    actions = rollout.actions  # [B, R] the tokens the model wrote
+    actions = rollout.action_mask  # [B, R] the tokens the model wrote
     n_tokens = float(actions.sum())  # N of the whole batch
     own = world.shard(len(mask))  # this process's rows (all of them on one process)
     logprobs, hidden, values = [], [], []

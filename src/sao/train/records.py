@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from sao.core.algorithm import Update
-from sao.rollout.sampler import Rollout
 from sao.rollout.sources import POLICY
+from sao.rollout.types import Rollout
 
 
 def step_record(
@@ -40,7 +40,7 @@ def step_record(
 ) -> dict[str, Any]:
     """The log record of one step (before the caller adds arm, seed, timings and the source's counters)."""
     s = update.stats
-    ratio = update.ratio[rollout.actions]  # [N]
+    ratio = update.ratio[rollout.action_mask]  # [N]
     log_ratio = ratio.log()
     kl = float(((ratio - 1) - log_ratio)[torch.isfinite(log_ratio)].mean())  # KL(sampler‖policy), k3 estimator
     histogram: dict[str, int] = {}
@@ -66,13 +66,14 @@ def step_record(
         "staleness_hist": histogram,
     }
     if rollout.turns is not None:  # multi-turn trajectories: how the agent used its environment
-        calls = float(rollout.tool_calls.sum())
+        turns = rollout.turns
+        calls = float(turns.tool_calls.sum())
         record.update(
-            turns_mean=float(rollout.turns.float().mean()),
-            tool_calls_mean=float(rollout.tool_calls.float().mean()),
-            tool_use_share=float((rollout.tool_calls > 0).float().mean()),
-            tool_error_rate=float(rollout.tool_errors.sum()) / calls if calls else 0.0,
-            observation_share=1.0 - float(rollout.actions.sum()) / max(float(rollout.response_mask.sum()), 1.0),
+            turns_mean=float(turns.count.float().mean()),
+            tool_calls_mean=float(turns.tool_calls.float().mean()),
+            tool_use_share=float((turns.tool_calls > 0).float().mean()),
+            tool_error_rate=float(turns.tool_errors.sum()) / calls if calls else 0.0,
+            observation_share=1.0 - float(rollout.action_mask.sum()) / max(float(rollout.response_mask.sum()), 1.0),
         )
     return record
 

@@ -37,7 +37,8 @@ from sao.core.io import read_json
 from sao.model import artifacts
 from sao.model.forward import token_logprobs, trunk_and_head
 from sao.model.policy import Models, auto_micro_batch, describe, lora_state
-from sao.rollout.sources import POLICY, WARMUP, LocalStaleSource, PromptOrder, Sampling, Source, SourceExhausted
+from sao.rollout.sources import POLICY, WARMUP, LocalStaleSource, PromptOrder, Source, SourceExhausted
+from sao.rollout.types import Sampling
 from sao.tasks import load_reward
 from sao.tasks.base import Task, TaskSet
 from sao.tasks.environments import episodes_for, prompt_text
@@ -203,7 +204,7 @@ class Trainer:
                     self.publish()
         targets = result.update.value_targets[own]  # [b, R] Monte Carlo returns of this rank's rows
         critic_loss = critic_steps(self.models.value_head, self.critic_opt, result.forward.hidden, targets,
-                                   rollout.actions[own], self.sao.critic_steps, world=self.world)  # fmt: skip
+                                   rollout.action_mask[own], self.sao.critic_steps, world=self.world)  # fmt: skip
         record = step_record(
             step=g, phase=phase, policy_step=g - self.sao.critic_warmup if phase == POLICY else None,
             policy_version=self.policy_version, staleness=batch.staleness, rollout=rollout, rewards=rewards,
@@ -224,11 +225,11 @@ class Trainer:
         self.truncation = {}
         if getattr(batch, "tasks", None) is not None:  # rows that carry their own task (logged traces)
             self._grade_carried_tasks(batch)
-        if rollout.rewards is not None:
+        if rollout.turns is not None:
             return self._episode_rewards(rollout)
         pairs = zip(rollout.texts, batch.task_ids, strict=True)
         graded = torch.tensor([self.reward_fn(text, self.tasks[i]) for text, i in pairs])  # [B]
-        cut = rollout.truncated.to(graded.device)  # [B] hit max_new_tokens without finishing
+        cut = rollout.cut.to(graded.device)  # [B] hit max_new_tokens without finishing
         credited = cut & (graded > 0)  # [B] cut off, yet the grader found a credited answer in the text
         self.truncation = {"truncated_replies": int(cut.sum()), "truncated_with_credit": int(credited.sum())}
         if self.config.truncated_reward == "zero":
@@ -239,30 +240,28 @@ class Trainer:
         """Rows that carry their own task fields (logged traces with no reward): the reward function on the row's
         text, put on its last action token, where a logged reward would be."""
         rollout = batch.rollout
-        columns = torch.arange(rollout.actions.shape[1], device=rollout.actions.device)
-        last = (rollout.actions.long() * columns).argmax(dim=1)  # [B] the last action token
+        columns = torch.arange(rollout.action_mask.shape[1], device=rollout.action_mask.device)
+        last = (rollout.action_mask.long() * columns).argmax(dim=1)  # [B] the last action token
         for i, fields in enumerate(batch.tasks):
             if fields is None:
                 continue
             task = Task(id=batch.task_ids[i], question=str(fields.get("question", "")),
                         answer=str(fields.get("answer", "")), fields=dict(fields))  # fmt: skip
-            value = float(self.reward_fn(rollout.texts[i], task))
-            rollout.turn_rewards[i, last[i]] = value
-            rollout.rewards[i] = value
+            rollout.turns.rewards[i, last[i]] = float(self.reward_fn(rollout.texts[i], task))
 
     def _episode_rewards(self, rollout) -> torch.Tensor:
         """The environments' rewards, per turn when some trajectory took several: under ``truncated_reward``
         "zero" the turn whose action was cut at a token limit earns 0, as a cut single reply does."""
-        per_turn = rollout.turn_rewards.clone()  # [B, R] each turn's reward on its last action token
+        per_turn = rollout.turns.rewards.clone()  # [B, R] each turn's reward on its last action token
         columns = torch.arange(per_turn.shape[1], device=per_turn.device)
-        last = (rollout.actions.long() * columns).argmax(dim=1)  # [B] the last action token
+        last = (rollout.action_mask.long() * columns).argmax(dim=1)  # [B] the last action token
         rows = torch.arange(per_turn.shape[0], device=per_turn.device)
         cut = rollout.cut.to(per_turn.device)  # [B]
         credited = cut & (per_turn[rows, last] > 0)
         self.truncation = {"truncated_replies": int(cut.sum()), "truncated_with_credit": int(credited.sum())}
         if self.config.truncated_reward == "zero":
             per_turn[rows[cut], last[cut]] = 0.0
-        return per_turn if bool((rollout.turns > 1).any()) else per_turn.sum(dim=1)
+        return per_turn if bool((rollout.turns.count > 1).any()) else per_turn.sum(dim=1)
 
     def _say_oom(self, rows: int) -> None:
         tqdm.write(f"[{self.label}] out of memory in the training pass: micro-batch -> {rows}, retrying")
@@ -370,8 +369,8 @@ class Trainer:
         if self.footing is not None or temperature == 1.0:
             return {}
         rollout = batch.rollout
-        fresh = torch.tensor([s == 0 for s in batch.staleness], device=rollout.actions.device)  # [B]
-        mask = rollout.actions & fresh[:, None]  # [B, R] action tokens of staleness-0 rows
+        fresh = torch.tensor([s == 0 for s in batch.staleness], device=rollout.action_mask.device)  # [B]
+        mask = rollout.action_mask & fresh[:, None]  # [B, R] action tokens of staleness-0 rows
         if not bool(mask.any()):
             return {}
         recorded = rollout.sampler_logprobs[mask]  # [N]
