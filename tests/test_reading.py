@@ -211,6 +211,15 @@ def test_a_5_mb_line_under_a_1_mib_bound_is_read_lazily_and_skipped(tmp_path):
     one_line(rows[1][1], f"{path}:2: longer than 1 MiB")
 
 
+def test_a_line_of_exactly_the_bound_is_read_and_one_byte_more_is_not(tmp_path):
+    path = tmp_path / "edge.jsonl"
+    fits = b'["' + b"x" * 96 + b'"]'  # 100 bytes
+    path.write_bytes(fits + b"\n" + fits[:-1] + b'x"]\n' + fits)
+    rows = list(iter_jsonl(path, limits=Limits(max_bytes=100)))
+    assert rows[0] == (1, ["x" * 96]) and rows[2] == (3, ["x" * 96])
+    one_line(rows[1][1], f"{path}:2: longer than 100 bytes")
+
+
 def test_a_bad_line_can_be_skipped_and_the_good_lines_after_it_still_read(tmp_path):
     path = tmp_path / "log.jsonl"
     path.write_bytes(

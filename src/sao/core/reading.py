@@ -366,6 +366,7 @@ def iter_jsonl(
             if not fits:
                 yield lineno, error(f"{here}: longer than {_size(limits.max_bytes)} (is this the right file?)")
                 continue
+            raw = raw.removesuffix(b"\n")  # the bound is on the line, not its newline
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]
             if not raw.strip():
