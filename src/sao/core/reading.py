@@ -1,18 +1,17 @@
-"""Reading JSON, JSONL and YAML that anyone may have written, within stated bounds: every problem is one line.
+"""Reading JSON, JSONL and YAML that anyone may have written: within stated bounds (``Limits``), with one-line errors.
 
-A document or a JSONL line is checked before Python parses it: its size, its nesting depth (counted outside
-strings, so that a million ``[`` is refused before any parser recurses), its number of values and its
-longest string. While it is parsed, integers longer than ``Limits.max_int_digits`` (Python refuses to
-convert more than 4300 digits and slows down well before), NaN, Infinity and numbers beyond a float
-(``1e400``) are refused. YAML is read by a SafeLoader that also reads ``1e-5`` as a float, and that counts,
-while composing, the depth, the aliases and the nodes the document stands for once its aliases are
-expanded: an alias bomb is refused after reading it, not after building it. Errors are the caller's class
-(``DataError`` unless told), one line naming ``where`` (and the field, when known), and never quote more of
-a value than a short prefix (``preview``).
+A JSON document or JSONL line is measured before Python parses it, without recursion: its size, its nesting
+depth outside strings (a million ``[`` is refused before any parser descends), its count of values and its
+longest string. While it is parsed, integers of more than ``max_int_digits`` digits (Python refuses to convert
+4300), NaN, Infinity and numbers beyond a float (``1e400``) are refused. YAML is read by a SafeLoader that also
+reads ``1e-5`` as a float and counts, while composing, the depth, the aliases and the nodes the document stands
+for once its aliases are expanded: an alias bomb is refused before anything is expanded. An error is of the
+caller's class (``DataError`` unless told), one line beginning with ``where`` (then the field, when known),
+and quotes at most a short prefix of a value (``preview``).
 
-Deliberately left out: what the values mean (callers check fields, with ``check_number`` for numbers),
-duplicate keys (the last one wins, as in ``json`` and PyYAML), YAML tags beyond SafeLoader's, and
-following a growing log (``iter_jsonl`` reads a file as it is; a last line without a newline is a line).
+Deliberately left out: what the values mean (callers check their fields, ``check_number`` their numbers),
+duplicate keys (the last wins, as in ``json`` and PyYAML), YAML tags beyond SafeLoader's, and following a
+growing log (``iter_jsonl`` reads a file as it is; a last line without its newline is a line).
 """
 
 from __future__ import annotations
