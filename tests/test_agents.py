@@ -33,7 +33,7 @@ def test_a_skyrl_gym_environment_runs_through_sao_unchanged(tiny_config, tmp_pat
     pytest.importorskip("skyrl_gym")
     config = tiny_config.replace(env="skyrl:gsm8k_multi_turn", max_turns=2, max_new_tokens=24, steps=2)
     records = Trainer(config, tmp_path / "run", progress=False).run()
-    assert len(records) == config.critic_warmup + config.steps
+    assert len(records) == config.algorithm.critic_warmup + config.training.steps
     assert all(1.0 <= r["turns_mean"] <= 2.0 for r in records) and any(r["turns_mean"] > 1 for r in records)
     assert all(0.0 < r["observation_share"] < 1.0 for r in records if r["turns_mean"] > 1)
     assert all(r["nonfinite"] == 0 and not r["skipped"] for r in records)
@@ -43,7 +43,7 @@ def test_gae_over_real_multi_turn_rollouts_matches_the_slow_reference(tiny_model
     """Per-turn rewards and observation gaps from real episodes, through SAO.update, against the per-token
     reference loop: the advantages and the return-to-go targets agree to float64 precision."""
     pytest.importorskip("skyrl_gym")
-    from sao.core.algorithm import SAO
+    from sao.algorithm.update import SAO
     from sao.model.policy import load_base
     from sao.rollout.episodes import draw_episodes
     from sao.rollout.sampler import PlainDecoder

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sao.core.algorithm import CORRECTIONS, SAO, gae, monte_carlo_returns
+from sao.algorithm.update import CORRECTIONS, SAO, gae, monte_carlo_returns
 from sao.core.errors import ConfigError
 
 # ------------------------------------------------------------------------------------------------------

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 
 import sao.cli
-from sao.cli import build_parser, config_from_args, main, read_config_file
-from sao.core.config import Config, check_type, option
+from sao.cli import build_parser, config_from_args, main
+from sao.core.config import read_config_file
+from sao.core.config import Config
+from sao.core.settings import convert, option
 from sao.core.errors import ConfigError
 
 TIMING_KEYS = {"time", "time_sample", "waited_s", "rollouts_per_s"}
@@ -81,11 +83,11 @@ def test_preset_then_file_then_flags(tmp_path):
     path = tmp_path / "settings.yaml"
     path.write_text("lr: 0.002\nsteps: 5\nband: [0.5, 3.0]\n")
     config = config_from_args(_args("--preset", "tiny", "--config", str(path), "--steps", "7"))
-    assert config.lr == 0.002  # the file beats the preset's 1e-3
-    assert config.steps == 7  # the flag beats the file's 5
-    assert config.band == (0.5, 3.0)
-    assert config.model == "tiny" and config.critic_lr == 1e-3  # preset values the file does not name
-    assert config.batch_size == Config().batch_size  # neither preset nor file: the protocol default
+    assert config.training.lr == 0.002  # the file beats the preset's 1e-3
+    assert config.training.steps == 7  # the flag beats the file's 5
+    assert config.algorithm.ratio == (0.5, 3.0)
+    assert config.model.name == "tiny" and config.training.critic_lr == 1e-3  # preset values the file does not name
+    assert config.training.batch_size == Config().batch_size  # neither preset nor file: the protocol default
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".yml", ".json"])
@@ -218,4 +220,4 @@ def test_every_command_with_settings_takes_a_config_file(command, tmp_path):
     path.write_text(json.dumps({"seed": 5, "base_evals": 1}))
     argv = [command, "--config", str(path)] + ([] if command == "eval" else ["--out", str(tmp_path / "x")])
     config = config_from_args(build_parser().parse_args(argv))
-    assert config.seed == 5 and config.base_evals == 1
+    assert config.training.seed == 5 and config.eval.base_evals == 1

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from sao.algorithm.update import SAO
 from sao.cli import main
 from sao.core import stats
-from sao.core.algorithm import SAO
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.io import clean

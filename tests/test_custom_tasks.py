@@ -23,7 +23,7 @@ from sao.tasks import load_env_class, load_reward
 from sao.tasks.base import Task
 from sao.tasks.custom import default_reward, load_custom, source_kind, task_messages
 from sao.tasks.gsm8k import build_messages, decontaminate, load_gsm8k
-from sao.train.build import load_split
+from sao.train.build import task_set
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "gsm8k"
 NOUNS = ["apples", "pencils", "marbles", "tickets", "stamps", "books", "shells", "coins"]
@@ -82,7 +82,7 @@ TINY_DEFAULT = "9d6d2ed3a55b10ba5b88f8317b18a5678222569a181201c1dd7e35cdde072f0a
 
 @pytest.fixture(scope="module")
 def gsm8k_split():
-    return load_split(Config(data=str(DATA)))
+    return task_set(Config(data=str(DATA)))
 
 
 def test_gsm8k_directory_gives_todays_split(gsm8k_split):
@@ -91,7 +91,7 @@ def test_gsm8k_directory_gives_todays_split(gsm8k_split):
     assert gsm8k_split == load_gsm8k(DATA, n_train=512, n_test=120, seed=0)
     assert gsm8k_split.source == "local:gsm8k"
     assert all(t.fields == {} and t.messages is None for t in gsm8k_split.train + gsm8k_split.test)
-    other = load_split(Config(data=str(DATA), train_prompts=100, test_prompts=50, data_seed=3))
+    other = task_set(Config(data=str(DATA), train_prompts=100, test_prompts=50, data_seed=3))
     assert _fingerprint(other) == GSM8K_SEED3
 
 
@@ -105,14 +105,14 @@ def test_default_data_is_gsm8k_from_the_hub_as_before(monkeypatch, gsm8k_split):
 
     _fake_datasets(monkeypatch, load_dataset)
     for data in (None, "hub", "openai/gsm8k", "hub:openai/gsm8k"):
-        split = load_split(Config(data=data))
+        split = task_set(Config(data=data))
         assert split.source == "hub:openai/gsm8k"
         assert (split.train, split.test, split.counts) == (gsm8k_split.train, gsm8k_split.test, gsm8k_split.counts)
     assert calls == [("openai/gsm8k", "main")] * 4
 
 
 def test_tiny_gives_todays_split():
-    split = load_split(Config.preset("tiny"))
+    split = task_set(Config.preset("tiny"))
     assert _fingerprint(split) == TINY_DEFAULT
     assert all(t.fields == {} and t.messages is None for t in split.train)
 
@@ -120,7 +120,7 @@ def test_tiny_gives_todays_split():
 def test_a_missing_directory_is_still_gsm8ks_error():
     for config in (Config(data="./no/such/dir"), Config(data="./no/such/dir", prompt_field="problem")):
         with pytest.raises(DataError, match="not a directory") as err:
-            load_split(config)
+            task_set(config)
         _one_line(err)
 
 
@@ -150,10 +150,10 @@ def test_source_kinds(tmp_path, monkeypatch):
 
 def test_field_options_for_gsm8k_hub_or_tiny_are_refused():
     with pytest.raises(ConfigError, match=r"--prompt-field.*not to GSM8K from the hub") as err:
-        load_split(Config(prompt_field="problem"))
+        task_set(Config(prompt_field="problem"))
     _one_line(err)
     with pytest.raises(ConfigError, match=r"--messages-field.*tiny"):
-        load_split(Config.preset("tiny", messages_field="chat"))
+        task_set(Config.preset("tiny", messages_field="chat"))
 
 
 def test_task_keeps_three_argument_construction_and_stays_hashable():
@@ -173,7 +173,7 @@ def test_jsonl_file_with_custom_fields_splits_like_gsm8k(tmp_path):
     records = _records(40, twins=10)  # rows 40..49 repeat the questions of rows 0..9
     path = _write_jsonl(tmp_path / "items.jsonl", records, blank_lines=True)
     config = Config(data=str(path), prompt_field="problem", answer_field="solution", train_prompts=12, test_prompts=6)
-    split = load_split(config.replace(data_seed=3))
+    split = task_set(config.replace(data_seed=3))
 
     assert split.source == "file:items.jsonl"
     held_rows = sorted(random.Random(3).sample(range(50), 6))  # the held-out draw: random.Random(seed) over rows
@@ -198,9 +198,9 @@ def test_jsonl_file_with_custom_fields_splits_like_gsm8k(tmp_path):
     assert (first.question, first.answer) == (_question(row % 40), f"x = {row % 40}")  # the answer as is
     assert first.fields == records[row] and first.messages is None  # every raw field of the record
 
-    assert load_split(config.replace(data_seed=3)) == split  # a function of its arguments
-    assert load_split(config.replace(data_seed=3, train_prompts=5)).test == split.test  # n_train never moves it
-    assert load_split(config.replace(data_seed=4)).test != split.test
+    assert task_set(config.replace(data_seed=3)) == split  # a function of its arguments
+    assert task_set(config.replace(data_seed=3, train_prompts=5)).test == split.test  # n_train never moves it
+    assert task_set(config.replace(data_seed=4)).test != split.test
 
 
 def test_gold_marker_is_parsed_only_in_a_field_named_answer(tmp_path):
@@ -221,7 +221,7 @@ def test_gold_marker_is_parsed_only_in_a_field_named_answer(tmp_path):
 def test_same_directory_read_with_field_options_gives_gsm8ks_split(gsm8k_split):
     """The custom loader draws exactly as GSM8K's does: a GSM8K directory read through it (because a field
     option is given) yields the same tasks, now with their raw fields."""
-    split = load_split(Config(data=str(DATA), prompt_field="question"))
+    split = task_set(Config(data=str(DATA), prompt_field="question"))
     assert split.counts == gsm8k_split.counts and split.source == gsm8k_split.source
     assert [(t.id, t.question, t.answer) for t in split.train] == [
         (t.id, t.question, t.answer) for t in gsm8k_split.train
@@ -300,7 +300,7 @@ def test_messages_field_keeps_the_conversation_and_decontaminates_its_last_user_
         for i in range(20)
     ]
     path = _write_jsonl(tmp_path / "chat.jsonl", records)
-    split = load_split(Config(data=str(path), messages_field="chat", train_prompts=10, test_prompts=5))
+    split = task_set(Config(data=str(path), messages_field="chat", train_prompts=10, test_prompts=5))
 
     task = split.train[0]
     row = int(task.id.split("/")[1])
@@ -361,7 +361,7 @@ def test_hub_dataset_uses_its_train_and_test_splits(monkeypatch):
     _fake_datasets(monkeypatch, load_dataset)
     assert source_kind("someone/my-tasks") == "hub"
     config = Config(data="someone/my-tasks", prompt_field="prompt", answer_field="target", train_prompts=8)
-    split = load_split(config.replace(test_prompts=6))
+    split = task_set(config.replace(test_prompts=6))
 
     assert calls == ["someone/my-tasks"] and split.source == "hub:someone/my-tasks"
     assert train.selected == [["prompt", "target"]] and test.selected == [["prompt", "target"]]
@@ -376,7 +376,7 @@ def test_hub_dataset_uses_its_train_and_test_splits(monkeypatch):
 def test_hub_dataset_without_a_test_split_or_unreachable_is_one_line(monkeypatch):
     _fake_datasets(monkeypatch, lambda name: {"train": FakeSplit([{"question": "q", "answer": "1"}])})
     with pytest.raises(DataError, match=r"hub:someone/tasks has no 'test' split \(splits: train\)") as err:
-        load_split(Config(data="someone/tasks"))
+        task_set(Config(data="someone/tasks"))
     _one_line(err)
 
     def unreachable(name):
@@ -384,7 +384,7 @@ def test_hub_dataset_without_a_test_split_or_unreachable_is_one_line(monkeypatch
 
     _fake_datasets(monkeypatch, unreachable)
     with pytest.raises(DataError, match=r"ConnectionError.*no local file or directory 'someone/tasks'") as err:
-        load_split(Config(data="someone/tasks"))
+        task_set(Config(data="someone/tasks"))
     _one_line(err)
 
 
@@ -392,7 +392,7 @@ def test_hub_missing_column_names_it(monkeypatch):
     rows = FakeSplit([{"question": _question(i), "answer": "1"} for i in range(4)])
     _fake_datasets(monkeypatch, lambda name: {"train": rows, "test": rows})
     with pytest.raises(DataError, match=r"hub:someone/tasks train: no column 'problem'.*--prompt-field") as err:
-        load_split(Config(data="someone/tasks", prompt_field="problem", train_prompts=1, test_prompts=1))
+        task_set(Config(data="someone/tasks", prompt_field="problem", train_prompts=1, test_prompts=1))
     _one_line(err)
 
 
@@ -404,7 +404,7 @@ def test_missing_field_names_file_line_and_field(tmp_path):
     del records[2]["problem"]
     path = _write_jsonl(tmp_path / "items.jsonl", records)
     with pytest.raises(DataError) as err:
-        load_split(Config(data=str(path), prompt_field="problem", answer_field="solution"))
+        task_set(Config(data=str(path), prompt_field="problem", answer_field="solution"))
     text = _one_line(err)
     assert f"{path} line 3" in text and "'problem'" in text and "--prompt-field" in text
 
@@ -456,7 +456,7 @@ def test_too_few_records_names_the_numbers(tmp_path):
 def test_prompt_and_messages_fields_together_are_refused(tmp_path):
     path = _write_jsonl(tmp_path / "items.jsonl", _records(5))
     with pytest.raises(ConfigError, match="both name the prompt"):
-        load_split(Config(data=str(path), prompt_field="problem", messages_field="chat"))
+        task_set(Config(data=str(path), prompt_field="problem", messages_field="chat"))
 
 
 # --- your reward and your environment ------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """The package's layers are real: every import (module level or inside a function) goes down the order
-core → model → rollout → tasks → tiny → train → serve → experiment → cli, or stays within its layer, and no two modules
-import each other, directly or around a loop."""
+core → algorithm → model → rollout → tasks → tiny → train → serve → experiment → api → cli, or stays within its
+layer, and no two modules import each other, directly or around a loop. A registry entry in ``sao.core.registry``
+names its implementation by import path, resolved on use: that is how a lower layer offers a name a higher one
+implements, and a test below checks that every such path resolves."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "sao"
-LAYERS = ("core", "model", "rollout", "tasks", "tiny", "train", "serve", "experiment", "cli")
+LAYERS = ("core", "algorithm", "model", "rollout", "tasks", "tiny", "train", "serve", "experiment", "api", "cli")
 
 
 def module_name(path: Path) -> str:
@@ -19,9 +21,12 @@ def module_name(path: Path) -> str:
 
 
 def layer(module: str) -> int:
-    """Rank of a module's layer; the top-level ``sao`` package (re-exports of core) counts as core."""
+    """Rank of a module's layer; the top-level ``sao`` package (lazy re-exports of the API) and ``__main__`` count
+    as the top, with the cli."""
     parts = module.split(".")
-    return LAYERS.index(parts[1]) if len(parts) > 1 else 0
+    if len(parts) == 1 or parts[1] == "__main__":
+        return LAYERS.index("cli")
+    return LAYERS.index(parts[1])
 
 
 def imports(path: Path, modules: set[str]) -> set[str]:
@@ -45,8 +50,8 @@ def graph() -> dict[str, set[str]]:
 
 def test_the_layers_are_the_folders():
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert folders == set(LAYERS) - {"cli"}
-    assert {p.name for p in PACKAGE.glob("*.py")} == {"__init__.py", "cli.py"}
+    assert folders == set(LAYERS) - {"api", "cli"}
+    assert {p.name for p in PACKAGE.glob("*.py")} == {"__init__.py", "__main__.py", "api.py", "cli.py"}
 
 
 def test_no_module_imports_a_higher_layer():
@@ -79,6 +84,25 @@ def test_the_checks_catch_an_upward_import(tmp_path, bad):
     fake.write_text(f"def f():\n    import {bad}\n")
     found = imports(fake, {bad})
     assert found == {bad} and layer(bad) > layer("sao.core.x")
+
+
+def test_every_registry_entry_resolves_to_an_implementation():
+    from sao.core import registry
+
+    for name in ("PRESETS", "CORRECTIONS", "SOURCES", "MODELS", "TASK_SETS", "ENVIRONMENTS"):
+        reg = getattr(registry, name)
+        for entry in reg:
+            assert reg.get(entry) is not None, f"{name}[{entry!r}]"
+
+
+def test_core_imports_no_torch_at_module_level():
+    """core/ is what every layer needs; it loads torch only inside the functions that use it."""
+    for path in (PACKAGE / "core").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+        names = {a.name.split(".")[0] for n in top if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module.split(".")[0] for n in top if isinstance(n, ast.ImportFrom) and n.module}
+        assert "torch" not in names, f"{path.name} imports torch at module level"
 
 
 def test_the_public_api_still_imports_from_the_top():

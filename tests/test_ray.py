@@ -134,9 +134,9 @@ def test_settings_are_validated_and_reach_the_command_line():
          "--out", "x"]
     )  # fmt: skip
     config = config_from_args(args)
-    assert (config.engine, config.ray_address, config.rollout_workers) == ("ray", "auto", 7)
-    assert (config.worker_gpus, config.worker_cpus, config.max_staleness) == (1.0, 0.5, 3)
-    assert config.worker_timeout == 30.0
+    assert (config.rollout.source, config.rollout.ray_address, config.rollout.rollout_workers) == ("ray", "auto", 7)
+    assert (config.rollout.worker_gpus, config.rollout.worker_cpus, config.rollout.max_staleness) == (1.0, 0.5, 3)
+    assert config.rollout.worker_timeout == 30.0
     assert Config().max_staleness == Config().lag  # both engines see the same staleness range by default
 
 
@@ -355,23 +355,23 @@ def test_async_run_drops_nothing_and_replaced_workers_deliver(ray_module, tiny_m
             stopped.send_signal(signal.SIGCONT)
             stopped.kill()
 
-    assert len(records) == config.critic_warmup + config.steps, "the run finished"
+    assert len(records) == config.algorithm.critic_warmup + config.training.steps, "the run finished"
     for r in records:
         assert max(int(s) for s in r["staleness_hist"]) == r["staleness_max"] == r["staleness"] <= K
-        assert sum(r["staleness_hist"].values()) == config.batch_size == r["admitted"]
+        assert sum(r["staleness_hist"].values()) == config.training.batch_size == r["admitted"]
         assert r["dropped_stale"] == 0 and r["waited_s"] >= 0 and r["waited_for"] >= 0
     assert all(r["staleness"] == 0 for r in records if r["phase"] == "critic-warmup")
     fresh = [r for r in records if r["staleness_max"] == 0]
     assert fresh and all(r["abs_log_ratio_max"] < 1e-4 for r in fresh), "workers draw with the published weights"
     assert any(r["abs_log_ratio_max"] > 1e-3 for r in records if r["staleness_max"] > 0)
-    _, dropped = _check_ledger(source, records, config.batch_size)
+    _, dropped = _check_ledger(source, records, config.training.batch_size)
     assert not dropped
 
     assert not set(seen["originals"]) & set(source.workers), "both were replaced"
     last = records[-1]
     assert last["worker_restarts_total"] == 2 and last["worker_hangs_total"] == 1
     assert source.admitted_by.get("w0.r1", 0) > 0 and source.admitted_by.get("w1.r1", 0) > 0, source.admitted_by
-    assert last["admitted_from_replacements_total"] >= 3 * config.batch_size
+    assert last["admitted_from_replacements_total"] >= 3 * config.training.batch_size
     assert last["workers_alive"] == 2 and len(source.start_times) == 4
     groups = {slot.placement for slot in source.slots}
     assert groups == {source.placement_id}, "replacements run in the run's placement group"
@@ -409,25 +409,27 @@ def test_synchronous_run_drops_nothing_and_a_resumed_run_uses_no_draw_twice(ray_
     source.close()
     _assert_ray_gone(daemons)
     assert len(first.records) == 3
-    _, dropped = _check_ledger(source, first.records, config.batch_size)
+    _, dropped = _check_ledger(source, first.records, config.training.batch_size)
     assert not dropped, "nothing drawn with a stale adapter"
-    assert all(r["staleness_hist"] == {"0": config.batch_size} for r in first.records)
+    assert all(r["staleness_hist"] == {"0": config.training.batch_size} for r in first.records)
     assert all(r["waited_for"] > 0 for r in first.records[1:]), "synchronous: every policy step waits for its draw"
-    assert source.counts["received"] <= (len(first.records) + 1) * config.batch_size, "never drawn ahead"
+    assert source.counts["received"] <= (len(first.records) + 1) * config.training.batch_size, "never drawn ahead"
     saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["source"]  # after step 2
 
     second = Trainer(config, tmp_path / "run", resume=True, progress=False)
     records = second.run()
-    assert len(records) == config.critic_warmup + config.steps and second.source.batches
-    assert all(r["staleness_max"] == 0 and r["staleness_hist"] == {"0": config.batch_size} for r in records)
+    assert len(records) == config.algorithm.critic_warmup + config.training.steps and second.source.batches
+    assert all(r["staleness_max"] == 0 and r["staleness_hist"] == {"0": config.training.batch_size} for r in records)
     assert all(r["dropped_stale"] == 0 for r in records)
     # a fresh trajectory was written by the trainer's own weights (published, loaded by name): ratio 1
-    assert all(r["abs_log_ratio_max"] < 1e-4 for r in records) and records[-1]["policy_version"] == config.steps
+    assert (
+        all(r["abs_log_ratio_max"] < 1e-4 for r in records) and records[-1]["policy_version"] == config.training.steps
+    )
     before = {seq for batch in source.batches for seq in batch}
     after = [seq for batch in second.source.batches for seq in batch]
     assert len(after) == len(set(after)) and not before & set(after), "no draw used twice across the resume"
     assert not (before | set(after)) & (set(source.dropped) | set(second.source.dropped))
-    assert records[-1]["admitted_total"] == len(records) * config.batch_size
+    assert records[-1]["admitted_total"] == len(records) * config.training.batch_size
     assert second.source.next_seq >= saved["next_seq"]
     assert set(saved["pending"]) <= set(after) | set(second.source.dropped) | set(second.source.state_dict()["pending"])
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sao.cli import main
-from sao.core import algorithm, selftest
+from sao.algorithm import selftest
+from sao.core.registry import CORRECTIONS
 
 
 def test_selftest_passes_and_exits_zero(capsys):

@@ -99,7 +99,9 @@ def reference_models(model_dir: Path):
     from sao.model.policy import Models
 
     c = small_config(model_dir)
-    return Models.load(str(model_dir), device="cpu", lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, seed=c.seed)
+    return Models.load(
+        str(model_dir), device="cpu", lora_rank=c.model.lora_rank, lora_alpha=c.model.lora_alpha, seed=c.training.seed
+    )
 
 
 def teacher_forced_logprobs(policy, prompt_ids: list[int], completion_ids: list[int], temperature: float):

@@ -27,7 +27,7 @@ def test_staleness_follows_the_cycle(tiny_config, tmp_path, lag):
     records = Trainer(config, tmp_path / "run", progress=False).run()
     warmup = [r["staleness"] for r in records if r["phase"] == "critic-warmup"]
     policy = [r["staleness"] for r in records if r["phase"] == "policy"]
-    assert warmup == [0] * config.critic_warmup
+    assert warmup == [0] * config.algorithm.critic_warmup
     assert policy == staleness_schedule(lag, 10)
     expected = {0: [0] * 10, 1: [0] + [1] * 9, 4: [0, 1, 2, 3, 4, 1, 2, 3, 4, 1]}[lag]
     assert policy == expected
@@ -45,7 +45,7 @@ def test_log_has_every_spec_field_and_is_valid_json(tiny_config, tmp_path):
     out = tmp_path / "run"
     Trainer(tiny_config, out, progress=False).run()
     records = json.loads((out / "train_log.json").read_text())
-    assert len(records) == tiny_config.critic_warmup + tiny_config.steps
+    assert len(records) == tiny_config.algorithm.critic_warmup + tiny_config.training.steps
     for r in records:
         assert set(r) >= SPEC_FIELDS
     assert [r["phase"] for r in records[:2]] == ["critic-warmup"] * 2

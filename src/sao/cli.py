@@ -1,7 +1,7 @@
-"""The `sao` command line: one subcommand per job.
+"""The `sao` command line: one subcommand per job, each a thin layer over ``sao.api`` and the experiment.
 
     sao selftest                        the two arms differ only in the mask (no model, a second)
-    sao train  --preset tiny --out DIR  one arm, one seed: critic warmup, policy steps, train_log.json
+    sao train  --preset tiny --out DIR  one arm, one seed: critic warmup, policy steps, train_log.jsonl
     sao eval   --preset tiny [--adapter DIR] [--out FILE]    pass@1 on the held-out tasks
     sao recipe --preset tiny --out DIR  the whole experiment: both arms, base evals, verdict, report
     sao sweep  --preset tiny --lags 1 4 8 16 --lrs 1e-3 3e-3 --train-runs 2 --out DIR   where the ratio breaks
@@ -10,67 +10,99 @@
     sao export RUN --merge OUT          fold a run's adapter into its base: a plain HF model folder to serve
     sao serve  --preset tiny --traces LOG [--watch RUN]      OpenAI-style chat endpoint that logs every trace
 
-Every setting of ``sao.core.config.Config`` is a flag (``--batch-size`` sets ``batch_size``), documented from
-the same place it is defined (the field's metadata); a preset supplies the defaults, ``--config FILE`` (YAML or
-JSON; a run's own config.json replays it) overrides them, and flags override both. Every user mistake
-(bad option, missing file, band that does not bracket 1, an output folder that holds another run, ...) is
-one line on stderr and exit code 2; anything else is a bug and keeps its traceback.
+Every setting of ``sao.core.config`` a command reads is a flag (``--batch-size`` sets ``training.batch_size``),
+documented where it is defined; preset < ``--config FILE`` < flags. Every user mistake is one line on stderr and
+exit code 2; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-from sao.core.config import read_config_file
 from sao.core.errors import ConfigError, SaoError
 
-# Flags whose spelling differs from the field or that take two values.
-_SPECIAL = {"band": {"nargs": 2, "type": float, "metavar": ("LO", "HI")}, "random_mask_share": {"type": float}}
+# The settings each command reads, by section (a dotted name: one field of a section).
+COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
+    "train": ("model", "data", "algorithm", "rollout", "training"),
+    "eval": (
+        "model",
+        "data",
+        "eval",
+        "rollout.decoder",
+        "rollout.max_turns",
+        "rollout.max_total_tokens",
+        "training.seed",
+    ),
+    "recipe": ("model", "data", "algorithm", "rollout", "training", "eval"),
+    "sweep": ("model", "data", "algorithm", "rollout", "training", "eval"),
+    "serve": (
+        "model",
+        "data.dataset",
+        "data.reward",
+        "data.truncated_reward",
+        "rollout.temperature",
+        "rollout.max_new_tokens",
+        "rollout.traces",
+        "training.seed",
+        "serve",
+    ),
+}
 # Switches that read as plain flags (``--follow``) and still take a value (``--follow false``).
-_SWITCHES = ("follow", "skip_bad_traces", "publish")
+_SWITCHES = ("follow", "skip_bad_traces", "publish", "grad_checkpoint")
 
 
-def _field_docs() -> dict[str, str]:
-    """Each Config field's doc (its metadata, see ``Config.help``), for --help."""
-    from sao.core.config import Config
+def _fields_for(command: str, skip: tuple[str, ...] = ()) -> list[tuple[str, dataclasses.Field, type]]:
+    """(section, field, section class) of every setting ``command`` reads, in section order."""
+    from sao.core.config import SECTIONS
+    from sao.core.settings import flag_of
 
-    return {f.name: Config.help(f.name).replace("%", "%%") for f in dataclasses.fields(Config)}  # argparse uses %
+    wanted = COMMAND_SETTINGS[command]
+    out = []
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if (section in wanted or f"{section}.{f.name}" in wanted) and flag_of(f) not in skip:
+                out.append((section, f, cls))
+    return out
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    from sao.core.config import PRESETS, Config
+def _add_config_flags(parser: argparse.ArgumentParser, command: str, skip: tuple[str, ...] = ()) -> None:
+    from sao.core.registry import PRESETS
+    from sao.core.settings import field_type, flag_of, help_of
 
-    parser.add_argument("--preset", default="protocol", choices=sorted(PRESETS), help="defaults to start from")
+    parser.add_argument("--preset", default=None, choices=PRESETS.names(), help="defaults to start from (protocol)")
     parser.add_argument(
         "--config",
         metavar="FILE",
-        help="settings from a YAML or JSON file: a flat mapping of the settings below, or a run's config.json "
-        "(or experiment.json) as it is, to replay it; the file overrides the preset, flags override the file",
+        help="settings from a YAML or JSON file: a mapping of the settings below (flat or in sections, a 'preset' "
+        "allowed), or a run's config.json (or experiment.json) as it is, to replay it; the file overrides the "
+        "preset, flags override the file",
     )
-    docs = _field_docs()
-    group = parser.add_argument_group("settings (default: the preset's)")
-    for f in dataclasses.fields(Config):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"default": None, "help": docs.get(f.name, "")}
-        if f.name in _SPECIAL:
-            kwargs.update(_SPECIAL[f.name])
-        elif f.name in _SWITCHES:
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for section, f, cls in _fields_for(command, skip):
+        group = groups.get(section) or parser.add_argument_group(f"{section} settings (default: the preset's)")
+        groups[section] = group
+        name = flag_of(f)
+        flags = ["--" + name.replace("_", "-")] + ["--" + a.replace("_", "-") for a in f.metadata.get("aliases", ())]
+        kwargs: dict[str, Any] = {"default": None, "help": help_of(f).replace("%", "%%"), "dest": name}
+        hint = field_type(cls, f.name)
+        if name == "ratio":
+            kwargs.update(nargs=2, type=float, metavar=("LO", "HI"))
+        elif name in _SWITCHES:
             kwargs.update(nargs="?", const=True, type=_bool)
-        elif isinstance(f.default, bool):
+        elif hint in (bool, "bool"):
             kwargs["type"] = _bool
-        elif isinstance(f.default, int):
+        elif hint in (int, int | None):
             kwargs["type"] = int
-        elif isinstance(f.default, float):
+        elif hint in (float, float | None):
             kwargs["type"] = float
-        group.add_argument(flag, dest=f.name, **kwargs)
+        group.add_argument(*flags, **kwargs)
 
 
 def _bool(text: str) -> bool:
@@ -82,18 +114,24 @@ def _bool(text: str) -> bool:
 
 
 def config_from_args(args: argparse.Namespace):
-    """The run's Config: the preset's defaults, then --config FILE's settings, then the flags given. Every
-    command that runs a model starts here, so torch's CPU thread count is set here, once, as the Config says
-    (``--threads``; 0: one thread for the tiny model on the CPU unless OMP_NUM_THREADS is set)."""
-    from sao.core.config import Config, apply_threads
+    """The run's Config: the preset's defaults, then --config FILE's settings, then the flags given; torch's CPU
+    threads set as it says."""
+    from sao.api import as_config
+    from sao.core.config import Config, canonical, read_config_file
 
     from_file = read_config_file(args.config)[0] if getattr(args, "config", None) else {}
-    changes = {
-        f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name, None) is not None
-    }
-    config = Config.preset(args.preset, **{**from_file, **changes})
-    apply_threads(config)
-    return config
+    preset = args.preset or from_file.pop("preset", None) or "protocol"
+    from_file.pop("preset", None)
+    given = {name: value for name, value in vars(args).items() if name in _setting_names() and value is not None}
+    if any(a == "--engine" or a.startswith("--engine=") for a in getattr(args, "argv", ())):
+        print("notice: --engine is now --rollout (same values); --engine still works", file=sys.stderr)
+    return as_config(Config.preset(preset, **{**canonical(from_file), **given}))
+
+
+def _setting_names() -> set[str]:
+    from sao.core.config import CANONICAL
+
+    return set(CANONICAL.values())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -101,25 +139,29 @@ def config_from_args(args: argparse.Namespace):
 
 
 def _selftest(args: argparse.Namespace) -> int:
-    from sao.core import selftest
+    from sao.algorithm import selftest
 
     return 0 if selftest.run() else 1
 
 
 def _train(args: argparse.Namespace) -> int:
-    from sao.train.trainer import Trainer
+    from sao.train import build
 
     config = config_from_args(args)
-    trainer = Trainer(config, args.out, resume=args.resume, progress=not args.quiet)
-    print(f"sao train: {config.arm} arm, seed {config.seed}, model {config.model}: {trainer.describe()}")
-    print(f"  data {trainer.split.source}" + (f": {_counts(trainer.split.counts)}" if trainer.split.counts else ""))
+    trainer = build.trainer(config, args.out, resume=args.resume, progress=not args.quiet)
+    c = config
+    print(f"sao train: {c.algorithm.correction} arm, seed {c.training.seed}, model {c.model.name}: "
+          f"{trainer.describe()}")  # fmt: skip
+    record = trainer.run_record
+    counts = record.get("data") or {}
+    print(f"  data {record.get('source')}" + (f": {_counts(counts)}" if counts else ""))
     records = trainer.run()
-    print(summarize_training(records, trainer.max_staleness))
-    if config.traces is not None:
-        print(summarize_traces(trainer.traces_summary()))
+    print(summarize_training(records, trainer.source.max_staleness))
+    if c.rollout.source == "traces":
+        print(summarize_traces(trainer.source.summary()))
     if trainer.ended_early:
         print(f"  stopped after {len(records)} of {trainer.total_steps} steps: {trainer.ended_early}")
-    print(f"  wrote {Path(args.out) / 'train_log.json'} and the adapter in {Path(args.out) / 'adapter'}")
+    print(f"  wrote {Path(args.out) / 'train_log.jsonl'} and the adapter in {Path(args.out) / 'adapter'}")
     for message in trainer.warnings:
         print("  warning: " + message)
     return 0
@@ -173,23 +215,13 @@ def summarize_training(records: list[dict[str, Any]], lag: int) -> str:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from sao import api
     from sao.core.io import check_output_path, write_json
-    from sao.experiment.evaluate import load_adapter
-    from sao.experiment.runner import pass_at_1
-    from sao.model.policy import load_base, pick_device
-    from sao.rollout.sampler import derived_seed
-    from sao.train.build import instruction_for, load_split, model_path
 
     config = config_from_args(args)
     if args.out:
         check_output_path(args.out, folder=False)  # a folder or a device as --out fails now, not after the eval
-    split = load_split(config)
-    model, tokenizer = load_base(model_path(config), pick_device(config.device))
-    if args.adapter:
-        model = load_adapter(model, args.adapter)
-    label = "adapter" if args.adapter else "base"
-    seed = derived_seed(config.seed, "eval", args.eval_seed)
-    result = pass_at_1(config, model, tokenizer, split.test, instruction_for(config), seed, label, not args.quiet)
+    result = api.evaluate(config, args.adapter, seed=args.eval_seed, progress=not args.quiet)
     print(
         f"sao eval: pass@1 {result.pass_at_1:.4f} over {len(result.per_task)} tasks x {result.samples} samples "
         f"at temperature {result.temperature} ({result.seconds:.1f}s, mean reply {result.mean_reply_tokens:.1f} tokens)"
@@ -201,7 +233,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _recipe(args: argparse.Namespace) -> int:
-    """The one-cell experiment: the config's lag, lr and band; the recipe arm dis against the baseline none."""
+    """The one-cell experiment: the config's lag, lr and ratio band; the recipe arm dis against the baseline none."""
     from sao.experiment.runner import Grid
 
     config = config_from_args(args)
@@ -210,6 +242,7 @@ def _recipe(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     """The grid from --lags/--lrs/--bands/--arms, else from a --config file's grid, else the defaults."""
+    from sao.core.config import read_config_file
     from sao.experiment.runner import Grid
 
     config = config_from_args(args)
@@ -232,11 +265,11 @@ def _experiment(args: argparse.Namespace, config, grid) -> int:
     started = time.perf_counter()
     command = "sao " + shlex.join(a for a in args.argv if a != "--resume")  # what regenerates it from scratch
     experiment = Experiment(config, grid, args.out, resume=args.resume, progress=not args.quiet, command=command)
-    cells, counts = grid.cells(), experiment.split.counts
+    cells, counts, e = grid.cells(), experiment.split.counts, config.eval
     print(
-        f"sao {args.command}: {len(cells)} cell(s) x arms {' '.join(grid.arms)} x {config.train_runs} seed(s) "
-        f"= {len(cells) * len(grid.arms) * config.train_runs} runs, {config.base_evals} base evals; model "
-        f"{config.model}, data {experiment.split.source} ({counts['train']} train prompts, {counts['test']} held out, "
+        f"sao {args.command}: {len(cells)} cell(s) x arms {' '.join(grid.arms)} x {e.train_runs} seed(s) "
+        f"= {len(cells) * len(grid.arms) * e.train_runs} runs, {e.base_evals} base evals; model {config.model.name}, "
+        f"data {experiment.split.source} ({counts['train']} train prompts, {counts['test']} held out, "
         f"{counts['train_contaminated']} dropped as contaminated)"
     )
     results = experiment.run()
@@ -326,26 +359,34 @@ def _serve(args: argparse.Namespace) -> int:
     ensure_serve_extra()  # before loading anything: one line naming the extra to install
     _silence_library_progress_bars()  # the first line printed says where it serves
     config = config_from_args(args)  # --threads: torch's CPU threads (1 on the tiny model by default)
-    host = args.host or "127.0.0.1"
-    return serve(config, args.traces, host=host, host_given=args.host is not None, port=args.port, watch=args.watch,
-                 max_prompt_tokens=args.max_prompt_tokens)  # fmt: skip
+    if config.rollout.traces is None:
+        raise ConfigError("sao serve needs --traces LOG: the JSONL trace log every completion is appended to")
+    s = config.serve
+    return serve(config, config.rollout.traces, host=s.host, host_given=args.host is not None, port=s.port,
+                 watch=s.watch, max_prompt_tokens=s.max_prompt_tokens)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import sao
+
     parser = argparse.ArgumentParser(prog="sao", description=(__doc__ or "sao").splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"sao {sao.__version__}")
+    parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                        help="how much sao's own log says on stderr (default warning; info adds the masking lines "
+                        "and notes that a progress bar would show)")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("selftest", help="check that the two arms differ only in the mask")
     p.set_defaults(func=_selftest)
 
     p = sub.add_parser("train", help="train one arm with one seed")
-    p.add_argument("--out", required=True, help="output folder (train_log.json, checkpoint, adapter)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last step")
+    p.add_argument("--out", required=True, help="output folder (train_log.jsonl, checkpoints, adapter)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_config_flags(p)
+    _add_config_flags(p, "train")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("eval", help="pass@1 of the base model, or of a trained adapter, on the held-out tasks")
@@ -357,25 +398,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--temperature", dest="eval_temperature", type=float, default=None, help="sampling temperature (default 0.7)"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_config_flags(p, skip=("eval_samples", "eval_temperature", "temperature"))
+    _add_config_flags(p, "eval", skip=("eval_samples", "eval_temperature"))
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("recipe", help="the experiment (a one-cell sweep): both arms, base evals, compare, report")
     p.add_argument("--out", required=True, help="output folder (results.json, train_log.json, report.md, plots/)")
     p.add_argument("--resume", action="store_true", help="continue the experiment in --out where it stopped")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    _add_config_flags(p, skip=("arm",))
+    _add_config_flags(p, "recipe", skip=("correction",))
     p.set_defaults(func=_recipe)
 
     p = sub.add_parser("sweep", help="a grid over lag x lr x band x arm, seeds per cell, shared base evals")
     p.add_argument("--out", required=True, help="output folder (results.json, report.md, plots/, cells/)")
     p.add_argument("--lags", type=int, nargs="+", help="sampler lags (default 1 4 8 16)")
     p.add_argument("--lrs", type=float, nargs="+", help="policy learning rates (default 1e-3 3e-3)")
-    p.add_argument("--bands", nargs="+", help="IS bands as LO,HI (default 0.7,6.0)")
+    p.add_argument("--bands", nargs="+", help="ratio bands as LO,HI (default 0.7,6.0)")
     p.add_argument("--arms", nargs="+", help="correction rules; 'none' is the baseline (default dis none; tis seqmask)")
     p.add_argument("--resume", action="store_true", help="continue the sweep in --out where it stopped")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    _add_config_flags(p, skip=("arm", "lag", "lr", "band"))
+    _add_config_flags(p, "sweep", skip=("correction", "lag", "lr", "ratio"))
     p.set_defaults(func=_sweep)
 
     p = sub.add_parser("confirm", help="run a confirmation planned in a YAML/JSON file (fresh seeds, Holm)")
@@ -398,12 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_export)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible chat endpoint on the current adapter, logging traces")
-    p.add_argument("--traces", required=True, metavar="LOG", help="the JSONL trace log every completion is appended to")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one; the first line says which)")
-    p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; anything else warns)")
-    p.add_argument("--watch", metavar="RUN", help="a sao train --traces run folder: serve each adapter it publishes")
-    p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted (default 4096)")
-    _add_config_flags(p, skip=("traces",))
+    _add_config_flags(p, "serve")
     p.set_defaults(func=_serve)
     return parser
 
@@ -413,9 +449,9 @@ def _silence_library_progress_bars() -> None:
     import os
 
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    from transformers.utils import logging
+    from transformers.utils import logging as hf_logging
 
-    logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(format="sao: %(message)s", level=getattr(logging, args.log_level.upper()), force=True)
     if getattr(args, "quiet", False):
         _silence_library_progress_bars()
     try:
@@ -437,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-__all__ = ["ConfigError", "build_parser", "main", "read_config_file"]
+__all__ = ["ConfigError", "build_parser", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

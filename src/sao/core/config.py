@@ -1,95 +1,129 @@
-"""Every hyperparameter of a run, in one place, with the published protocol as the default.
+"""Every setting of a run, in sections, with the published protocol as the default.
 
-``Config()`` is the recipe page's round 1 (SPEC §3). ``Config.preset("tiny")`` is the embedded default
-that runs on a 2-core CPU with no network: a tiny Qwen2-shaped model warm-started on a generated
-arithmetic task. Each field carries its own doc in its metadata (``option(default, help)``): what it is
-and why its default is what it is; ``Config.help(name)`` returns it and the CLI's ``--help`` shows it. The
-CLI maps ``--flag-name`` to ``flag_name`` and changes nothing else.
+    model      the base model, its LoRA adapter, the device       training   steps, batch, optimiser, logging
+    data       the tasks, their reward, the environment           eval       pass@1 settings and the experiment
+    algorithm  SAO's own fields (``sao.algorithm.SAO``)            serve      the OpenAI-compatible endpoint
+    rollout    where trajectories come from and how they are drawn
 
-Every value is type-checked on construction (ints where int, floats accept ints, ``band`` a pair of
-numbers, ``str | None`` where declared), so a settings file with ``lr: fast`` is a one-line ``ConfigError``.
-``read_config_file`` reads such a file (YAML or JSON): a flat mapping of fields, or the files sao writes
-(``config.json``, ``experiment.json``: ``{"config": {...}, ...}``) as they are, so that a run can be replayed.
+``Config()`` is the recipe page's round 1; ``Config.preset("tiny")`` the CPU stand-in. Every field documents
+itself and states its check where it is declared (``option``). A setting's flat name (``--batch-size``,
+``batch_size`` in a settings file) is the field's name, or the ``flag`` it declares; ``Config.from_mapping``
+reads flat or sectioned mappings, a ``"preset"`` key, and the config.json files older sao versions wrote.
 
-Deliberately left out: merging with presets and command-line flags (the CLI does that: preset < file <
-flags), validating a sweep grid (returned as read, for the sweep to check), and any coercion of strings
-into numbers (``"1e-5"`` in JSON is an error; in YAML the loader reads 1e-5 as the float it looks like).
+Deliberately left out: merging the command line (the CLI: preset < file < flags) and validating a sweep grid.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
-import json
 import math
-import numbers
 import os
-import re
-import types
-import typing
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sao.core.errors import ConfigError
-
-if TYPE_CHECKING:  # torch loads when a Config is built, not when `sao --help` or `sao report` starts
-    from sao.core.algorithm import SAO
-
-
-# Each field's doc lives in its dataclasses metadata rather than in a string literal under it (read back by
-# parsing the source) or in a CLI library such as tyro: metadata survives `python -OO`, zipped installs and
-# frozen apps with no .py files, is readable from `dataclasses.fields()` alone, and needs no new dependency.
-def option(default: Any, help: str) -> Any:
-    """A Config field with a default and its doc (``metadata["help"]``); mutable defaults get a factory."""
-    if isinstance(default, list | dict | set):
-        return dataclasses.field(default_factory=functools.partial(type(default), default), metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
-
+from sao.core.reading import Limits, parse_json, parse_yaml
+from sao.core.registry import CORRECTIONS, PRESETS, SOURCES, Registry
+from sao.core.settings import (
+    Section,
+    all_of,
+    at_least,
+    between,
+    convert,
+    flag_of,
+    help_of,
+    non_negative,
+    not_blank,
+    one_of,
+    option,
+    positive,
+    share,
+)
 
 MAX_LR = 1.0  # the largest --lr and --critic-lr accepted
 SEED_LIMIT = 2**63  # seeds are below it
 MAX_THREADS = 1024
-MAX_LORA_RANK = 1024
+MAX_LORA_RANK = 1024  # beyond any layer's width: the adapter would not even be allocated
+MAX_PORT = 65535
+CONFIG_LIMITS = Limits(max_bytes=1 << 20, max_nodes=100_000)  # a settings file: 1 MiB, 100k values at most
+
+
+def _band(value: tuple[float, float]) -> str | None:
+    lo, hi = value
+    ok = math.isfinite(lo) and math.isfinite(hi) and 0.0 <= lo < 1.0 < hi
+    return None if ok else "must bracket 1: need 0 <= lo < 1 < hi"
+
+
+def _in_registry(registry: Registry) -> Any:
+    def check(name: str) -> str | None:
+        if name in registry:
+            return None
+        close = difflib.get_close_matches(name, registry.names(), n=1)
+        return f"must be a {registry.kind}: one of {', '.join(registry.names())}" + (
+            f" (did you mean {close[0]!r}?)" if close else ""
+        )
+
+    return check
+
+
+def _seed(value: int) -> str | None:
+    return None if 0 <= value < SEED_LIMIT else "must be a whole number from 0 to 2**63 - 1"
+
+
+# --- the sections ---------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Config:
-    # --- what to train -----------------------------------------------------------------------------------
-    model: str = option(
+class ModelSettings(Section):
+    name: str = option(
         "Qwen/Qwen2.5-1.5B-Instruct",
         'Hub id or local directory of the base causal LM; "tiny" builds the CPU stand-in. The page\'s base.',
+        flag="model",
+        check=not_blank,
     )
-    data: str | None = option(
+    lora_rank: int = option(16, "LoRA rank. The page's 16.", check=between(1, MAX_LORA_RANK))
+    lora_alpha: int = option(
+        32, "LoRA alpha (the adapter is scaled by alpha / rank). The page's 32.", check=at_least(1)
+    )
+    device: str = option(
+        "auto", '"auto" picks CUDA when available, else the CPU; "cpu", "cuda", "cuda:N" or "mps" must exist here.'
+    )
+    threads: int = option(
+        0,
+        "torch's CPU threads in this process. 0 = automatic: 1 for the tiny stand-in model on the CPU (its small "
+        "operations gain nothing from more, and lost 13x with two when other processes kept 2 cores busy), torch's "
+        "default otherwise. A set OMP_NUM_THREADS replaces the automatic choice (torch's default follows it).",
+        check=between(0, MAX_THREADS, " (0 = automatic)"),
+    )
+    grad_checkpoint: bool = option(
+        False,
+        "Recompute each decoder layer's activations in the backward instead of storing them: ~1/3 more compute for a "
+        "fraction of the memory, so larger micro-batches fit (the bench measures both).",
+    )
+    logprob_chunk: int = option(1024, "Rows per full-vocabulary log-softmax chunk (memory only).", check=at_least(1))
+
+
+@dataclass(frozen=True)
+class DataSettings(Section):
+    dataset: str | None = option(
         None,
-        'GSM8K source: None for the hub (openai/gsm8k), or a directory with train.jsonl and test.jsonl; "tiny" '
-        "generates the arithmetic task.",
+        "The tasks: None for GSM8K from the hub (openai/gsm8k), a directory with train.jsonl and test.jsonl, a .jsonl "
+        'or .parquet file, a hub dataset name, or a generated task set ("tiny", "tiny-calc").',
+        flag="data",
     )
     train_prompts: int = option(
-        512, "Training prompts drawn from the train split after decontamination. The page's 512."
+        512, "Training prompts drawn from the train split after decontamination. The page's 512.", check=at_least(1)
     )
-    test_prompts: int = option(120, "Held-out tasks drawn from the test split for eval. The page's 120.")
-    data_seed: int = option(
-        0, "Seed of the held-out and training draws; fixed so that every run scores the same tasks."
+    test_prompts: int = option(
+        120, "Held-out tasks drawn from the test split for eval. The page's 120.", check=at_least(1)
     )
-
-    # --- agents and your own tasks ------------------------------------------------------------------------
-    env: str | None = option(
-        None,
-        "The environment each trajectory talks to: None = one reply graded by the task's reward (the page's "
-        'protocol); "gsm8k" (the same, as an environment), "gsm8k-calc" (a calculator tool), "tiny-calc" (the CPU '
-        'preset\'s calculator task), "skyrl:<id>" (a SkyRL-Gym environment, e.g. skyrl:gsm8k_multi_turn), or '
-        '"module:Class" (your own, built as Class(task_id, fields)).',
-    )
-    max_turns: int = option(
-        4, "Actions per trajectory at most (an environment may end it sooner); hitting it ends it as truncated."
-    )
-    max_total_tokens: int = option(
-        1024,
-        "Response tokens per trajectory at most, actions and observations together (--max-new-tokens caps each "
-        "action); hitting it ends the trajectory as truncated.",
-    )
+    seed: int = option(
+        0, "Seed of the held-out and training draws; fixed so that every run scores the same tasks.", flag="data_seed",
+        check=_seed,
+    )  # fmt: skip
     prompt_field: str | None = option(
         None, 'With --data FILE or a hub dataset: the field holding the prompt text (default "question").'
     )
@@ -101,64 +135,144 @@ class Config:
     )
     reward: str | None = option(
         None,
-        'Your reward, "module:function" called as function(completion, task) -> float; default: the GSM8K grader '
-        "(exact numeric match of the final answer).",
+        'Your reward, "module:function" called as function(completion, row) -> float, row a dict of the task\'s '
+        "fields; default: the task's own (GSM8K's grader: exact numeric match of the final answer).",
+    )
+    env: str | None = option(
+        None,
+        "The environment each trajectory talks to: None = one reply graded by the task's reward (the page's "
+        'protocol); "gsm8k" (the same, as an environment), "gsm8k-calc" (a calculator tool), "tiny-calc" (the CPU '
+        'preset\'s calculator task), "skyrl:<id>" (a SkyRL-Gym environment, e.g. skyrl:gsm8k_multi_turn), or '
+        '"module:Class" (your own, built as Class(task_id, fields)).',
+    )
+    truncated_reward: str = option(
+        "zero",
+        'How a reply that hit the token limit without finishing is scored, in training and eval: "zero" (it scores 0)'
+        ' or "grade" (graded like any reply: the grader may find an answer in the cut-off text, e.g. "... = 18" scored'
+        " right against 18). Our choice, not the page's: the recipe page does not say how to score cut-off replies. "
+        "Each step and eval logs truncated_replies and truncated_with_credit (those the grader would credit). "
+        "Environments score their own episodes and are not affected.",
+        check=one_of("zero", "grade"),
     )
 
-    # --- the algorithm (SAO) -----------------------------------------------------------------------------
-    arm: str = option(
+
+@dataclass(frozen=True)
+class AlgorithmSettings(Section):
+    """SAO's own fields: ``sao.algorithm.SAO`` is these settings with the update."""
+
+    ratio: tuple[float, float] = option(
+        (0.7, 6.0),
+        "IS band (lo, hi) of the ratio; must bracket 1. The page's; the paper's coding band is (0.2, 4.0).",
+        check=_band,
+        aliases=("band",),
+    )
+    gae_alpha: float = option(1.5, "λ_i = 1 − 1/(α L_i). SAO's α (VAPO used 0.05).", check=positive)
+    correction: str = option(
         "dis",
-        'Correction rule: "dis" (recipe: mask outside the band), "none" (baseline), "tis", "seqmask", "random" (a '
-        "control: drop each token with probability --random-mask-share whatever its ratio).",
+        'Correction rule f(ratio): "dis" (the recipe: mask outside the band), "none" (the baseline: the plain ratio), '
+        '"tis" (truncated at --tis-cap), "seqmask" (a whole trajectory masked), "random" (a control: drop each token '
+        "with probability --random-mask-share whatever its ratio). An experiment's arms are named by their rule.",
+        check=_in_registry(CORRECTIONS),
+        aliases=("arm",),
     )
-    band: tuple[float, float] = option(
-        (0.7, 6.0), "IS band (lo, hi); must bracket 1. The page's; the paper's coding band is (0.2, 4.0)."
+    tis_cap: float = option(
+        2.0, 'Cap C for the "tis" rule only.', check=lambda c: None if math.isfinite(c) and c >= 1 else "must be >= 1"
     )
-    gae_alpha: float = option(1.5, "λ_i = 1 − 1/(α L_i). SAO's α (VAPO used 0.05).")
-    tis_cap: float = option(2.0, 'Cap C for the "tis" rule only.')
     random_mask_share: float | None = option(
         None,
         'The "random" rule only: the probability that each action token is dropped. None: the share the "dis" arm '
         "masked (its mean masked share over the policy steps) in the same cell and seed of the experiment, so that "
-        "the two arms drop as much and differ in which tokens; `sao train --arm random` needs a number.",
+        "the two arms drop as much and differ in which tokens; `sao train --correction random` needs a number.",
+        check=lambda p: None if p is None else share(p),
     )
-    critic_steps: int = option(2, "Critic updates per policy update. The page's 2.")
+    critic_steps: int = option(2, "Critic updates per policy update. The page's 2.", check=at_least(0))
     critic_warmup: int = option(
-        10, "Critic-only steps, each on a fresh batch, before the first policy step. The page's 10."
+        10, "Critic-only steps, each on a fresh batch, before the first policy step. The page's 10.", check=at_least(0)
     )
 
-    # --- optimisation ------------------------------------------------------------------------------------
-    steps: int = option(40, "Policy steps after the critic warmup. The page's 40.")
-    batch_size: int = option(64, "Prompts (= trajectories: one rollout per prompt) per optimizer step. The page's 64.")
-    lr: float = option(1e-5, "AdamW on the LoRA adapter. The page's round 1 (round 2 is 1e-4).")
-    critic_lr: float = option(
-        1e-4, "AdamW on the value head. The page's override: a one-layer head at 5e-6 does not leave its zero init."
-    )
-    grad_clip: float = option(1.0, "Global norm clip on the policy gradient. The page's 1.0.")
-    lora_rank: int = option(16, "LoRA rank. The page's 16.")
-    lora_alpha: int = option(32, "LoRA alpha. The page's 32.")
-    seed: int = option(
-        17,
-        "Training seed: set right before the adapter is built, and the root of every sampler and data-order RNG. The "
-        "page's 17. Run s of --train-runs uses seed + s.",
-    )
 
-    # --- staleness and sampling --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RolloutSettings(Section):
+    source: str = option(
+        "local",
+        'Where batches come from: "local" (the stale sampler in this process, reproducible), "ray" (asynchronous '
+        'rollout workers, for throughput) or "traces" (a serving system\'s log, --traces); more by registering one.',
+        flag="rollout",
+        aliases=("engine",),
+        check=_in_registry(SOURCES),
+    )
     lag: int = option(
-        4, "The sampler's adapter is refreshed every LAG policy steps: staleness 0, then 1..LAG. The page's 4."
-    )
+        4, "The sampler's adapter is refreshed every LAG policy steps: staleness 0, then 1..LAG. The page's 4.",
+        check=at_least(0, " (0 = always fresh)"),
+    )  # fmt: skip
     temperature: float = option(
-        1.0, "Rollout temperature. 1.0 with no top-p/top-k/penalty: the ratio needs common support."
+        1.0, "Rollout temperature. 1.0 with no top-p/top-k/penalty: the ratio needs common support.", check=positive
     )
-    max_new_tokens: int = option(256, "Rollout length cap. The page's 256.")
-
-    # --- logged traces (sao.rollout.traces) ---------------------------------------------------------------
+    max_new_tokens: int = option(256, "Rollout length cap (per action). The page's 256.", check=at_least(1))
+    decoder: str = option(
+        "auto",
+        'How tokens are decoded: "plain" (the reference loop), "graph" (sao.rollout.engine: static KV cache, the '
+        'decode step as a CUDA graph on a GPU, eager elsewhere), or "auto": graph on a GPU, plain on the CPU.',
+        check=one_of("auto", "plain", "graph"),
+    )
+    max_turns: int = option(
+        4,
+        "Actions per trajectory at most (an environment may end it sooner); hitting it ends it as truncated.",
+        check=at_least(1),
+    )
+    max_total_tokens: int = option(
+        1024,
+        "Response tokens per trajectory at most, actions and observations together (--max-new-tokens caps each "
+        "action); hitting it ends the trajectory as truncated.",
+        check=at_least(1),
+    )
+    max_staleness: int = option(
+        4,
+        "--rollout ray: the oldest a trajectory may be when it is put in a batch (policy updates since the adapter "
+        "that wrote it). Workers draw only as far ahead as this allows, so nothing drawn ages past it (0 = synchronous "
+        "training); anything older would be dropped and counted. Equal to the default LAG, so both sources train on "
+        "the same staleness range (0..4). --traces: older traces are dropped and counted.",
+        check=at_least(0, " (0 = only fresh trajectories)"),
+    )
+    rollout_workers: int = option(
+        2, "--rollout ray: rollout workers (Ray actors), each with its own copy of the model.", check=at_least(1)
+    )
+    rollout_batch: int = option(
+        0,
+        "--rollout ray: prompts per worker draw call. 0 = --batch-size on GPU workers (one engine call fills the GPU) "
+        "and 8 on CPU workers (small, so that trajectories arrive continuously).",
+        check=at_least(0, " (0 = automatic)"),
+    )
+    worker_timeout: float = option(
+        300.0,
+        "--rollout ray: seconds a rollout worker may take to answer one draw call (its start, import and model load, "
+        "may take max(this, 900 s)); past it the worker counts as hung: it is killed and replaced like a dead one, "
+        "and its prompts are drawn again.",
+        check=positive,
+    )
+    worker_cpus: float = option(
+        1.0, "--rollout ray: CPUs Ray reserves for each rollout worker (also its torch thread count).",
+        check=non_negative,
+    )  # fmt: skip
+    worker_gpus: float = option(
+        0.0,
+        "--rollout ray: GPUs Ray reserves for each rollout worker; > 0 puts the worker's model on CUDA, fractions "
+        "share a GPU between workers.",
+        check=non_negative,
+    )
+    ray_address: str | None = option(
+        None,
+        '--rollout ray: address of a running Ray cluster to join ("auto", "ray://host:10001", "host:6379"); None '
+        "starts a local one for the run and stops it afterwards.",
+        check=not_blank,
+    )
     traces: str | None = option(
         None,
-        "Train on logged traces instead of drawing rollouts: a JSONL file or a folder of *.jsonl files a serving "
-        "system wrote (format: trace.schema.json, README). Each trace names the policy version that sampled it; "
-        "--max-staleness bounds how old it may be; rewards come from the trace or from --reward on its task. The run "
-        "takes min(--steps, what the log allows) steps and publishes each adapter to OUT/published/.",
+        "The trace log: a JSONL file or a folder of *.jsonl files a serving system wrote (format: trace.schema.json, "
+        "docs/traces.md). `sao train --traces LOG` trains on it (each trace names the policy version that sampled "
+        "it; --max-staleness bounds how old it may be; rewards come from the trace or from --reward on its task; the "
+        "run takes min(--steps, what the log allows) steps and publishes each adapter); `sao serve` appends to it.",
+        check=not_blank,
     )
     follow: bool = option(
         False,
@@ -166,297 +280,372 @@ class Config:
         "end; the run ends cleanly after --follow-timeout seconds with no new line. For a live server's log.",
     )
     follow_timeout: float = option(
-        600.0, "--follow: seconds without a new trace line after which the run ends cleanly with what it did."
-    )
+        600.0, "--follow: seconds without a new trace line after which the run ends cleanly with what it did.",
+        check=positive,
+    )  # fmt: skip
     skip_bad_traces: bool = option(
         False,
         "--traces: count and skip malformed lines instead of stopping with a one-line error naming the file, line "
         "and field. Off by default, because a malformed log usually means a writer bug or the wrong file.",
     )
-    publish: bool = option(
-        False,
-        "After each policy update write the adapter to OUT/published/v{N}/ and point OUT/published/LATEST.json at it "
-        "(version 0 at the start; the newest 3 kept), for a server to reload (sao serve). On with --traces.",
-    )
 
-    # --- evaluation --------------------------------------------------------------------------------------
-    eval_samples: int = option(4, "Samples per held-out task for pass@1. The page's 4.")
-    eval_temperature: float = option(0.7, "Eval sampling temperature. The page's 0.7.")
-    eval_max_new_tokens: int = option(256, "Eval reply length cap; the same as training by default.")
-    base_evals: int = option(3, "Evals of the untrained base model, for the noise floor. The page's 3.")
-    train_runs: int = option(
-        1,
-        "Training seeds per arm. The page ran 1; a verdict about the training procedure (improved, regressed, flat)"
-        ' needs 2+: with 1 the two arms are two trained models and the verdict is "unresolved".',
-    )
-    eval_every: int = option(
-        0,
-        "sao recipe/sweep/confirm: also evaluate each run's policy every K policy steps (same eval settings and "
-        "sampling seed as the final eval), so pass@1 over steps exists per arm and seed; 0 = the final eval only.",
-    )
-    truncated_reward: str = option(
-        "zero",
-        'How a reply that hit the token limit without finishing is scored, in training and eval: "zero" (it scores 0)'
-        ' or "grade" (graded like any reply: the grader may find an answer in the '
-        'cut-off text, e.g. "... = 18" scored right against 18). Our choice, not the page\'s: the recipe page does '
-        "not say how to score cut-off replies. Each step and eval logs truncated_replies and truncated_with_credit "
-        "(those the grader would credit). Environments score their own episodes and are not affected.",
-    )
 
-    # --- machinery (no effect on results beyond floating-point order) ------------------------------------
-    device: str = option(
-        "auto", '"auto" picks CUDA when available, else the CPU; "cpu", "cuda", "cuda:N" or "mps" must exist here.'
+@dataclass(frozen=True)
+class TrainingSettings(Section):
+    steps: int = option(40, "Policy steps after the critic warmup. The page's 40.", check=at_least(0))
+    batch_size: int = option(
+        64, "Prompts (= trajectories: one rollout per prompt) per optimizer step. The page's 64.", check=at_least(1)
     )
-    threads: int = option(
-        0,
-        "torch's CPU threads in this process. 0 = automatic: 1 for the tiny stand-in model on the CPU (its small "
-        "operations gain nothing from more, and lost 13x with two when other processes kept 2 cores busy), torch's "
-        "default otherwise. A set OMP_NUM_THREADS replaces the automatic choice (torch's default follows it).",
+    lr: float = option(
+        1e-5, "AdamW on the LoRA adapter. The page's round 1 (round 2 is 1e-4).",
+        check=all_of(positive, lambda v: None if v <= MAX_LR else f"must be at most {MAX_LR:g}"),
+    )  # fmt: skip
+    lr_schedule: str = option(
+        "constant",
+        'The policy learning rate over the policy steps: "constant" (the page\'s), "linear" (to 0 at the last step) '
+        'or "cosine" (to 0), each after --warmup-steps of linear warmup from 0.',
+        check=one_of("constant", "linear", "cosine"),
+    )
+    warmup_steps: int = option(
+        0, "Policy steps of linear learning-rate warmup (0: none, the page's).", check=at_least(0)
+    )
+    weight_decay: float = option(0.0, "AdamW weight decay on the LoRA adapter (the page's 0).", check=non_negative)
+    kl_coef: float = option(
+        0.0,
+        "β of an optional KL(policy‖reference) penalty per action token (the reference: the base model without the "
+        "adapter; k3 estimator). 0: off, as in the protocol. It costs one more forward pass per step.",
+        check=non_negative,
+    )
+    entropy_coef: float = option(
+        0.0, "Weight of an optional entropy bonus per action token (0: off, as in the protocol).", check=non_negative
+    )
+    critic_lr: float = option(
+        1e-4,
+        "AdamW on the value head. The page's override: a one-layer head at 5e-6 does not leave its zero init.",
+        check=all_of(positive, lambda v: None if v <= MAX_LR else f"must be at most {MAX_LR:g}"),
+    )
+    grad_clip: float = option(1.0, "Global norm clip on the policy gradient. The page's 1.0.", check=positive)
+    seed: int = option(
+        17,
+        "Training seed: set right before the adapter is built, and the root of every sampler and data-order RNG. The "
+        "page's 17. Run s of --train-runs uses seed + s.",
+        check=_seed,
     )
     micro_batch: int = option(
         0,
         "Rows per forward+backward in the training pass; 0 = as many as fit in free GPU memory (the whole batch on the"
         " CPU). Memory only: the loss is a sum over rows, so every micro-batch size gives the same update.",
+        check=at_least(0, " (0 = automatic)"),
     )
-    grad_checkpoint: bool = option(
+    checkpoint_every: int = option(
+        1,
+        "Steps between checkpoints (a killed run resumes from the last one and repeats the steps after it, exactly "
+        "with the local source).",
+        check=at_least(1),
+    )
+    keep_checkpoints: int = option(1, "Checkpoints kept in OUT/checkpoints/ (the newest).", check=at_least(1))
+    publish: bool = option(
         False,
-        "Recompute each decoder layer's activations in the backward instead of storing them: ~1/3 more compute for a "
-        "fraction of the memory, so larger micro-batches fit (the bench measures both).",
-    )
-    logprob_chunk: int = option(1024, "Rows per full-vocabulary log-softmax chunk (memory only).")
-    eval_batch: int = option(
-        480, "Sequences decoded together during eval (all samples of 120 tasks × 4 at once on a GPU)."
-    )
-    engine: str = option(
-        "local",
-        'Where batches come from: "local" (the stale sampler in this process, reproducible) or "ray" (asynchronous '
-        "rollout workers, for throughput; see sao.rollout.ray_workers).",
-    )
-    max_staleness: int = option(
-        4,
-        "--engine ray: the oldest a trajectory may be when it is put in a batch (policy updates since the adapter that"
-        " wrote it). Workers draw only as far ahead as this allows, so nothing drawn ages past it (0 = synchronous "
-        "training); anything older would be dropped and counted. Equal to the default LAG, so both engines train on "
-        "the same staleness range (0..4). --traces: older traces are dropped and counted (raise it to use older logs; "
-        "the correction is measured on 1..LAG-old data).",
-    )
-    rollout_workers: int = option(2, "--engine ray: rollout workers (Ray actors), each with its own copy of the model.")
-    ray_address: str | None = option(
-        None,
-        '--engine ray: address of a running Ray cluster to join ("auto", "ray://host:10001", "host:6379"); None starts'
-        " a local one for the run and stops it afterwards.",
-    )
-    worker_cpus: float = option(
-        1.0, "--engine ray: CPUs Ray reserves for each rollout worker (also its torch thread count)."
-    )
-    worker_gpus: float = option(
-        0.0,
-        "--engine ray: GPUs Ray reserves for each rollout worker; > 0 puts the worker's model on CUDA, fractions share"
-        " a GPU between workers.",
-    )
-    rollout_batch: int = option(
-        0,
-        "--engine ray: prompts per worker draw call. 0 = --batch-size on GPU workers (one engine call fills the GPU) "
-        "and 8 on CPU workers (small, so that trajectories arrive continuously).",
-    )
-    worker_timeout: float = option(
-        300.0,
-        "--engine ray: seconds a rollout worker may take to answer one draw call (its start, import and model load, "
-        "may take max(this, 900 s)); past it the worker counts as hung: it is killed and replaced like a dead one, "
-        "and its prompts are drawn again.",
-    )
-    decoder: str = option(
-        "auto",
-        'How tokens are decoded: "plain" (the reference loop), "graph" (sao.rollout.engine: static KV cache, the '
-        'decode step as a CUDA graph on a GPU, eager elsewhere), or "auto": graph on a GPU, plain on the CPU.',
+        "After each policy update write the adapter to OUT/published/v{N}/ and point OUT/published/LATEST.json at it "
+        "(version 0 at the start; the newest 3 kept), for a server to reload (sao serve). On with --traces.",
     )
     dead_band_share: float = option(
         0.001,
         "Reachability warning threshold: a masked share below this (0.1%) on stale batches means the band is dead at "
         "these settings. A share in [0, 1); 0 turns the warning off.",
+        check=share,
     )
     track: str | None = option(
         None,
         'Experiment tracking: "tensorboard" (OUT/tensorboard/), "trackio" (its local store) or "wandb" (offline only); '
-        "each logs every step record and the eval. None: train_log.json alone. Not compared on --resume.",
+        "each logs every step record and the eval. None: train_log.jsonl alone. Not compared on --resume.",
+        check=lambda v: None if v is None else one_of("tensorboard", "trackio", "wandb")(v),
+    )
+    log_every: int = option(
+        10,
+        "When stderr is not a terminal (a log file, CI), one plain line every N steps instead of a progress bar.",
+        check=at_least(1),
     )
 
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # types first, so that the range checks below compare numbers
-            object.__setattr__(self, f.name, check_type(f.name, getattr(self, f.name)))
-        from sao.core.algorithm import CORRECTIONS
 
-        if self.arm not in CORRECTIONS:
-            raise ConfigError(f"--arm must be one of {sorted(CORRECTIONS)}, got {self.arm!r}")
-        if self.arm == "random" and self.random_mask_share is None:
-            raise ConfigError(
-                "--arm random needs --random-mask-share (sao sweep and sao confirm take it from the dis arm of the "
-                "same cell and seed)"
-            )
-        if self.truncated_reward not in ("zero", "grade"):
-            raise ConfigError(f"--truncated-reward must be 'zero' or 'grade', got {self.truncated_reward!r}")
-        if self.eval_every < 0:
-            raise ConfigError(f"--eval-every must be >= 0 (0 = the final eval only), got {self.eval_every}")
-        self.sao()  # validates band, alpha, cap, share, critic settings with SAO's own messages
-        positive = {
-            "steps": self.steps >= 0,
-            "batch_size": self.batch_size >= 1,
-            "train_prompts": self.train_prompts >= 1,
-            "test_prompts": self.test_prompts >= 1,
-            "max_new_tokens": self.max_new_tokens >= 1,
-            "eval_max_new_tokens": self.eval_max_new_tokens >= 1,
-            "eval_samples": self.eval_samples >= 1,
-            "base_evals": self.base_evals >= 0,
-            "train_runs": self.train_runs >= 1,
-            "lora_rank": self.lora_rank >= 1,
-            "lora_alpha": self.lora_alpha >= 1,  # the adapter is scaled by alpha / rank: 0 or less switches it off
-            "micro_batch": self.micro_batch >= 0,
-            "logprob_chunk": self.logprob_chunk >= 1,
-            "eval_batch": self.eval_batch >= 1,
-        }
-        for name, ok in positive.items():
-            if not ok:
-                raise ConfigError(f"--{name.replace('_', '-')} is out of range: {getattr(self, name)}")
-        if self.lag < 0:
-            raise ConfigError(f"--lag must be >= 0 (0 = always fresh), got {self.lag}")
-        for name in ("lr", "critic_lr", "grad_clip", "temperature", "eval_temperature"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
-        for name in ("lr", "critic_lr"):  # AdamW moves every weight by about lr a step: above 1 is no learning rate
-            if getattr(self, name) > MAX_LR:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at most {MAX_LR:g}, got {getattr(self, name)}")
-        if not (math.isfinite(self.dead_band_share) and 0 <= self.dead_band_share < 1):
-            raise ConfigError(
-                f"--dead-band-share must be a share in [0, 1) (0 turns the warning off), got {self.dead_band_share}"
-            )
-        for name, value in (("seed", self.seed + self.train_runs - 1), ("data_seed", self.data_seed)):
-            if not 0 <= value < SEED_LIMIT:  # torch takes seeds below 2**64; sao derives others by adding to them
-                raise ConfigError(
-                    f"--{name.replace('_', '-')} must be a whole number from 0 to 2**63 - 1"
-                    + (" (with --train-runs, seed + train_runs - 1)" if name == "seed" and self.train_runs > 1 else "")
-                    + f", got {getattr(self, name)}"
-                )
-        if self.lora_rank > MAX_LORA_RANK:  # beyond any layer's width: the adapter would not even be allocated
-            raise ConfigError(f"--lora-rank must be at most {MAX_LORA_RANK}, got {self.lora_rank}")
-        if not 0 <= self.threads <= MAX_THREADS:
-            raise ConfigError(f"--threads must be 0 (automatic) to {MAX_THREADS}, got {self.threads}")
-        check_device(self.device)
-        if self.engine not in ("local", "ray"):
-            raise ConfigError(f"--engine must be 'local' or 'ray', got {self.engine!r}")
-        if self.max_staleness < 0:
-            raise ConfigError(f"--max-staleness must be >= 0 (0 = only fresh trajectories), got {self.max_staleness}")
-        if self.rollout_workers < 1 or self.rollout_batch < 0:
-            raise ConfigError(
-                f"--rollout-workers must be >= 1 and --rollout-batch >= 0 (0 = automatic), got {self.rollout_workers}"
-                f" and {self.rollout_batch}"
-            )
-        if not (math.isfinite(self.worker_timeout) and self.worker_timeout > 0):
-            raise ConfigError(f"--worker-timeout must be a finite number of seconds > 0, got {self.worker_timeout}")
-        for name in ("worker_cpus", "worker_gpus"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
-        if self.ray_address is not None and not self.ray_address.strip():
-            raise ConfigError("--ray-address must not be empty (leave it out to start a local Ray cluster)")
-        if self.decoder not in ("auto", "plain", "graph"):
-            raise ConfigError(f"--decoder must be 'auto', 'plain' or 'graph', got {self.decoder!r}")
-        if self.max_turns < 1 or self.max_total_tokens < 1:
-            raise ConfigError(
-                f"--max-turns and --max-total-tokens must be >= 1, got {self.max_turns} and {self.max_total_tokens}"
-            )
-        if self.traces is not None:
-            if not self.traces.strip():
-                raise ConfigError("--traces must name a JSONL file or a folder of *.jsonl files")
-            if self.engine == "ray" or self.env is not None:
-                flag = "--engine ray" if self.engine == "ray" else "--env"
-                raise ConfigError(
-                    f"--traces with {flag} makes no sense: the trajectories come from the log, not from rollout "
-                    "workers or an environment; leave that flag out"
-                )
-        elif self.follow or self.skip_bad_traces:
-            flag = "--follow" if self.follow else "--skip-bad-traces"
-            raise ConfigError(f"{flag} needs --traces (a trace log to read)")
-        if not (math.isfinite(self.follow_timeout) and self.follow_timeout > 0):
-            raise ConfigError(f"--follow-timeout must be a finite number of seconds > 0, got {self.follow_timeout}")
-        if self.track not in (None, "tensorboard", "trackio", "wandb"):
-            raise ConfigError(f"--track must be 'tensorboard', 'trackio' or 'wandb', got {self.track!r}")
+@dataclass(frozen=True)
+class EvalSettings(Section):
+    samples: int = option(4, "Samples per held-out task for pass@1. The page's 4.", flag="eval_samples",
+                          check=at_least(1))  # fmt: skip
+    temperature: float = option(0.7, "Eval sampling temperature. The page's 0.7.", flag="eval_temperature",
+                                check=positive)  # fmt: skip
+    max_new_tokens: int = option(
+        256, "Eval reply length cap; the same as training by default.", flag="eval_max_new_tokens", check=at_least(1)
+    )
+    batch: int = option(
+        480, "Sequences decoded together during eval (all samples of 120 tasks × 4 at once on a GPU).",
+        flag="eval_batch", check=at_least(1),
+    )  # fmt: skip
+    base_evals: int = option(
+        3, "Evals of the untrained base model, for the noise floor. The page's 3.", check=at_least(0)
+    )
+    train_runs: int = option(
+        1,
+        "Training seeds per arm. The page ran 1; a verdict about the training procedure (improved, regressed, flat)"
+        ' needs 2+: with 1 the two arms are two trained models and the verdict is "unresolved".',
+        check=at_least(1),
+    )
+    every: int = option(
+        0,
+        "sao recipe/sweep/confirm: also evaluate each run's policy every K policy steps (same eval settings and "
+        "sampling seed as the final eval), so pass@1 over steps exists per arm and seed; 0 = the final eval only.",
+        flag="eval_every",
+        check=at_least(0, " (0 = the final eval only)"),
+    )
 
-    def sao(self) -> SAO:
-        """The algorithm object these settings describe."""
-        from sao.core.algorithm import SAO
 
-        return SAO(
-            ratio=self.band,
-            gae_alpha=self.gae_alpha,
-            correction=self.arm,
-            tis_cap=self.tis_cap,
-            random_mask_share=self.random_mask_share or 0.0,
-            critic_steps=self.critic_steps,
-            critic_warmup=self.critic_warmup,
-        )
+@dataclass(frozen=True)
+class ServeSettings(Section):
+    host: str = option("127.0.0.1", "Address `sao serve` listens on; anything but a loopback address warns.")
+    port: int = option(8000, "TCP port (0: any free one; the first line printed says which).",
+                       check=between(0, MAX_PORT))  # fmt: skip
+    watch: str | None = option(
+        None, "A `sao train --traces` run folder: serve each adapter it publishes.", check=not_blank
+    )
+    max_prompt_tokens: int = option(4096, "Longest prompt accepted, in tokens.", check=at_least(1))
 
-    @classmethod
-    def help(cls, name: str) -> str:
-        """Field ``name``'s doc, from its metadata, on one line."""
+
+SECTIONS: dict[str, type[Section]] = {
+    "model": ModelSettings,
+    "data": DataSettings,
+    "algorithm": AlgorithmSettings,
+    "rollout": RolloutSettings,
+    "training": TrainingSettings,
+    "eval": EvalSettings,
+    "serve": ServeSettings,
+}
+
+
+def _flat_names() -> dict[str, tuple[str, str]]:
+    """Every flat name (and alias) → (section, field)."""
+    names: dict[str, tuple[str, str]] = {}
+    for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
-            if f.name == name:
-                return " ".join(f.metadata["help"].split())
-        raise ConfigError(f"unknown setting {name!r}")
+            for name in (flag_of(f), *f.metadata.get("aliases", ())):
+                if name in names:
+                    raise RuntimeError(f"two settings spelled {name!r}: {names[name]} and {(section, f.name)}")
+                names[name] = (section, f.name)
+    return names
+
+
+FLAT = _flat_names()
+CANONICAL = {name: flag_of(next(f for f in dataclasses.fields(SECTIONS[s]) if f.name == n))
+             for name, (s, n) in FLAT.items()}  # fmt: skip
+NOTICES = {"engine": "--engine is now --rollout (same values); --engine still works"}
+
+
+# --- the whole ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, init=False)
+class Config:
+    """A run's settings: one section each (see the module doc). ``Config(lr=1e-3, steps=2)`` takes flat names,
+    ``Config(training=TrainingSettings(...))`` whole sections (a section name given a plain value is the flat
+    setting of that name: ``Config(model="tiny")``); ``Config.preset("tiny", steps=2)`` starts from a preset;
+    ``replace(**flat)`` changes settings; ``to_dict()`` is what config.json holds."""
+
+    model: ModelSettings
+    data: DataSettings
+    algorithm: AlgorithmSettings
+    rollout: RolloutSettings
+    training: TrainingSettings
+    eval: EvalSettings
+    serve: ServeSettings
+
+    def __init__(self, **settings: Any) -> None:
+        sections = {k: v for k, v in settings.items() if k in SECTIONS and isinstance(v, SECTIONS[k])}
+        flat = {k: v for k, v in settings.items() if k not in sections}
+        grouped = _group(_upgrade(flat), where="")
+        for name, cls in SECTIONS.items():
+            base = sections.get(name) or cls()
+            object.__setattr__(self, name, dataclasses.replace(base, **grouped[name]) if name in grouped else base)
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        r = self.rollout
+        if r.traces is not None and r.source == "local":  # --traces alone names the source
+            object.__setattr__(self, "rollout", dataclasses.replace(r, source="traces"))
+        for rule in RULES:
+            problem = rule(self)
+            if problem:
+                raise ConfigError(problem)
+        check_device(self.model.device)
+
+    # -- flat names ----------------------------------------------------------------------------------------
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by its flat name."""
+        out = {}
+        for section in SECTIONS:
+            values = getattr(self, section)
+            for f in dataclasses.fields(values):
+                out[flag_of(f)] = getattr(values, f.name)
+        return out
 
     def replace(self, **changes: Any) -> Config:
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise ConfigError(f"unknown settings: {sorted(unknown)}")
-        return dataclasses.replace(self, **changes)
+        """This config with settings changed, by flat name (``replace(lr=1e-3, ratio=(0.5, 4))``)."""
+        return Config(**{s: getattr(self, s) for s in SECTIONS}, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The sectioned settings, as config.json holds them."""
+        return {section: dataclasses.asdict(getattr(self, section)) for section in SECTIONS}
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> Config:
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: (tuple(v) if k == "band" else v) for k, v in values.items() if k in known})
+    def from_flat(cls, values: dict[str, Any], where: str = "") -> Config:
+        """Flat settings (as ``Config(**values)``), with errors that start with ``where``."""
+        try:
+            return cls(**values)
+        except ConfigError as error:
+            raise ConfigError(f"{where}: {error}" if where else str(error)) from None
 
     @classmethod
-    def preset(cls, name: str, **changes: Any) -> Config:
+    def from_mapping(cls, values: dict[str, Any], where: str = "") -> Config:
+        """A flat or sectioned mapping of settings (or a mix), as a --config file takes them; a ``"preset"`` key
+        names the defaults underneath."""
+        flat = flatten(values, where)
+        preset = flat.pop("preset", None)
+        return cls.preset(preset, where=where, **flat) if preset is not None else cls.from_flat(flat, where)
+
+    @classmethod
+    def preset(cls, name: str, *, where: str = "", **changes: Any) -> Config:
+        """The named preset's settings (``sao.core.registry.PRESETS``) under ``changes`` (flat names)."""
         if name not in PRESETS:
-            raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        overlay = PRESET_ENVS.get((name, changes.get("env", PRESETS[name].get("env"))), {})
-        return cls(**{**PRESETS[name], **overlay, **changes})
+            raise ConfigError(PRESETS.unknown(name, "--preset"))
+        changes = canonical(changes, where)
+        return cls.from_flat({**canonical(preset_values(name, changes)), **changes}, where)
+
+    @staticmethod
+    def help(name: str) -> str:
+        """The doc of the setting spelled ``name`` (flat), on one line."""
+        if name not in FLAT:
+            raise ConfigError(f"unknown setting {name!r}")
+        section, field_name = FLAT[name]
+        return help_of(next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == field_name))
 
 
-PRESETS: dict[str, dict[str, Any]] = {
-    # The published protocol (SPEC §3).
-    "protocol": {},
-    # The CPU stand-in: the protocol's counts (64 prompts a step, 10 warmup + 40 policy steps, LAG 4,
-    # 3 base evals of 120 tasks × 4 samples) on the tiny model and task. Replies are ~14 tokens, so 20
-    # new tokens is the cap. A 0.14M-parameter model needs a larger step than a 1.5B one: at 1e-3 the
-    # reward rises ~0.16 in 40 steps on every seed measured (at 2e-3 it oscillates and falls); the
-    # critic's 1e-3 tracks the batch mean within a few steps.
-    "tiny": {
-        "model": "tiny",
-        "data": "tiny",
-        "train_prompts": 480,
-        "test_prompts": 120,
-        "lr": 1e-3,
-        "critic_lr": 1e-3,
-        "max_new_tokens": 20,
-        "eval_max_new_tokens": 20,
-        "micro_batch": 64,
-    },
-}
-
-# A preset's defaults for one environment, applied over the preset and under the file and flags.
-PRESET_ENVS: dict[tuple[str, str], dict[str, Any]] = {
-    # A call is up to 22 tokens ("<calc>9999-9999</calc>", the stop string ends it), so 20 new tokens would
-    # cut every long call; 24 leaves the model room to write one, and the answer ("#### 19998" + EOS) is 11.
-    ("tiny", "tiny-calc"): {"max_new_tokens": 24, "eval_max_new_tokens": 24},
-}
+def preset_values(name: str, changes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A preset's flat settings, with its overlay for the environment ``changes`` (or the preset) names."""
+    preset = dict(PRESETS.get(name))
+    overlays = preset.pop("by_env", {})
+    env = (changes or {}).get("env", preset.get("env"))
+    return {**preset, **overlays.get(env, {})}
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The machine: which device, how many CPU threads.
+def flatten(values: dict[str, Any], where: str = "settings") -> dict[str, Any]:
+    """A flat or sectioned mapping as flat names: ``{"training": {"lr": 1e-3}}`` → ``{"lr": 1e-3}``. A section
+    name whose value is not a mapping is the flat setting of that name (``"model": "tiny"``, ``"data": None``)."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: expected a mapping of settings (name: value), got {type(values).__name__}")
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in SECTIONS and isinstance(value, dict):
+            cls = SECTIONS[key]
+            names = {f.name: flag_of(f) for f in dataclasses.fields(cls)}
+            for inner, inner_value in value.items():
+                if inner not in names:
+                    raise ConfigError(f"{where}: {_unknown(str(inner), list(names), f'in section {key!r}')}")
+                flat[names[inner]] = inner_value
+        else:
+            flat[key] = value
+    return flat
+
+
+def _unknown(name: str, known: list[str], what: str = "") -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown setting {name!r}{' ' + what if what else ''}{hint}"
+
+
+def canonical(values: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """Flat settings with every alias spelled as its setting's own flat name (``band`` → ``ratio``); an unknown
+    name, or one setting given twice, is a ConfigError."""
+    at = f"{where}: " if where else ""
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        if name not in FLAT:
+            raise ConfigError(f"{at}{_unknown(str(name), sorted(set(CANONICAL.values())))}")
+        if name in NOTICES:
+            print(f"notice: {NOTICES[name]}", file=sys.stderr)
+        if CANONICAL[name] in out:
+            raise ConfigError(f"{at}{name!r} and {CANONICAL[name]!r} set the same setting; give one")
+        out[CANONICAL[name]] = value
+    return out
+
+
+def _upgrade(values: dict[str, Any]) -> dict[str, Any]:
+    """Spellings older sao versions wrote, read as today's: ``--model tiny --env tiny-calc`` meant the calculator
+    agent's own model and task set, which now have names of their own."""
+    out = dict(values)
+    if out.get("env") == "tiny-calc":
+        for name in ("model", "data"):
+            if out.get(name) == "tiny":
+                out[name] = "tiny-calc"
+    return out
+
+
+def _group(values: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
+    """Flat settings → {section: {field: value}}, each value converted to its declared type; unknown names get a
+    did-you-mean, and a setting given twice (by two of its spellings) is refused."""
+    grouped: dict[str, dict[str, Any]] = {}
+    seen: dict[tuple[str, str], str] = {}
+    for name, value in values.items():
+        at = f"{where}: " if where else ""
+        if name not in FLAT:
+            raise ConfigError(f"{at}{_unknown(str(name), sorted(set(CANONICAL.values())))}")
+        section, field_name = FLAT[name]
+        if (section, field_name) in seen:
+            raise ConfigError(f"{at}{name!r} and {seen[section, field_name]!r} set the same setting; give one")
+        seen[section, field_name] = name
+        if name in NOTICES:
+            print(f"notice: {NOTICES[name]}", file=sys.stderr)
+        try:
+            grouped.setdefault(section, {})[field_name] = convert(SECTIONS[section], field_name, value)
+        except ConfigError as error:
+            raise ConfigError(f"{at}{error}") from None
+    return grouped
+
+
+# --- checks across sections ---------------------------------------------------------------------------------------
+
+
+def _random_needs_a_share(c: Config) -> str | None:
+    if c.algorithm.correction == "random" and c.algorithm.random_mask_share is None:
+        return ("--correction random needs --random-mask-share (sao sweep and sao confirm take it from the dis arm of "
+                "the same cell and seed)")  # fmt: skip
+    return None
+
+
+def _seeds_fit(c: Config) -> str | None:
+    if c.training.seed + c.eval.train_runs - 1 >= SEED_LIMIT:
+        return "--seed must be a whole number from 0 to 2**63 - 1 (with --train-runs, seed + train_runs - 1)"
+    return None
+
+
+def _traces_fit(c: Config) -> str | None:
+    r = c.rollout
+    if r.source == "traces":
+        if r.traces is None:
+            return "--rollout traces needs --traces LOG (a JSONL file or a folder of *.jsonl files)"
+        if c.data.env is not None:
+            return ("--traces with --env makes no sense: the trajectories come from the log, not from an environment; "
+                    "leave that flag out")  # fmt: skip
+    elif r.traces is not None:
+        return (f"--traces with --rollout {r.source} makes no sense: the trajectories come from the log, not from "
+                "rollout workers; leave one of them out")  # fmt: skip
+    elif r.follow or r.skip_bad_traces:
+        return f"{'--follow' if r.follow else '--skip-bad-traces'} needs --traces (a trace log to read)"
+    return None
+
+
+RULES = (_random_needs_a_share, _seeds_fit, _traces_fit)
+
+
+# --- the machine: which device, how many CPU threads ---------------------------------------------------------------
 
 
 def check_device(device: str) -> None:
@@ -486,16 +675,17 @@ def check_device(device: str) -> None:
 
 def torch_threads(config: Config, environ: dict[str, str] | None = None) -> int | None:
     """The CPU thread count ``config`` asks for: ``--threads`` when set; else None (torch's default, which follows
-    OMP_NUM_THREADS) when OMP_NUM_THREADS is set or the model is not the tiny stand-in or the device is a GPU;
-    else 1. One thread for the tiny model because its operations are too small to split: on a 2-core machine
+    OMP_NUM_THREADS) when OMP_NUM_THREADS is set or the model is not a tiny stand-in or the device is a GPU;
+    else 1. One thread for the tiny models because their operations are too small to split: on a 2-core machine
     that other processes kept busy, torch's default of 2 threads made a tiny-preset step 13x slower (36.9 s
     against 2.8 s)."""
     environ = os.environ if environ is None else environ
-    if config.threads:
-        return config.threads
-    if environ.get("OMP_NUM_THREADS") or config.model != "tiny" or config.device not in ("auto", "cpu"):
+    m = config.model
+    if m.threads:
+        return m.threads
+    if environ.get("OMP_NUM_THREADS") or not m.name.startswith("tiny") or m.device not in ("auto", "cpu"):
         return None
-    if config.device == "auto":
+    if m.device == "auto":
         import torch
 
         if torch.cuda.is_available():
@@ -514,71 +704,17 @@ def apply_threads(config: Config) -> int:
     return torch.get_num_threads()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Types of values, and settings files.
-
-
-@functools.cache
-def _field_types() -> dict[str, Any]:
-    return typing.get_type_hints(Config)
-
-
-def check_type(name: str, value: Any) -> Any:
-    """``value`` as setting ``name``'s declared type: ints widen to float where float is declared, a list of
-    two numbers becomes the ``band`` tuple. Anything else of the wrong type is a ConfigError naming the setting."""
-    hint = _field_types()[name]
-    ok, converted = _convert(hint, value)
-    if not ok:
-        raise ConfigError(f"setting {name!r} must be {_describe(hint)}, got {value!r}")
-    return converted
-
-
-def _convert(hint: Any, value: Any) -> tuple[bool, Any]:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        for member in typing.get_args(hint):
-            ok, converted = _convert(member, value)
-            if ok:
-                return True, converted
-        return False, value
-    if hint is type(None):
-        return value is None, value
-    if hint is bool:
-        return isinstance(value, bool), value
-    if hint is str:
-        return isinstance(value, str), value
-    if isinstance(value, bool):  # True is an int to Python, never a count or a rate here
-        return False, value
-    if hint is int:
-        return (True, int(value)) if isinstance(value, numbers.Integral) else (False, value)
-    if hint is float:
-        return (True, float(value)) if isinstance(value, numbers.Real) else (False, value)
-    if origin is tuple:
-        members = typing.get_args(hint)
-        if not isinstance(value, list | tuple) or len(value) != len(members):
-            return False, value
-        items = [_convert(member, item) for member, item in zip(members, value, strict=True)]
-        return (True, tuple(c for _, c in items)) if all(ok for ok, _ in items) else (False, value)
-    raise TypeError(f"no type check for {hint!r}: add a rule to sao.core.config._convert")  # a new field type
-
-
-def _describe(hint: Any) -> str:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " or ".join(_describe(member) for member in typing.get_args(hint))
-    if typing.get_origin(hint) is tuple:
-        members = typing.get_args(hint)
-        return "a pair of numbers [lo, hi]" if members == (float, float) else f"a list of {len(members)} values"
-    names = {type(None): "null", bool: "true or false", str: "a string", int: "an integer", float: "a number"}
-    return names[hint]
+# --- settings files ---------------------------------------------------------------------------------------------
 
 
 def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Settings from a YAML (.yaml, .yml) or JSON file: ``(values, grid)``.
+    """Settings from a YAML (.yaml, .yml) or JSON file as flat names: ``(values, grid)``.
 
-    The file holds either a flat mapping of Config fields or a file sao wrote (``config.json``,
-    ``experiment.json``) as it is: a mapping whose "config" key holds the fields; its other top-level keys
-    ("data", "source", ...) are ignored, except "grid", returned as read (None when absent) for a sweep.
-    Values are type-checked here, so that an error names the file; ranges are checked when the Config is built.
+    The file holds a mapping of settings (flat, sectioned, or both; a ``"preset"`` key allowed) or a file sao wrote
+    (``config.json``, ``experiment.json``) as it is: a mapping whose "config" key holds the settings; its other
+    top-level keys ("data", "source", ...) are ignored, except "grid", returned as read (None when absent) for a
+    sweep. Read through the bounded reader (``sao.core.reading``); values are type-checked here, so that an error
+    names the file; ranges are checked when the Config is built.
     """
     path = Path(path)
     where = f"--config {path}"
@@ -586,16 +722,18 @@ def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any] |
     if suffix not in (".yaml", ".yml", ".json"):
         raise ConfigError(f"{where}: expected a .yaml, .yml or .json file")
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as handle:
+            raw = handle.read(CONFIG_LIMITS.max_bytes + 1)
     except FileNotFoundError:
         raise ConfigError(f"{where}: no such file") from None
     except IsADirectoryError:
         raise ConfigError(f"{where}: is a folder, not a settings file") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{where}: is not UTF-8 text") from None
     except OSError as error:
         raise ConfigError(f"{where}: cannot be read ({error.strerror})") from None
-    data = _parse_json(text, where) if suffix == ".json" else _parse_yaml(text, where)
+    if len(raw) > CONFIG_LIMITS.max_bytes:
+        raise ConfigError(f"{where}: larger than {CONFIG_LIMITS.max_bytes >> 20} MiB; is this a settings file?")
+    parse = parse_json if suffix == ".json" else parse_yaml
+    data = parse(raw, where=where, limits=CONFIG_LIMITS, error=ConfigError)
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of settings (name: value), got {_kind(data)}")
     grid = None
@@ -606,55 +744,23 @@ def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any] |
         data = data["config"]
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: 'config' must be a mapping of settings (name: value), got {_kind(data)}")
-    known = [f.name for f in dataclasses.fields(Config)]
-    unknown = [key for key in data if key not in known]
-    if unknown:
-        close = difflib.get_close_matches(str(unknown[0]), known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if len(unknown) == 1 and close else ""
-        names = ", ".join(repr(key) for key in unknown)
-        raise ConfigError(f"{where}: unknown setting{'s' if len(unknown) > 1 else ''} {names}{hint}")
+    flat = _upgrade(flatten(data, where))
+    preset = flat.pop("preset", None)
+    if preset is not None and not isinstance(preset, str):
+        raise ConfigError(f"{where}: 'preset' must be a preset's name, got {_kind(preset)}")
+    for name in flat:
+        if name not in FLAT:
+            raise ConfigError(f"{where}: {_unknown(str(name), sorted(set(CANONICAL.values())))}")
     values = {}
-    for name, value in data.items():
+    for name, value in flat.items():
+        section, field_name = FLAT[name]
         try:
-            values[name] = check_type(name, value)
+            values[name] = convert(SECTIONS[section], field_name, value)
         except ConfigError as error:
             raise ConfigError(f"{where}: {error}") from None
+    if preset is not None:
+        values["preset"] = preset
     return values, grid
-
-
-def _parse_json(text: str, where: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(
-            f"{where}: not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}"
-        ) from None
-
-
-def _parse_yaml(text: str, where: str) -> Any:
-    import yaml
-
-    try:
-        return yaml.load(text, Loader=_yaml_loader())  # a SafeLoader: plain data only, no Python objects
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        problem = getattr(error, "problem", None) or str(error)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ConfigError(f"{where}: not valid YAML: {' '.join(problem.split())}{at}") from None
-
-
-@functools.cache
-def _yaml_loader() -> type:
-    """yaml.SafeLoader that also reads ``1e-5`` as a float: YAML 1.1 wants a dot and a signed exponent
-    (``1.0e-5``), so plain PyYAML hands back the string "1e-5", which JSON and YAML 1.2 read as a number."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    exponent = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$|^[-+]?\.[0-9_]+[eE][-+]?[0-9]+$")
-    Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent, list("-+0123456789."))
-    return Loader
 
 
 def _kind(value: Any) -> str:

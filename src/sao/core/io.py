@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import math
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import Any, BinaryIO
 
 from sao.core.errors import SaoError
 
@@ -56,17 +56,15 @@ _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 def clean(value: Any) -> Any:
-    """Recursively turn NaN/inf floats into None, tuples into lists, tensors and numpy scalars into numbers."""
+    """Recursively turn NaN/inf floats into None, tuples into lists, tensors and numpy values into numbers."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
         return {str(k): clean(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [clean(v) for v in value]
-    if isinstance(value, torch.Tensor):
+    if hasattr(value, "tolist") and callable(value.tolist):  # a tensor or a numpy array or scalar
         return clean(value.tolist())
-    if hasattr(value, "item") and callable(value.item):  # numpy scalar
-        return clean(value.item())
     return value
 
 
@@ -132,8 +130,27 @@ def check_output_path(path: str | os.PathLike[str], *, folder: bool) -> None:
         raise OutputError(f"cannot write {path}: it is {kind}, not a file; {hint}")
 
 
-def _atomic_write(path: Path, write, durable: bool = True) -> None:
-    """Write to a temporary file beside ``path``, fsync (unless not ``durable``), then rename over it. On any
+@functools.cache
+def _umask() -> int:
+    """The process's umask (read once: setting it is the only way to read it, and it is process-wide)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode a plain ``open()`` would give a new file: 0o666 less the umask (``mkstemp`` gives 0o600)."""
+    return 0o666 & ~_umask()
+
+
+def folder_mode() -> int:
+    """The mode a plain ``mkdir`` would give a new folder: 0o777 less the umask (``mkdtemp`` gives 0o700)."""
+    return 0o777 & ~_umask()
+
+
+def atomic_write(path: str | os.PathLike[str], write: bytes | Callable[[BinaryIO], Any], durable: bool = True) -> None:
+    """Write ``write`` (bytes, or a function that writes to a binary handle) to a temporary file beside ``path``,
+    with the mode the user's umask gives, fsync (unless not ``durable``), then rename over it. On any
     failure the temporary file is removed and ``path`` keeps its previous complete content; an OS error (disk
     full, a bad path) becomes an ``OutputError`` with one line a user can act on. A ``path`` that exists and
     is not a regular file (a folder, ``/dev/null``, a pipe) is refused: renaming over it would replace it.
@@ -146,12 +163,14 @@ def _atomic_write(path: Path, write, durable: bool = True) -> None:
     if kind is not None:
         hint = "name a file instead" if kind == "a folder" else "choose an ordinary file as the output"
         raise OutputError(f"could not write {path}: it is {kind}, not a file; {hint}")
+    writer = (lambda handle: handle.write(write)) if isinstance(write, bytes | bytearray) else write
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as handle:
-            write(handle)
+            writer(handle)
             handle.flush()
             if durable:
                 os.fsync(handle.fileno())
@@ -167,9 +186,9 @@ def _atomic_write(path: Path, write, durable: bool = True) -> None:
 
 def write_json(path: str | os.PathLike[str], obj: Any, *, durable: bool = True) -> None:
     """Atomically write ``obj`` as indented JSON (NaN/inf → null). ``durable`` False skips the fsync: only for
-    a file that can be rebuilt from a durable one (see ``_atomic_write``)."""
+    a file that can be rebuilt from a durable one (see ``atomic_write``)."""
     data = json.dumps(clean(obj), indent=1, allow_nan=False).encode() + b"\n"
-    _atomic_write(Path(path), lambda handle: handle.write(data), durable)
+    atomic_write(path, data, durable)
 
 
 def as_json(obj: Any) -> Any:
@@ -201,8 +220,3 @@ def read_saved_json(path: str | os.PathLike[str], fix: str, expect: type = objec
         found = {dict: "object", list: "list", str: "string"}.get(type(value), "number, boolean or null")
         raise DamagedFileError(f"{path} is damaged (it holds a JSON {found}, not what sao writes there); {fix}")
     return value
-
-
-def save_torch(path: str | os.PathLike[str], obj: Any) -> None:
-    """Atomically ``torch.save`` ``obj``."""
-    _atomic_write(Path(path), lambda handle: torch.save(obj, handle))

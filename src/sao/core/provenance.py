@@ -181,10 +181,8 @@ def library_versions() -> dict[str, str]:
     import torch
     import transformers
 
-    import sao
-
     out = {
-        "sao": sao.__version__,
+        "sao": sao_version(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -196,12 +194,20 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+def sao_version() -> str:
+    """sao's installed version ("0+unknown" for a source tree that was never installed)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("sao")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
 def sao_commit() -> dict[str, Any]:
     """sao's git commit and whether its source differs from it, when sao runs from a git checkout of itself
     (an installed copy inside some other repository reports "unknown")."""
-    import sao
-
-    package = Path(sao.__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]
     try:
         top = _git(package, "rev-parse", "--show-toplevel")
         if (Path(top) / "src" / "sao").resolve() != package:

@@ -44,15 +44,17 @@ from pathlib import Path
 from typing import Any
 
 from sao.core import stats
-from sao.core.config import PRESETS, Config, _parse_json, _parse_yaml
+from sao.core.config import CONFIG_LIMITS, Config, canonical, flatten
 from sao.core.errors import ConfigError
-from sao.core.io import read_json, write_json
+from sao.core.io import write_json
+from sao.core.reading import parse_json, parse_yaml, read_json_file
+from sao.core.registry import PRESETS
 from sao.experiment import report, results
 from sao.experiment.runner import Experiment, Grid, cell_name
 
 CORRECTIONS = ("holm",)
 EXPECT = ("improved", "regressed")
-PLAN_SET = ("lag", "lr", "band", "arm", "seed", "train_runs")  # the plan sets these, not its settings
+PLAN_SET = ("lag", "lr", "ratio", "correction", "seed", "train_runs")  # the plan sets these, not its settings
 KEYS = {"question", "written", "preset", "settings", "grid", "arms", "primary", "secondary", "seeds", "exploratory",
         "correction", "alpha"}  # fmt: skip
 
@@ -95,7 +97,7 @@ class Plan:
             "correction": self.correction,
             "alpha": self.alpha,
             "exploratory": self.exploratory,
-            "random_mask_share": self.config.random_mask_share,
+            "random_mask_share": self.config.algorithm.random_mask_share,
         }
 
 
@@ -122,12 +124,9 @@ def read_plan(path: str | Path) -> Plan:
         raw = path.read_bytes()
     except OSError as error:
         raise _fail(path, f"cannot be read ({error.strerror or error})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise _fail(path, "is not UTF-8 text") from None
     where = f"plan {path}"
-    data = _parse_json(text, where) if path.suffix.lower() == ".json" else _parse_yaml(text, where)
+    parse = parse_json if path.suffix.lower() == ".json" else parse_yaml
+    data = parse(raw, where=where, limits=CONFIG_LIMITS, error=ConfigError)
     if not isinstance(data, dict):
         raise _fail(path, "must be a mapping (question, primary, seeds, ...)")
     unknown = sorted(set(data) - KEYS)
@@ -142,12 +141,16 @@ def read_plan(path: str | Path) -> Plan:
     settings = data.get("settings") or {}
     if not isinstance(settings, dict):
         raise _fail(path, "'settings' must be a mapping of settings (name: value)")
+    try:
+        settings = canonical(flatten(settings, f"plan {path}: settings"))
+    except ConfigError as error:
+        raise _fail(path, f"settings: {error}") from None
     clash = sorted(set(settings) & set(PLAN_SET))
     if clash:
         raise _fail(path, f"settings {clash} are set by the plan's grid, primary and seeds, not by 'settings'")
     preset = data.get("preset", "protocol")
     if preset not in PRESETS:
-        raise _fail(path, f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        raise _fail(path, f"unknown preset {preset!r}; choose one of {PRESETS.names()}")
 
     seeds = _seeds(path, data["seeds"])
     try:
@@ -161,7 +164,7 @@ def read_plan(path: str | Path) -> Plan:
     primary = data["primary"]
     if not isinstance(primary, dict) or not {"lag", "lr", "comparison"} <= set(primary):
         raise _fail(path, "'primary' must name lag, lr and comparison (and band, unless the config's)")
-    band = tuple(primary.get("band") or config.band)
+    band = tuple(primary.get("band") or config.algorithm.ratio)
     grid_spec = data.get("grid") or {}
     if not isinstance(grid_spec, dict) or set(grid_spec) - {"lags", "lrs", "bands"}:
         raise _fail(path, "'grid' must be a mapping with lags, lrs and bands")
@@ -173,7 +176,8 @@ def read_plan(path: str | Path) -> Plan:
             arms=tuple(arms),
         )
         for arm in arms:
-            Config.preset(preset, **settings, arm=arm, random_mask_share=config.random_mask_share or 0.0)
+            Config.preset(preset, **settings, correction=arm,
+                          random_mask_share=config.algorithm.random_mask_share or 0.0)  # fmt: skip
     except (ConfigError, TypeError, ValueError) as error:
         raise _fail(path, f"grid or arms: {error}") from None
     after, before = _comparison(path, primary["comparison"], grid.arms, "primary.comparison")
@@ -241,9 +245,9 @@ def _exploratory(plan: Path, item: Any) -> dict[str, Any]:
         raise _fail(plan, f"exploratory {item}: no such file, or a folder without results.json, sweep.json, "
                           "experiment.json or config.json, so its seeds cannot be checked")  # fmt: skip
     try:
-        data = read_json(where)
-    except (OSError, ValueError) as error:
-        raise _fail(plan, f"exploratory {item}: not readable JSON ({error})") from None
+        data = read_json_file(where, expect=dict, error=ConfigError)
+    except ConfigError as error:
+        raise _fail(plan, f"exploratory {item}: {error}") from None
     seeds = seeds_of(data)
     if not seeds:
         raise _fail(plan, f"exploratory {item}: records no training seeds, so freshness cannot be checked")
@@ -259,6 +263,11 @@ def seeds_of(data: Any) -> set[int]:
     listed = data.get("seeds")
     seeds |= {s for s in listed if isinstance(s, int)} if isinstance(listed, list) else set()
     config = data.get("config") if isinstance(data.get("config"), dict) else None
+    if config and any(isinstance(v, dict) for v in config.values()):  # sectioned settings: the flat names
+        try:
+            config = flatten(config)
+        except ConfigError:
+            config = None
     if config and isinstance(config.get("seed"), int):
         runs = config.get("train_runs") if isinstance(config.get("train_runs"), int) else 1
         if isinstance(listed, int) and not isinstance(listed, bool):  # an older sweep.json: the count of seeds

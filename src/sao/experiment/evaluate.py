@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,14 +25,14 @@ from typing import Any
 import torch
 
 from sao.core.errors import ConfigError
+from sao.model.memory import with_oom_retry
 from sao.rollout.episodes import render_segments, segments
 from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import Episodes, draw_batch, draw_episode_batch
 from sao.rollout.types import Decoder, Sampling
-from sao.tasks.base import Task
+from sao.tasks import gsm8k
+from sao.tasks.base import Scorer, Task
 from sao.tasks.environments import prompt_text
-from sao.tasks.gsm8k import grading
-from sao.train.learn import is_out_of_memory
 
 
 @dataclass
@@ -82,38 +81,28 @@ def evaluate(
     label: str = "model",
     progress: bool = False,
     episodes: Episodes | None = None,
-    score: Callable[[str, Task], float] | None = None,
-    truncated_reward: str = "zero",
+    scorer: Scorer | None = None,
 ) -> EvalResult:
     """pass@1 of what ``decoder`` draws (the plain loop over a model, or a ``sao.rollout.engine.Engine``) over
-    ``tasks``, ``samples`` draws each. A sample's score is ``score(reply, task)`` (default: the GSM8K grader's
-    exact numeric match); with ``episodes`` each sample is a multi-turn episode and its score the
-    environment's total reward. ``truncated_reward`` "zero" scores a reply cut off at ``max_new_tokens`` 0,
-    "grade" grades it (episodes are scored by their environment either way).
+    ``tasks``, ``samples`` draws each. A sample's score is the task's ``scorer`` on the reply (default: the GSM8K
+    grader, a cut-off reply scoring 0); with ``episodes`` each sample is a multi-turn episode and its score the
+    environment's total reward.
 
     Out of memory: the eval restarts with half the batch (its samples then differ from a full-batch eval
     of the same seed, because each batch has its own generator); ``oom_retries`` says how often.
     """
     if not tasks:
         raise ValueError("evaluate needs at least one task")
-    if truncated_reward not in ("zero", "grade"):
-        raise ConfigError(f"truncated_reward must be 'zero' or 'grade', got {truncated_reward!r}")
+    scorer = scorer or Scorer(gsm8k.reward)
     start = time.perf_counter()
-    retries = 0
-    while True:
-        try:
-            result = _evaluate_once(
-                decoder, tokenizer, tasks, instruction, samples, temperature, max_new_tokens, batch, seed,
-                eos_token_ids, label, progress, episodes, score, truncated_reward,
-            )  # fmt: skip
-            break
-        except RuntimeError as error:
-            if not is_out_of_memory(error) or batch == 1:
-                raise
-            retries += 1
-            batch = max(1, batch // 2)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+
+    def attempt(rows: int) -> EvalResult:  # out of memory: the eval restarts with half the batch
+        return _evaluate_once(
+            decoder, tokenizer, tasks, instruction, samples, temperature, max_new_tokens, rows, seed,
+            eos_token_ids, label, progress, episodes, scorer,
+        )  # fmt: skip
+
+    result, batch, retries = with_oom_retry(attempt, batch, lambda rows: None)
     result.seconds = time.perf_counter() - start
     result.batch, result.oom_retries = batch, retries
     return result
@@ -121,7 +110,7 @@ def evaluate(
 
 def _evaluate_once(
     decoder, tokenizer, tasks, instruction, samples, temperature, max_new_tokens, batch, seed, eos_token_ids,
-    label, progress, episodes, score, truncated_reward,
+    label, progress, episodes, scorer,
 ) -> EvalResult:  # fmt: skip
     from tqdm import tqdm
 
@@ -142,12 +131,11 @@ def _evaluate_once(
             scores = rollout.turns.total.tolist()
         else:
             rollout = draw_batch(decoder, tokenizer, [p for _, _, p in chunk], sampling, generator)
-            grade = score or (lambda text, task: grading.math_equal(text, task.answer))
-            scores = [grade(text, tasks[j]) for (j, _, _), text in zip(chunk, rollout.texts, strict=True)]
+            scores = scorer.score(rollout.texts, [tasks[j].row() for j, _, _ in chunk])
             cut = rollout.cut.tolist()  # [n] hit the token limit without finishing
             cut_off += sum(cut)
             cut_off_credited += sum(bool(c) and s > 0 for c, s in zip(cut, scores, strict=True))
-            if truncated_reward == "zero":
+            if scorer.truncated_reward == "zero":
                 scores = [0.0 if c else s for c, s in zip(cut, scores, strict=True)]
         texts = rollout.texts
         every = max(1, len(tasks) // 6)
@@ -177,7 +165,7 @@ def _evaluate_once(
         truncation_share=truncated / n,
         seconds=0.0,
         examples=examples,
-        truncated_reward=truncated_reward,
+        truncated_reward=scorer.truncated_reward,
         truncated_replies=int(cut_off),
         truncated_with_credit=int(cut_off_credited),
     )

@@ -11,24 +11,22 @@ checks are read, never recomputed; the only arithmetic is averaging over seeds f
 
 Deliberately left out: statistics (``sao.core.stats`` owns them), correction for multiple comparisons outside a
 planned family (the page says each interval is its own), judgement beyond the recorded verdicts, HTML, and
-imports above ``sao.core``: matplotlib loads only when plots are drawn; no torch (``sao.core.io`` imports it,
-hence the own atomic write).
+imports above ``sao.core``: matplotlib loads only when plots are drawn, and nothing here loads torch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import math
 import os
 import statistics
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from sao.core.errors import DataError
+from sao.core.io import atomic_write
 
 BASELINE = "none"  # every other arm is compared against it
 POLICY = "policy"  # the phase of a policy step; anything else is the critic-only warmup
@@ -322,7 +320,7 @@ def _legend(target, axes: Iterable[Any], **kw: Any) -> None:
 def _save(fig, path: Path) -> None:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
-    _atomic_write(path, buffer.getvalue())
+    atomic_write(path, buffer.getvalue())
 
 
 def _steps_panel(ax, runs: dict[str, dict[Any, list[dict]]], arms: list[str], colors: dict, key: str) -> None:
@@ -811,26 +809,10 @@ def render(results: dict[str, Any], log: list[dict[str, Any]]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write beside, fsync, rename: a crash never leaves a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def write(out_dir: str | os.PathLike) -> Path:
     """Write ``out_dir/plots/*.png`` and ``out_dir/report.md`` from the folder's JSON; return report.md's path."""
     results, log = load(out_dir)
     text = render(results, log)  # before any plot: malformed input fails without touching the folder
     _write_plots(results, log, Path(out_dir) / "plots")
-    _atomic_write(Path(out_dir) / "report.md", text.encode("utf-8"))
+    atomic_write(Path(out_dir) / "report.md", text.encode("utf-8"))
     return Path(out_dir) / "report.md"

@@ -52,12 +52,10 @@ from sao.experiment.evaluate import EvalResult, evaluate
 from sao.model.policy import POLICY_ADAPTER, eos_ids, load_base, pick_device
 from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import POLICY, make_decoder
-from sao.tasks import load_reward
-from sao.tasks.base import TaskSet
+from sao.tasks.base import Scorer, TaskSet
 from sao.tasks.environments import episodes_for
-from sao.train import checkpoint
-from sao.train.build import instruction_for, load_split, model_path
-from sao.train.trainer import Trainer
+from sao.train import build, checkpoint
+from sao.train.trainer import Hook, Trainer
 
 MARKER = "experiment.json"
 PROVENANCE = "provenance.json"  # in each run folder: the provenance of every invocation that made or continued it
@@ -86,7 +84,9 @@ class Grid:
     @classmethod
     def recipe(cls, config: Config) -> Grid:
         """The recipe's one cell: the config's lag, lr and band; the recipe arm and the baseline."""
-        return cls(lags=(config.lag,), lrs=(config.lr,), bands=(config.band,), arms=("dis", "none"))
+        return cls(
+            lags=(config.rollout.lag,), lrs=(config.training.lr,), bands=(config.algorithm.ratio,), arms=("dis", "none")
+        )
 
     def cells(self) -> list[dict[str, Any]]:
         return [
@@ -121,21 +121,72 @@ def read_eval(path: Path, fix: str) -> EvalResult:
     return result
 
 
-def pass_at_1(
-    config: Config, model, tokenizer, tasks: list, instruction: str, seed: int, label: str, progress: bool
-) -> EvalResult:
+def pass_at_1(config: Config, model, tokenizer, tasks: list, label: str, *, seed: int, parts: Parts,
+              progress: bool) -> EvalResult:  # fmt: skip
     """The protocol's eval of ``model`` (its policy adapter, if it has one) with the config's eval settings:
     the task's reward on one reply per sample, or the environment's total reward on one episode per sample."""
     adapter = POLICY_ADAPTER if hasattr(model, "peft_config") else None
-    episodes = episodes_for(config, tokenizer, tasks, instruction)
-    decoder = make_decoder(model, adapter, config.decoder)
-    score = load_reward(config.reward) if config.reward else None
+    factory = build.environment(config, tokenizer, parts.env_factory)
+    r = config.rollout
+    episodes = episodes_for(factory, tasks, parts.tasks.instruction, r.max_turns, r.max_total_tokens)
+    e = config.eval
     return evaluate(
-        decoder, tokenizer, tasks, instruction=instruction, samples=config.eval_samples,
-        temperature=config.eval_temperature, max_new_tokens=config.eval_max_new_tokens, batch=config.eval_batch,
-        seed=seed, eos_token_ids=eos_ids(tokenizer, model), label=label, progress=progress, episodes=episodes,
-        score=score, truncated_reward=config.truncated_reward,
+        make_decoder(model, adapter, r.decoder), tokenizer, tasks, instruction=parts.tasks.instruction,
+        samples=e.samples, temperature=e.temperature, max_new_tokens=e.max_new_tokens, batch=e.batch, seed=seed,
+        eos_token_ids=eos_ids(tokenizer, model), label=label, progress=progress, episodes=episodes,
+        scorer=parts.scorer,
     )  # fmt: skip
+
+
+@dataclass
+class Parts:
+    """What an experiment passes to every run and eval beside the config: the task set, its scorer, and the
+    objects a caller gave instead of names (``sao.recipe(..., dataset=, reward_fn=, env_factory=)``)."""
+
+    tasks: TaskSet
+    scorer: Scorer
+    dataset: Any = None
+    reward_fn: Any = None
+    env_factory: Any = None
+
+
+class EvalEvery(Hook):
+    """``--eval-every K``: the policy evaluated after every K-th policy step (the last one is the final eval), with
+    the final eval's sampling seed, so the points of a curve differ by the training between them, not by the
+    draw. Each eval is a file: a run killed inside one repeats it on --resume."""
+
+    name = "eval-every"
+
+    def __init__(self, experiment: Experiment, config: Config, cell: dict[str, Any], label: str, seed: int):
+        self.experiment, self.config, self.cell, self.label, self.seed = experiment, config, cell, label, seed
+
+    def on_step_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        k = record["step"] + 1 - trainer.sao.critic_warmup  # policy steps taken
+        every, steps = self.config.eval.every, self.config.training.steps
+        path = self.experiment._step_eval_path(self.cell, self.label, k)
+        if 0 < k < steps and k % every == 0 and not path.exists():
+            m = trainer.models
+            result = pass_at_1(self.config, m.policy, m.tokenizer, self.experiment.parts.tasks.test,
+                               f"{self.label} step {k}", seed=derived_seed(self.seed, "eval"),
+                               parts=self.experiment.parts, progress=self.experiment.progress)  # fmt: skip
+            write_json(path, result.to_dict())
+
+
+class FinalEval(Hook):
+    """The trained policy's eval, at the end of its run (before the tracker closes, so it mirrors it)."""
+
+    name = "final-eval"
+
+    def __init__(self, experiment: Experiment, config: Config, label: str, seed: int):
+        self.experiment, self.config, self.label, self.seed = experiment, config, label, seed
+        self.result: EvalResult | None = None
+
+    def on_run_end(self, trainer: Trainer) -> None:
+        m = trainer.models
+        self.result = pass_at_1(self.config, m.policy, m.tokenizer, self.experiment.parts.tasks.test, self.label,
+                                seed=derived_seed(self.seed, "eval"), parts=self.experiment.parts,
+                                progress=self.experiment.progress)  # fmt: skip
+        trainer.eval_done("held-out", self.result.to_dict())
 
 
 class Experiment:
@@ -153,11 +204,14 @@ class Experiment:
         command: str | None = None,
         seeds: list[int] | None = None,
         record: dict[str, Any] | None = None,
+        dataset: Any = None,
+        reward_fn: Any = None,
+        env_factory: Any = None,
     ):
         """``seeds``: the training seeds (default seed, seed + 1, ... for train_runs); ``record``: further settings
         the experiment is started with (a confirmation's plan hash), kept in experiment.json and checked on
         --resume like the rest."""
-        if "random" in grid.arms and config.random_mask_share is None:
+        if "random" in grid.arms and config.algorithm.random_mask_share is None:
             arms = list(grid.arms)
             if "dis" not in arms or arms.index("dis") > arms.index("random"):
                 raise ConfigError("the random arm masks the share the dis arm masked: list dis before random in "
@@ -174,11 +228,14 @@ class Experiment:
         self.settings.update(record or {})
         for cell in grid.cells():  # every cell's settings are valid before anything runs
             for arm in grid.arms:
-                self._run_config(cell, arm, self.config.seed)
+                self._run_config(cell, arm, self.config.training.seed)
         self._claim(resume)
-        self.split: TaskSet = load_split(self.config)
-        self.instruction = instruction_for(self.config)
-        self.seeds = self.settings.get("seeds") or [self.config.seed + s for s in range(self.config.train_runs)]
+        tasks = build.task_set(self.config, dataset)
+        self.parts = Parts(tasks, build.scorer(self.config, tasks, reward_fn), dataset, reward_fn, env_factory)
+        self.split: TaskSet = tasks
+        self.seeds = self.settings.get("seeds") or [
+            self.config.training.seed + s for s in range(self.config.eval.train_runs)
+        ]
         self._provenance: dict[str, Any] | None = None  # this invocation's, taken when first needed
         if resume:
             self._check_finished()
@@ -210,7 +267,7 @@ class Experiment:
         return read_eval(eval_file, fix), checkpoint.read_log(run_dir, redo)
 
     def _base_paths(self) -> list[Path]:
-        return [self.out / "evals" / f"base-{i}.json" for i in range(self.config.base_evals)]
+        return [self.out / "evals" / f"base-{i}.json" for i in range(self.config.eval.base_evals)]
 
     def _claim(self, resume: bool) -> None:
         """A folder with an experiment needs --resume and the same settings; one with other files is not ours."""
@@ -234,7 +291,7 @@ class Experiment:
         """One run's settings. The random arm without a share of its own masks ``share``: the dis arm's, measured
         in the same cell and seed (0 while settings are only being checked)."""
         changes: dict[str, Any] = {"lag": cell["lag"], "lr": cell["lr"], "band": cell["band"], "arm": arm, "seed": seed}
-        if arm == "random" and self.config.random_mask_share is None:
+        if arm == "random" and self.config.algorithm.random_mask_share is None:
             changes["random_mask_share"] = share or 0.0
         return self.config.replace(**changes)
 
@@ -250,8 +307,8 @@ class Experiment:
     def provenance(self) -> dict[str, Any]:
         """This invocation's provenance (model, tokenizer and data hashes, machine, code), taken once."""
         if self._provenance is None:
-            self._provenance = prov.collect(model_path(self.config), self.split.train, self.split.test,
-                                            self.split.source, name=self.config.model)  # fmt: skip
+            self._provenance = prov.collect(build.model_path(self.config), self.split.train, self.split.test,
+                                            self.split.source, name=self.config.model.name)  # fmt: skip
         return self._provenance
 
     def _record_provenance(self, path: Path) -> None:
@@ -286,43 +343,27 @@ class Experiment:
         label = run_label(arm, seed)
         run_dir, eval_file, _ = self._paths(cell, arm, seed)
         if not eval_file.exists():
-            share = self._dis_share(cell, seed) if arm == "random" and self.config.random_mask_share is None else None
+            share = (
+                self._dis_share(cell, seed)
+                if arm == "random" and self.config.algorithm.random_mask_share is None
+                else None
+            )
             config = self._run_config(cell, arm, seed, share)
             resume = (run_dir / checkpoint.CONFIG_FILE).exists()  # else a new run (a killed first write aside)
-            trainer = Trainer(config, run_dir, split=self.split, resume=resume, progress=self.progress,
-                              label=f"{cell['name']} {label}" if len(self.grid.cells()) > 1 else label)  # fmt: skip
+            final = FinalEval(self, config, label, seed)
+            hooks = [EvalEvery(self, config, cell, label, seed)] if config.eval.every else []
+            p = self.parts
+            name = f"{cell['name']} {label}" if len(self.grid.cells()) > 1 else label
+            trainer = build.trainer(config, run_dir, tasks=p.tasks, dataset=p.dataset, reward_fn=p.reward_fn,
+                                    env_factory=p.env_factory, hooks=[*hooks, final], resume=resume,
+                                    progress=self.progress, label=name)  # fmt: skip
             self._record_provenance(run_dir / PROVENANCE)
-            try:
-                trainer.run(close_tracker=False, after_step=self._eval_every(trainer, config, cell, label, seed))
-                m = trainer.models
-                result = pass_at_1(config, m.policy, m.tokenizer, self.split.test, self.instruction,
-                                   derived_seed(seed, "eval"), label, self.progress)  # fmt: skip
-                trainer.tracker.log_eval("held-out", result.to_dict(), trainer.total_steps)
-            finally:
-                trainer.tracker.close()
-            write_json(eval_file, result.to_dict())
-            del trainer, m
+            trainer.run()
+            assert final.result is not None
+            write_json(eval_file, final.result.to_dict())
+            del trainer
             gc.collect()
         return seed, *self._finished(cell, arm, seed)
-
-    def _eval_every(self, trainer: Trainer, config: Config, cell: dict[str, Any], label: str, seed: int):
-        """With ``eval_every`` K: the ``after_step`` that evaluates the policy after every K-th policy step (the
-        last one is the final eval), with the final eval's sampling seed, so the points of a curve differ by the
-        training between them and not by the draw."""
-        if not config.eval_every:
-            return None
-        warmup, every, steps = trainer.sao.critic_warmup, config.eval_every, config.steps
-
-        def after_step(g: int) -> None:
-            k = g + 1 - warmup  # policy steps taken
-            path = self._step_eval_path(cell, label, k)
-            if 0 < k < steps and k % every == 0 and not path.exists():
-                m = trainer.models
-                result = pass_at_1(config, m.policy, m.tokenizer, self.split.test, self.instruction,
-                                   derived_seed(seed, "eval"), f"{label} step {k}", self.progress)  # fmt: skip
-                write_json(path, result.to_dict())
-
-        return after_step
 
     def _step_eval_path(self, cell: dict[str, Any], label: str, k: int) -> Path:
         return self.out / "cells" / cell["name"] / "evals" / f"{label}-step{k}.json"
@@ -335,16 +376,16 @@ class Experiment:
         ``eval_every``, also once per training seed with that seed's eval seed: step 0 of every arm's curve (an
         adapter at its initialisation adds exactly 0, so the untrained policy is the base)."""
         paths = self._base_paths()
-        todo = [(path, derived_seed(self.config.seed, "base-eval", i), f"base-{i}")
+        todo = [(path, derived_seed(self.config.training.seed, "base-eval", i), f"base-{i}")
                 for i, path in enumerate(paths) if not path.exists()]  # fmt: skip
-        if self.config.eval_every:
+        if self.config.eval.every:
             todo += [(self._start_path(s), derived_seed(s, "eval"), f"start-s{s}") for s in self.seeds
                      if not self._start_path(s).exists()]  # fmt: skip
         if todo:
-            base, tokenizer = load_base(model_path(self.config), pick_device(self.config.device))
+            base, tokenizer = load_base(build.model_path(self.config), pick_device(self.config.model.device))
             for path, seed, label in todo:
-                result = pass_at_1(self.config, base, tokenizer, self.split.test, self.instruction, seed, label,
-                                   self.progress)  # fmt: skip
+                result = pass_at_1(self.config, base, tokenizer, self.split.test, label, seed=seed, parts=self.parts,
+                                   progress=self.progress)  # fmt: skip
                 write_json(path, result.to_dict())
             self._record_provenance(self.out / BASE_PROVENANCE)
             del base
@@ -353,7 +394,7 @@ class Experiment:
 
     def _eval_curve(self, cell: dict[str, Any], arm: str, runs: list) -> dict[int, dict[int, float]] | None:
         """seed → policy step → pass@1 for one arm: step 0 (the untrained policy), every K-th step, the final."""
-        if not self.config.eval_every:
+        if not self.config.eval.every:
             return None
         curve: dict[int, dict[int, float]] = {}
         for seed, result, _ in runs:
@@ -361,18 +402,18 @@ class Experiment:
             start = self._start_path(seed)
             if start.exists():
                 points[0] = read_eval(start, BASE_REDO).pass_at_1
-            for k in range(self.config.eval_every, self.config.steps, self.config.eval_every):
+            for k in range(self.config.eval.every, self.config.training.steps, self.config.eval.every):
                 path = self._step_eval_path(cell, label, k)
                 if path.exists():
                     points[k] = read_eval(path, f"delete it and rerun {label} to evaluate step {k} again").pass_at_1
-            points[self.config.steps] = result.pass_at_1
+            points[self.config.training.steps] = result.pass_at_1
             curve[seed] = points
         return curve
 
     def _provenance_warnings(self) -> tuple[list[str], list[str]]:
         """(warnings for pieces whose provenance differs from this invocation's, pieces that record none)."""
         blocks: dict[str, Any] = {"this invocation": self.provenance}
-        files = {"base evals": self.out / BASE_PROVENANCE} if self._base_paths() or self.config.eval_every else {}
+        files = {"base evals": self.out / BASE_PROVENANCE} if self._base_paths() or self.config.eval.every else {}
         for cell in self.grid.cells():
             for seed in self.seeds:
                 for arm in self.grid.arms:
@@ -392,7 +433,8 @@ class Experiment:
         base_scores = results.base_per_task(base)
         out_cells, warnings, train_s, eval_s = [], [], {}, {e.label: e.seconds for e in base}
         for cell in cells:
-            arms = {arm: results.summarize_arm(runs, arm, self.config.grad_clip, self._eval_curve(cell, arm, runs))
+            clip = self.config.training.grad_clip
+            arms = {arm: results.summarize_arm(runs, arm, clip, self._eval_curve(cell, arm, runs))
                     for arm, runs in trained[cell["name"]].items()}  # fmt: skip
             compare, vs_base = results.compare_cell(arms, base_scores, floor)
             out_cells.append({**cell, "band": list(cell["band"]), "arms": arms, "compare": compare, "vs_base": vs_base})

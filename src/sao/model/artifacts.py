@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from sao.core.errors import ConfigError
-from sao.core.io import OutputError, write_json
+from sao.core.io import OutputError, folder_mode, write_json
 from sao.model.policy import POLICY_ADAPTER, ValueHead
 
 VALUE_HEAD_WEIGHTS = "value_head.safetensors"
@@ -79,6 +79,7 @@ def _staged_folder(final: Path, *, replace: bool) -> Iterator[Path]:
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
+        os.chmod(staging, folder_mode())  # mkdtemp's 0o700 would outlive the rename: the user's umask instead
     except OSError as error:
         raise OutputError(f"could not create a folder beside {final}: {error.strerror or error}") from None
     try:

@@ -53,6 +53,24 @@ def _chunk_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def _chunk_entropy(head: nn.Module, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+    logp = torch.log_softmax(logits_fp32(head, hidden, temperature), dim=-1)  # [n, V]
+    return -(logp.exp() * logp).sum(dim=-1)  # [n]
+
+
+def token_entropy(head: nn.Module, hidden: torch.Tensor, temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
+    """H(softmax(head(h) / τ)) for N rows, ``chunk`` rows at a time (checkpointed with gradients on, as
+    ``token_logprobs``). [N, H] → [N] float32."""
+    out = []
+    for start in range(0, hidden.shape[0], chunk):
+        h = hidden[start : start + chunk]
+        if torch.is_grad_enabled() and h.requires_grad:
+            out.append(checkpoint(_chunk_entropy, head, h, temperature, use_reentrant=False))
+        else:
+            out.append(_chunk_entropy(head, h, temperature))
+    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+
+
 def token_logprobs(
     head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk: int = 1024
 ) -> torch.Tensor:
@@ -77,6 +95,7 @@ class TeacherForced:
 
     logprobs: torch.Tensor  # [B, R] float32, 0 where response_mask is False
     hidden: torch.Tensor  # [B, R, H] detached, the critic's input
+    entropy: torch.Tensor | None = None  # [B, R] float32 (with ``entropy=True``), 0 where response_mask is False
 
 
 def teacher_forced(
@@ -88,6 +107,7 @@ def teacher_forced(
     *,
     temperature: float = 1.0,
     logprob_chunk: int = 1024,
+    entropy: bool = False,
 ) -> TeacherForced:
     """One forward over [prompt | response] (prompts left-padded to P, responses right-padded to R).
 
@@ -104,4 +124,8 @@ def teacher_forced(
     logprobs = hidden.new_zeros(rmask.shape, dtype=torch.float32)
     targets = response_ids[rmask]  # [N]
     logprobs = logprobs.masked_scatter(rmask, token_logprobs(head, hidden[rmask], targets, temperature, logprob_chunk))
-    return TeacherForced(logprobs=logprobs, hidden=hidden.detach())
+    entropies = None
+    if entropy:
+        per_token = token_entropy(head, hidden[rmask], temperature, logprob_chunk)  # [N]
+        entropies = hidden.new_zeros(rmask.shape, dtype=torch.float32).masked_scatter(rmask, per_token)
+    return TeacherForced(logprobs=logprobs, hidden=hidden.detach(), entropy=entropies)

@@ -155,6 +155,7 @@ class Models:
     value_head: ValueHead
     device: torch.device
     eos_token_ids: list[int]
+    name: str = ""  # the base model's hub id or folder, as loaded
 
     @classmethod
     def load(
@@ -174,26 +175,7 @@ class Models:
         if grad_checkpoint:
             set_activation_checkpointing(policy, True)
         value_head = ValueHead(base.config.hidden_size).to(torch_device)
-        return cls(policy, tokenizer, value_head, torch_device, eos_ids(tokenizer, base))
-
-
-# Activation bytes a LoRA training pass keeps per token, per layer, per unit of hidden size (bf16, SDPA
-# attention, no activation checkpointing): 41 GB peak at 16 rows × 384 tokens on the 1.5B shape, less
-# ~13 GB of weights and full-vocabulary logits, is ~100 bytes · hidden · layers per token.
-ACTIVATION_BYTES_PER_HIDDEN = 100
-
-
-def auto_micro_batch(model: nn.Module, seq_len: int, batch: int, headroom: float = 0.7) -> int:
-    """Rows per micro-batch that fit in free accelerator memory (a power of two ≤ batch); the whole batch on
-    the CPU. An estimate — the trainer halves it and retries if a step still runs out of memory."""
-    device = next(model.parameters()).device
-    if device.type != "cuda":
-        return batch
-    free, _ = torch.cuda.mem_get_info(device)
-    config = causal_lm(model).config
-    per_row = ACTIVATION_BYTES_PER_HIDDEN * config.hidden_size * config.num_hidden_layers * seq_len
-    rows = max(1, int(free * headroom // per_row))
-    return min(batch, 1 << (rows.bit_length() - 1))
+        return cls(policy, tokenizer, value_head, torch_device, eos_ids(tokenizer, base), str(model_path))
 
 
 def parameter_count(model: nn.Module, trainable_only: bool = False) -> int:

@@ -83,7 +83,15 @@ import torch
 from sao.core.errors import ConfigError
 from sao.model.policy import POLICY_ADAPTER, add_lora, eos_ids, load_base, lora_state
 from sao.rollout.sampler import derived_seed
-from sao.rollout.sources import WARMUP, Episodes, PromptOrder, draw_batch, draw_episode_batch, make_decoder
+from sao.rollout.sources import (
+    WARMUP,
+    Episodes,
+    PromptOrder,
+    SourceContext,
+    draw_batch,
+    draw_episode_batch,
+    make_decoder,
+)
 from sao.rollout.types import Batch, Rollout, Sampling
 
 if TYPE_CHECKING:
@@ -116,9 +124,9 @@ def _death_errors(ray) -> tuple[type[BaseException], ...]:
 
 def rollout_batch_size(config: Config) -> int:
     """Prompts per worker call: --rollout-batch, or 0 → the training batch on GPU workers, 8 on CPU ones."""
-    if config.rollout_batch > 0:
-        return config.rollout_batch
-    return config.batch_size if config.worker_gpus > 0 else CPU_ROLLOUT_BATCH
+    if config.rollout.rollout_batch > 0:
+        return config.rollout.rollout_batch
+    return config.training.batch_size if config.rollout.worker_gpus > 0 else CPU_ROLLOUT_BATCH
 
 
 def worker_gpu_ids(visible: str | None, device_count: int, reserved: Sequence[int]) -> list[str]:
@@ -283,7 +291,7 @@ class _Slot:
 
 
 class RaySource:
-    """Batches from asynchronous Ray rollout workers, admitted under ``config.max_staleness``.
+    """Batches from asynchronous Ray rollout workers, admitted under ``config.rollout.max_staleness``.
 
     A ``sao.rollout.sources.Source``, like ``LocalStaleSource``. Not bit-reproducible (arrival order depends on
     timing); ``state_dict`` keeps the prompt-stream position, the draws still pending and the counters.
@@ -322,15 +330,15 @@ class RaySource:
         dtype = next(policy.parameters()).dtype
         self._model_path = model_path
         self._settings = {
-            "device": "cuda" if c.worker_gpus > 0 else "cpu",
+            "device": "cuda" if c.rollout.worker_gpus > 0 else "cpu",
             "dtype": str(dtype).removeprefix("torch."),  # the trainer's: the ratio compares the same function
-            "threads": max(1, math.floor(c.worker_cpus)),
-            "lora_rank": c.lora_rank,
-            "lora_alpha": c.lora_alpha,
-            "seed": c.seed,
-            "max_new_tokens": c.max_new_tokens,
-            "temperature": c.temperature,
-            "decoder": c.decoder,
+            "threads": max(1, math.floor(c.rollout.worker_cpus)),
+            "lora_rank": c.model.lora_rank,
+            "lora_alpha": c.model.lora_alpha,
+            "seed": c.training.seed,
+            "max_new_tokens": c.rollout.max_new_tokens,
+            "temperature": c.rollout.temperature,
+            "decoder": c.rollout.decoder,
         }
         self._episodes = None if episodes is None else ray.put(episodes)  # stored once, shared by every actor
         self._death = _death_errors(ray)
@@ -341,7 +349,8 @@ class RaySource:
         self._adapter: list[Any] | None = None  # [version, ObjectRef of the LoRA state dict]
         self._buffer: list[_Trajectory] = []
         self._retry: deque[int] = deque()  # sequence numbers to draw again before new ones
-        self.admission = Admission(c.batch_size, c.max_staleness, c.critic_warmup)  # read and set under the lock
+        # read and set under the lock
+        self.admission = Admission(c.training.batch_size, c.rollout.max_staleness, c.algorithm.critic_warmup)
         self.next_seq = 0
         self.calls = 0
         self.batches: list[list[int]] = []
@@ -363,30 +372,47 @@ class RaySource:
                 ray.shutdown()
             raise
         self.placement_id = self._placement.id.hex() if self._placement is not None else None
-        self.slots = [self._new_slot(i) for i in range(c.rollout_workers)]
+        self.slots = [self._new_slot(i) for i in range(c.rollout.rollout_workers)]
+        self.max_staleness = c.rollout.max_staleness
+        self.tasks: dict[str, Any] = {}
         atexit.register(self.close)
+
+    @classmethod
+    def build(cls, context: SourceContext) -> RaySource:
+        """``--rollout ray``: workers drawing the context's prompts (or episodes) with the policy's adapters."""
+        m = context.models
+        source = cls(
+            context.config, model_path=m.name, policy=m.policy, pad_token_id=m.tokenizer.pad_token_id,
+            prompts=context.prompts, order=context.order, label=context.label, progress=context.progress,
+            reserved_gpus=context.reserved_gpus, episodes=context.episodes,
+        )  # fmt: skip
+        source.tasks = context.tasks
+        return source
 
     # -- the cluster -----------------------------------------------------------------------------------
 
     def _init_ray(self, reserved_gpus: Sequence[int]) -> None:
         c = self.config
         kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
-        if c.ray_address is not None:
-            kwargs["address"] = c.ray_address
+        if c.rollout.ray_address is not None:
+            kwargs["address"] = c.rollout.ray_address
             try:
                 self.ray.init(**kwargs)
             except ConnectionError as error:
-                raise ConfigError(f"--ray-address {c.ray_address!r}: could not join the cluster ({error})") from None
+                raise ConfigError(
+                    f"--ray-address {c.rollout.ray_address!r}: could not join the cluster ({error})"
+                ) from None
             return
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = worker_gpu_ids(visible, torch.cuda.device_count(), reserved_gpus)
-        if c.worker_gpus > 0 and c.rollout_workers * c.worker_gpus > len(gpus):
+        r = c.rollout
+        if r.worker_gpus > 0 and r.rollout_workers * r.worker_gpus > len(gpus):
             raise ConfigError(
-                f"--rollout-workers {c.rollout_workers} × --worker-gpus {c.worker_gpus} needs more GPUs than the "
+                f"--rollout-workers {r.rollout_workers} × --worker-gpus {r.worker_gpus} needs more GPUs than the "
                 f"{len(gpus)} this machine has beside the training processes' {len(reserved_gpus)}; lower them or "
                 "join a cluster with --ray-address"
             )
-        needed = math.ceil(c.rollout_workers * c.worker_cpus)
+        needed = math.ceil(c.rollout.rollout_workers * c.rollout.worker_cpus)
         kwargs.update(num_cpus=max(os.cpu_count() or 1, needed), num_gpus=len(gpus), include_dashboard=False)
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # what the local raylet sees, and hands out
         try:
@@ -400,19 +426,20 @@ class RaySource:
     def _place_workers(self, c: Config) -> Any:
         """A placement group with one (worker_cpus, worker_gpus) bundle per worker, ready; None when a worker
         reserves nothing (there is nothing to place)."""
-        bundle = {k: v for k, v in (("CPU", c.worker_cpus), ("GPU", c.worker_gpus)) if v > 0}
+        bundle = {k: v for k, v in (("CPU", c.rollout.worker_cpus), ("GPU", c.rollout.worker_gpus)) if v > 0}
         if not bundle:
             return None
         from ray.util import placement_group
 
-        group = placement_group([dict(bundle) for _ in range(c.rollout_workers)], strategy="PACK")
+        group = placement_group([dict(bundle) for _ in range(c.rollout.rollout_workers)], strategy="PACK")
         try:
-            self.ray.get(group.ready(), timeout=c.worker_timeout)
+            self.ray.get(group.ready(), timeout=c.rollout.worker_timeout)
         except self.ray.exceptions.GetTimeoutError:
             self._remove_placement(group)
             raise ConfigError(
-                f"the Ray cluster could not place {c.rollout_workers} workers × {bundle} within --worker-timeout "
-                f"{c.worker_timeout:.0f} s (it has {self.ray.cluster_resources()}); lower --rollout-workers, "
+                f"the Ray cluster could not place {c.rollout.rollout_workers} workers × {bundle} within "
+                "--worker-timeout "
+                f"{c.rollout.worker_timeout:.0f} s (it has {self.ray.cluster_resources()}); lower --rollout-workers, "
                 "--worker-cpus or --worker-gpus"
             ) from None
         return group
@@ -427,7 +454,11 @@ class RaySource:
         """Ask for a new worker actor in slot ``index`` (bundle ``index``); it loads its model in the background
         and answers ``ready`` when it can draw."""
         c = self.config
-        options: dict[str, Any] = {"num_cpus": c.worker_cpus, "num_gpus": c.worker_gpus, "max_restarts": 0}
+        options: dict[str, Any] = {
+            "num_cpus": c.rollout.worker_cpus,
+            "num_gpus": c.rollout.worker_gpus,
+            "max_restarts": 0,
+        }
         if self._placement is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -464,7 +495,7 @@ class RaySource:
                 self.next_seq += 1
         ids = [self.task_id(s) for s in seqs]
         self.calls += 1
-        seed = derived_seed(self.config.seed, "ray-rollout", self.calls, tuple(seqs))
+        seed = derived_seed(self.config.training.seed, "ray-rollout", self.calls, tuple(seqs))
         prompts = [self.prompts[i] for i in ids]
         return {"seqs": seqs, "task_ids": ids, "prompts": prompts, "seed": seed, "deadline": deadline}
 
@@ -540,7 +571,7 @@ class RaySource:
     def _check_deadlines(self) -> None:
         """A draw call older than --worker-timeout, or a start older than max(START_TIMEOUT_S, --worker-timeout):
         the worker is hung; replace it."""
-        now, limit = time.perf_counter(), self.config.worker_timeout
+        now, limit = time.perf_counter(), self.config.rollout.worker_timeout
         start_limit = max(START_TIMEOUT_S, limit)
         for slot in list(self.slots):
             if slot.starting is not None and now - slot.spawned > start_limit:
@@ -583,7 +614,7 @@ class RaySource:
     def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:
         if self._closed:
             raise RuntimeError("RaySource.next_batch after close()")
-        B, K = self.config.batch_size, self.config.max_staleness
+        B, K = self.config.training.batch_size, self.config.rollout.max_staleness
         with self._cond:
             self.admission.begin(step, phase, policy_version)
             self._cond.notify_all()
@@ -616,8 +647,8 @@ class RaySource:
                     warned = True
                     self._say(
                         f"warning: no rollout has arrived for {SLOW_START_WARNING_S:.0f} s; does the cluster have "
-                        f"{self.config.rollout_workers} × ({self.config.worker_cpus} CPU, "
-                        f"{self.config.worker_gpus} GPU) free?",
+                        f"{self.config.rollout.rollout_workers} × ({self.config.rollout.worker_cpus} CPU, "
+                        f"{self.config.rollout.worker_gpus} GPU) free?",
                         always=True,
                     )
             waited_s = time.perf_counter() - start if waited_for else 0.0
@@ -700,7 +731,8 @@ class RaySource:
         starts = f"{min(self.start_times):.1f}-{max(self.start_times):.1f} s" if self.start_times else "none started"
         self._say(
             f"ray: {c['received']} trajectories drawn, {c['admitted']} admitted, {c['dropped_stale']} dropped as "
-            f"older than {self.config.max_staleness}, {c['worker_restarts']} worker restarts ({c['worker_hangs']} "
+            f"older than {self.config.rollout.max_staleness}, {c['worker_restarts']} worker restarts "
+            f"({c['worker_hangs']} "
             f"hung); worker start {starts}"
         )
 

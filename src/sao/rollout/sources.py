@@ -1,30 +1,32 @@
-"""Where a training batch comes from: the two seams between the trainer and rollout generation.
+"""Where a training batch comes from: the ``Source`` seam, its registry entries, and the local stale sampler.
 
-    Decoder      draws one reply per left-padded prompt and records each drawn token's log-probability
-                 under the exact distribution it was drawn from. ``PlainDecoder`` (the reference loop) or
-                 ``sao.rollout.engine.Engine`` (static KV cache, CUDA graph); ``make_decoder`` picks one.
-    Source       hands the trainer one ``Batch`` per step and hears about each policy update (the publish
-                 hook). ``LocalStaleSource`` (here: the stale sampler in this process, reproducible),
-                 ``sao.rollout.ray_workers.RaySource`` (asynchronous workers, for throughput) or
-                 ``sao.rollout.traces.TraceSource`` (a serving system's logged traces; ``SourceExhausted`` ends
-                 the run when the log has no further batch).
-    PromptOrder  the seeded order every source reads the training prompts in.
+    Source         hands the trainer one ``Batch`` per step and hears about each policy update. Built by name
+                   from ``SOURCES`` (``sao.core.registry``) with a ``SourceContext``: "local" (here: the stale
+                   sampler in this process, reproducible), "ray" (``ray_workers``: asynchronous workers), "traces"
+                   (``traces``: a serving system's log; ``SourceExhausted`` ends the run when it has no further
+                   batch). Each says how stale its batches can be (``max_staleness``) and which training tasks its
+                   task ids name (``tasks``).
+    PromptOrder    the seeded order every source reads the training prompts in.
+    Episodes       what multi-turn drawing needs beyond the prompts (an environment per task, limits).
 
-A source is built from what it needs — the policy model, the prompts, the settings, a publish hook — and
-never sees the trainer. Step g's local batch is a pure function of (seed, g) and the adapters, so a run
-resumed from a checkpoint continues exactly as if it had never stopped.
-
-Deliberately left out: rewards (the trainer grades what a source returns) and the update itself.
+Step g's local batch is a pure function of (seed, g) and the adapters, so a run resumed from a checkpoint
+continues exactly as if it had never stopped. Deliberately left out: rewards (the task's scorer grades what a
+source returns) and the update itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from sao.core.config import Config
+from sao.core.registry import SOURCES
+from sao.model.policy import Models
 from sao.rollout.engine import Engine
 from sao.rollout.environment import EnvFactory, Message
 from sao.rollout.episodes import draw_episodes
@@ -41,6 +43,9 @@ class SourceExhausted(Exception):
 
 class Source(Protocol):
     """Where the trainer's batches come from."""
+
+    max_staleness: int  # the largest staleness a batch can have (the reachability checks read it)
+    tasks: dict[str, Any]  # the training tasks (``sao.tasks.base.Task``) its task ids name, for the scorer
 
     def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:
         """Global step ``step``'s batch; ``phase`` is WARMUP or POLICY; ``policy_version`` counts updates."""
@@ -75,6 +80,31 @@ class PromptOrder:
     def batch(self, step: int, size: int) -> list[str]:
         """Step ``step``'s prompt ids: positions step·size .. (step+1)·size − 1."""
         return [self.id_at(p) for p in range(step * size, (step + 1) * size)]
+
+
+@dataclass
+class SourceContext:
+    """Everything a registered source may be built from (``SOURCES.get(name)(context)``)."""
+
+    config: Config
+    models: Models
+    tasks: dict[str, Any]  # the training tasks (``sao.tasks.base.Task``) by id
+    prompts: dict[str, str]  # task id → the chat-formatted prompt a single reply continues
+    episodes: Episodes | None  # multi-turn drawing, with an environment
+    out_dir: Path  # the run's folder (a source may keep files there)
+    reserved_gpus: list[int] | None = None  # GPUs the training processes use (kept from rollout workers)
+    label: str = "run"
+    progress: bool = True
+    warn: Callable[[str], None] = print
+
+    @property
+    def order(self) -> PromptOrder:
+        return PromptOrder(list(self.tasks), self.config.training.seed)
+
+
+def build_source(name: str, context: SourceContext) -> Source:
+    """The source registered as ``name``."""
+    return SOURCES.get(name)(context)
 
 
 @dataclass(frozen=True)
@@ -146,6 +176,21 @@ class LocalStaleSource:
         self.sampler = StaleSampler(policy, lag)
         self.decoder = make_decoder(policy, SAMPLER_ADAPTER, decoder)  # reads the sampler's adapter
         self.device = next(policy.parameters()).device
+        self.max_staleness = lag
+        self.tasks: dict[str, Any] = {}
+
+    @classmethod
+    def build(cls, context: SourceContext) -> LocalStaleSource:
+        """``--rollout local``: the stale sampler over the context's policy, prompts and environment."""
+        c, m = context.config, context.models
+        sampling = Sampling(c.rollout.max_new_tokens, c.rollout.temperature, m.eos_token_ids, m.tokenizer.pad_token_id)
+        source = cls(
+            m.policy, m.tokenizer, context.prompts, context.order, lag=c.rollout.lag, batch_size=c.training.batch_size,
+            critic_warmup=c.algorithm.critic_warmup, sampling=sampling, seed=c.training.seed, decoder=c.rollout.decoder,
+            episodes=context.episodes,
+        )  # fmt: skip
+        source.tasks = context.tasks
+        return source
 
     def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:
         k = step - self.critic_warmup  # policy step

@@ -69,7 +69,7 @@ from typing import Any
 import torch
 
 from sao.core.errors import DataError
-from sao.rollout.sources import SourceExhausted
+from sao.rollout.sources import SourceContext, SourceExhausted
 from sao.rollout.types import Batch, Rollout, Turns
 
 SCHEMA_FILE = Path(__file__).with_name("trace.schema.json")
@@ -433,6 +433,19 @@ class TraceSource:
         self.used_staleness: dict[str, int] = {}  # histogram of the staleness of the trajectories used
         self.ended: str | None = None
         self._warned_footing = False
+        self.tasks: dict[str, Any] = {}  # rows carry their own tasks (``Batch.tasks``)
+
+    @classmethod
+    def build(cls, context: SourceContext) -> TraceSource:
+        """``--rollout traces`` (or ``--traces LOG`` alone): the log the config names, read for the context's model."""
+        c, m = context.config, context.models
+        r = c.rollout
+        return cls(
+            r.traces, m.tokenizer, batch_size=c.training.batch_size, max_staleness=r.max_staleness,
+            temperature=r.temperature, vocab_size=m.policy.get_input_embeddings().num_embeddings,
+            eos_token_ids=m.eos_token_ids, pad_token_id=m.tokenizer.pad_token_id, follow=r.follow,
+            follow_timeout=r.follow_timeout, skip_bad=r.skip_bad_traces, device=m.device, warn=context.warn,
+        )  # fmt: skip
 
     # -- reading ----------------------------------------------------------------------------------------
 

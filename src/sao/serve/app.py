@@ -38,8 +38,7 @@ from fastapi.responses import JSONResponse
 from sao.core.errors import ConfigError
 from sao.serve.served import ServedPolicy
 from sao.serve.tracelog import OPEN, REWARDED, UNKNOWN, TraceLog
-from sao.tasks import load_reward
-from sao.tasks.base import Task
+from sao.tasks.base import Scorer, Task
 
 MAX_BODY_BYTES = 1 << 20
 MAX_MESSAGES = 256
@@ -68,21 +67,20 @@ def _error(status: int, message: str, code: str, kind: str = "invalid_request_er
 
 
 @dataclass
-class ServeSettings:
+class EndpointSettings:
     model_name: str  # what responses and /v1/models call the model
     max_tokens: int  # the largest max_tokens a request may ask for (and the default)
     default_temperature: float
     max_prompt_tokens: int = 4096
     max_waiting: int = 64  # requests queued for the lock beyond this are refused with 503
-    reward: str | None = None  # the reward spec (--reward) for requests carrying task metadata
+    needs_answer: bool = True  # the task's own reward grades a gold "answer" (False: --reward reads its own fields)
 
 
 class Service:
-    """What the endpoints share: the policy, the trace log, the reward function and the limits."""
+    """What the endpoints share: the policy, the trace log, the task's scorer and the limits."""
 
-    def __init__(self, policy: ServedPolicy, log: TraceLog, settings: ServeSettings):
-        self.policy, self.log, self.settings = policy, log, settings
-        self.reward_fn = load_reward(settings.reward)
+    def __init__(self, policy: ServedPolicy, log: TraceLog, settings: EndpointSettings, scorer: Scorer):
+        self.policy, self.log, self.settings, self.scorer = policy, log, settings, scorer
         self.started = time.time()
         self.served = self.refused = 0
         self._waiting = threading.BoundedSemaphore(settings.max_waiting)
@@ -134,7 +132,7 @@ class Service:
         if metadata is not None:
             if not isinstance(metadata, dict) or not metadata:
                 raise HTTPProblem(400, 'metadata must be a non-empty JSON object of task fields, e.g. {"answer": "5"}')
-            if s.reward is None and not isinstance(metadata.get("answer"), str | int | float):
+            if s.needs_answer and not isinstance(metadata.get("answer"), str | int | float):
                 raise HTTPProblem(400, 'metadata needs an "answer" (the gold final answer) for the default reward')
         try:
             prompt_ids = self.policy.prompt_ids(messages)
@@ -206,7 +204,7 @@ class Service:
         if metadata is not None:
             task = _task(id_, request["messages"], metadata)
             try:
-                record["reward"] = float(self.reward_fn(completion.text, task))
+                record["reward"] = self.scorer.score([completion.text], [task.row()])[0]
             except ConfigError as error:  # a user's reward function returned something that is not a number
                 raise HTTPProblem(500, str(error), "reward_failed", "server_error") from None
             record["task"] = metadata
@@ -411,4 +409,4 @@ def create_app(service: Service) -> FastAPI:
     return app
 
 
-__all__ = ["HTTPProblem", "ServeSettings", "Service", "create_app"]
+__all__ = ["EndpointSettings", "HTTPProblem", "Service", "create_app"]

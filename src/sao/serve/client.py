@@ -44,14 +44,10 @@ def post(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str,
 def tiny_tasks(seed: int) -> list[dict[str, Any]]:
     """The tiny preset's training tasks as chat messages with their gold answers, in a seeded order."""
     from sao.core.config import Config
-    from sao.tasks.gsm8k import build_messages
-    from sao.train.build import instruction_for, load_split
+    from sao.train.build import task_set
 
-    config = Config.preset("tiny")
-    instruction = instruction_for(config)
-    tasks = [
-        {"messages": build_messages(t.question, instruction), "answer": t.answer} for t in load_split(config).train
-    ]
+    split = task_set(Config.preset("tiny"))
+    tasks = [{"messages": t.chat(split.instruction), "answer": t.answer} for t in split.train]
     random.Random(seed).shuffle(tasks)
     return tasks
 

@@ -58,7 +58,11 @@ class ServedPolicy:
         self.config = config
         self.model_path = model_path(config)
         self.models = Models.load(
-            self.model_path, device=device, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, seed=config.seed
+            self.model_path,
+            device=device,
+            lora_rank=config.model.lora_rank,
+            lora_alpha=config.model.lora_alpha,
+            seed=config.training.seed,
         )
         self.tokenizer = self.models.tokenizer
         self.lock = threading.Lock()  # one reply or one adapter swap at a time
@@ -115,10 +119,10 @@ class ServedPolicy:
         except (OSError, ValueError) as error:
             raise ConfigError(f"{folder}: could not read the adapter ({error})") from None
         rank, alpha = saved_config.get("r"), saved_config.get("lora_alpha")
-        if (rank, alpha) != (self.config.lora_rank, self.config.lora_alpha):
+        if (rank, alpha) != (self.config.model.lora_rank, self.config.model.lora_alpha):
             raise ConfigError(
-                f"{folder}: LoRA rank {rank}, alpha {alpha}; this server runs rank {self.config.lora_rank}, "
-                f"alpha {self.config.lora_alpha}"
+                f"{folder}: LoRA rank {rank}, alpha {alpha}; this server runs rank {self.config.model.lora_rank}, "
+                f"alpha {self.config.model.lora_alpha}"
             )
         marker = f".{POLICY_ADAPTER}."
         live = {name.replace(marker, "."): name for name in self._lora}  # saved name → live name

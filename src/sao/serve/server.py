@@ -57,12 +57,13 @@ class Server:
         say=print,
     ):
         ensure_serve_extra()
-        from sao.serve.app import ServeSettings, Service, create_app
+        from sao.serve.app import EndpointSettings, Service, create_app
         from sao.serve.served import AdapterWatcher, ServedPolicy
         from sao.serve.tracelog import TraceLog
+        from sao.train import build
 
         self.say = say
-        max_tokens = max_tokens or config.max_new_tokens
+        max_tokens = max_tokens or config.rollout.max_new_tokens
         if max_tokens < 1 or max_prompt_tokens < 1:
             raise ConfigError("--max-tokens and --max-prompt-tokens must be >= 1")
         self.log = TraceLog(traces)  # first: a second server on the same log stops here, before loading a model
@@ -76,15 +77,16 @@ class Server:
             raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
         self.host, self.port = host, self.sock.getsockname()[1]
         try:
-            self.policy = ServedPolicy(config, device=config.device if config.device != "auto" else "cpu")
+            self.policy = ServedPolicy(config, device=config.model.device if config.model.device != "auto" else "cpu")
             self.watcher = AdapterWatcher(self.policy, watch, interval=poll_interval, say=say) if watch else None
             if self.watcher is not None:
                 self.watcher.poll()  # serve the latest published version from the first request on
-            settings = ServeSettings(
-                model_name=config.model if config.model != "tiny" else "sao-tiny", max_tokens=max_tokens,
-                default_temperature=config.temperature, max_prompt_tokens=max_prompt_tokens, reward=config.reward,
+            settings = EndpointSettings(
+                model_name=f"sao-{name}" if (name := config.model.name).startswith("tiny") else name,
+                max_tokens=max_tokens, default_temperature=config.rollout.temperature,
+                max_prompt_tokens=max_prompt_tokens, needs_answer=config.data.reward is None,
             )  # fmt: skip
-            self.service = Service(self.policy, self.log, settings)
+            self.service = Service(self.policy, self.log, settings, build.scorer(config))
             self.app = create_app(self.service)
         except BaseException:
             self.sock.close()

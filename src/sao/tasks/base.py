@@ -1,14 +1,31 @@
-"""What every task source hands the layers above: ``Task`` (one prompt, its gold answer, the record's fields)
-and ``TaskSet`` (the training prompts and held-out tasks of a run, with the counts that produced them).
+"""What every task source hands the layers above: ``Task`` (one prompt, its gold answer, the record's fields; it
+owns its chat messages), ``TaskSet`` (a run's training prompts and held-out tasks, their instruction and their
+reward) and ``Scorer`` (that reward, the one grader of training, eval and serving).
 
-GSM8K (``sao.tasks.gsm8k``), your own data (``sao.tasks.custom``) and the CPU stand-ins (``sao.tiny``) all
-return a ``TaskSet``. Deliberately left out: loading (each source loads its own) and prompting.
+A reward is plain data in, a number out: ``reward(completion, row) -> float`` where ``row`` is a dict of the
+task's fields (``id``, ``question``, ``answer`` and whatever the record held), or batched
+``reward(completions, rows) -> list[float]`` (first parameter named ``completions``, or ``fn.batched = True``),
+sync or ``async``. Every value it returns is checked finite; anything else is a one-line error naming the reward
+and the row.
+
+Deliberately left out: loading (each source loads its own: ``gsm8k``, ``custom``, ``sao.tiny``) and drawing.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import inspect
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+
+from sao.core.errors import ConfigError
+from sao.core.reading import preview
+from sao.rollout.types import Rollout
 
 
 @dataclass(frozen=True)
@@ -30,6 +47,36 @@ class Task:
     fields: dict[str, Any] = field(default_factory=dict, hash=False)  # the record as read: {"answer": ..., ...}
     messages: list[dict[str, Any]] | None = field(default=None, hash=False)  # [{"role": ..., "content": ...}]
 
+    def chat(self, instruction: str = "") -> list[dict[str, Any]]:
+        """The chat messages the prompt is rendered from: the task's own ``messages`` as given (their author wrote
+        the whole prompt), else one user turn, the question and then ``instruction`` after a blank line."""
+        if self.messages is not None:
+            return [dict(message) for message in self.messages]
+        return user_turn(self.question, instruction)
+
+    def row(self) -> Row:
+        """The task as plain data for a reward or an environment: its fields, its id, question and answer."""
+        return Row({**self.fields, "id": self.id, "question": self.question, "answer": self.answer})
+
+
+def user_turn(question: str, instruction: str = "") -> list[dict[str, str]]:
+    """Chat messages for one question: a single user turn, the question, a blank line, then the instruction. No
+    system turn (the model's chat template supplies its default one); an empty instruction leaves the question
+    alone."""
+    question = question.strip()
+    return [{"role": "user", "content": f"{question}\n\n{instruction.strip()}" if instruction.strip() else question}]
+
+
+class Row(dict):
+    """A task's fields as a dict (``row["answer"]``); ``row.answer`` reads the same key, for rewards written
+    against the earlier ``task.answer``."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
 
 @dataclass(frozen=True)
 class TaskSet:
@@ -38,10 +85,138 @@ class TaskSet:
     ``counts`` holds ``train_pool`` and ``test_pool`` (the split sizes), ``test`` (held out),
     ``train_contaminated`` (training questions dropped for sharing an 8-gram with a held-out question),
     ``train_kept`` (the pool left after that) and ``train`` (sampled from the kept pool).
-    ``source`` is ``hub:<id>`` or ``local:<directory name>``.
+    ``source`` is ``hub:<id>``, ``local:<directory name>``, ``file:<name>``, ...; ``instruction`` is appended to
+    each question (GSM8K's asks for a ``#### N`` line; your own prompts are sent as given); ``reward`` is the task's
+    own grader, ``reward(completion, row) -> float`` (None: the GSM8K grader).
     """
 
     train: list[Task]
     test: list[Task]
     counts: dict[str, int]
     source: str
+    instruction: str = ""
+    reward: Callable[..., Any] | None = None
+
+
+# --- the one grader ----------------------------------------------------------------------------------------------
+
+
+def is_batched(reward: Callable[..., Any]) -> bool:
+    """A reward takes whole batches when it says so (``reward.batched = True``) or its first parameter is named
+    ``completions``; otherwise it is called once per completion."""
+    if getattr(reward, "batched", None) is not None:
+        return bool(reward.batched)
+    try:
+        first = next(iter(inspect.signature(reward).parameters), None)
+    except (TypeError, ValueError):
+        return False
+    return first == "completions"
+
+
+def _name_of(reward: Callable[..., Any]) -> str:
+    module = getattr(reward, "__module__", None) or ""
+    name = getattr(reward, "__qualname__", None) or type(reward).__name__
+    return f"{module}:{name}" if module else name
+
+
+class Scorer:
+    """The task's reward over completions and their rows: checked finite, cut-off replies scored as the config
+    says (``truncated_reward`` "zero": 0; "grade": graded like any reply), the same in training, eval and serving.
+    ``name`` says which reward it is in errors and in config.json (its import path when it has one)."""
+
+    def __init__(self, reward: Callable[..., Any], *, truncated_reward: str = "zero", name: str | None = None):
+        if not callable(reward):
+            raise ConfigError(f"a reward must be callable, got {preview(reward)}")
+        if truncated_reward not in ("zero", "grade"):
+            raise ConfigError(f"truncated_reward must be 'zero' or 'grade', got {truncated_reward!r}")
+        self.reward, self.truncated_reward = reward, truncated_reward
+        self.name = name or _name_of(reward)
+        self.batched = is_batched(reward)
+
+    def score(self, completions: Sequence[str], rows: Sequence[dict[str, Any]]) -> list[float]:
+        """The reward of each completion against its row (no cut-off rule applied)."""
+        if len(completions) != len(rows):
+            raise ValueError(f"{len(completions)} completions for {len(rows)} rows")
+        rows = [r if isinstance(r, Row) else Row(r) for r in rows]
+        if self.batched:
+            values = _run(self.reward(list(completions), rows))
+            if not isinstance(values, list | tuple) or len(values) != len(rows):
+                raise ConfigError(f"reward {self.name} returned {preview(values)} for {len(rows)} completions; a "
+                                  "batched reward returns one number per completion")  # fmt: skip
+        elif inspect.iscoroutinefunction(self.reward):
+            values = _run(_gather([self.reward(c, r) for c, r in zip(completions, rows, strict=True)]))
+        else:
+            values = [_run(self.reward(c, r)) for c, r in zip(completions, rows, strict=True)]
+        return [self._checked(v, row) for v, row in zip(values, rows, strict=True)]
+
+    def graded(self, completions: Sequence[str], rows: Sequence[dict[str, Any]], cut: Sequence[bool]) -> list[float]:
+        """``score`` with the cut-off rule: a completion cut at the token limit scores 0 under "zero"."""
+        scores = self.score(completions, rows)
+        if self.truncated_reward == "zero":
+            return [0.0 if c else s for c, s in zip(cut, scores, strict=True)]
+        return scores
+
+    def rewards(self, rollout: Rollout, rows: Sequence[dict[str, Any] | None]) -> tuple[torch.Tensor, dict[str, int]]:
+        """A training batch's rewards: [B] for one reply per prompt, or [B, R] per turn when an environment answered
+        between actions (its rewards kept, the cut turn earning 0 under "zero"). ``rows[i]`` None: row i's reward
+        is already in ``rollout.turns`` (an environment's, or a logged trace's); else its completion is graded and
+        put on its last action token. Returns (rewards, {truncated_replies, truncated_with_credit})."""
+        columns = torch.arange(rollout.action_mask.shape[1], device=rollout.action_mask.device)
+        last = (rollout.action_mask.long() * columns).argmax(dim=1)  # [B] each row's last action token
+        cut = rollout.cut  # [B] the last action hit a token limit
+        todo = [i for i, row in enumerate(rows) if row is not None]
+        graded = self.score([rollout.texts[i] for i in todo], [rows[i] for i in todo]) if todo else []
+        if rollout.turns is None:  # one reply per prompt: every row graded from its text
+            values = torch.tensor(graded, dtype=torch.float32, device=cut.device)  # [B]
+            credited = cut & (values > 0)
+            counts = {"truncated_replies": int(cut.sum()), "truncated_with_credit": int(credited.sum())}
+            return (torch.where(cut, torch.zeros_like(values), values) if self.truncated_reward == "zero"
+                    else values), counts  # fmt: skip
+        per_turn = rollout.turns.rewards.clone()  # [B, R] each turn's reward on its last action token
+        for i, value in zip(todo, graded, strict=True):
+            per_turn[i, last[i]] = value
+        rows_ = torch.arange(per_turn.shape[0], device=per_turn.device)
+        credited = cut & (per_turn[rows_, last] > 0)
+        counts = {"truncated_replies": int(cut.sum()), "truncated_with_credit": int(credited.sum())}
+        if self.truncated_reward == "zero":
+            per_turn[rows_[cut], last[cut]] = 0.0
+        return (per_turn if bool((rollout.turns.count > 1).any()) else per_turn.sum(dim=1)), counts
+
+    def _checked(self, value: Any, row: dict[str, Any]) -> float:
+        where = f"reward {self.name} returned {preview(value)} for {row.get('id', 'a row')}"
+        if isinstance(value, bool | str | bytes) or value is None:
+            raise ConfigError(f"{where}; it must return a number")
+        try:
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
+            raise ConfigError(f"{where}; it must return a number") from None
+        if not math.isfinite(number) or abs(number) > REWARD_LIMIT:
+            raise ConfigError(f"{where}; it must return a finite number of magnitude at most {REWARD_LIMIT:g}")
+        return number
+
+    def __repr__(self) -> str:
+        return f"Scorer({self.name})"
+
+
+REWARD_LIMIT = 1e6  # a reward's magnitude at most: far beyond any task's, well inside float32 (3.4e38) after sums
+
+
+def _run(value: Any) -> Any:
+    """A reward's value, awaited when it is a coroutine (an ``async`` reward): on this thread, or, when an event
+    loop already runs here (a server), on a thread of its own."""
+    if not inspect.isawaitable(value):
+        return value
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_awaited(value))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, _awaited(value)).result()
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
+async def _gather(coroutines: list[Any]) -> list[Any]:
+    return list(await asyncio.gather(*coroutines))

@@ -43,7 +43,6 @@ import dataclasses
 import importlib
 import inspect
 import json
-import math
 import os
 import random
 import re
@@ -56,19 +55,16 @@ from typing import Any, Protocol
 from sao.core.errors import ConfigError, DataError
 from sao.rollout.environment import EnvFactory
 from sao.tasks.base import Task, TaskSet
-from sao.tasks.gsm8k import GOLD_MARKER, HUB_ID, build_messages, decontaminate, grading
+from sao.tasks.gsm8k import GOLD_MARKER, HUB_ID, decontaminate
 
 __all__ = [
     "DEFAULT_ANSWER_FIELD",
     "DEFAULT_PROMPT_FIELD",
     "FILE_SUFFIXES",
-    "CheckedReward",
-    "default_reward",
     "load_custom",
     "load_env_class",
     "load_reward",
     "source_kind",
-    "task_messages",
     "uses_custom_loader",
 ]
 
@@ -531,58 +527,70 @@ def load_custom(
     )
 
 
-def task_messages(task: Task, instruction: str) -> list[dict[str, Any]]:
-    """The chat messages a task's prompt is rendered from: its own ``messages`` as given (the data's author
-    wrote the whole prompt, so no instruction is added), else the question and ``instruction`` as one user turn
-    (:func:`sao.tasks.gsm8k.build_messages`)."""
-    if task.messages is not None:
-        return [dict(message) for message in task.messages]
-    return build_messages(task.question, instruction)
+# --- rows given as objects ------------------------------------------------------------------------------------
+
+
+def from_rows(dataset: Any, *, n_train: int, n_test: int, seed: int) -> TaskSet:
+    """A task set from rows given in Python: a list of dicts (every row a training prompt; no held-out tasks), a
+    mapping ``{"train": rows, "test": rows}``, or a Hugging Face ``Dataset`` / ``DatasetDict`` of the same. A row is
+    a dict with a ``prompt`` (text, or chat messages as a list of ``{"role", "content"}``) and any other fields
+    (``answer`` for the default reward); its fields reach the reward and the environment as they are. Up to
+    ``n_train`` training rows are used (in order; a held-out set is decontaminated against them first), ``n_test``
+    held-out ones drawn with ``random.Random(seed)``. The prompt is sent as given: no instruction is added."""
+    splits = _splits(dataset)
+    train = [_row_task(row, f"rows/train/{i}") for i, row in enumerate(splits["train"])]
+    test = [_row_task(row, f"rows/test/{i}") for i, row in enumerate(splits.get("test", []))]
+    if not train:
+        raise DataError("the dataset has no rows to train on")
+    test = _sample(test, min(n_test, len(test)), random.Random(seed)) if test else []
+    kept, dropped = decontaminate(train, test) if test else (train, [])
+    counts = {"train_pool": len(train), "test_pool": len(splits.get("test", [])), "test": len(test),
+              "train_contaminated": len(dropped), "train_kept": len(kept),
+              "train": min(n_train, len(kept))}  # fmt: skip
+    return TaskSet(train=kept[:n_train], test=test, counts=counts, source=f"rows:{len(train)}", instruction="")
+
+
+def _splits(dataset: Any) -> dict[str, list[Any]]:
+    """{"train": rows[, "test": rows]} from a list, a mapping of splits, or a Hugging Face dataset."""
+    if hasattr(dataset, "keys") and hasattr(dataset, "__getitem__") and not isinstance(dataset, list):
+        keys = set(dataset.keys())
+        if "train" in keys:  # a mapping or DatasetDict of splits
+            unknown = keys - {"train", "test"}
+            if unknown:
+                raise ConfigError(f"dataset splits must be 'train' and 'test', got {sorted(keys)}")
+            return {k: list(dataset[k]) for k in keys}
+        raise ConfigError(f"a dataset mapping needs a 'train' split, got keys {_listing(sorted(map(str, keys)))}")
+    if hasattr(dataset, "__iter__") and not isinstance(dataset, str | bytes):
+        return {"train": list(dataset)}
+    raise ConfigError(f"dataset must be a list of dicts, a {{'train', 'test'}} mapping, a Hugging Face dataset or a "
+                      f"path, got {type(dataset).__name__}")  # fmt: skip
+
+
+def _row_task(row: Any, task_id: str) -> Task:
+    where = f"dataset row {task_id.rsplit('/', 2)[1]} {task_id.rsplit('/', 1)[1]}"
+    if not isinstance(row, Mapping):
+        raise DataError(f"{where}: expected a dict with a 'prompt', got {type(row).__name__}")
+    prompt = _get(row, "prompt", where, "a 'prompt' key")
+    messages = None
+    if isinstance(prompt, str):
+        question = _text(prompt, where, "prompt")
+    else:
+        messages, question = _messages(prompt, where, "prompt")
+    answer = row.get("answer")
+    answer = "" if answer is None else _answer(answer, where, "answer")
+    return Task(id=task_id, question=question, answer=answer, fields=dict(row), messages=messages)
 
 
 # --- your reward and your environment --------------------------------------------------------------------
 
 
-def default_reward(completion: str, task: Task) -> float:
-    """The GSM8K grader: 1.0 when the completion's final answer equals ``task.answer`` numerically, else 0.0."""
-    return grading.reward(completion, task.answer)
-
-
-class CheckedReward:
-    """A user's reward function that must return a finite number: anything else is a one-line ConfigError
-    naming the spec and the task, instead of a NaN or a type error deep in the update. Picklable when the
-    function is (for rollout workers)."""
-
-    def __init__(self, function: Callable[[str, Task], Any], spec: str) -> None:
-        self.function = function
-        self.spec = spec
-
-    def __call__(self, completion: str, task: Task) -> float:
-        value = self.function(completion, task)
-        try:
-            if isinstance(value, str | bytes):
-                raise TypeError
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(
-                f"--reward {self.spec!r} returned {_short(value)} for task {task.id}; it must return a number"
-            ) from None
-        if not math.isfinite(number):
-            raise ConfigError(f"--reward {self.spec!r} returned {number} for task {task.id}; it must be finite")
-        return number
-
-    def __repr__(self) -> str:
-        return f"CheckedReward({self.spec!r})"
-
-
-def load_reward(spec: str | None) -> Callable[[str, Task], float]:
-    """The reward ``--reward`` names: None is :func:`default_reward`; ``"module:function"`` is that function,
-    called as ``function(completion, task)`` and checked to return a finite number (:class:`CheckedReward`)."""
-    if spec is None:
-        return default_reward
+def load_reward(spec: str) -> Callable[..., Any]:
+    """The reward ``--reward module:function`` names: that function, called as ``function(completion, row)`` with
+    ``row`` a dict of the task's fields (or batched, ``function(completions, rows)``); ``sao.tasks.base.Scorer``
+    checks what it returns. One that cannot be called that way is a ConfigError now, not a TypeError mid-run."""
     function = _resolve(spec, "--reward", "function")
-    _check_call(function, spec, "--reward", ("completion", Task(id="check", question="q", answer="a")))
-    return CheckedReward(function, spec)
+    _check_call(function, spec, "--reward", ("completion", {"id": "check", "question": "q", "answer": "a"}))
+    return function
 
 
 def load_env_class(spec: str) -> EnvFactory:
@@ -670,5 +678,5 @@ def _check_call(target: Any, spec: str, flag: str, arguments: tuple[Any, ...]) -
     try:
         signature.bind(*arguments)
     except TypeError as e:
-        shape = "(completion, task)" if flag == "--reward" else "(task_id, fields)"
+        shape = "(completion, row)" if flag == "--reward" else "(task_id, fields)"
         raise ConfigError(f"{flag} {spec!r}: cannot be called as {shape}: {e}") from None

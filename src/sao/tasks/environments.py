@@ -1,69 +1,69 @@
 """Which environment a run's trajectories talk to: ``--env`` turned into a factory ``(task_id, fields) -> env``.
 
-    None            no environment: one reply per prompt, graded by the task's reward (the page's protocol,
-                    and today's runs bit for bit)
-    "gsm8k"         the same single-turn task as an environment (``calc.Gsm8kEnv``)
-    "gsm8k-calc"    GSM8K with a calculator tool, in the tokenizer's own tool-call format when its chat
-                    template supports tools, a plain ``<calc>`` tag otherwise (``calc.CalcEnv``)
-    "tiny-calc"     the CPU preset's calculator task (3–4 digit sums) on its own warm-started tiny model
+    None            no environment: one reply per prompt, graded by the task's reward (the page's protocol)
+    a registered    ``ENVIRONMENTS`` in ``sao.core.registry``: "gsm8k" (the single-turn task as an environment),
+    name            "gsm8k-calc" (a calculator tool, in the tokenizer's own tool-call format when its template has
+                    tools), "tiny-calc" (the CPU preset's calculator task); each ``factory(tokenizer)``
     "skyrl:<id>"    a SkyRL-Gym environment, unchanged (``pip install 'sao[agents]'``), built with the task's
                     answer as its ``reward_spec`` ground truth
     "module:Class"  your own, ``Class(task_id, fields)`` (``custom.load_env_class``)
 
-Deliberately left out: environment-specific configuration files (an environment reads what it needs from
-the task's fields).
+``episodes_for`` turns a factory and the tasks into what a source needs to draw multi-turn episodes;
+``prompt_text`` renders a task's chat prompt for a single reply. Deliberately left out: environment-specific
+configuration files (an environment reads what it needs from the task's fields).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from sao.core.config import Config
 from sao.core.errors import ConfigError
+from sao.core.registry import ENVIRONMENTS
 from sao.rollout.environment import EnvFactory
 from sao.rollout.sources import Episodes
 from sao.tasks import calc, custom
 from sao.tasks.base import Task
-from sao.tasks.gsm8k import format_prompt
-
-BUILT_IN = ("gsm8k", "gsm8k-calc", "tiny-calc")
+from sao.tasks.gsm8k.data import format_chat
 
 
-def env_factory(config: Config, tokenizer: Any) -> EnvFactory | None:
-    """The factory ``config.env`` names (None: no environment)."""
-    name = config.env
+def env_factory(name: str | None, tokenizer: Any, max_turns: int) -> EnvFactory | None:
+    """The factory ``--env name`` names (None: no environment)."""
     if name is None:
         return None
-    if name == "gsm8k":
-        return calc.Gsm8kEnv
-    if name == "gsm8k-calc":
-        return calc.calc_env_factory(tokenizer)
-    if name == "tiny-calc":
-        return calc.calc_env_factory(tokenizer)
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS.get(name)(tokenizer)
     if name.startswith("skyrl:"):
-        return _skyrl_factory(name.removeprefix("skyrl:"), config.max_turns)
+        return _skyrl_factory(name.removeprefix("skyrl:"), max_turns)
     if ":" in name:
         return custom.load_env_class(name)
-    raise ConfigError(f"--env {name!r}: choose {', '.join(BUILT_IN)}, skyrl:<id> or module:Class")
+    raise ConfigError(f"--env {name!r}: choose {', '.join(ENVIRONMENTS.names())}, skyrl:<id> or module:Class")
 
 
-def episodes_for(config: Config, tokenizer: Any, tasks: list[Task], instruction: str) -> Episodes | None:
+def gsm8k(tokenizer: Any) -> EnvFactory:
+    """``--env gsm8k``: one reply graded by the GSM8K grader, as an environment."""
+    return calc.Gsm8kEnv
+
+
+def gsm8k_calc(tokenizer: Any) -> EnvFactory:
+    """``--env gsm8k-calc``: GSM8K with a calculator, in the tokenizer's tool format."""
+    return calc.calc_env_factory(tokenizer)
+
+
+def episodes_for(
+    factory: EnvFactory | None, tasks: list[Task], instruction: str, max_turns: int, max_total_tokens: int
+) -> Episodes | None:
     """What a source needs to draw multi-turn episodes of ``tasks`` (None without an environment)."""
-    factory = env_factory(config, tokenizer)
     if factory is None:
         return None
-    messages = {t.id: custom.task_messages(t, instruction) for t in tasks}
+    messages = {t.id: t.chat(instruction) for t in tasks}
     fields = {t.id: task_fields(t) for t in tasks}
-    return Episodes(factory, messages, fields, config.max_turns, config.max_total_tokens)
+    return Episodes(factory, messages, fields, max_turns, max_total_tokens)
 
 
 def prompt_text(tokenizer: Any, task: Task, instruction: str) -> str:
-    """The prompt a single-turn reply continues: the chat template over the task's messages (its own, or the
-    question with ``instruction``)."""
-    if task.messages is None:
-        return format_prompt(tokenizer, task.question, instruction)
-    return tokenizer.apply_chat_template(custom.task_messages(task, instruction), tokenize=False,
-                                         add_generation_prompt=True)  # fmt: skip
+    """The prompt a single reply continues: the chat template over the task's messages, with the generation
+    prompt."""
+    return format_chat(tokenizer, task.chat(instruction))
 
 
 def task_fields(task: Task) -> dict[str, Any]:

@@ -44,6 +44,7 @@ import torch
 
 from sao.core import provenance
 from sao.core.errors import DataError
+from sao.core.io import folder_mode
 from sao.rollout.sampler import decode, draw, encode_prompts
 from sao.tasks.base import Task, TaskSet
 from sao.tasks.gsm8k import format_prompt, grading
@@ -150,7 +151,9 @@ def make_split(n_train: int, n_test: int, seed: int = 0) -> TaskSet:
         "train_kept": len(pool) - n_test,
         "train": n_train,
     }
-    return TaskSet(train=train, test=test, counts=counts, source="generated:tiny-arithmetic")
+    return TaskSet(
+        train=train, test=test, counts=counts, source="generated:tiny-arithmetic", instruction=TINY_INSTRUCTION
+    )
 
 
 def tutor_reply(task: Task, rng: random.Random, accuracy: float) -> str:
@@ -203,6 +206,7 @@ def ensure_model(settings: WarmStart = WarmStart(), progress: bool = True) -> Pa
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    os.chmod(scratch, folder_mode())  # the cached model folder keeps the user's umask, not mkdtemp's 0o700
     try:
         build_from_shipped(settings, scratch)
         try:

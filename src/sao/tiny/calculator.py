@@ -52,10 +52,11 @@ import torch
 
 from sao.core import provenance
 from sao.core.errors import DataError
-from sao.rollout.environment import render_observation
+from sao.core.io import folder_mode
+from sao.rollout.environment import EnvFactory, render_observation
 from sao.rollout.sampler import draw
 from sao.tasks.base import Task, TaskSet
-from sao.tasks.calc import TAG_CLOSE, TAG_OPEN, CalcEnv
+from sao.tasks.calc import TAG_CLOSE, TAG_OPEN, CalcEnv, calc_env_factory
 from sao.tasks.gsm8k import build_messages
 from sao.tiny.arithmetic import build_tokenizer, cache_root
 
@@ -174,7 +175,13 @@ def make_split(n_train: int, n_test: int, seed: int = 0) -> TaskSet:
         test=[question(i) for i in test_ids],
         counts=counts,
         source="generated:tiny-calc",
+        instruction=TINY_CALC_INSTRUCTION,
     )
+
+
+def environment(tokenizer: Any) -> EnvFactory:
+    """``--env tiny-calc``: the calculator, in the tokenizer's tool format (the tag format for the tiny one)."""
+    return calc_env_factory(tokenizer)
 
 
 def make_env(task: Task) -> CalcEnv:
@@ -360,6 +367,7 @@ def ensure_calc_model(settings: CalcWarmStart = CalcWarmStart(), progress: bool 
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    os.chmod(scratch, folder_mode())  # the cached model folder keeps the user's umask, not mkdtemp's 0o700
     try:
         if settings == CalcWarmStart():
             build_from_shipped(scratch)

@@ -1,31 +1,29 @@
-"""A run folder: claiming it, the checkpoint written after every step, and reading both back.
+"""A run folder: claiming it, checkpoints, the step log, and reading them back.
 
-    OUT/config.json      the settings the run was started with (written once everything has loaded); a
-                         folder holding one needs --resume and the same settings, so runs never mix
-    OUT/checkpoint.pt    adapters, value head, both optimizers, counters, the source's state, the records
-    OUT/train_log.json   the records, readable while the run goes on
-    OUT/traces.json      with --traces: the run's totals (used, dropped by reason, staleness histogram, footing)
-    OUT/published/       with --traces or --publish: v{N}/ the adapter after N policy updates (the newest 3), and
-                         LATEST.json {"version": N, "path": "v{N}"}, replaced atomically once v{N} is complete, for a
-                         server to reload
+    OUT/config.json            the settings and parts the run was started with (written once everything is built);
+                               a folder holding one needs --resume and the same settings, so runs never mix
+    OUT/checkpoints/step-N/    tensors.safetensors (adapters, value head, optimizer moments) + state.json (the rest:
+                               counters, the source's and hooks' state, the records); the newest K kept, no pickle
+    OUT/train_log.jsonl        one record per step, appended as the run goes (not rewritten)
+    OUT/traces.json            a trace run's totals;  OUT/published/ the adapters a server reloads (v{N}/, LATEST.json)
 
-Both per-step files are written atomically (beside, rename), the checkpoint first and fsynced: a run killed
-between the two resumes from the checkpoint and rewrites the log, so nothing is lost or counted twice. The
-log is not fsynced (a checkpoint's fsync is the durable point of a step; the log is the checkpoint's records
-as JSON), so a machine crash can at worst leave a log that ``ensure_log`` and ``read_log`` rebuild from the
-checkpoint, exactly.
+A checkpoint appears whole or not at all (written into a hidden folder, fsynced, renamed). The log is appended
+without an fsync: on --resume it is made to hold exactly the checkpoint's records (a kill between the two, or a
+machine crash, can leave it behind or ahead), so nothing is lost or counted twice. A damaged folder is a one-line
+error naming the file and what to do, and nothing in it is overwritten but the log, and only from the checkpoint's
+copy of the same records. Folders written before checkpoints had their own directory (OUT/checkpoint.pt, a
+torch.save file) are read with ``weights_only`` loading.
 
-A damaged folder is a one-line error naming the file and what to do, and nothing in it is overwritten: a
-``config.json`` or ``checkpoint.pt`` that cannot be read, a checkpoint missing beside a log that has steps, a
-``--resume`` of a folder that is missing, empty or holds no run. The only file ever rewritten is a missing
-or damaged ``train_log.json``, and only from the checkpoint's copy of the same records.
-
-Deliberately left out: the adapter export (``sao.model.artifacts``), anything about the step itself, and
-repairing a damaged checkpoint (its weights and optimizer state exist nowhere else).
+Deliberately left out: the adapter export (``sao.model.artifacts``) and repairing a damaged checkpoint (its
+weights and optimizer state exist nowhere else).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -33,19 +31,24 @@ from typing import Any
 
 import torch
 
+from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.io import (
     DamagedFileError,
     as_json,
+    atomic_write,
     check_output_path,
+    clean,
+    folder_mode,
     read_json,
     read_saved_json,
-    save_torch,
     write_json,
 )
 
-LOG_FILE, CHECKPOINT_FILE, CONFIG_FILE = "train_log.json", "checkpoint.pt", "config.json"
-# What a checkpoint holds; one without these keys was not written by this version of sao.
+LOG_FILE, CONFIG_FILE, CHECKPOINTS_DIR = "train_log.jsonl", "config.json", "checkpoints"
+LEGACY_CHECKPOINT, LEGACY_LOG = "checkpoint.pt", "train_log.json"  # folders written by sao 0.1 before sections
+TENSORS_FILE, STATE_FILE = "tensors.safetensors", "state.json"
+# What a checkpoint holds; one without these keys was not written by sao.
 STATE_KEYS = ("next_step", "policy_version", "policy", "source", "value_head", "policy_opt", "critic_opt", "records",
               "warnings")  # fmt: skip
 
@@ -57,7 +60,11 @@ def start_again(out: Path) -> str:
 
 def _contents(out: Path) -> list[Path]:
     """The folder's entries, less the temporary files of a write that was killed (``.<name>.<random>.tmp``)."""
-    return [p for p in out.iterdir() if not (p.name.startswith(".") and p.name.endswith(".tmp"))]
+    return [p for p in out.iterdir() if not (p.name.startswith(".") and p.name.endswith((".tmp", ".partial")))]
+
+
+def _has_steps(out: Path) -> bool:
+    return (out / CHECKPOINTS_DIR).is_dir() or (out / LEGACY_CHECKPOINT).exists()
 
 
 def claim(out: Path, record: dict[str, Any], resume: bool) -> None:
@@ -75,7 +82,7 @@ def claim(out: Path, record: dict[str, Any], resume: bool) -> None:
             return
         raise ConfigError(f"--resume: the run in {out} was started with other settings; use a new --out")
     if resume:
-        if (out / CHECKPOINT_FILE).exists() or (out / LOG_FILE).exists():
+        if _has_steps(out) or (out / LOG_FILE).exists() or (out / LEGACY_LOG).exists():
             raise DamagedFileError(f"{config_file} is missing beside the run's checkpoint and log; restore it, "
                                    "or start again with a new --out")  # fmt: skip
         what = "does not exist" if not out.exists() else "holds no run" if _contents(out) else "is empty"
@@ -86,16 +93,19 @@ def claim(out: Path, record: dict[str, Any], resume: bool) -> None:
 
 # Settings that change how a run is watched, how long it waits for a trace log or whether a malformed trace line
 # stops it, not what a step computes: a resume may change them.
-NOT_COMPARED_ON_RESUME = ("track", "follow", "follow_timeout", "skip_bad_traces")
+NOT_COMPARED_ON_RESUME = ("track", "follow", "follow_timeout", "skip_bad_traces", "log_every")
 
 
 def same_settings(saved: Any, record: dict[str, Any]) -> bool:
-    """Whether a saved settings record (config.json, experiment.json) is ``record``, watching aside."""
+    """Whether a saved settings record (config.json, experiment.json) is ``record``, watching aside. Settings are
+    compared as today's sections, so a folder an earlier sao version wrote (flat settings) still resumes."""
 
     def comparable(value: Any) -> Any:
         value = as_json(value)
         if isinstance(value, dict) and isinstance(value.get("config"), dict):
-            value["config"] = {k: v for k, v in value["config"].items() if k not in NOT_COMPARED_ON_RESUME}
+            with contextlib.suppress(ConfigError):
+                value["config"] = Config.from_mapping(value["config"]).flat()
+            value["config"] = as_json({k: v for k, v in value["config"].items() if k not in NOT_COMPARED_ON_RESUME})
         return value
 
     return comparable(saved) == comparable(record)
@@ -105,11 +115,177 @@ def write_config(out: Path, record: dict[str, Any]) -> None:
     write_json(out / CONFIG_FILE, record)
 
 
-def save(out: Path, state: dict[str, Any], records: list[dict[str, Any]]) -> None:
-    """The checkpoint (fsynced), then the log (rebuilt from the checkpoint if a machine crash damages it)."""
-    save_torch(out / CHECKPOINT_FILE, state)
-    write_json(out / LOG_FILE, records, durable=False)
+# --- checkpoints: safetensors for the tensors, JSON for the rest ------------------------------------------------
 
+
+def _encode(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
+    """``value`` as JSON, its tensors moved into ``tensors`` under their path; what JSON cannot hold exactly
+    (tuples, non-string keys, NaN) is tagged so that ``_decode`` gives back the same value."""
+    if isinstance(value, torch.Tensor):
+        tensors[path] = value.detach().cpu().contiguous().clone()
+        return {"__tensor__": path}
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"__float__": repr(value)}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: _encode(v, tensors, f"{path}.{k}") for k, v in value.items()}
+        return {"__items__": [[_encode(k, tensors, f"{path}.k{i}"), _encode(v, tensors, f"{path}.{i}")]
+                              for i, (k, v) in enumerate(value.items())]}  # fmt: skip
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, tensors, f"{path}.{i}") for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(v, tensors, f"{path}.{i}") for i, v in enumerate(value)]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(f"a checkpoint cannot hold {type(value).__name__} at {path}")
+
+
+def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tensor__" in value:
+        return tensors[value["__tensor__"]]
+    if "__float__" in value:
+        return float(value["__float__"])
+    if "__tuple__" in value:
+        return tuple(_decode(v, tensors) for v in value["__tuple__"])
+    if "__items__" in value:
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in value["__items__"]}
+    return {k: _decode(v, tensors) for k, v in value.items()}
+
+
+def _step_folders(out: Path) -> list[Path]:
+    root = out / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")), key=lambda p: p.name)
+
+
+def save(out: Path, state: dict[str, Any], records: list[dict[str, Any]], keep: int = 1) -> Path:
+    """OUT/checkpoints/step-N/ (N = ``state["next_step"]``), whole or not at all; then the newest ``keep`` are kept.
+    ``records`` are the log's (saved with the state, so a damaged log can be rebuilt exactly)."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = _encode({**state, "records": records}, tensors, "state")
+    root = out / CHECKPOINTS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{int(state['next_step']):06d}"
+    staging = root / f".{final.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(mode=folder_mode())
+    save_file(tensors, str(staging / TENSORS_FILE))
+    atomic_write(staging / STATE_FILE, json.dumps(encoded).encode())
+    fd = os.open(staging, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    for old in _step_folders(out)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        (out / LEGACY_CHECKPOINT).unlink()  # superseded once a folder checkpoint exists
+    return final
+
+
+def load(out: Path, fix: str | None = None) -> dict[str, Any] | None:
+    """The newest checkpoint's state, or None when the run has not completed one. A checkpoint that cannot be
+    read, or none beside a log that has steps, is a DamagedFileError ending in ``fix`` (default: train again)."""
+    fix = fix or start_again(out)
+    folders = _step_folders(out)
+    if folders:
+        state = _load_folder(folders[-1], fix)
+    elif (out / LEGACY_CHECKPOINT).exists():
+        state = _load_legacy(out / LEGACY_CHECKPOINT, fix)
+    else:
+        for log in (out / LOG_FILE, out / LEGACY_LOG):
+            if log.exists() and log.stat().st_size > 0:
+                raise DamagedFileError(f"{out / CHECKPOINTS_DIR} holds no checkpoint but {log} holds the run's "
+                                       f"steps; {fix}")  # fmt: skip
+        return None
+    missing = [key for key in STATE_KEYS if key not in state] if isinstance(state, dict) else list(STATE_KEYS)
+    if missing:
+        raise DamagedFileError(f"{out / CHECKPOINTS_DIR} is not a sao checkpoint (it has no {missing[0]!r}); {fix}")
+    return state
+
+
+def _load_folder(folder: Path, fix: str) -> dict[str, Any]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(folder / TENSORS_FILE))
+        return _decode(json.loads((folder / STATE_FILE).read_text(encoding="utf-8")), tensors)
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
+        raise DamagedFileError(f"{folder} is damaged ({reason}); {fix}") from None
+
+
+def _load_legacy(path: Path, fix: str) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises RuntimeError, EOFError, UnpicklingError, ... for a damaged file
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
+        raise DamagedFileError(f"{path} is damaged ({reason}); {fix}") from None
+
+
+# --- the step log -----------------------------------------------------------------------------------------------
+
+
+def append_log(out: Path, record: dict[str, Any]) -> None:
+    """One record at the end of OUT/train_log.jsonl (flushed, not fsynced: ``ensure_log`` repairs it from the
+    checkpoint on --resume)."""
+    line = json.dumps(clean(record), allow_nan=False) + "\n"
+    fd = os.open(out / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def _read_jsonl(path: Path) -> list[Any]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def ensure_log(out: Path, records: list[dict[str, Any]]) -> bool:
+    """Make train_log.jsonl hold exactly ``records`` (a checkpoint's): a log behind, ahead, damaged or missing is
+    rewritten from them. Returns True when it had to be rewritten."""
+    try:
+        if _read_jsonl(out / LOG_FILE) == as_json(records):
+            return False
+    except (OSError, ValueError):  # missing, unreadable or not JSON lines: rewritten below
+        pass
+    text = "".join(json.dumps(clean(r), allow_nan=False) + "\n" for r in records)
+    atomic_write(out / LOG_FILE, text.encode(), durable=False)
+    (out / LEGACY_LOG).unlink(missing_ok=True)
+    return True
+
+
+def read_log(out: Path, fix: str) -> list[dict[str, Any]]:
+    """A finished run's records as JSON holds them: its train_log.jsonl (train_log.json in a folder an earlier
+    version wrote), or, when that is missing or damaged, the checkpoint's copy of the same records, written back
+    to the log. With neither readable it is a DamagedFileError ending in ``fix``."""
+    try:
+        if (out / LOG_FILE).exists() or not (out / LEGACY_LOG).exists():
+            return _read_jsonl(out / LOG_FILE)
+        return read_saved_json(out / LEGACY_LOG, fix, expect=list)
+    except (OSError, ValueError, DamagedFileError):
+        if not _has_steps(out):
+            raise DamagedFileError(f"{out / LOG_FILE} is missing or damaged and no checkpoint holds its records; "
+                                   f"{fix}") from None  # fmt: skip
+    state = load(out, fix)
+    assert state is not None  # a checkpoint exists
+    ensure_log(out, state["records"])
+    return as_json(state["records"])
+
+
+# --- publishing -------------------------------------------------------------------------------------------------
 
 PUBLISHED_DIR, LATEST_FILE, KEEP_PUBLISHED = "published", "LATEST.json", 3
 
@@ -132,55 +308,9 @@ def publish(out: Path, version: int, write_adapter: Callable[[Path], Any]) -> Pa
 TRACES_FILE = "traces.json"
 
 
-def write_traces_summary(out: Path, summary: dict[str, Any]) -> None:
-    """OUT/traces.json: a trace run's totals (used, dropped by reason, staleness histogram, the footing audit)."""
-    write_json(out / TRACES_FILE, summary)
-
-
-def load(out: Path, fix: str | None = None) -> dict[str, Any] | None:
-    """The last checkpoint's state, or None when the run has not completed a step. A checkpoint that cannot be
-    read, or is missing beside a log that has steps, is a DamagedFileError ending in ``fix`` (default: train
-    the run again)."""
-    fix = fix or start_again(out)
-    path = out / CHECKPOINT_FILE
-    if not path.exists():
-        log = out / LOG_FILE
-        if log.exists():
-            raise DamagedFileError(f"{path} is missing but {log} holds the run's steps; {fix}")
-        return None
+def latest_published(out: Path) -> int:
+    """The version LATEST.json names, or -1 when nothing was published."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:  # torch raises RuntimeError, EOFError, UnpicklingError, ... for a damaged file
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
-        raise DamagedFileError(f"{path} is damaged ({reason}); {fix}") from None
-    missing = [key for key in STATE_KEYS if key not in state] if isinstance(state, dict) else list(STATE_KEYS)
-    if missing:
-        raise DamagedFileError(f"{path} is not a sao checkpoint (it has no {missing[0]!r}); {fix}")
-    return state
-
-
-def ensure_log(out: Path, records: list[dict[str, Any]]) -> bool:
-    """Make train_log.json hold ``records``: a finished run that is resumed takes no step, so nothing else
-    would notice a log that is missing, damaged or different. Returns True when it had to be rewritten."""
-    try:
-        if read_json(out / LOG_FILE) == as_json(records):
-            return False
-    except (OSError, ValueError):  # missing, unreadable or not JSON: rewritten below
-        pass
-    write_json(out / LOG_FILE, records)
-    return True
-
-
-def read_log(out: Path, fix: str) -> list[dict[str, Any]]:
-    """A finished run's records as JSON holds them: its train_log.json, or, when that is missing or damaged,
-    the checkpoint's copy of the same records, written back to train_log.json. With neither readable it is a
-    DamagedFileError ending in ``fix``."""
-    try:
-        return read_saved_json(out / LOG_FILE, fix, expect=list)
-    except DamagedFileError:
-        if not (out / CHECKPOINT_FILE).exists():
-            raise
-    state = load(out, fix)
-    assert state is not None  # the checkpoint exists
-    write_json(out / LOG_FILE, state["records"])
-    return as_json(state["records"])
+        return int(read_json(out / PUBLISHED_DIR / LATEST_FILE)["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1

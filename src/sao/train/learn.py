@@ -23,51 +23,37 @@ learning-rate schedules and mixed-precision loss scaling (LoRA in bf16 needs non
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from sao.core.algorithm import SAO, Update
+from sao.algorithm.update import SAO, Update
 from sao.model.forward import TeacherForced, teacher_forced
 from sao.model.policy import Models
 from sao.rollout.types import Rollout
 from sao.train.distributed import SINGLE, World
-
-T = TypeVar("T")
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """CUDA's OutOfMemoryError, or any allocator error that says so (CPU, MPS)."""
-    oom = getattr(torch.cuda, "OutOfMemoryError", ())
-    return (bool(oom) and isinstance(error, oom)) or "out of memory" in str(error).lower()
-
-
-def with_oom_retry(attempt: Callable[[int], T], rows: int, on_retry: Callable[[int], None]) -> tuple[T, int, int]:
-    """Run ``attempt(rows)``; on out-of-memory halve ``rows``, call ``on_retry(rows)`` and try again (down to
-    one row). Returns (result, rows it succeeded with, retries). Any other error propagates."""
-    retries = 0
-    while True:
-        try:
-            return attempt(rows), rows, retries
-        except RuntimeError as error:
-            if not is_out_of_memory(error) or rows == 1:
-                raise
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            retries += 1
-            rows = max(1, rows // 2)
-            on_retry(rows)
 
 
 @dataclass
 class PassResult:
     forward: TeacherForced  # logprobs [b, R] (detached) and hidden [b, R, H] of this process's rows (all on one)
     update: Update  # the whole batch's SAO.update (all ranks' rows)
-    loss: float  # Σ over micro-batches of −Σ c·logprobs (NaN on critic-only steps)
+    loss: float  # Σ over micro-batches of −Σ c·logprobs (+ the optional terms; NaN on critic-only steps)
     finite: bool  # False: a micro-batch's loss was not finite, so no gradient may be applied
+    extra_stats: dict[str, float] = field(default_factory=dict)  # kl_ref_mean, entropy_mean when they are on
+
+
+def lr_factor(k: int, steps: int, warmup_steps: int, schedule: str) -> float:
+    """The learning rate of policy step k (0-based) as a share of the base: linear warmup over ``warmup_steps``,
+    then "constant" (1), "linear" (to 0 at the last step) or "cosine" (to 0)."""
+    if k < warmup_steps:
+        return (k + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    span = max(steps - warmup_steps, 1)
+    progress = min((k - warmup_steps) / span, 1.0)
+    return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def policy_gradient_pass(
@@ -81,6 +67,8 @@ def policy_gradient_pass(
     temperature: float,
     logprob_chunk: int,
     world: World = SINGLE,
+    kl_coef: float = 0.0,
+    entropy_coef: float = 0.0,
 ) -> PassResult:
     """The teacher-forced pass and the policy gradient, ``rows`` trajectories at a time (see the module doc).
     On a critic-only step no gradient is taken and ``loss`` is NaN. Under torchrun ``rollout`` and
@@ -92,18 +80,13 @@ def policy_gradient_pass(
     own = world.shard(len(mask))  # this process's rows (all of them on one process)
     logprobs, hidden, values = [], [], []
     loss_total, finite = 0.0, True
+    kl_total = entropy_total = 0.0
     for start in range(own.start, own.stop, rows):
         part = slice(start, min(start + rows, own.stop))
+        pass_args = (rollout.prompt_ids[part], rollout.prompt_mask[part], rollout.response_ids[part], mask[part])
         with torch.set_grad_enabled(with_policy_gradient):
-            forward = teacher_forced(
-                models.policy,
-                rollout.prompt_ids[part],
-                rollout.prompt_mask[part],
-                rollout.response_ids[part],
-                mask[part],
-                temperature=temperature,
-                logprob_chunk=logprob_chunk,
-            )
+            forward = teacher_forced(models.policy, *pass_args, temperature=temperature, logprob_chunk=logprob_chunk,
+                                     entropy=entropy_coef > 0 and with_policy_gradient)  # fmt: skip
         with torch.no_grad():
             part_values = models.value_head(forward.hidden)  # [b, R]
         if with_policy_gradient and finite:
@@ -115,6 +98,19 @@ def policy_gradient_pass(
                 "action_mask": actions[part],
             }
             loss = sao.update(part_batch, normalizer=n_tokens).policy_loss(forward.logprobs)
+            on = actions[part]  # [b, R] the terms below are means over the whole batch's action tokens, like c_t
+            if kl_coef > 0:  # β · KL(policy‖reference), k3 per token: exp(ref − lp) − (ref − lp) − 1 ≥ 0
+                with torch.no_grad(), models.policy.disable_adapter():
+                    reference = teacher_forced(models.policy, *pass_args, temperature=temperature,
+                                               logprob_chunk=logprob_chunk).logprobs  # fmt: skip
+                gap = (reference - forward.logprobs)[on]  # [n]
+                kl = (gap.exp() - gap - 1).sum() / n_tokens
+                loss = loss + kl_coef * kl
+                kl_total += kl.item()
+            if entropy_coef > 0:  # − w · H: a bonus for keeping the distribution spread
+                entropy = forward.entropy[on].sum() / n_tokens
+                loss = loss - entropy_coef * entropy
+                entropy_total += entropy.item()
             loss_total += loss.item()
             if torch.isfinite(loss):
                 loss.backward()
@@ -133,7 +129,12 @@ def policy_gradient_pass(
         "action_mask": actions,
     }
     update = sao.update(whole_batch)
-    return PassResult(forward, update, loss_total if with_policy_gradient else float("nan"), finite)
+    extra = {}
+    if with_policy_gradient and kl_coef > 0:
+        extra["kl_ref_mean"] = world.total(kl_total)
+    if with_policy_gradient and entropy_coef > 0:
+        extra["entropy_mean"] = world.total(entropy_total)
+    return PassResult(forward, update, loss_total if with_policy_gradient else float("nan"), finite, extra)
 
 
 def apply_policy_step(

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from sao.core.algorithm import Update
+from sao.algorithm.update import Update
 from sao.rollout.sources import POLICY
 from sao.rollout.types import Rollout
 

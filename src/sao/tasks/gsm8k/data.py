@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from sao.core.errors import DataError
-from sao.tasks.base import Task, TaskSet
+from sao.tasks.base import Task, TaskSet, user_turn
 
 __all__ = [
     "DEFAULT_INSTRUCTION",
@@ -202,7 +202,7 @@ def _load_local(directory: Path, n_train: int, n_test: int, seed: int) -> TaskSe
     train = train_rows.tasks(train_rows.kept[i] for i in drawn)
     counts = {"train_pool": pool, "test_pool": len(test_rows.offsets), "test": len(test),
               "train_contaminated": pool - kept, "train_kept": kept, "train": len(train)}  # fmt: skip
-    return TaskSet(train=train, test=test, counts=counts, source=label)
+    return TaskSet(train=train, test=test, counts=counts, source=label, instruction=DEFAULT_INSTRUCTION)
 
 
 def _load_hub(hub_id: str, *, explicit: bool = False) -> tuple[list[Task], list[Task]]:
@@ -348,31 +348,30 @@ def load_gsm8k(
         "train_kept": len(kept),
         "train": len(train),
     }
-    return TaskSet(train=train, test=test, counts=counts, source=label)
+    return TaskSet(train=train, test=test, counts=counts, source=label, instruction=DEFAULT_INSTRUCTION)
 
 
 # --- prompts -------------------------------------------------------------------------------------------
 
 
 def build_messages(question: str, instruction: str = DEFAULT_INSTRUCTION) -> list[dict[str, str]]:
-    """Chat messages for one task: a single user turn, the question, a blank line, then the instruction.
-
-    No system turn: the model's chat template supplies its default one. An empty instruction leaves the
-    question alone.
-    """
-    content = f"{question.strip()}\n\n{instruction.strip()}" if instruction.strip() else question.strip()
-    return [{"role": "user", "content": content}]
+    """Chat messages for one GSM8K task: a single user turn, the question, a blank line, then the instruction."""
+    return user_turn(question, instruction)
 
 
 def format_prompt(tokenizer: Any, question: str, instruction: str = DEFAULT_INSTRUCTION) -> str:
-    """The prompt text the model continues: the tokenizer's chat template applied to
-    :func:`build_messages`, ending with the assistant generation prompt."""
+    """The prompt text the model continues: the chat template over :func:`build_messages`, with the assistant
+    generation prompt."""
+    return format_chat(tokenizer, build_messages(question, instruction))
+
+
+def format_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+    """The chat template over ``messages``, ending with the assistant generation prompt; a tokenizer without a
+    template is a one-line error."""
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise DataError(
             f"tokenizer {name!r} has no chat template; use an instruction-tuned model "
             "(e.g. Qwen/Qwen2.5-1.5B-Instruct) or set tokenizer.chat_template"
         )
-    return tokenizer.apply_chat_template(
-        build_messages(question, instruction), tokenize=False, add_generation_prompt=True
-    )
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

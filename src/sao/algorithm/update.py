@@ -45,117 +45,32 @@ non-action token is rejected, but one on an action token inside a turn is taken 
 
 from __future__ import annotations
 
-import hashlib
-import math
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
+from sao.core.config import AlgorithmSettings
 from sao.core.errors import ConfigError
+from sao.core.registry import CORRECTIONS
 
 Tensor = torch.Tensor
 
-# A correction rule maps (ratio [B,T], action_mask [B,T], sao, sampler_logprobs [B,T]) to the weight f(r) [B,T]
-# it applies. Tokens with weight 0 are masked. Rules see only action tokens' ratios; the caller zeroes the rest.
-# The sampler's recorded log-probabilities are there for a rule that needs a per-trajectory key (``random``).
-CorrectionRule = Callable[[Tensor, Tensor, "SAO", Tensor], Tensor]
-
-
-def _dis(ratio: Tensor, action_mask: Tensor, sao: SAO, sampler_logprobs: Tensor) -> Tensor:
-    """Direct double-sided IS: keep the ratio inside the open band (lo, hi), zero outside it."""
-    lo, hi = sao.ratio
-    return torch.where((ratio > lo) & (ratio < hi), ratio, torch.zeros_like(ratio))
-
-
-def _none(ratio: Tensor, action_mask: Tensor, sao: SAO, sampler_logprobs: Tensor) -> Tensor:
-    """No correction: the plain importance weight, never masked (the paper's "no DIS")."""
-    return ratio
-
-
-def _tis(ratio: Tensor, action_mask: Tensor, sao: SAO, sampler_logprobs: Tensor) -> Tensor:
-    """Truncated IS: the ratio capped from above at C (``tis_cap``); nothing is masked."""
-    return ratio.clamp(max=sao.tis_cap)
-
-
-def _random(ratio: Tensor, action_mask: Tensor, sao: SAO, sampler_logprobs: Tensor) -> Tensor:
-    """A random token mask: each action token dropped with probability ``random_mask_share`` whatever its ratio,
-    the plain ratio elsewhere. A trajectory's draw is keyed on its own recorded sampler log-probabilities (a
-    sha256 of their bytes seeds its generator), so it is the same however the batch is split into micro-batches,
-    differs from step to step, and takes nothing from the random streams the arms share."""
-    share = sao.random_mask_share
-    if share == 0:
-        return ratio
-    keys = torch.where(action_mask, sampler_logprobs, torch.zeros_like(sampler_logprobs)).detach().cpu()
-    keys = keys.to(torch.float32).contiguous().numpy()  # [B, T] the bytes that key each row's draw
-    uniform = torch.stack([
-        torch.rand(ratio.shape[1], generator=torch.Generator().manual_seed(_row_seed(row)), dtype=torch.float64)
-        for row in keys
-    ]).to(ratio.device)  # fmt: skip  # [B, T] in [0, 1)
-    return torch.where(uniform < share, torch.zeros_like(ratio), ratio)
-
-
-def _row_seed(row) -> int:
-    return int.from_bytes(hashlib.sha256(row.tobytes()).digest()[:8], "little") & (2**63 - 1)
-
-
-def _seqmask(ratio: Tensor, action_mask: Tensor, sao: SAO, sampler_logprobs: Tensor) -> Tensor:
-    """Sequence-level masking: drop a whole trajectory whose geometric-mean ratio leaves (lo, hi)."""
-    lo, hi = sao.ratio
-    log_ratio = torch.where(action_mask, ratio.log(), torch.zeros_like(ratio))
-    length = action_mask.sum(dim=1).clamp(min=1)  # [B]
-    geo_mean = (log_ratio.sum(dim=1) / length).exp()  # [B]
-    keep = (geo_mean > lo) & (geo_mean < hi)  # [B]
-    return torch.where(keep[:, None], ratio, torch.zeros_like(ratio))
-
-
-CORRECTIONS: dict[str, CorrectionRule] = {
-    "dis": _dis, "none": _none, "tis": _tis, "seqmask": _seqmask, "random": _random,
-}  # fmt: skip
-
 
 @dataclass(frozen=True)
-class SAO:
-    """The algorithm's hyperparameters and its update. Defaults are the recipe page's protocol.
+class SAO(AlgorithmSettings):
+    """The algorithm: its settings (``sao.core.config.AlgorithmSettings`` — ratio band, gae_alpha, correction,
+    tis_cap, random_mask_share, critic_steps, critic_warmup, the recipe page's defaults) and its update.
 
     Only ``update`` is math; ``critic_steps`` and ``critic_warmup`` are read by the trainer so that every
     knob of the method lives in one object.
     """
 
-    ratio: tuple[float, float] = (0.7, 6.0)
-    """IS band (lo, hi) for "dis" and "seqmask"; must bracket 1. The paper's coding band is (0.2, 4.0)."""
-    gae_alpha: float = 1.5
-    """α of λ_i = 1 − 1/(α L_i). SAO's value; VAPO used 0.05 with the same rule."""
-    correction: str = "dis"
-    """Which rule f(r) to apply: "dis" (recipe), "none" (baseline), "tis", "seqmask", "random" (control)."""
-    tis_cap: float = 2.0
-    """C for the "tis" rule (truncated IS caps the ratio at C); unused by the other rules."""
-    random_mask_share: float = 0.0
-    """p for the "random" rule (each action token dropped with probability p); unused by the other rules."""
-    critic_steps: int = 2
-    """Squared-error critic updates per policy update toward ``value_targets``."""
-    critic_warmup: int = 10
-    """Critic-only steps (each on a fresh batch) before the first policy step."""
-
-    def __post_init__(self) -> None:
-        if len(self.ratio) != 2:
-            raise ConfigError(f"ratio must be a pair (lo, hi) with 0 <= lo < 1 < hi; got {self.ratio!r}")
-        lo, hi = (float(x) for x in self.ratio)
-        if not (math.isfinite(lo) and math.isfinite(hi) and 0.0 <= lo < 1.0 < hi):
-            raise ConfigError(f"ratio band must bracket 1: need 0 <= lo < 1 < hi, got ({lo}, {hi})")
-        object.__setattr__(self, "ratio", (lo, hi))
-        if not (math.isfinite(self.gae_alpha) and self.gae_alpha > 0):
-            raise ConfigError(f"gae_alpha must be a finite number > 0, got {self.gae_alpha}")
-        if self.correction not in CORRECTIONS:
-            raise ConfigError(f"correction must be one of {sorted(CORRECTIONS)}, got {self.correction!r}")
-        if not (math.isfinite(self.tis_cap) and self.tis_cap >= 1.0):
-            raise ConfigError(f"tis_cap must be a finite number >= 1, got {self.tis_cap}")
-        if not (math.isfinite(self.random_mask_share) and 0.0 <= self.random_mask_share < 1.0):
-            raise ConfigError(f"random_mask_share must be a share in [0, 1), got {self.random_mask_share}")
-        if self.critic_steps < 0:
-            raise ConfigError(f"critic_steps must be >= 0, got {self.critic_steps}")
-        if self.critic_warmup < 0:
-            raise ConfigError(f"critic_warmup must be >= 0, got {self.critic_warmup}")
+    @classmethod
+    def of(cls, settings: AlgorithmSettings) -> SAO:
+        """The algorithm a config's ``algorithm`` section describes."""
+        return settings if isinstance(settings, cls) else cls(**dataclasses.asdict(settings))
 
     @torch.no_grad()
     def update(self, batch: Mapping[str, Tensor], *, normalizer: float | None = None) -> Update:
@@ -198,7 +113,7 @@ class SAO:
     ) -> tuple[Tensor, Tensor]:
         one = torch.ones_like(logprobs)
         ratio = torch.where(action_mask, (logprobs - sampler_logprobs).exp(), one)  # [B, T], 1 off-action
-        weight = CORRECTIONS[self.correction](ratio, action_mask, self, sampler_logprobs)  # [B, T] f(r)
+        weight = CORRECTIONS.get(self.correction)(ratio, action_mask, self, sampler_logprobs)  # [B, T] f(r)
         return ratio, torch.where(action_mask, weight, torch.zeros_like(weight))
 
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from sao.core.algorithm import SAO
+from sao.algorithm.update import SAO
 
 
 def handmade_batch() -> dict[str, torch.Tensor]:

@@ -1,0 +1,109 @@
+"""sao as a library: objects in, the same runs the CLI makes from strings.
+
+    sao.train(config, out_dir, *, dataset=None, reward_fn=None, env_factory=None, source=None, hooks=())
+    sao.evaluate(config, adapter=None, *, dataset=None, reward_fn=None, env_factory=None, seed=0)
+    sao.recipe(config, out_dir, *, dataset=None, reward_fn=None, env_factory=None)
+
+``config`` is a ``sao.Config`` or a mapping of settings as a --config file takes them (flat or in sections; a
+``"preset"`` key names the defaults). ``dataset``: a list of dicts with a ``prompt`` (text or chat messages) and
+any other fields, a ``{"train": rows, "test": rows}`` mapping, a Hugging Face dataset, or a path. ``reward_fn``:
+``reward(completion, row) -> float`` (or batched, or async; ``sao.tasks.base``). ``env_factory``:
+``(task_id, fields) -> env`` with SkyRL-Gym's text interface. config.json records what was passed, by import path
+when it has one, and says when a run cannot be replayed from it.
+
+Deliberately left out: argument parsing and printing (``sao.cli``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from sao.core.config import Config, apply_threads
+
+
+def as_config(config: Config | Mapping[str, Any]) -> Config:
+    """``config`` as a Config (a mapping read as a --config file is, ``"preset"`` included); torch's CPU threads are
+    set as it says (once, here, where a run starts)."""
+    if not isinstance(config, Config):
+        config = Config.from_mapping(dict(config))
+    apply_threads(config)
+    return config
+
+
+def train(
+    config: Config | Mapping[str, Any],
+    out_dir: str | Path,
+    *,
+    dataset: Any = None,
+    reward_fn: Callable[..., Any] | None = None,
+    env_factory: Callable[..., Any] | None = None,
+    source: Any = None,
+    hooks: Sequence[Any] = (),
+    resume: bool = False,
+    progress: bool = True,
+):
+    """Train one policy (critic warmup, then policy steps) into ``out_dir``; returns the finished ``Trainer``
+    (``.records``, ``.models``, ``.warnings``; the adapter is in ``out_dir/adapter``)."""
+    from sao.train import build
+
+    trainer = build.trainer(as_config(config), out_dir, dataset=dataset, reward_fn=reward_fn,
+                            env_factory=env_factory, source=source, hooks=hooks, resume=resume,
+                            progress=progress)  # fmt: skip
+    trainer.run()
+    return trainer
+
+
+def evaluate(
+    config: Config | Mapping[str, Any],
+    adapter: str | Path | None = None,
+    *,
+    dataset: Any = None,
+    reward_fn: Callable[..., Any] | None = None,
+    env_factory: Callable[..., Any] | None = None,
+    seed: int = 0,
+    progress: bool = True,
+):
+    """pass@1 on the held-out tasks of the base model, or of a trained ``adapter`` folder (``out_dir/adapter``), with
+    the config's eval settings; ``seed`` picks the sampling draw. Returns an ``EvalResult``."""
+    from sao.experiment.evaluate import load_adapter
+    from sao.experiment.runner import Parts, pass_at_1
+    from sao.model.policy import load_base, pick_device
+    from sao.rollout.sampler import derived_seed
+    from sao.train import build
+
+    config = as_config(config)
+    tasks = build.task_set(config, dataset)
+    if not tasks.test:
+        from sao.core.errors import ConfigError
+
+        raise ConfigError("the dataset has no held-out tasks to evaluate on: pass {'train': rows, 'test': rows}")
+    model, tokenizer = load_base(build.model_path(config), pick_device(config.model.device))
+    if adapter is not None:
+        model = load_adapter(model, adapter)
+    parts = Parts(tasks, build.scorer(config, tasks, reward_fn), dataset, reward_fn, env_factory)
+    label = "adapter" if adapter is not None else "base"
+    return pass_at_1(config, model, tokenizer, tasks.test, label, seed=derived_seed(config.training.seed, "eval", seed),
+                     parts=parts, progress=progress)  # fmt: skip
+
+
+def recipe(
+    config: Config | Mapping[str, Any],
+    out_dir: str | Path,
+    *,
+    dataset: Any = None,
+    reward_fn: Callable[..., Any] | None = None,
+    env_factory: Callable[..., Any] | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    command: str | None = None,
+) -> dict[str, Any]:
+    """The controlled experiment: the recipe arm (dis) and the baseline (none) trained with the same seeds, each
+    evaluated, the base evaluated for the noise floor, compared, reported. Returns results.json's content."""
+    from sao.experiment.runner import Experiment, Grid
+
+    config = as_config(config)
+    experiment = Experiment(config, Grid.recipe(config), out_dir, resume=resume, progress=progress, command=command,
+                            dataset=dataset, reward_fn=reward_fn, env_factory=env_factory)  # fmt: skip
+    return experiment.run()

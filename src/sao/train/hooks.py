@@ -1,0 +1,180 @@
+"""What a run does beside the step, as hooks the trainer calls by event: it knows none of them by name.
+
+    on_run_start(trainer)                after a resume's restore, before the first step
+    on_pass(trainer, batch, forward)     after the teacher-forced pass, before any update: a dict of record extras
+    on_update(trainer, version)          after each policy update (the policy's ``version``-th)
+    on_step_end(trainer, record)         after a step's record, before its checkpoint (a kill repeats both)
+    on_checkpoint(trainer, step)         once the step is durable
+    on_eval(trainer, label, metrics)     an evaluation of the policy (the experiment's)
+    on_run_end(trainer)                  after the last step and the adapter
+    on_close(trainer)                    always, last (release what the hook holds)
+
+A hook with state (``state_dict``/``load_state_dict``) has it saved in the trainer's checkpoint under its ``name``.
+Here: the reachability lines, publishing, tracking, the footing audit of logged log-probs, a source's summary.
+
+Deliberately left out: evaluation (``sao.experiment`` adds its own hooks) and anything that changes the update.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sao.core.errors import DataError
+from sao.core.io import write_json
+from sao.model.forward import token_logprobs, trunk_and_head
+from sao.train import checkpoint
+from sao.train.records import dead_band_warning, masking_line
+from sao.train.tracking import make_tracker
+from sao.train.trainer import Hook, Trainer
+
+if TYPE_CHECKING:
+    from sao.model.forward import TeacherForced
+    from sao.rollout.types import Batch
+
+
+class Reachability(Hook):
+    """The dead-band warning (once, early: a band that masks almost nothing makes the two arms the same experiment)
+    and, at the end of each staleness cycle, the masked share so far by staleness."""
+
+    name = "reachability"
+
+    def __init__(self, dead_band_share: float, ratio: tuple[float, float], steps: int):
+        self.dead_band_share, self.ratio, self.steps = dead_band_share, ratio, steps
+        self.last_report: int | None = None
+
+    def on_step_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        stale = trainer.source.max_staleness
+        warning = dead_band_warning(trainer.records, stale, self.dead_band_share, self.ratio, trainer.label)
+        if warning:
+            trainer.warn(warning)
+        line = masking_line(trainer.records, stale, self.last_report, self.steps)
+        if line:
+            self.last_report = record["policy_step"] + 1
+            trainer.say(f"[{trainer.label}] {line}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_report": self.last_report}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_report = state.get("last_report")
+
+
+class Publish(Hook):
+    """OUT/published/v{N}/ after every policy update (and v0, or the resumed version, at the start), with
+    LATEST.json pointing at the newest, for a server to reload (``checkpoint.publish``)."""
+
+    name = "publish"
+
+    def on_run_start(self, trainer: Trainer) -> None:
+        if trainer.world.is_main and checkpoint.latest_published(trainer.out) < trainer.policy_version:
+            self.on_update(trainer, trainer.policy_version)
+
+    def on_update(self, trainer: Trainer, version: int) -> None:
+        if trainer.world.is_main:
+            checkpoint.publish(trainer.out, version, trainer.write_adapter)
+
+
+class Tracking(Hook):
+    """Every step record and eval mirrored to TensorBoard, trackio or W&B (``sao.train.tracking``), after the step
+    is durable, so a killed run never shows a step twice."""
+
+    name = "tracking"
+
+    def __init__(self, kind: str, config: dict[str, Any]):
+        self.kind, self.config, self.tracker = kind, config, None
+
+    def on_run_start(self, trainer: Trainer) -> None:
+        if trainer.world.is_main:
+            self.tracker = make_tracker(self.kind, trainer.out, trainer.label, self.config)
+
+    def on_checkpoint(self, trainer: Trainer, step: int) -> None:
+        if self.tracker is not None:
+            self.tracker.log_step(trainer.records[-1], step)
+
+    def on_eval(self, trainer: Trainer, label: str, metrics: dict[str, Any]) -> None:
+        if self.tracker is not None:
+            self.tracker.log_eval(label, metrics, trainer.next_step)
+
+    def on_close(self, trainer: Trainer) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
+
+
+# The footing audit, on mean |log r| per action token at staleness 0. A footing fits within TOLERANCE (float32 gives
+# ~1e-7; a bf16 serving engine against this pass ~1e-3..1e-2). Footing 1 is preferred when it is at least MARGIN
+# times closer than footing T, and T is off by more than FLOOR (below it the two footings are indistinguishable, and
+# so harmless: a confident model's log-probs barely move with the temperature; the tiny model's move ~0.03 between
+# 0.7 and 1).
+FOOTING_TOLERANCE, FOOTING_MARGIN, FOOTING_FLOOR = 0.05, 2.0, 1e-3
+
+
+class FootingAudit(Hook):
+    """Whether logged log-probs are on the footing of the temperature they were sampled at.
+
+    On the first batch with staleness-0 rows (the trajectory's adapter is the policy of this pass), the recorded
+    log-probs must equal the teacher-forced ones at temperature T (|log r| ~ 0, up to a serving engine's numerics).
+    They are compared at T and at 1 from the pass's own hidden states (one extra head over those rows' action
+    tokens). Footing 1 fits and is clearly closer than T: the server logged log-probs before temperature, every
+    ratio would be false, and the run stops with one line before the step trains on them. Otherwise T fits: go on;
+    or neither fits: a warning (another model or adapter, or other numerics). Decided once; skipped at T = 1."""
+
+    name = "footing"
+
+    def __init__(self, temperature: float, logprob_chunk: int):
+        self.temperature, self.logprob_chunk = temperature, logprob_chunk
+        self.footing: dict[str, float] | None = None
+
+    def on_pass(self, trainer: Trainer, batch: Batch, forward: TeacherForced) -> dict[str, Any]:
+        if self.footing is not None or self.temperature == 1.0:
+            return {}
+        rollout = batch.rollout
+        fresh = torch.tensor([s == 0 for s in batch.staleness], device=rollout.action_mask.device)  # [B]
+        mask = rollout.action_mask & fresh[:, None]  # [B, R] action tokens of staleness-0 rows
+        if not bool(mask.any()):
+            return {}
+        recorded = rollout.sampler_logprobs[mask]  # [N]
+        with torch.no_grad():
+            head = trunk_and_head(trainer.models.policy)[1]
+            at_one = token_logprobs(head, forward.hidden[mask], rollout.response_ids[mask], 1.0, self.logprob_chunk)
+        at_t = float((forward.logprobs[mask] - recorded).abs().mean())
+        at_1 = float((at_one - recorded).abs().mean())
+        self.footing = {"footing_abs_log_ratio_at_T": at_t, "footing_abs_log_ratio_at_1": at_1}
+        closer_to_1 = at_1 * FOOTING_MARGIN < at_t and at_t > FOOTING_FLOOR
+        if closer_to_1 and at_1 <= FOOTING_TOLERANCE:
+            raise DataError(
+                f"the traces' log-probs were taken before temperature: at staleness 0 they match the policy at "
+                f"temperature 1 (mean |log r| {at_1:.2e}) and not at the traces' temperature {self.temperature} "
+                f"({at_t:.2e}); log the log-probs of the distribution actually sampled from (vLLM: logprobs-mode "
+                "processed_logprobs)"
+            )
+        if closer_to_1 or at_t > FOOTING_TOLERANCE:
+            trainer.warn(f"[{trainer.label}] the traces' log-probs match neither the policy at temperature "
+                         f"{self.temperature} (mean |log r| {at_t:.2e} at staleness 0) nor at 1 ({at_1:.2e}): is the "
+                         "server running this run's base model and published adapter?")  # fmt: skip
+        return dict(self.footing)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"footing": self.footing}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.footing = state.get("footing")
+
+
+class SourceSummary(Hook):
+    """OUT/<file>: the source's totals at the end of the run (a trace log's: used, dropped by reason, the staleness
+    histogram), with the footing audit's numbers when one ran."""
+
+    name = "source-summary"
+
+    def __init__(self, file: str = checkpoint.TRACES_FILE):
+        self.file = file
+
+    def on_run_end(self, trainer: Trainer) -> None:
+        if not trainer.world.is_main:
+            return
+        summary = dict(trainer.source.summary()) if hasattr(trainer.source, "summary") else {}
+        audit = next((h for h in trainer.hooks if isinstance(h, FootingAudit)), None)
+        write_json(trainer.out / self.file, {**summary, "footing": audit.footing if audit else None})
