@@ -323,10 +323,10 @@ def test_nonfinite_tokens_get_zero_coefficient_and_are_counted(faults):
         ({"ratio": (1.2, 6.0)}, "ratio"),
         ({"ratio": (0.7, 0.9)}, "ratio"),
         ({"ratio": (-0.1, 2.0)}, "ratio"),
-        ({"gae_alpha": 0.0}, "gae_alpha"),
-        ({"gae_alpha": -1.0}, "gae_alpha"),
+        ({"gae_alpha": 0.0}, "gae-alpha"),
+        ({"gae_alpha": -1.0}, "gae-alpha"),
         ({"correction": "ppo"}, "correction"),
-        ({"tis_cap": 0.5}, "tis_cap"),
+        ({"tis_cap": 0.5}, "tis-cap"),
     ],
 )
 def test_invalid_configuration_names_the_field(kwargs, field):

@@ -133,6 +133,6 @@ def test_a_real_process_exits_2_with_one_line_and_no_traceback(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "sao train: error: ratio band must bracket 1: need 0 <= lo < 1 < hi, got (2.0, 3.0)"
+        "sao train: error: --ratio must bracket 1: need 0 <= lo < 1 < hi, got (2.0, 3.0)"
     ]
     assert not (tmp_path / "x").exists()

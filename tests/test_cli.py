@@ -32,7 +32,7 @@ def test_train_writes_a_complete_log_and_prints_a_summary(tiny_model_dir, tmp_pa
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--arm", "ppo"], "--arm must be one of"),
+        (["--arm", "ppo"], "--correction must be a correction rule"),
         (["--band", "1.5", "6"], "bracket 1"),
         (["--lag", "-1"], "--lag must be >= 0"),
         (["--model", "./no/such/model"], "not a directory"),

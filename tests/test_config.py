@@ -42,9 +42,13 @@ def _help_text(command: str, capsys) -> str:
 
 
 def test_every_field_has_its_doc_in_metadata():
-    for f in dataclasses.fields(Config):
-        assert f.metadata["help"].strip(), f.name
-        assert Config.help(f.name) == " ".join(f.metadata["help"].split())
+    from sao.core.config import SECTIONS
+    from sao.core.settings import flag_of
+
+    for section in SECTIONS.values():
+        for f in dataclasses.fields(section):
+            assert f.metadata["help"].strip(), f.name
+            assert Config.help(flag_of(f)) == " ".join(f.metadata["help"].split())
     assert Config.help("lr") == "AdamW on the LoRA adapter. The page's round 1 (round 2 is 1e-4)."
     with pytest.raises(ConfigError, match="unknown setting 'no_such'"):
         Config.help("no_such")
@@ -87,7 +91,7 @@ def test_preset_then_file_then_flags(tmp_path):
     assert config.training.steps == 7  # the flag beats the file's 5
     assert config.algorithm.ratio == (0.5, 3.0)
     assert config.model.name == "tiny" and config.training.critic_lr == 1e-3  # preset values the file does not name
-    assert config.training.batch_size == Config().batch_size  # neither preset nor file: the protocol default
+    assert config.training.batch_size == Config().training.batch_size  # neither preset nor file: protocol default
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".yml", ".json"])
@@ -155,10 +159,12 @@ def test_a_runs_config_json_replays_it_bit_for_bit(tiny_model_dir, tmp_path):
 
 
 def test_values_are_type_checked_and_ints_widen_to_floats():
-    assert Config(lr=1).lr == 1.0 and isinstance(Config(lr=1).lr, float)
-    assert Config(band=[0.5, 3]).band == (0.5, 3.0)
-    assert Config(ray_address=None).ray_address is None and Config(data="tiny").data == "tiny"
-    assert check_type("steps", 3) == 3
+    assert Config(lr=1).training.lr == 1.0 and isinstance(Config(lr=1).training.lr, float)
+    assert Config(band=[0.5, 3]).algorithm.ratio == (0.5, 3.0)
+    assert Config(ray_address=None).rollout.ray_address is None and Config(data="tiny").data.dataset == "tiny"
+    from sao.core.config import TrainingSettings
+
+    assert convert(TrainingSettings, "steps", 3) == 3
     bad = [
         ("lr", "fast", "'lr' must be a number"),
         ("steps", 2.5, "'steps' must be an integer"),

@@ -21,7 +21,9 @@ from sao.core.config import Config
 from sao.core.errors import ConfigError, DataError
 from sao.tasks import load_env_class, load_reward
 from sao.tasks.base import Task
-from sao.tasks.custom import default_reward, load_custom, source_kind, task_messages
+from sao.tasks import gsm8k
+from sao.tasks.base import Scorer
+from sao.tasks.custom import load_custom, source_kind
 from sao.tasks.gsm8k import build_messages, decontaminate, load_gsm8k
 from sao.train.build import task_set
 
@@ -307,9 +309,9 @@ def test_messages_field_keeps_the_conversation_and_decontaminates_its_last_user_
     assert task.messages == records[row]["chat"] and task.question == _question(row) and task.answer == str(row)
     # the system turn all records share is not what decontamination compares, so nothing is dropped
     assert split.counts["train_contaminated"] == 0
-    assert task_messages(task, "End with #### N.") == records[row]["chat"]  # as given: no instruction added
+    assert task.chat("End with #### N.") == records[row]["chat"]  # as given: no instruction added
     plain = Task("t/0", "What is 2+2?", "4")
-    assert task_messages(plain, "End with #### N.") == build_messages("What is 2+2?", "End with #### N.")
+    assert plain.chat("End with #### N.") == build_messages("What is 2+2?", "End with #### N.")
 
 
 def test_bad_messages_name_the_line_and_field(tmp_path):
@@ -480,11 +482,11 @@ def user_module(tmp_path, monkeypatch):
 
 
 REWARDS = """
-    def contains_gold(completion, task):
-        return float(task.answer in completion)
+    def contains_gold(completion, row):
+        return float(row["answer"] in completion)
 
-    def by_field(completion, task):
-        return len(task.fields["tests"]) * 0.5
+    def by_field(completion, row):
+        return len(row["tests"]) * 0.5
 
     def says_yes(completion, task):
         return "yes"
@@ -499,29 +501,29 @@ REWARDS = """
 """
 
 
-def test_custom_reward_is_loaded_and_called_with_the_task(user_module):
+def test_custom_reward_is_loaded_and_called_with_the_row_as_plain_data(user_module):
     module = user_module(REWARDS)
-    reward = load_reward(f"{module}:contains_gold")
-    task = Task("t/1", "q", "42")
-    assert reward("so the total is 42 apples", task) == 1.0
-    assert reward("so the total is 41 apples", task) == 0.0
-    rich = Task("t/2", "q", "x", fields={"tests": ["a", "b", "c"]})
-    assert load_reward(f"{module}:by_field")("", rich) == 1.5
+    reward = Scorer(load_reward(f"{module}:contains_gold"))
+    row = Task("t/1", "q", "42").row()
+    assert reward.score(["so the total is 42 apples", "so the total is 41 apples"], [row, row]) == [1.0, 0.0]
+    rich = Task("t/2", "q", "x", fields={"tests": ["a", "b", "c"]}).row()
+    assert isinstance(rich, dict) and rich["tests"] == ["a", "b", "c"] and rich.answer == "x"
+    assert Scorer(load_reward(f"{module}:by_field")).score([""], [rich]) == [1.5]
 
 
 def test_custom_reward_must_return_a_finite_number(user_module):
     module = user_module(REWARDS)
-    with pytest.raises(ConfigError, match=r"returned str 'yes' for task t/1; it must return a number") as err:
-        load_reward(f"{module}:says_yes")("c", Task("t/1", "q", "1"))
+    row = Task("t/1", "q", "1").row()
+    with pytest.raises(ConfigError, match=r"returned 'yes' for t/1; it must return a number") as err:
+        Scorer(load_reward(f"{module}:says_yes")).score(["c"], [row])
     _one_line(err)
-    with pytest.raises(ConfigError, match="must be finite"):
-        load_reward(f"{module}:nan")("c", Task("t/1", "q", "1"))
+    with pytest.raises(ConfigError, match="must return a finite number"):
+        Scorer(load_reward(f"{module}:nan")).score(["c"], [row])
 
 
 def test_default_reward_is_the_gsm8k_grader():
-    assert load_reward(None) is default_reward
-    assert default_reward("... so 9 + 9 = 18.\n#### 18", Task("t", "q", "18")) == 1.0
-    assert default_reward("#### 17", Task("t", "q", "18")) == 0.0
+    assert gsm8k.reward("... so 9 + 9 = 18.\n#### 18", Task("t", "q", "18").row()) == 1.0
+    assert gsm8k.reward("#### 17", {"answer": "18"}) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -534,7 +536,7 @@ def test_default_reward_is_the_gsm8k_grader():
         ("sao_no_such_module_7f3a:score", "no module named 'sao_no_such_module_7f3a'"),
         ("{module}:missing_function", "has no 'missing_function'"),
         ("{module}:LIMIT", "'LIMIT' is a int, not a function (not callable)"),
-        ("{module}:one_argument", "cannot be called as (completion, task)"),
+        ("{module}:one_argument", "cannot be called as (completion, row)"),
     ],
 )
 def test_bad_reward_spec_is_one_line(user_module, spec, needle):
@@ -623,9 +625,9 @@ def test_current_directory_is_appended_only_when_needed(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match="no module named 'sao_absent_9c1d'"):
             load_reward("sao_absent_9c1d:score")
         assert cwd not in sys.path  # a failed try leaves sys.path as it was
-        assert load_reward(f"{name}:score")("c", Task("t", "q", "a")) == 0.25
+        assert load_reward(f"{name}:score")("c", {"answer": "a"}) == 0.25
         assert sys.path[-1] == cwd and sys.path.count(cwd) == 1  # appended, so it shadows nothing installed
-        assert load_reward(f"{name}:score")("c", Task("t", "q", "a")) == 0.25
+        assert load_reward(f"{name}:score")("c", {"answer": "a"}) == 0.25
         assert sys.path.count(cwd) == 1
     finally:
         sys.modules.pop(name, None)

@@ -231,14 +231,14 @@ ODD_FLAGS = {
     "a 20-digit --seed": (["--seed", "99999999999999999999"], "--seed must be a whole number from 0 to 2**63 - 1"),
     "--seed -1": (["--seed", "-1"], "--seed must be"),
     "--data-seed 2**64": (["--data-seed", str(2**64)], "--data-seed must be"),
-    "--lora-alpha 0": (["--lora-alpha", "0"], "--lora-alpha is out of range"),
-    "--lora-alpha -32": (["--lora-alpha", "-32"], "--lora-alpha is out of range"),
-    "a 21-digit --lora-rank": (["--lora-rank", str(10**20)], "--lora-rank must be at most 1024"),
+    "--lora-alpha 0": (["--lora-alpha", "0"], "--lora-alpha must be >= 1"),
+    "--lora-alpha -32": (["--lora-alpha", "-32"], "--lora-alpha must be >= 1"),
+    "a 21-digit --lora-rank": (["--lora-rank", str(10**20)], "--lora-rank must be 1 to 1024"),
     "--dead-band-share nan": (["--dead-band-share", "nan"], "--dead-band-share must be a share in [0, 1)"),
     "--dead-band-share -1": (["--dead-band-share", "-1"], "--dead-band-share must be a share in [0, 1)"),
     "--lr 1e308": (["--lr", "1e308"], "--lr must be at most 1"),
     "--critic-lr 5": (["--critic-lr", "5"], "--critic-lr must be at most 1"),
-    "--threads -1": (["--threads", "-1"], "--threads must be 0 (automatic)"),
+    "--threads -1": (["--threads", "-1"], "--threads must be 0 to 1024 (0 = automatic)"),
     "--device cuda without a GPU": (["--device", "cuda"], "sees no CUDA GPU"),  # a GPU hidden on a GPU machine
 }
 
@@ -375,8 +375,10 @@ def test_a_step_fsyncs_the_checkpoint_but_not_the_log_it_can_be_rebuilt_from(tmp
     monkeypatch.setattr(io.os, "fsync", lambda fd: synced.append(fd) or real(fd))
     records = [{"step": 0, "reward_mean": 0.5, "explained_variance": math.nan}]
     checkpoint.save(tmp_path, {"next_step": 1, "records": records}, records)
-    assert len(synced) == 1, "one fsync: the checkpoint's"
-    assert json.loads((tmp_path / "train_log.json").read_text()) == [{**records[0], "explained_variance": None}]
+    assert len(synced) == 3, "the checkpoint's tensors, its state and its folder"
+    checkpoint.append_log(tmp_path, records[0])
+    assert len(synced) == 3, "the log is appended without an fsync"
+    assert json.loads((tmp_path / "train_log.jsonl").read_text()) == {**records[0], "explained_variance": None}
 
 
 # --- big inputs ----------------------------------------------------------------------------------------------

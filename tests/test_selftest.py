@@ -6,6 +6,7 @@ import pytest
 
 from sao.cli import main
 from sao.algorithm import selftest
+from sao.algorithm.update import SAO
 from sao.core.registry import CORRECTIONS
 
 
@@ -15,11 +16,11 @@ def test_selftest_passes_and_exits_zero(capsys):
 
 
 def test_selftest_fails_when_the_baseline_arm_also_masks(monkeypatch):
-    monkeypatch.setitem(algorithm.CORRECTIONS, "none", algorithm.CORRECTIONS["dis"])
+    monkeypatch.setitem(CORRECTIONS._entries, "none", CORRECTIONS.get("dis"))
     assert selftest.run(verbose=False) is False
 
 
 @pytest.mark.parametrize("band", [(0.7, 100.0), (0.01, 6.0)])
 def test_selftest_fails_when_the_recipe_band_admits_everything(monkeypatch, band):
-    monkeypatch.setattr(algorithm.SAO, "__post_init__", lambda self: object.__setattr__(self, "ratio", band))
+    monkeypatch.setattr(SAO, "__post_init__", lambda self: object.__setattr__(self, "ratio", band))
     assert selftest.run(verbose=False) is False

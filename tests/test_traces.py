@@ -288,7 +288,7 @@ def test_the_source_state_resumes_exactly(tmp_path, tokenizer):
 
 
 def test_settings_that_make_no_sense_with_traces_are_refused():
-    with pytest.raises(ConfigError, match="--traces with --engine ray"):
+    with pytest.raises(ConfigError, match="--traces with --rollout ray"):
         Config.preset("tiny", traces="log.jsonl", engine="ray")
     with pytest.raises(ConfigError, match="--traces with --env"):
         Config.preset("tiny", traces="log.jsonl", env="tiny-calc")

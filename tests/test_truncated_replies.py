@@ -13,21 +13,20 @@ from sao.core.errors import ConfigError
 from sao.experiment.evaluate import EvalResult, evaluate
 from sao.model.policy import eos_ids, load_base
 from sao.rollout.sources import make_decoder
-from sao.tasks.base import Task
+from sao.tasks import gsm8k
+from sao.tasks.base import Scorer, Task
 from sao.tiny import arithmetic as tiny
-from sao.train.trainer import Trainer
 
 TASKS = {"a": Task("a", "What is 3+4?", "7"), "b": Task("b", "What is 2+2?", "4")}
 
 
 def _rewards(rule: str) -> tuple[torch.Tensor, dict[str, int]]:
-    """``Trainer.rewards`` on four replies, two cut off (one of them holding the right number)."""
+    """The scorer's training rewards on four replies, two cut off (one of them holding the right number)."""
     rollout = SimpleNamespace(turns=None, texts=["3+4=7\n#### 7", "3+4=7", "3+4=8\n#### 8", "2+2=5"],
-                              cut=torch.tensor([False, True, False, True]))  # fmt: skip
-    trainer = SimpleNamespace(config=SimpleNamespace(truncated_reward=rule), tasks=TASKS,
-                              reward_fn=lambda text, task: float(text.rstrip().endswith(task.answer)))  # fmt: skip
-    rewards = Trainer.rewards(trainer, SimpleNamespace(rollout=rollout, task_ids=["a", "a", "a", "b"]))
-    return rewards, trainer.truncation
+                              cut=torch.tensor([False, True, False, True]),
+                              action_mask=torch.ones(4, 3, dtype=torch.bool))  # fmt: skip
+    scorer = Scorer(lambda text, row: float(text.rstrip().endswith(row["answer"])), truncated_reward=rule)
+    return scorer.rewards(rollout, [TASKS[i].row() for i in ["a", "a", "a", "b"]])
 
 
 def test_the_trainer_scores_a_cut_off_reply_zero_by_default_and_counts_it():
@@ -37,7 +36,7 @@ def test_the_trainer_scores_a_cut_off_reply_zero_by_default_and_counts_it():
     graded, counted_too = _rewards("grade")
     assert graded.tolist() == [1.0, 1.0, 0.0, 0.0], "grade: the cut-off '3+4=7' is credited as before"
     assert counted_too == counted
-    assert Config().truncated_reward == "zero" and "not the page's" in Config.help("truncated_reward")
+    assert Config().data.truncated_reward == "zero" and "not the page's" in Config.help("truncated_reward")
     with pytest.raises(ConfigError, match="truncated-reward"):
         Config(truncated_reward="half")
 
@@ -58,7 +57,7 @@ def test_the_eval_scores_cut_off_replies_zero_and_counts_those_the_grader_would_
     def run(rule: str, max_new_tokens: int) -> EvalResult:
         return evaluate(decoder, tokenizer, tasks, instruction=tiny.TINY_INSTRUCTION, samples=2, temperature=0.7,
                         max_new_tokens=max_new_tokens, seed=5, eos_token_ids=eos_ids(tokenizer, model),
-                        truncated_reward=rule)  # fmt: skip
+                        scorer=Scorer(gsm8k.reward, truncated_reward=rule))  # fmt: skip
 
     # 6 tokens cut "7+5=12\n#### 12" after "7+5=12": every reply is cut off, some right after the answer
     zero, graded = run("zero", 6), run("grade", 6)

@@ -30,7 +30,7 @@ from sao.core.errors import ConfigError, SaoError
 
 # The settings each command reads, by section (a dotted name: one field of a section).
 COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
-    "train": ("model", "data", "algorithm", "rollout", "training"),
+    "train": ("model", "data", "algorithm", "rollout", "training", "eval"),
     "eval": (
         "model",
         "data",

@@ -604,7 +604,7 @@ def _group(values: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
         if name in NOTICES:
             print(f"notice: {NOTICES[name]}", file=sys.stderr)
         try:
-            grouped.setdefault(section, {})[field_name] = convert(SECTIONS[section], field_name, value)
+            grouped.setdefault(section, {})[field_name] = convert(SECTIONS[section], field_name, value, name)
         except ConfigError as error:
             raise ConfigError(f"{at}{error}") from None
     return grouped
@@ -755,7 +755,7 @@ def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any] |
     for name, value in flat.items():
         section, field_name = FLAT[name]
         try:
-            values[name] = convert(SECTIONS[section], field_name, value)
+            values[name] = convert(SECTIONS[section], field_name, value, name)
         except ConfigError as error:
             raise ConfigError(f"{where}: {error}") from None
     if preset is not None:

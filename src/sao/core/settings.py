@@ -72,12 +72,14 @@ def field_type(cls: type, name: str) -> Any:
     return _hints(cls)[name]
 
 
-def convert(cls: type, name: str, value: Any) -> Any:
-    """``value`` as field ``name`` of section ``cls`` declares it, or a ConfigError naming the setting."""
+def convert(cls: type, name: str, value: Any, spelled: str | None = None) -> Any:
+    """``value`` as field ``name`` of section ``cls`` declares it, or a ConfigError naming the setting as it was
+    ``spelled`` (default: its flat name)."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     ok, converted = _convert(_hints(cls)[name], value)
     if not ok:
-        raise ConfigError(f"setting {flag_of(f)!r} must be {_describe(_hints(cls)[name])}, got {_short(value)}")
+        shown = spelled or flag_of(f)
+        raise ConfigError(f"setting {shown!r} must be {_describe(_hints(cls)[name])}, got {_short(value)}")
     return converted
 
 

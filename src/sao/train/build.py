@@ -50,6 +50,11 @@ def task_set(config: Config, dataset: Any = None) -> TaskSet:
         return custom.from_rows(dataset, n_train=d.train_prompts, n_test=d.test_prompts, seed=d.seed)
     name = str(dataset) if dataset is not None else d.dataset
     if name in TASK_SETS:
+        given = [f for f, v in (("--prompt-field", d.prompt_field), ("--answer-field", d.answer_field),
+                                ("--messages-field", d.messages_field)) if v is not None]  # fmt: skip
+        if given:
+            raise ConfigError(f"{', '.join(given)} apply to --data FILE (.jsonl, .parquet), a directory or a hub "
+                              f"dataset name, not to the generated task set {name!r}")  # fmt: skip
         return TASK_SETS.get(name)(d.train_prompts, d.test_prompts, d.seed)
     if custom.uses_custom_loader(name, d.prompt_field, d.answer_field, d.messages_field):
         return custom.load_custom(name, prompt_field=d.prompt_field, answer_field=d.answer_field,

@@ -178,11 +178,12 @@ def save(out: Path, state: dict[str, Any], records: list[dict[str, Any]], keep: 
     staging.mkdir(mode=folder_mode())
     save_file(tensors, str(staging / TENSORS_FILE))
     atomic_write(staging / STATE_FILE, json.dumps(encoded).encode())
-    fd = os.open(staging, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    for synced in (staging / TENSORS_FILE, staging):  # the tensors' data, then the folder's entries
+        fd = os.open(synced, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     if final.exists():
         shutil.rmtree(final)
     os.replace(staging, final)
