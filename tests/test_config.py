@@ -18,10 +18,9 @@ import pytest
 
 import sao.cli
 from sao.cli import build_parser, config_from_args, main
-from sao.core.config import read_config_file
-from sao.core.config import Config
-from sao.core.settings import convert, option
+from sao.core.config import Config, read_config_file
 from sao.core.errors import ConfigError
+from sao.core.settings import convert, option
 
 TIMING_KEYS = {"time", "time_sample", "waited_s", "rollouts_per_s"}
 SMALL_RUN = ["--preset", "tiny", "--steps", "2", "--critic-warmup", "1", "--batch-size", "8",

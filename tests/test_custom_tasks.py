@@ -19,10 +19,8 @@ import pytest
 
 from sao.core.config import Config
 from sao.core.errors import ConfigError, DataError
-from sao.tasks import load_env_class, load_reward
-from sao.tasks.base import Task
-from sao.tasks import gsm8k
-from sao.tasks.base import Scorer
+from sao.tasks import gsm8k, load_env_class, load_reward
+from sao.tasks.base import Scorer, Task
 from sao.tasks.custom import load_custom, source_kind
 from sao.tasks.gsm8k import build_messages, decontaminate, load_gsm8k
 from sao.train.build import task_set

@@ -137,7 +137,7 @@ def test_settings_are_validated_and_reach_the_command_line():
     assert (config.rollout.source, config.rollout.ray_address, config.rollout.rollout_workers) == ("ray", "auto", 7)
     assert (config.rollout.worker_gpus, config.rollout.worker_cpus, config.rollout.max_staleness) == (1.0, 0.5, 3)
     assert config.rollout.worker_timeout == 30.0
-    assert Config().rollout.max_staleness == Config().rollout.lag  # both sources see the same staleness range by default
+    assert Config().rollout.max_staleness == Config().rollout.lag  # both sources: the same staleness range
 
 
 def test_rollout_batch_defaults_to_the_training_batch_on_gpu_workers():

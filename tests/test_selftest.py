@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sao.cli import main
 from sao.algorithm import selftest
 from sao.algorithm.update import SAO
+from sao.cli import main
 from sao.core.registry import CORRECTIONS
 
 
