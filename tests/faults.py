@@ -1,6 +1,6 @@
-"""The README's fault table, generated from the test suite: each fault test records its case once its
+"""The fault table (docs/faults.md), generated from the test suite: each fault test records its case once its
 assertions have passed. When every kind below was exercised, ``make docs`` (``SAO_WRITE_DOCS=1``) rebuilds
-the table between the markers in README.md, and any other full run fails if the README's table is not the
+the table between the markers in docs/faults.md, and any other full run fails if its table is not the
 one the tests just proved. The test suite itself never writes a tracked file.
 
 A kind's row says what every recorded case proved; the count is the number of cases that passed. Its text
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "faults.md"
 START, END = "<!-- fault-table:start -->", "<!-- fault-table:end -->"
 
 # kind → (what was thrown at it, what happened in every passing case)

@@ -23,7 +23,7 @@ from sao.tasks import gsm8k, load_env_class, load_reward
 from sao.tasks.base import Scorer, Task
 from sao.tasks.custom import load_custom, source_kind
 from sao.tasks.gsm8k import build_messages, decontaminate, load_gsm8k
-from sao.train.build import task_set
+from sao.tasks.setup import task_set
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "gsm8k"
 NOUNS = ["apples", "pencils", "marbles", "tickets", "stamps", "books", "shells", "coins"]

@@ -20,7 +20,19 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sao.core.config import Config, apply_threads
+from sao.core.config import Config, apply_threads, canonical, read_config_file
+
+
+def settings(preset: str | None = None, file: str | Path | None = None, **flags: Any) -> Config:
+    """A run's Config the way the command line makes it: the preset's defaults (``preset``, else the file's
+    ``"preset"``, else the protocol), then the settings ``file`` holds (YAML or JSON), then ``flags`` (flat names);
+    torch's CPU threads set as it says."""
+    from_file = read_config_file(file)[0] if file is not None else {}
+    chosen = preset or from_file.pop("preset", None) or "protocol"
+    from_file.pop("preset", None)
+    config = Config.preset(chosen, **{**canonical(from_file), **flags})
+    apply_threads(config)
+    return config
 
 
 def as_config(config: Config | Mapping[str, Any]) -> Config:
@@ -30,6 +42,35 @@ def as_config(config: Config | Mapping[str, Any]) -> Config:
         config = Config.from_mapping(dict(config))
     apply_threads(config)
     return config
+
+
+def trainer(
+    config: Config | Mapping[str, Any],
+    out_dir: str | Path,
+    *,
+    dataset: Any = None,
+    reward_fn: Callable[..., Any] | None = None,
+    env_factory: Callable[..., Any] | None = None,
+    source: Any = None,
+    hooks: Sequence[Any] = (),
+    resume: bool = False,
+    progress: bool = True,
+):
+    """The ``Trainer`` ``train`` runs, built but not run (``.run()`` trains; ``.describe()`` says what it trains)."""
+    from sao.train import build
+
+    config = config if isinstance(config, Config) else as_config(config)
+    return build.trainer(
+        config,
+        out_dir,
+        dataset=dataset,
+        reward_fn=reward_fn,
+        env_factory=env_factory,
+        source=source,
+        hooks=hooks,
+        resume=resume,
+        progress=progress,
+    )
 
 
 def train(
@@ -46,13 +87,10 @@ def train(
 ):
     """Train one policy (critic warmup, then policy steps) into ``out_dir``; returns the finished ``Trainer``
     (``.records``, ``.models``, ``.warnings``; the adapter is in ``out_dir/adapter``)."""
-    from sao.train import build
-
-    trainer = build.trainer(as_config(config), out_dir, dataset=dataset, reward_fn=reward_fn,
-                            env_factory=env_factory, source=source, hooks=hooks, resume=resume,
-                            progress=progress)  # fmt: skip
-    trainer.run()
-    return trainer
+    built = trainer(config, out_dir, dataset=dataset, reward_fn=reward_fn, env_factory=env_factory, source=source,
+                    hooks=hooks, resume=resume, progress=progress)  # fmt: skip
+    built.run()
+    return built
 
 
 def evaluate(
@@ -71,18 +109,18 @@ def evaluate(
     from sao.experiment.runner import Parts, pass_at_1
     from sao.model.policy import load_base, pick_device
     from sao.rollout.sampler import derived_seed
-    from sao.train import build
+    from sao.tasks import setup
 
     config = as_config(config)
-    tasks = build.task_set(config, dataset)
+    tasks = setup.task_set(config, dataset)
     if not tasks.test:
         from sao.core.errors import ConfigError
 
         raise ConfigError("the dataset has no held-out tasks to evaluate on: pass {'train': rows, 'test': rows}")
-    model, tokenizer = load_base(build.model_path(config), pick_device(config.model.device))
+    model, tokenizer = load_base(config.model.name, pick_device(config.model.device))
     if adapter is not None:
         model = load_adapter(model, adapter)
-    parts = Parts(tasks, build.scorer(config, tasks, reward_fn), dataset, reward_fn, env_factory)
+    parts = Parts(tasks, setup.scorer(config, tasks, reward_fn), dataset, reward_fn, env_factory)
     label = "adapter" if adapter is not None else "base"
     return pass_at_1(config, model, tokenizer, tasks.test, label, seed=derived_seed(config.training.seed, "eval", seed),
                      parts=parts, progress=progress)  # fmt: skip

@@ -114,18 +114,13 @@ def _bool(text: str) -> bool:
 
 
 def config_from_args(args: argparse.Namespace):
-    """The run's Config: the preset's defaults, then --config FILE's settings, then the flags given; torch's CPU
-    threads set as it says."""
-    from sao.api import as_config
-    from sao.core.config import Config, canonical, read_config_file
+    """The run's Config: the preset's defaults, then --config FILE's settings, then the flags (``api.settings``)."""
+    from sao import api
 
-    from_file = read_config_file(args.config)[0] if getattr(args, "config", None) else {}
-    preset = args.preset or from_file.pop("preset", None) or "protocol"
-    from_file.pop("preset", None)
     given = {name: value for name, value in vars(args).items() if name in _setting_names() and value is not None}
     if any(a == "--engine" or a.startswith("--engine=") for a in getattr(args, "argv", ())):
         print("notice: --engine is now --rollout (same values); --engine still works", file=sys.stderr)
-    return as_config(Config.preset(preset, **{**canonical(from_file), **given}))
+    return api.settings(args.preset, getattr(args, "config", None), **given)
 
 
 def _setting_names() -> set[str]:
@@ -145,10 +140,10 @@ def _selftest(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from sao.train import build
+    from sao import api
 
     config = config_from_args(args)
-    trainer = build.trainer(config, args.out, resume=args.resume, progress=not args.quiet)
+    trainer = api.trainer(config, args.out, resume=args.resume, progress=not args.quiet)
     c = config
     print(f"sao train: {c.algorithm.correction} arm, seed {c.training.seed}, model {c.model.name}: "
           f"{trainer.describe()}")  # fmt: skip

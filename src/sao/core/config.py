@@ -768,3 +768,21 @@ def _kind(value: Any) -> str:
         return "nothing (an empty file or null)"
     names = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true/false"}
     return names.get(type(value), f"a {type(value).__name__}")
+
+
+def settings_reference() -> str:
+    """Every setting, section by section, as a Markdown page (docs/settings.md is this, written by ``make docs``)."""
+    from sao.core.settings import help_of
+
+    lines = ["# Every setting", "", "Generated from `sao/core/config.py` by `make docs`; `sao COMMAND --help` shows the",
+             "settings that command reads. Flat name = the command-line flag (`--batch-size`) and the key in a flat",
+             "settings file; a settings file may also give them in sections (`training: {lr: 1e-3}`).", ""]  # fmt: skip
+    for section, cls in SECTIONS.items():
+        lines += [f"## {section}", "", "| flag | default | what it is |", "| --- | --- | --- |"]
+        for f in dataclasses.fields(cls):
+            names = ", ".join(f"`--{n.replace('_', '-')}`" for n in (flag_of(f), *f.metadata.get("aliases", ())))
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            doc = help_of(f).replace("|", "\\|")
+            lines.append(f"| {names} | `{default!r}` | {doc} |")
+        lines.append("")
+    return "\n".join(lines)

@@ -49,9 +49,10 @@ from sao.core.errors import ConfigError
 from sao.core.io import DamagedFileError, check_output_path, clean, read_saved_json, write_json
 from sao.experiment import report, results
 from sao.experiment.evaluate import EvalResult, evaluate
-from sao.model.policy import POLICY_ADAPTER, eos_ids, load_base, pick_device
+from sao.model.policy import POLICY_ADAPTER, eos_ids, load_base, model_path, pick_device
 from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import POLICY, make_decoder
+from sao.tasks import environments, setup
 from sao.tasks.base import Scorer, TaskSet
 from sao.tasks.environments import episodes_for
 from sao.train import build, checkpoint
@@ -126,7 +127,7 @@ def pass_at_1(config: Config, model, tokenizer, tasks: list, label: str, *, seed
     """The protocol's eval of ``model`` (its policy adapter, if it has one) with the config's eval settings:
     the task's reward on one reply per sample, or the environment's total reward on one episode per sample."""
     adapter = POLICY_ADAPTER if hasattr(model, "peft_config") else None
-    factory = build.environment(config, tokenizer, parts.env_factory)
+    factory = parts.env_factory or environments.env_factory(config.data.env, tokenizer, config.rollout.max_turns)
     r = config.rollout
     episodes = episodes_for(factory, tasks, parts.tasks.instruction, r.max_turns, r.max_total_tokens)
     e = config.eval
@@ -230,8 +231,8 @@ class Experiment:
             for arm in grid.arms:
                 self._run_config(cell, arm, self.config.training.seed)
         self._claim(resume)
-        tasks = build.task_set(self.config, dataset)
-        self.parts = Parts(tasks, build.scorer(self.config, tasks, reward_fn), dataset, reward_fn, env_factory)
+        tasks = setup.task_set(self.config, dataset)
+        self.parts = Parts(tasks, setup.scorer(self.config, tasks, reward_fn), dataset, reward_fn, env_factory)
         self.split: TaskSet = tasks
         self.seeds = self.settings.get("seeds") or [
             self.config.training.seed + s for s in range(self.config.eval.train_runs)
@@ -307,7 +308,7 @@ class Experiment:
     def provenance(self) -> dict[str, Any]:
         """This invocation's provenance (model, tokenizer and data hashes, machine, code), taken once."""
         if self._provenance is None:
-            self._provenance = prov.collect(build.model_path(self.config), self.split.train, self.split.test,
+            self._provenance = prov.collect(model_path(self.config.model.name), self.split.train, self.split.test,
                                             self.split.source, name=self.config.model.name)  # fmt: skip
         return self._provenance
 
@@ -382,7 +383,7 @@ class Experiment:
             todo += [(self._start_path(s), derived_seed(s, "eval"), f"start-s{s}") for s in self.seeds
                      if not self._start_path(s).exists()]  # fmt: skip
         if todo:
-            base, tokenizer = load_base(build.model_path(self.config), pick_device(self.config.model.device))
+            base, tokenizer = load_base(model_path(self.config.model.name), pick_device(self.config.model.device))
             for path, seed, label in todo:
                 result = pass_at_1(self.config, base, tokenizer, self.split.test, label, seed=seed, parts=self.parts,
                                    progress=self.progress)  # fmt: skip

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from sao.core.errors import ConfigError
+from sao.core.registry import MODELS
 
 DEFAULT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
 # Every linear layer of a Qwen2/Llama-style block; the ones a model lacks are skipped.
@@ -44,15 +45,23 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def model_path(name: str | os.PathLike[str]) -> str:
+    """The folder or hub id a model name stands for: a registered stand-in ("tiny", "tiny-calc": ``MODELS`` in
+    ``sao.core.registry``) is built and cached on first use; any other name is a hub id or folder as it is."""
+    name = os.fspath(name)
+    return str(MODELS.get(name)()) if name in MODELS else name
+
+
 def load_base(model: str | os.PathLike[str], device: torch.device, dtype: torch.dtype | None = None):
-    """Load a causal LM and its tokenizer by hub id or local directory. Returns (model, tokenizer).
+    """Load a causal LM and its tokenizer by name (``model_path``): hub id, local directory or stand-in. Returns
+    (model, tokenizer).
 
     The tokenizer pads on the left (batched prompts end where the response begins) and falls back to
     its EOS token for padding when it has no pad token.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    name = os.fspath(model)
+    name = model_path(model)
     path = os.path.expanduser(name)
     if not os.path.isdir(path) and (name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.path.exists(path)):
         raise ConfigError(f"model path {name!r} is not a directory; pass a hub id or a save_pretrained directory")
@@ -160,7 +169,7 @@ class Models:
     @classmethod
     def load(
         cls,
-        model_path: str,
+        name: str,
         *,
         device: str = "auto",
         lora_rank: int = 16,
@@ -168,14 +177,16 @@ class Models:
         seed: int = 17,
         grad_checkpoint: bool = False,
     ) -> Models:
-        """Base model and tokenizer from ``model_path``, a fresh LoRA adapter (seeded), a zero value head."""
+        """Base model and tokenizer by ``name`` (hub id, folder or stand-in: ``model_path``), a fresh LoRA adapter
+        (seeded), a zero value head."""
         torch_device = pick_device(device)
-        base, tokenizer = load_base(model_path, torch_device)
+        path = model_path(name)
+        base, tokenizer = load_base(path, torch_device)
         policy = add_lora(base, rank=lora_rank, alpha=lora_alpha, seed=seed)
         if grad_checkpoint:
             set_activation_checkpointing(policy, True)
         value_head = ValueHead(base.config.hidden_size).to(torch_device)
-        return cls(policy, tokenizer, value_head, torch_device, eos_ids(tokenizer, base), str(model_path))
+        return cls(policy, tokenizer, value_head, torch_device, eos_ids(tokenizer, base), path)
 
 
 def parameter_count(model: nn.Module, trainable_only: bool = False) -> int:

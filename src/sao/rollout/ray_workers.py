@@ -380,6 +380,7 @@ class RaySource:
     @classmethod
     def build(cls, context: SourceContext) -> RaySource:
         """``--rollout ray``: workers drawing the context's prompts (or episodes) with the policy's adapters."""
+        context.check_batch()
         m = context.models
         source = cls(
             context.config, model_path=m.name, policy=m.policy, pad_token_id=m.tokenizer.pad_token_id,

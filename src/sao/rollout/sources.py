@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from sao.core.config import Config
+from sao.core.errors import ConfigError
 from sao.core.registry import SOURCES
 from sao.model.policy import Models
 from sao.rollout.engine import Engine
@@ -95,7 +96,14 @@ class SourceContext:
     reserved_gpus: list[int] | None = None  # GPUs the training processes use (kept from rollout workers)
     label: str = "run"
     progress: bool = True
+    world_size: int = 1  # training processes (torchrun)
     warn: Callable[[str], None] = print
+
+    def check_batch(self) -> None:
+        """A source that draws the training prompts needs a batch's worth of them."""
+        batch = self.config.training.batch_size
+        if len(self.tasks) < batch:
+            raise ConfigError(f"--batch-size {batch} is larger than the {len(self.tasks)} training prompts")
 
     @property
     def order(self) -> PromptOrder:
@@ -182,6 +190,7 @@ class LocalStaleSource:
     @classmethod
     def build(cls, context: SourceContext) -> LocalStaleSource:
         """``--rollout local``: the stale sampler over the context's policy, prompts and environment."""
+        context.check_batch()
         c, m = context.config, context.models
         sampling = Sampling(c.rollout.max_new_tokens, c.rollout.temperature, m.eos_token_ids, m.tokenizer.pad_token_id)
         source = cls(

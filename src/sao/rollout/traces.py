@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from sao.core.errors import DataError
+from sao.core.errors import ConfigError, DataError
 from sao.rollout.sources import SourceContext, SourceExhausted
 from sao.rollout.types import Batch, Rollout, Turns
 
@@ -438,6 +438,8 @@ class TraceSource:
     @classmethod
     def build(cls, context: SourceContext) -> TraceSource:
         """``--rollout traces`` (or ``--traces LOG`` alone): the log the config names, read for the context's model."""
+        if context.world_size > 1:
+            raise ConfigError("--traces under torchrun is not supported yet: train on a trace log in one process")
         c, m = context.config, context.models
         r = c.rollout
         return cls(

@@ -44,7 +44,7 @@ def post(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str,
 def tiny_tasks(seed: int) -> list[dict[str, Any]]:
     """The tiny preset's training tasks as chat messages with their gold answers, in a seeded order."""
     from sao.core.config import Config
-    from sao.train.build import task_set
+    from sao.tasks.setup import task_set
 
     split = task_set(Config.preset("tiny"))
     tasks = [{"messages": t.chat(split.instruction), "answer": t.answer} for t in split.train]

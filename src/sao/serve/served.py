@@ -30,9 +30,8 @@ import torch
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.model.artifacts import ADAPTER_CONFIG
-from sao.model.policy import POLICY_ADAPTER, Models, lora_state
+from sao.model.policy import POLICY_ADAPTER, Models, lora_state, model_path
 from sao.rollout.sampler import PlainDecoder, encode_prompts
-from sao.train.build import model_path
 
 PUBLISHED, LATEST = "published", "LATEST.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -56,7 +55,7 @@ class ServedPolicy:
 
     def __init__(self, config: Config, *, device: str = "cpu"):
         self.config = config
-        self.model_path = model_path(config)
+        self.model_path = model_path(config.model.name)
         self.models = Models.load(
             self.model_path,
             device=device,

@@ -60,7 +60,7 @@ class Server:
         from sao.serve.app import EndpointSettings, Service, create_app
         from sao.serve.served import AdapterWatcher, ServedPolicy
         from sao.serve.tracelog import TraceLog
-        from sao.train import build
+        from sao.tasks import setup
 
         self.say = say
         max_tokens = max_tokens or config.rollout.max_new_tokens
@@ -86,7 +86,7 @@ class Server:
                 max_tokens=max_tokens, default_temperature=config.rollout.temperature,
                 max_prompt_tokens=max_prompt_tokens, needs_answer=config.data.reward is None,
             )  # fmt: skip
-            self.service = Service(self.policy, self.log, settings, build.scorer(config))
+            self.service = Service(self.policy, self.log, settings, setup.scorer(config))
             self.app = create_app(self.service)
         except BaseException:
             self.sock.close()

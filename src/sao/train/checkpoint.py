@@ -21,6 +21,8 @@ weights and optimizer state exist nowhere else).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib
 import json
 import math
 import os
@@ -109,6 +111,49 @@ def same_settings(saved: Any, record: dict[str, Any]) -> bool:
         return value
 
     return comparable(saved) == comparable(record)
+
+
+def import_path(obj: Any) -> str | None:
+    """``"module:qualname"`` when importing that gives back ``obj`` (so a replay can), else None."""
+    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not module or not name or module == "__main__" or "<" in name:
+        return None
+    try:
+        found: Any = importlib.import_module(module)
+        for part in name.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        return None
+    return f"{module}:{name}" if found is obj else None
+
+
+def run_record(config: Config, tasks: Any, world_size: int = 1, **parts: Any) -> dict[str, Any]:
+    """What config.json records: the settings, the task set's counts, and each part passed in as an object — by
+    import path when it has one; otherwise ``replayable`` is false and ``not_replayable`` says why, in words."""
+    record: dict[str, Any] = {"config": config.to_dict(), "data": tasks.counts, "source": tasks.source,
+                              "world_size": world_size}  # fmt: skip
+    passed, reasons = {}, []
+    for name, obj in parts.items():
+        if obj is None:
+            continue
+        if name == "dataset" and isinstance(obj, str | Path):
+            passed[name] = str(obj)
+        elif name == "dataset":
+            rows = json.dumps([t.fields for t in tasks.train], sort_keys=True, default=str).encode()
+            passed[name] = f"{len(tasks.train)} rows passed in (sha256 {hashlib.sha256(rows).hexdigest()[:16]})"
+            reasons.append("the dataset was passed as rows, not as a path")
+        elif name == "source":  # an object built by the caller: its class says what it was, not how it was made
+            passed[name] = import_path(type(obj)) or type(obj).__name__
+            reasons.append(f"the source was passed as an object ({passed[name]}), not named by --rollout")
+        else:
+            passed[name] = import_path(obj) or repr(obj)[:80]
+            if import_path(obj) is None:
+                reasons.append(f"{name} {passed[name]} cannot be imported by name (defined in a script or a function)")
+    if passed:
+        record.update(passed=passed, replayable=not reasons)
+        if reasons:
+            record["not_replayable"] = reasons
+    return record
 
 
 def write_config(out: Path, record: dict[str, Any]) -> None:

@@ -36,7 +36,7 @@ from sao.rollout.sources import POLICY, WARMUP, Source, SourceExhausted
 from sao.rollout.types import Batch
 from sao.tasks.base import Scorer
 from sao.train import checkpoint
-from sao.train.distributed import SINGLE, World
+from sao.train.distributed import SINGLE, BroadcastSource, World
 from sao.train.learn import apply_policy_step, critic_steps, lr_factor, policy_gradient_pass
 from sao.train.records import step_record
 
@@ -80,7 +80,7 @@ class Trainer:
     def __init__(
         self,
         models: Models,
-        source: Source,
+        source: Source | None,
         scorer: Scorer,
         config: Config,
         out_dir: str | Path,
@@ -92,14 +92,17 @@ class Trainer:
         progress: bool = True,
         label: str | None = None,
     ):
+        if world.size > 1:  # rank 0 reads the source and broadcasts each batch; the other ranks hold none
+            source = BroadcastSource(world, source, models.device)
         self.models, self.source, self.scorer, self.config = models, source, scorer, config
         self.settings, self.sao = config.training, SAO.of(config.algorithm)
         self.out, self.hooks, self.world = Path(out_dir), list(hooks), world
         self.progress = progress and world.is_main
         self.label = label or f"{config.algorithm.correction} seed {config.training.seed}"
+        world.shard(self.settings.batch_size)  # a batch that does not split evenly over the ranks is refused here
         record = self.run_record = run_record if run_record is not None else {"config": config.to_dict()}
-        checkpoint.claim(self.out, record, resume)
-        resumed = checkpoint.load(self.out) if resume else None  # a damaged one fails here, before any work
+        checkpoint.claim(self.out, record, resume)  # (again, when the builder claimed it: cheap, writes nothing)
+        resumed = checkpoint.load(self.out) if resume else None  # a damaged one fails here, before any step
         self.lora_params = list(lora_state(models.policy).values())
         self.policy_opt = torch.optim.AdamW(self.lora_params, lr=self.settings.lr,
                                             weight_decay=self.settings.weight_decay)  # fmt: skip

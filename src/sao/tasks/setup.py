@@ -1,0 +1,88 @@
+"""A config's task settings turned into objects: the task set, its scorer, the environment, the prompts.
+
+    task_set   a generated task set (``TASK_SETS``: "tiny", "tiny-calc"), your data (a file, a folder, a hub
+               dataset; or rows passed in as objects), or GSM8K
+    scorer     the reward you pass, else ``--reward module:function``, else the task set's own (GSM8K's grader)
+    parts      all of them for one tokenizer: what a source draws from (prompts, or episodes with an environment)
+
+Deliberately left out: models and sources (the trainer's builder, ``sao.train.build``, brings them together).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sao.core.config import Config
+from sao.core.errors import ConfigError
+from sao.core.registry import TASK_SETS
+from sao.rollout.environment import EnvFactory
+from sao.rollout.sources import Episodes
+from sao.tasks import custom, environments, gsm8k
+from sao.tasks.base import Scorer, TaskSet
+from sao.tasks.environments import episodes_for, prompt_text
+
+
+def task_set(config: Config, dataset: Any = None) -> TaskSet:
+    """The training prompts and held-out tasks: ``dataset`` when given (rows, a mapping of splits, a Hugging Face
+    dataset, or a path read as ``--data``), else what ``--data`` names."""
+    d = config.data
+    if dataset is not None and not isinstance(dataset, str | Path):
+        return custom.from_rows(dataset, n_train=d.train_prompts, n_test=d.test_prompts, seed=d.seed)
+    name = str(dataset) if dataset is not None else d.dataset
+    if name in TASK_SETS:
+        given = [f for f, v in (("--prompt-field", d.prompt_field), ("--answer-field", d.answer_field),
+                                ("--messages-field", d.messages_field)) if v is not None]  # fmt: skip
+        if given:
+            raise ConfigError(f"{', '.join(given)} apply to --data FILE (.jsonl, .parquet), a directory or a hub "
+                              f"dataset name, not to the generated task set {name!r}")  # fmt: skip
+        return TASK_SETS.get(name)(d.train_prompts, d.test_prompts, d.seed)
+    if custom.uses_custom_loader(name, d.prompt_field, d.answer_field, d.messages_field):
+        return custom.load_custom(name, prompt_field=d.prompt_field, answer_field=d.answer_field,
+                                  messages_field=d.messages_field, n_train=d.train_prompts, n_test=d.test_prompts,
+                                  seed=d.seed)  # fmt: skip
+    return gsm8k.load_gsm8k(name, n_train=d.train_prompts, n_test=d.test_prompts, seed=d.seed)
+
+
+def scorer(config: Config, tasks: TaskSet | None = None, reward_fn: Callable[..., Any] | None = None) -> Scorer:
+    """The one grader of training, eval and serving: ``reward_fn``, else ``--reward``, else the task set's own."""
+    reward, name = reward_fn, None
+    if reward is None and config.data.reward:
+        reward, name = custom.load_reward(config.data.reward), config.data.reward
+    if reward is None:
+        reward = (tasks.reward if tasks is not None else None) or gsm8k.reward
+    return Scorer(reward, truncated_reward=config.data.truncated_reward, name=name)
+
+
+@dataclass
+class TaskParts:
+    """What the tasks of a run are, for one tokenizer: the task set, its scorer, and what a source draws from."""
+
+    tasks: TaskSet
+    scorer: Scorer
+    env_factory: EnvFactory | None
+    prompts: dict[str, str]  # task id → the chat-formatted prompt a single reply continues
+    episodes: Episodes | None  # with an environment: what multi-turn drawing needs
+
+
+def parts(
+    config: Config,
+    tokenizer: Any,
+    tasks: TaskSet,
+    *,
+    reward_fn: Callable[..., Any] | None = None,
+    env_factory: EnvFactory | None = None,
+) -> TaskParts:
+    """The scorer, the environment (the factory you pass, else ``--env``) and the training prompts of ``tasks``."""
+    r = config.rollout
+    factory = env_factory if env_factory is not None else environments.env_factory(config.data.env, tokenizer,
+                                                                                    r.max_turns)  # fmt: skip
+    return TaskParts(
+        tasks=tasks,
+        scorer=scorer(config, tasks, reward_fn),
+        env_factory=factory,
+        prompts={t.id: prompt_text(tokenizer, t, tasks.instruction) for t in tasks.train},
+        episodes=episodes_for(factory, tasks.train, tasks.instruction, r.max_turns, r.max_total_tokens),
+    )
