@@ -46,7 +46,8 @@ class Args:
     test_prompts: int = 120
 
 
-def main(args: Args = Args()) -> list[dict]:
+def main(args: Args | None = None) -> list[dict]:
+    args = args or Args()
     torch.set_num_threads(1)  # the tiny model's operations are too small to split
     # --- the task and the models ------------------------------------------------------------------------------
     tasks = arithmetic.make_split(args.train_prompts, args.test_prompts, seed=0).train

@@ -774,9 +774,10 @@ def settings_reference() -> str:
     """Every setting, section by section, as a Markdown page (docs/settings.md is this, written by ``make docs``)."""
     from sao.core.settings import help_of
 
-    lines = ["# Every setting", "", "Generated from `sao/core/config.py` by `make docs`; `sao COMMAND --help` shows the",
-             "settings that command reads. Flat name = the command-line flag (`--batch-size`) and the key in a flat",
-             "settings file; a settings file may also give them in sections (`training: {lr: 1e-3}`).", ""]  # fmt: skip
+    lines = ["# Every setting", "", "Generated from `sao/core/config.py` by `make docs`; `sao COMMAND --help` shows",
+             "the settings that command reads. Flat name = the command-line flag (`--batch-size`) and the key in a",
+             "flat settings file; a settings file may also give them in sections (`training: {lr: 1e-3}`).",
+             ""]  # fmt: skip
     for section, cls in SECTIONS.items():
         lines += [f"## {section}", "", "| flag | default | what it is |", "| --- | --- | --- |"]
         for f in dataclasses.fields(cls):
