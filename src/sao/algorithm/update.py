@@ -1,46 +1,18 @@
 """The SAO update: length-adaptive GAE over a critic, and an off-policy correction rule. Pure tensor math.
 
-One call turns a batch of B stale trajectories, padded to T tokens, into per-token policy-gradient
-coefficients. Notation (SPEC §1), for trajectory i with L_i action tokens a_1 .. a_{L_i} (the tokens the
-model wrote; observation/tool tokens and padding are not actions) and r_k the reward on action token a_k:
+B stale trajectories (padded to T tokens) become per-token coefficients. Trajectory i has L_i action tokens a_k and
+reward r_k on a_k (``rewards`` [B]: terminal, on a_{L_i}; [B, T]: per turn, on each turn's last action token):
 
-    r_k   = R_i [k = L_i]                                        terminal reward: ``rewards`` is [B]
-    r_k   = rewards[i, position of a_k]                          per-turn: ``rewards`` is [B, T], each turn's
-                                                                 reward on its last action token, 0 elsewhere
-    λ_i   = max(0, 1 − 1 / (α L_i))                             length-adaptive GAE, α = 1.5 (γ = 1)
-    δ_k   = r_k + V(a_{k+1}) − V(a_k),  V(a_{L_i+1}) = 0
-    A_k   = δ_k + λ_i A_{k+1}                                    (the bootstrap jumps over observations)
-    G_t   = Σ_{action tokens a_k at or after t} r_k             value target: return-to-go, λ_critic = 1
-                                                                 (= R_i up to the last action token, then 0,
-                                                                 for a terminal reward)
-    ρ_t   = exp(logprobs_t − sampler_logprobs_t)                 current policy over the sampler's own record
-    c_t   = f(ρ_t) · A_t / N                                     N = action tokens in the whole batch
-    loss  = −Σ_t c_t.detach() · logprobs_t
+    λ_i  = max(0, 1 − 1 / (α L_i)),  α = 1.5,  γ = 1               length-adaptive GAE
+    A_k  = δ_k + λ_i A_{k+1},  δ_k = r_k + V(a_{k+1}) − V(a_k)     V(a_{L_i+1}) = 0; the bootstrap skips observations
+    G_t  = Σ_{action tokens a_k at or after t} r_k                 value target: return-to-go
+    ρ_t  = exp(logprobs_t − sampler_logprobs_t)                    against the sampler's own recorded probability
+    c_t  = f(ρ_t) · A_t / N,  loss = −Σ_t c_t.detach() · logprobs_t      N = action tokens in the whole batch
+    f    = dis: ρ if lo < ρ < hi else 0 | none: ρ | tis: min(ρ, C) | seqmask | random   (the one difference)
 
-(SPEC §1 writes the ratio ρ_t as r_t; here r is the reward.) The correction rule f is the only thing that
-differs between arms:
-
-    "dis"      f(ρ) = ρ if lo < ρ < hi else 0                    direct double-sided IS (the recipe arm)
-    "none"     f(ρ) = ρ                                          plain importance weighting (the baseline)
-    "tis"      f(ρ) = min(ρ, C)                                  truncated IS at a cap C
-    "seqmask"  f(ρ) = ρ, or 0 on every token of a trajectory whose geometric-mean ratio
-               exp(mean_t log ρ_t) leaves (lo, hi)
-    "random"   f(ρ) = ρ, or 0 on each action token with probability p (``random_mask_share``) whatever its
-               ratio: the control that tells masking *these* tokens (dis) from dropping *any* tokens
-
-The terminal case takes its own code path, so a [B] reward gives bit for bit what it gave before per-turn
-rewards existed; a [B, T] reward with one entry on the last action token gives the same tensors exactly.
-
-There is no advantage normalisation (the critic is the baseline) and no separate π_old: the ratio is taken
-against the probability the sampler recorded while drawing the token.
-
-Non-finite inputs: a token whose ratio or advantage is not finite gets coefficient 0 and is counted in
-``stats["nonfinite"]``. Skipping a whole step on a non-finite loss or gradient is the trainer's job.
-
-Deliberately left out: the model, the critic's optimisation, and the loss's backward pass. Everything here
-runs under ``torch.no_grad`` and returns detached tensors; the caller multiplies ``coefficients`` into its
-own differentiable ``logprobs``. Where a turn ends is the caller's knowledge: a non-zero per-turn reward on a
-non-action token is rejected, but one on an action token inside a turn is taken as that token's r_k.
+No advantage normalisation, no separate π_old; a non-finite ratio or advantage gets coefficient 0. Left out: the
+model, the critic's optimisation and the backward (all ``torch.no_grad``; the caller multiplies ``coefficients``
+into its own differentiable ``logprobs``). Design notes: docs/design/update.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """Where a result came from: content hashes of the model, tokenizer and data, and the machine and code that ran it.
 
-Two runs can only be compared when they trained the same model on the same data. A hash says so where a name
-cannot: "tiny" or "Qwen/Qwen2.5-1.5B-Instruct" names different weights on two machines when the model is built
-locally or the hub revision moved. Every results.json carries a ``provenance`` block, and every training run
-and base eval of an experiment its own, so that aggregating pieces made apart can be checked.
+Two runs compare only when they trained the same model on the same data, and a hash says so where a name cannot.
+Every results.json, training run and base eval carries a ``provenance`` block: ``weights`` (sha256 over the
+safetensors tensors, whatever the sharding), ``tokenizer`` (its files, JSON canonicalised), ``data`` (training
+prompts and held-out tasks), ``machine`` (what decides whether floating point repeats bit for bit) and ``code``
+(library versions, sao's version and git commit). ``differences`` turns several blocks into warnings in words.
 
-    weights      sha256 over the tensors of the model folder's *.safetensors files: each tensor's name, dtype,
-                 shape and bytes, in name order — the same for any sharding or file metadata (a folder with
-                 only *.bin files: the files' bytes, in name order)
-    tokenizer    sha256 over the tokenizer files present (tokenizer.json, its config, vocab, merges, chat
-                 template, ...); JSON files canonicalised (sorted keys), so whitespace does not count
-    data         sha256 of the training prompts and of the held-out tasks: every field of every task, in order
-    machine      CPU model and the instruction set torch's kernels use, cores, torch's intra- and inter-op
-                 threads, OMP/MKL thread settings: what decides whether floating point repeats bit for bit
-    code         library versions, sao's version and git commit (and whether its source differs from it)
-
-``differences`` turns several such blocks into warnings in words: a differing hash means the pieces are not
-about the same model or data; a differing machine or version means they need not agree bit for bit.
-
-Deliberately left out: hashing a hub model before it is downloaded (the hash is recorded once the files are
-local), hashing optimizer states or checkpoints (the run folder holds them), and refusing to aggregate: the
-warning says what differs, the person decides.
+Deliberately left out: hashing a hub model before it is downloaded, hashing optimizer states or checkpoints, and
+refusing to aggregate (the warning says what differs, the person decides). Design notes: docs/design/provenance.md.
 """
 
 from __future__ import annotations

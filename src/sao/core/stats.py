@@ -1,32 +1,14 @@
 """Paired comparison of two models on the same eval tasks, with a 95% interval, a noise floor and a verdict.
 
-SPEC §4, in symbols. Per task j a model's score s_j is its mean correctness over the task's samples.
+``compare``: with one training run per arm the task is the unit (a paired t over tasks, which compares two trained
+models); with several seeds per arm the seed is the unit (paired by index, or Welch's t for unequal counts; the
+untrained base as a fixed reference). Noise floor from R repeated evals: t(0.975, R−1) · √2 · run_std. Verdict,
+only with ≥ 2 seeds per trained side: ``improved``/``regressed`` when the interval excludes 0 and |delta| exceeds
+the floor, ``flat`` when the whole interval is inside ± floor; else ``unresolved``, with the reason in words. A
+proxy that rises while the target falls is flagged. ``holm`` adjusts the p-values of a family planned in advance.
 
-* One training run per arm (scores ``[tasks]``): the task is the unit. d_j = after_j − before_j,
-  delta = mean(d), interval = delta ± t(0.975, n−1) · sd(d) / √n over the n tasks. That interval holds the
-  eval's noise, not training's: it compares *two trained models*, not the procedure that trained them.
-* Several training seeds per arm (scores ``[seeds, tasks]``): the seed is the unit. Each seed's pass@1
-  is its mean over tasks. With the same number of seeds on both sides the seeds are paired by index
-  (seed s of one arm shares prompts and sampler seeds with seed s of the other) and the interval is a
-  paired t over seeds with S−1 df. With unequal counts it is Welch's two-sample t over seed means; a side
-  given as ``before_fixed`` (the untrained base: one fixed model, no training to repeat) is a fixed
-  reference (variance 0).
-* p-value: the two-sided t test of delta = 0 that goes with the interval (same t, same df), for
-  corrections across a planned family of comparisons (``holm``).
-* Noise floor from R repeated evals of one model: floor = t(0.975, R−1) · √2 · run_std, where run_std is
-  the sample sd of the R pass@1 values (the page's 0.132 = 4.303 · 1.414 · 0.0217).
-* Verdict about a training procedure: ``improved`` / ``regressed`` only with ≥ 2 training seeds on every
-  trained side, when the interval excludes 0 *and* |delta| exceeds the floor; ``flat`` only with ≥ 2 seeds
-  per arm and the whole interval inside ± floor; otherwise ``unresolved``, and ``reason`` says why in words.
-  With one seed the per-task interval is still reported, and ``about`` says it compares two trained models.
-
-An optional proxy (e.g. training reward before and after) is reported beside the target; a proxy that
-rises while the target falls — its whole interval below zero, not a noise-level dip — is flagged, because
-that is what over-optimising a proxy looks like.
-
-``holm`` adjusts the p-values of a family of comparisons planned in advance (``sao confirm``). Left out on
-purpose: corrections applied after the fact to an exploratory grid (a sweep reports each cell's interval and
-says so) and bootstrap intervals (the t interval is what the page used).
+Deliberately left out: corrections applied after the fact to an exploratory grid, and bootstrap intervals.
+Design notes: docs/design/stats.md.
 """
 
 from __future__ import annotations
@@ -100,7 +82,7 @@ def compare(
     proxy: tuple[ArrayLike | float, ArrayLike | float] | None = None,
     before_fixed: bool = False,
 ) -> Comparison:
-    """Compare ``after`` against ``before`` on the same tasks (SPEC §4).
+    """Compare ``after`` against ``before`` on the same tasks.
 
     ``before`` / ``after``: per-task scores, ``[tasks]`` or ``[seeds, tasks]`` (one row per training seed);
     the task axis must match. ``run_std`` / ``run_std_runs``: sd of R repeated pass@1 evals of one model, and

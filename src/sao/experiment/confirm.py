@@ -1,37 +1,15 @@
 """`sao confirm PLAN`: a confirmation planned before it runs — the primary endpoint, the family of comparisons and
 its correction, and fresh seeds, all fixed in a file before the first step is trained.
 
-An exploratory sweep picks its cell after looking; its `improved` is a lead, not a finding. A confirmation
-names in advance the one comparison it is about and every other comparison it will report, runs them on seeds
-no exploratory run used, and corrects for the number of comparisons. The plan (YAML or JSON):
+The plan (YAML or JSON) names the question, preset, settings, grid, arms, the primary comparison, the secondary
+comparisons made in every cell, the seeds, the exploratory runs it follows, the correction (holm) and alpha. Each
+comparison of the family is ``sao.core.stats.compare`` over seeds, Holm-adjusted; improved or regressed stands only
+when the adjusted p is below alpha. The seeds must be disjoint from every cited exploratory run's. The run is one
+``sao.experiment.runner.Experiment`` plus ``plan.<ext>`` (its sha256 guards --resume) and ``plan`` and
+``confirmation`` blocks in results.json.
 
-    question: Does dis beat none at lag 16, lr 2e-3 on the tiny preset?
-    written: 2026-01-05, before any of these seeds was trained        # free text, shown in the report
-    preset: tiny                                                      # then settings: any Config fields
-    settings: {steps: 40, base_evals: 5}                              # but lag, lr, band, arm, seed, train_runs
-    grid: {lags: [8, 16, 32], lrs: [2.0e-3], bands: [[0.7, 6.0]]}    # optional; default: the primary cell
-    arms: [dis, none, random, tis, seqmask]                           # random: the dis arm's share, at random
-    primary: {lag: 16, lr: 2.0e-3, comparison: dis_vs_none, expect: improved}   # band: the config's unless named
-    secondary: [dis_vs_none, dis_vs_random, tis_vs_none, seqmask_vs_none]        # made in every cell
-    seeds: {first: 101, count: 16}                                    # or a list
-    exploratory: [../sweep-tiny-lr2e-3/sweep.json]                    # paths from the plan's folder
-    correction: holm
-    alpha: 0.05
-
-The family is the primary comparison and every secondary comparison in every cell of the grid (the primary
-cell's copy of the primary comparison counted once). Each is ``sao.core.stats.compare`` over seeds (the seed is
-the unit, paired by index), its p-value adjusted by Holm's method across the family; a verdict of improved or
-regressed stands only when the adjusted p is below alpha, else it becomes unresolved and says why. The seeds
-must be disjoint from every seed of every exploratory run cited (results.json, an old sweep.json, an experiment
-folder or a run folder); a plan that cites none says so in the report.
-
-The run is one ``sao.experiment.runner.Experiment`` over the plan's grid (no second runner): the same files,
-plus ``plan.<ext>`` (the plan as given, its sha256 kept in experiment.json, so --resume with a changed plan is
-refused), and results.json gains ``plan`` and ``confirmation`` blocks that the report states first.
-
-Deliberately left out: choosing the plan (a person writes it, before the run), gatekeeping or hierarchical
-testing schemes beyond Holm, and any comparison that was not planned (the report's other tables show the
-experiment as it ran; the confirmation speaks only for its family).
+Deliberately left out: choosing the plan, testing schemes beyond Holm, and any comparison that was not planned.
+Design notes: docs/design/confirm.md (with an example plan).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """results.json: the logs and evals of an experiment folded into numbers, and the comparisons over them.
 
-    curves       every numeric series of the policy steps folded to first / last / mean / max / min
-                 (per run, and step-wise averaged over seeds per arm)
-    checks       the page's checks, computed: critic explained variance, gradient norms and whether the clip
-                 bound, non-finite and skipped counts, the masked share by staleness, lag-0 numerics
-    divergence   a run diverged when a step was skipped for a non-finite value, a token was non-finite, or its
-                 last-10 training reward fell below half its first-10
-    compare      per cell, every rule against the baseline ``none`` (``sao.core.stats.compare``, seeds paired
-                 by index) and every arm against the base model (a fixed reference), under the base evals'
-                 noise floor; with one seed per arm the verdict is ``unresolved`` and the interval is labelled
-                 as a comparison of two trained models
-    eval curve   pass@1 at each intermediate checkpoint (``--eval-every``) per seed, and the mean over seeds
+Curves (every numeric series folded per run, and averaged per arm), the page's checks computed, divergence per run,
+the comparisons per cell (every rule against ``none`` and every arm against the base model, ``sao.core.stats.compare``
+under the base evals' noise floor) and the eval curve over the ``--eval-every`` checkpoints. Everything is computed
+from the files a run wrote, so a resumed experiment summarises the whole of it.
 
-Everything is computed from the files a run wrote, so a resumed experiment summarises the whole of it.
 Deliberately left out: statistics beyond ``compare`` and any presentation (``sao.experiment.report``).
+Design notes: docs/design/results.md.
 """
 
 from __future__ import annotations
@@ -121,7 +114,7 @@ def checks(records: list[dict[str, Any]], grad_clip: float) -> dict[str, Any]:
 
 
 def divergence(records: list[dict[str, Any]]) -> list[str]:
-    """Why a run counts as diverged (empty: it did not). See the module docstring for the rule."""
+    """Why a run counts as diverged (empty: it did not). The rule: docs/design/results.md."""
     policy = [r for r in records if r["phase"] == POLICY]
     reasons = []
     skipped = sum(bool(r["skipped"]) for r in policy)

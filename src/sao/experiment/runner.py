@@ -1,35 +1,15 @@
 """The controlled experiment, for `sao recipe` and `sao sweep` alike: a grid of cells (lag × lr × band), in
 every cell each correction rule and the baseline ``none`` trained with the same seeds, every trained policy
 evaluated, the untrained base evaluated R times for the noise floor, and every rule compared with ``none``.
-A recipe is the one-cell grid (its lag, lr and band; rules dis and none): the same code path, the same files.
+A recipe is the one-cell grid; a planned confirmation names its own fresh seeds.
 
-    for cell in grid, for seed s in seed .. seed + S − 1, for arm in arms:   arms share prompts, order,
-        train (critic warmup + policy steps)  → cells/<cell>/runs/<arm>-s<seed>/     sampler and eval seeds
-          (--eval-every K: eval every K steps → cells/<cell>/evals/<arm>-s<seed>-step<k>.json)
-        eval the trained policy               → cells/<cell>/evals/<arm>-s<seed>.json
-    eval the untrained base R times           → evals/base-<i>.json                  (the noise floor)
-      (--eval-every: and once per seed        → evals/start-s<seed>.json             (step 0 of the curves))
-    compare every rule with none per cell     → results.json, train_log.json, report.md, plots/
-
-The seeds are seed, seed + 1, ... or, for a planned confirmation, the fresh seeds its plan names. The
-``random`` arm (a random token mask, a control) drops the share of tokens the ``dis`` arm of the same cell
-and seed masked, unless --random-mask-share fixes it: dis trains first, and the two differ in which tokens
-are dropped, not in how many. Every piece records the provenance of the invocation that made it (model,
-tokenizer and data hashes, machine, code: ``provenance.json`` in its run folder; ``base-evals.provenance.json``
-for the base evals); results.json holds this invocation's, and a warning names pieces whose hashes differ.
-
-Training comes first so that the reachability warning (a band that masks almost nothing) fires in the
-first minutes, before the evals are paid for. Each finished piece is a file; ``--resume`` skips finished
-pieces and continues a training run from its last completed step, so a killed experiment finishes with the
-same numbers as one that never stopped. The config's lag, lr, band and arm are set to the grid's first
-cell, so an experiment folder records one config that replays it (``experiment.json``).
-
-Files read back are checked: a damaged ``experiment.json``, eval file or run checkpoint is a one-line error
-naming it and what to do (delete the piece and rerun with ``--resume``: it is made again, with the same
-numbers), and nothing is overwritten; a run's damaged ``train_log.json`` is rebuilt from its checkpoint,
-which holds the same records.
+Training comes first, so the reachability warning fires before the evals are paid for. Each finished piece is a
+file, with its provenance; ``--resume`` skips finished pieces and continues a run from its last completed step, so
+a killed experiment finishes with the same numbers. A damaged file is a one-line error and is never overwritten.
+The ``random`` arm drops the share of tokens the ``dis`` arm of the same cell and seed masked.
 
 Deliberately left out: choosing hyperparameters, and statistics beyond ``sao.core.stats.compare``.
+Design notes: docs/design/experiment-runner.md (with the folder layout).
 """
 
 from __future__ import annotations

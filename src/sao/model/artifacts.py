@@ -1,25 +1,13 @@
 """What a trained run leaves for people to use: the adapter folder, and a merged model for serving engines.
 
-    adapter folder   PEFT's own files for the "default" (policy) adapter only (adapter_config.json,
-                     adapter_model.safetensors), the tokenizer, ``value_head.safetensors`` (keys
-                     ``linear.weight`` [1, H], ``linear.bias`` [1]) and ``value_head.json`` (H, dtype,
-                     parameter count, the base model). Plain ``PeftModel.from_pretrained`` and
-                     ``AutoTokenizer.from_pretrained`` load it; no pickle anywhere.
-    merged model     base + adapter folded into ordinary weights by PEFT's ``merge_and_unload`` in the base's
-                     own dtype, saved as safetensors with the tokenizer and ``sao_export.json``; plain
-                     ``AutoModelForCausalLM.from_pretrained`` (or any engine that reads HF folders) loads it.
+    adapter folder   PEFT's files for the policy adapter, the tokenizer and the value head (safetensors + JSON);
+                     plain ``PeftModel.from_pretrained`` loads it, no pickle anywhere
+    merged model     base + adapter by PEFT's ``merge_and_unload`` in the base's dtype, with ``sao_export.json``
+                     recording ``merge_relative_error`` (a bf16 merge can round a small adapter's change away)
 
-Both are written into a hidden temporary sibling folder and renamed into place when complete, so a crash
-never leaves a folder under the final name that looks complete but is not (a killed process can leave a
-``.NAME.*.partial`` sibling behind; it is never read).
-
-A merge into bf16 weights can round a small adapter's change away (a bf16 weight has 8 bits of mantissa;
-a LoRA update far below one ulp of the weight it is added to vanishes). ``sao_export.json`` therefore records
-how much of the adapter's weight change the merged weights really carry (``merge_relative_error``).
-
-Deliberately left out: merging in a dtype other than the base's, quantised exports, pushing to a hub,
-sharded or multi-device merges (the merge runs on the CPU), and copying the value head into the merged
-folder (a serving engine has no use for the critic; it stays in the adapter folder).
+Both are written into a hidden temporary sibling folder and renamed when complete. Deliberately left out: other
+merge dtypes, quantised exports, pushing to a hub, sharded merges, and the value head in the merged folder.
+Design notes: docs/design/artifacts.md.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def pick_device(device: str | None = None) -> torch.device:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on a GPU, float32 on the CPU (SPEC §2)."""
+    """bf16 on a GPU, float32 on the CPU."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 

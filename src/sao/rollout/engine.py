@@ -1,62 +1,16 @@
 """The GPU rollout engine: a static-KV-cache decoder whose decode step is captured once as a CUDA graph over
 the model's own weights and the sampler's LoRA adapter.
 
-Why: the recipe page's run spent almost all of its 45.8 GPU-minutes in ``generate``. The plain loop
-(``sampler.draw``) launches hundreds of small kernels per token from Python and grows its cache every
-step; here every decode step is one graph replay over preallocated buffers, made of as few kernels as the
-numerics allow.
+Every decode step is one graph replay over preallocated buffers (the plain loop launches hundreds of small kernels
+per token): fused q/k/v and gate/up GEMMs, GQA folded into the query axis for the fused SDPA kernels, an eager
+prefill, sampling as ``sampler.gumbel_sample_`` draws, one graph per (batch bucket, cache length, temperature, EOS
+ids, pad id), least recently used evicted. The arithmetic mirrors Hugging Face's Qwen2/Llama modules op for op,
+because any difference from the teacher-forced pass shows up as a ratio ≠ 1 at lag 0. On a CPU it runs eagerly and
+draws the plain loop's tokens exactly; ``--decoder auto`` uses it on CUDA, ``--decoder graph`` on either.
 
-    weights     the o/down projections and the LM head are the model's own tensors, read by reference.
-                The linears that share an input take fewer GEMMs: q/k/v one base GEMM (over a concatenated
-                copy of the three weights and biases), one LoRA A GEMM and one block-diagonal LoRA B GEMM;
-                gate/up their two base GEMMs (a copy would cost 1.5 GB on the 1.5B model), one LoRA A GEMM
-                and their own B's. Adapter math in float32 as PEFT computes it (``_Fused``). The stacked
-                and concatenated buffers are the engine's own, re-filled in place from the live model at
-                the start of every ``generate`` (never during one), so a sampler refresh, an optimiser step
-                or a loaded checkpoint is always seen, and a captured graph keeps reading the same addresses.
-    attention   SDPA with the G = heads / kv_heads query heads of each K/V head folded into the query
-                axis: every call has as many query heads as key heads, so neither ``enable_gqa`` nor a
-                copy of K/V is needed, and on CUDA the fused kernels take the masked call (``enable_gqa``
-                with an explicit mask falls back to the math kernel, which materialises the K/V cache once
-                per query head of a group, per layer and step). On CUDA the engine allows only the flash
-                and memory-efficient backends, so a call that would fall back raises instead of running
-                slowly.
-    prefill     eager, once per call: the left-padded prompts through every layer, K/V into the cache
-    decode      sample from the last hidden state's float32 logits / τ with ``sampler.gumbel_sample_``
-                (the plain loop's formula, in place on preallocated buffers; the noise is drawn outside
-                the graph from the caller's generator, one [B, V] uniform per step, as the plain loop
-                draws it), mark finished rows, then run the drawn token through every layer writing K/V
-                at its slot
-    graphs      one per (batch bucket, cache length, temperature, EOS ids, pad id): the batch is rounded up
-                to a bucket (powers of two to 32, then multiples of 32) and padded with finished rows that
-                are dropped from the result; at most ``max_graphs`` entries, least recently used evicted;
-                every capture draws from one shared CUDA memory pool (safe: the graphs are replayed one
-                at a time and pass nothing to each other through pool memory, only through buffers
-                allocated outside it); an entry is stored only once its capture succeeded, and a failed
-                one frees its buffers before the error propagates, so the caller can retry smaller
-    stop        the host checks "all rows finished" every ``sync_every`` steps (one sync per 8 tokens)
-
-The arithmetic mirrors Hugging Face's Qwen2/Llama modules op for op — RMSNorm in float32 cast back before
-the weight, RoPE tables in float32 cast to the model dtype, PEFT's adapter sum — because the sampler's
-recorded log-probabilities are compared with a teacher-forced pass through those modules: every numerical
-difference between the two shows up as a ratio ≠ 1 at lag 0. The bench reports the lag-0 |log ratio| of
-both paths side by side.
-
-On a CPU ``Engine`` runs the same code eagerly (no graph), and there it draws the plain loop's tokens exactly
-(the tests check it, and check it against the teacher-forced pass). Where it is used: ``--decoder auto``
-(the default) uses it on any CUDA device and the plain loop on the CPU; ``--decoder graph`` uses it on
-either (``Config.uses_engine``).
-
-``compile_elementwise=True`` runs the decode step's elementwise chains (RMSNorm, RoPE, SwiGLU, the adapter
-sum) through ``torch.compile`` (precision casts emulated, so the rounding stays eager's) before the capture.
-It is off by default: it has not been measured faster on a GPU yet (a CPU cannot say), and compiling the
-whole step was measured 2-6x slower there (the in-place cache writes), so it waits for a GPU bench
-(``bench.py --compile``).
-
-Deliberately left out: paged attention and continuous batching (one fixed batch per call is what RL
-rollouts are), tensor parallelism, architectures other than Qwen2/Llama-style decoders, LoRA variants
-(DoRA), speculative decoding, and merging B·A into the bf16 base weights (measured: it rounds most of a
-small adapter away and raised the lag-0 |log ratio| ~8x).
+Deliberately left out: paged attention and continuous batching, tensor parallelism, other architectures, LoRA
+variants, speculative decoding, and merging B·A into the bf16 base weights.
+Design notes: docs/design/rollout-engine.md.
 """
 
 from __future__ import annotations

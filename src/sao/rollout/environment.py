@@ -1,22 +1,15 @@
 """The environment seam: what an agent's trajectory talks to between its actions.
 
-One interface, the ecosystem's — SkyRL-Gym's text environment — so that its environments plug in unchanged:
+One interface, the ecosystem's (SkyRL-Gym's text environment), so that its environments plug in unchanged:
 
-    init(prompt_messages) -> (messages, info)       the conversation the model starts from
+    init(prompt_messages) -> (messages, info)
     step(action_text)     -> {"observations": [messages], "reward": float, "done": bool, "metadata": {...}}
     close()
 
-A trajectory alternates action segments (tokens the model wrote, with the sampler's log-probabilities) and
-observation segments (the environment's messages rendered through the chat template: not actions, no
-log-probability, no coefficient, no critic loss). Each step's reward lands on the last action token of its
-turn. sao's own environments implement the same three methods without importing SkyRL-Gym.
-
-Optional attributes sao reads when an environment has them (SkyRL-Gym's do not, and need none):
-``stop_strings`` (an action also ends when its text ends with one of these, besides EOS) and step metadata
-``tool_calls`` / ``tool_errors`` (counts for the logs).
-
-Deliberately left out: tool registries and sandboxes (an environment owns its tools), asynchronous
-environments, and anything that needs the network.
+Observation segments are not actions (no log-probability, coefficient or critic loss); each step's reward lands on
+the last action token of its turn. Read when present: ``stop_strings``, and ``tool_calls``/``tool_errors`` metadata.
+Deliberately left out: tool registries and sandboxes, asynchronous environments, anything that needs the network.
+Design notes: docs/design/environment.md.
 """
 
 from __future__ import annotations

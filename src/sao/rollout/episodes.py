@@ -1,30 +1,14 @@
 """Multi-turn trajectories: the model acts, the environment answers, the model continues from its KV cache.
 
-    prompt      each environment's ``init`` messages through the chat template, left-padded, prefilled once
-    act         one token per step for every row that is acting, drawn exactly as ``sampler.draw`` draws
-                (``gumbel_sample_`` on the float32 logits / τ, one [B, V] uniform draw per step); an action
-                ends at EOS, at one of the environment's ``stop_strings``, or after ``max_new_tokens``
-    observe     when no row is acting, every row whose action ended calls ``env.step(action_text)``; its
-                reward lands on the turn's last action token; unless the episode is over, the observation
-                messages are rendered through the chat template (``env.render_observation``) and appended to
-                the cache in one chunk — no re-encoding of the history — and the row acts again
-    limits      ``max_turns`` actions, ``max_new_tokens`` per action, ``max_total_tokens`` of response
-                (actions and observations together): hitting one ends the trajectory as truncated (a cut
-                action is still handed to ``env.step`` for its reward, as a single-turn reply is graded)
+Rows act token by token (drawn exactly as ``sampler.draw`` draws) until EOS, a stop string or ``max_new_tokens``;
+then each finished row calls ``env.step``, its reward lands on the turn's last action token, and the rendered
+observation is appended to the cache in one chunk (no re-encoding). ``max_turns`` and ``max_total_tokens`` end a
+trajectory as truncated. The returned ``Rollout`` is compacted row by row, so the teacher-forced pass sees exactly
+what the sampler attended to; with one turn per row the tokens are ``sampler.draw``'s. One loop, two ``Stepper``s:
+``HFStepper`` (the plain loop) and ``sao.rollout.engine.EngineStepper``.
 
-Rows wait for each other at turn boundaries (a finished action idles as masked slots), so the cache holds
-holes; the returned ``Rollout`` is compacted row by row (holes dropped, positions unchanged because they
-count only real tokens), so the teacher-forced pass sees exactly the sequence the sampler attended to.
-With one turn per row, the draws, tokens and log-probabilities are those of ``sampler.draw``.
-
-Two ways to run the network, one loop (``Stepper``): ``HFStepper`` feeds the Hugging Face model with a
-``DynamicCache`` (the plain loop), ``sao.rollout.engine.EngineStepper`` feeds the engine's static cache with its
-own kernels (``--decoder graph``; on the CPU it draws the plain loop's tokens). Both append every fed column,
-holes included, so positions, masks and draws are the same whichever runs.
-
-Deliberately left out: asynchronous environments (a slow tool holds its whole batch), and CUDA-graph replay
-for multi-turn decoding (the engine's multi-turn path runs its decode steps eagerly: rows join and leave
-between turns, which a captured graph of fixed shape does not express).
+Deliberately left out: asynchronous environments, and CUDA-graph replay for multi-turn decoding.
+Design notes: docs/design/episodes.md.
 """
 
 from __future__ import annotations
@@ -93,7 +77,7 @@ def draw_episodes(
     pad_token_id: int,
     generator: torch.Generator,
 ) -> Rollout:
-    """One episode per environment (see the module docstring), on the decoder's own stepper: the plain loop's
+    """One episode per environment (see docs/design/episodes.md), on the decoder's own stepper: the plain loop's
     model with its adapter, or the engine's static cache."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")

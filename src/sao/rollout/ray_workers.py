@@ -1,67 +1,15 @@
 """``--engine ray``: asynchronous rollout workers on Ray, with bounded staleness and nothing wasted.
 
-The default engine (``LocalStaleSource`` in ``sao.rollout.sources``) *simulates* staleness: one process, a frozen
-copy of the adapter refreshed every LAG steps, so every run reproduces exactly. This module is the regime
-it stands in for: a rollout fleet that never waits for the trainer longer than the staleness bound says.
+N ``RolloutWorker`` actors, each with its own base model + LoRA adapter, decode through the local path's
+``Decoder`` in one Ray placement group (never on the trainer's GPU when sao starts the cluster). Admission is tied
+to policy versions (as in AReaL and SkyRL): a call is issued only while everything submitted fits in the batches up
+to its deadline, so nothing trains more than K = ``max_staleness`` updates old; batches are taken earliest deadline
+first, so nothing is dropped. The adapter is published with ``ray.put`` after every policy step; a hung or dead
+worker is replaced and its prompts drawn again. The source's counters go into every step's log record.
 
-    workers   N Ray actors (``RolloutWorker``), each with its own copy of the base model + LoRA adapter at
-              the version it last received, decoding through the same ``Decoder`` as the local path
-              (``make_decoder``: the graph engine on a GPU, the plain loop on the CPU) with the same
-              sampling settings. A call draws up to ``rollout_batch`` prompts (by default the training batch
-              on a GPU, 8 on the CPU; less when the admission room is shared among idle workers), seeded per
-              call, tagged with the adapter version that wrote them.
-    placement one Ray placement group with a bundle (worker_cpus, worker_gpus) per worker, packed onto as
-              few nodes as fit; a replacement goes into its predecessor's bundle. On a local cluster that
-              sao starts itself, the GPUs of the training processes are hidden from Ray, so no worker is
-              ever handed the trainer's GPU.
-    admission tied to policy versions (the rule AReaL and SkyRL use): a call is issued only while
-              (trajectories ever submitted) ≤ (K + v + 1)·B, K = max_staleness, B = batch size, v = the
-              published version, counted in batches so that critic-warmup and skipped steps (batches that
-              leave the version unchanged) are allowed for. In batch terms each call gets a deadline
-              d = a + K, where a is the first batch known to train at version ≥ v (the next batch after an
-              update; batch critic_warmup during the warmup), and is issued only while every trajectory
-              submitted so far, the new ones included, fits in the batches up to d. A batch at step g trains
-              at version ≤ v + (g − a), so nothing drawn can be more than K updates old when its deadline
-              batch takes it. K = 0 is synchronous training: the fleet draws exactly one batch with the
-              newest adapter and waits for the next update.
-    selection earliest deadline first (ties by version, then prompt order), and a batch is not formed while
-              a call with an earlier deadline than its last row's is still out. Deadlines follow submission
-              order, so this is oldest-first, and it is the order that meets every deadline whenever any
-              order can (the admission rule guarantees one can): nothing is dropped. Freshest-first would
-              train on newer data only for a while and then be forced to take the aged rows at staleness K:
-              when nothing is dropped, the versions at which batches train and at which trajectories are drawn
-              do not depend on the order, so the run's mean staleness is the same for every order (up to
-              the rows left when the run ends), and oldest-first gives it the least spread.
-    batches   ``next_batch`` waits for the B earliest-deadline trajectories and takes them
-              (``Rollout.concat`` re-pads rows of different widths). ``dropped_stale`` still counts any row
-              older than K at that moment, as a safety net; it stays 0.
-    adapter   after every policy step the LoRA tensors are published with ``ray.put`` (CPU copies); each
-              worker's next call carries the newest reference, and the worker loads it by parameter name.
-    health    a new actor first answers a ``ready`` call (import + model load, timed and logged); draw calls
-              go only to ready actors. A draw call that takes longer than ``worker_timeout``, or a start
-              longer than max(``START_TIMEOUT_S``, ``worker_timeout``), counts as a hung worker; one whose
-              call dies (``RayActorError``, a crashed or SIGKILLed process, ``ray.kill``) as a dead one.
-              Either is killed and replaced by a fresh actor in the same bundle, and its prompts are drawn
-              again under the same sequence numbers: they were never admitted, so nothing is lost or used
-              twice. A slot that fails three times in a row without delivering stops the run.
-
-Every step's log record gets the source's counters (``admitted``, ``dropped_stale``, ``waited_for``,
-``waited_s``, ``staleness_max``, ``workers_alive``, ``worker_restarts``, ``worker_hangs``, ``worker_start_s_max``,
-``admitted_from_replacements_total``, ...; keys ending in ``_total`` count since the start of the run), next to the
-trainer's own per-trajectory ``staleness_hist``.
-
-Use the local engine for the experiment (reproducible, resumable bit for bit); use this one for
-throughput, when decoding dominates and more devices are at hand. A Ray run is NOT bit-reproducible: which
-adapter version wrote which trajectory depends on timing. Resume is sensible but not exact: the prompt
-stream continues where the checkpoint left it, and trajectories pending at the checkpoint are drawn again.
-
-With ``episodes`` (``--env``), each worker draws one multi-turn episode per prompt through
-``draw_episode_batch``, building the environments in its own process; the trajectories keep their action
-masks and per-turn rewards through the buffer and ``Rollout.concat``.
-
-Deliberately left out: a separate inference engine (vLLM and the like), sharding one model over several
-devices, partial rollouts interrupted by a weight update, environments shared across workers, and pinning the
-trainer's GPU on a cluster sao did not start (start it with the trainer's GPU hidden; see the README).
+A Ray run is not bit-reproducible (the local engine is the one for experiments). Deliberately left out: a separate
+inference engine, sharding one model over devices, partial rollouts, shared environments, and pinning the
+trainer's GPU on a cluster sao did not start. Design notes: docs/design/ray-workers.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
-"""Drawing trajectories: the plain decode loop and the stale sampler that SPEC §2 asks for.
+"""Drawing trajectories: the plain decode loop and the stale sampler the protocol asks for.
 
-    draw        prefill the left-padded prompts once, then one token per step from a KV cache:
-                logits in float32 → / τ → a Gumbel-max draw from a seeded generator (``gumbel_sample_``);
-                the drawn token's log-probability under exactly that distribution, logit − logsumexp,
-                is recorded with it.
-                No top-p, top-k or repetition penalty: the ratio needs common support.
-    stale       the sampler is a second LoRA adapter on the same base weights, a frozen copy of the
-                policy's adapter. At policy step k it draws the batch, then — when k is a multiple of
-                LAG — copies the policy (still at version k) into itself. So step k's batch is 0 updates
-                old at k = 0, then 1, 2, …, LAG, 1, 2, …; LAG = 0 refreshes before every draw.
+    draw    prefill once, then one token per step from a KV cache: float32 logits / τ, a seeded Gumbel-max draw
+            (``gumbel_sample_``), the drawn token's log-probability (logit − logsumexp) recorded with it; no top-p,
+            top-k or repetition penalty (the ratio needs common support); a row stops at EOS
+    stale   a second LoRA adapter on the same base, a frozen copy of the policy's: at step k it draws, then copies
+            the policy when k is a multiple of LAG (LAG = 0 refreshes before every draw)
 
-The loop is written here rather than borrowed from ``generate`` so that the distribution, the RNG and the
-recorded log-probability are ours to state and to test. It stops a row at EOS (the EOS token is part of
-the response and carries a log-probability; later positions are padding) and the batch when every row has
-stopped. ``PlainDecoder`` puts the loop behind the ``Decoder`` protocol (``sao.rollout.sources``); the GPU engine in
-``sao.rollout.engine`` keeps the same contract.
-
+``PlainDecoder`` puts the loop behind the ``Decoder`` protocol; the GPU engine keeps the same contract.
 Deliberately left out: beam search, speculative decoding, stop strings other than EOS.
+Design notes: docs/design/sampler.md.
 """
 
 from __future__ import annotations

@@ -1,58 +1,15 @@
 """Training on logged traces: rollouts a serving system wrote, one to many policy versions old, each action token
 with the log-probability the server sampled it with. ``TraceSource`` is a ``Source`` (``sao.rollout.sources``).
 
-The format (JSONL, UTF-8, one record per line; the contract with ``sao serve``, also shipped as JSON Schema in
-``trace.schema.json`` beside this file, and described in the README):
+The format is JSONL: trajectory records (id, policy_version, temperature, a prompt, a completion as token ids,
+OpenAI ``choices`` or ``segments``, finish_reason, a reward or task fields) and feedback records (a later reward),
+the contract with ``sao serve``, shipped as ``trace.schema.json`` beside this file. A malformed record is a
+one-line ``DataError`` (``--skip-bad-traces`` counts it instead); a well-formed one that cannot be trained on is a
+counted drop. Batches follow log order, staleness is judged when a batch is taken, and the read position and
+pending trajectories are saved with the checkpoint, so ``--resume`` uses nothing twice and loses nothing.
 
-    trajectory  ``id`` (unique in the log), ``policy_version`` (int ≥ 0: the published adapter that wrote it; 0 is
-                the initial one), ``temperature`` (> 0; ``logprobs`` are under the distribution actually sampled
-                from, after temperature), a prompt (``prompt_token_ids``, or else ``messages`` through the chat
-                template with the generation prompt), a completion (``completion_token_ids`` + ``logprobs``; or
-                ``choices``, the OpenAI chat-completions response with ``logprobs.content``; or ``segments``,
-                assistant segments with ``token_ids`` + ``logprobs`` between tool/observation/user segments with
-                ``token_ids`` only, and optionally ``turn_rewards``, one per assistant segment), ``finish_reason``
-                ("stop" | "length"), and a reward (``reward``, or ``task`` fields for ``--reward`` to grade).
-    feedback    ``{"type": "feedback", "id": ..., "reward": ...}``: a reward arriving later for a trajectory logged
-                without one; such a trajectory waits for it (and is counted "no_reward" if the log ends first).
-
-Decisions, each with its reason:
-
-    strict      a malformed record (not JSON, a missing or mistyped field, temperature ≤ 0, a token id outside the
-                vocabulary) is a ``DataError`` of one line naming file:line and the field: a malformed log means a
-                writer bug or the wrong file, and silently dropping it would hide that. ``--skip-bad-traces``
-                counts such lines as "bad_record" and reads on (for a long ``--follow`` run; it may be added on
-                ``--resume``). Well-formed records that cannot be trained on are never errors, always counted drops:
-                misaligned, too_stale, future_version, no_reward, duplicate_id, footing_mismatch (sampled at a
-                temperature other than ``--temperature``), empty (no action token).
-    alignment   token ids are used as given (each below the vocabulary size). OpenAI-shaped ``choices`` carry token
-                strings: the completion text is re-encoded with the run's tokenizer (no special tokens) and must
-                give exactly the logged tokens, as many and each with the same bytes (``bytes`` when logged, else
-                the ``token`` string's UTF-8); anything else is dropped as "misaligned", never trained on.
-    EOS         servers (OpenAI, vLLM) leave the stop token out of ``logprobs.content``; without its log-probability
-                it cannot be corrected, so it is left out of the action tokens (the model is not trained to stop on
-                such a trace). When the content has exactly one more entry than the text's tokens and that entry is
-                an EOS token, it is kept with its log-probability. With token ids, an EOS that is in the ids is
-                trained like any token.
-    rewards     ``reward`` is used as is (on the last action token; ``turn_rewards`` on each assistant segment's last
-                token); otherwise ``task`` is graded by the trainer's ``--reward`` on the decoded response (all
-                segments, special tokens dropped); otherwise the trajectory waits for its feedback.
-                ``finish_reason`` "length" marks the last action as cut: ``--truncated-reward`` decides its reward.
-    order       batches are the next ``batch_size`` usable trajectories in log order (a folder: its ``*.jsonl`` files
-                in name order); a trajectory whose reward came by feedback becomes usable where its feedback is.
-                Staleness (trainer version − trace version) is judged when a batch is taken: older than
-                ``max_staleness`` is dropped as too_stale, newer than the trainer as future_version.
-    the end     without ``--follow`` the run ends (``SourceExhausted``) when the log cannot fill another batch, so
-                it takes min(steps, what the log allows) steps; a partial batch is not trained. With ``--follow``
-                the source polls for new lines and ends after ``follow_timeout`` seconds without one. A last line
-                with no newline is not read under ``--follow`` (a writer may be mid-write); without it, it is read
-                as a line.
-    resume      the byte offset and line count per file, every id read, the usable trajectories not yet batched,
-                those waiting for feedback, early feedback and the counters are the source's state, saved with the
-                trainer's checkpoint: after a kill, ``--resume`` uses nothing twice and loses nothing.
-
-Deliberately left out: per-trace temperatures within one run (the teacher-forced pass takes one), top-p/top-k
-traces (the ratio needs the full distribution's support), and any bound on how many trajectories may wait for
-feedback.
+Deliberately left out: per-trace temperatures within one run, top-p/top-k traces, and any bound on how many
+trajectories may wait for feedback. Design notes: docs/design/traces.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """The HTTP face of ``sao serve``: an OpenAI-compatible chat-completions endpoint over ``ServedPolicy``.
 
-    POST /v1/chat/completions   {model, messages, temperature, max_tokens | max_completion_tokens, logprobs,
-                                top_logprobs (0 only), seed, n (1 only), stream (false only), metadata}
-                                → a chat.completion with choices[0].logprobs.content (EOS included when drawn,
-                                so the log-probabilities sum to the reply's) and a non-standard ``sao`` field
-                                {policy_version, completion_token_ids, prompt_token_ids}; the trajectory is in
-                                the trace log (fsynced) before the reply is sent
-    POST /v1/feedback           {"id", "reward"} → a feedback record; 404 for an id the log does not hold,
-                                409 for a second reward (feedback or task metadata) for the same id
+    POST /v1/chat/completions   a chat.completion with per-token logprobs and a ``sao`` field (policy version, token
+                                ids); the trajectory is in the trace log (fsynced) before the reply is sent
+    POST /v1/feedback           {"id", "reward"} → a feedback record (404: unknown id, 409: a second reward)
     GET  /health, /v1/models
 
-Every refusal is a 4xx in OpenAI's error shape, {"error": {"message", "type", "code"}}, with one line that
-says what to change. Refused on purpose: temperature ≤ 0 (greedy decoding has no sampling distribution, so
-its log-probabilities could not correct anything), n > 1, streaming, top_logprobs > 0, and any setting that
-would change the distribution away from the one recorded (top_p < 1, penalties, logit_bias, stop strings,
-tools, a structured response_format). Unknown fields are refused too: a misspelt setting silently ignored
-would sample from something else than asked.
-
-fastapi is imported here, and this module only when ``sao serve`` runs (``pip install 'sao[serve]'``).
+Every refusal is a 4xx in OpenAI's error shape, with one line saying what to change. Refused on purpose:
+temperature ≤ 0, n > 1, streaming, top_logprobs > 0, any setting that would change the distribution away from the
+one recorded, and unknown fields. fastapi is imported here, and this module only when ``sao serve`` runs.
+Design notes: docs/design/serve-app.md.
 """
 
 from __future__ import annotations

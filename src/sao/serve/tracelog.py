@@ -1,22 +1,12 @@
 """The trace log ``sao serve`` writes: JSONL, one record a line, every line written whole.
 
-    trajectory   {"id", "policy_version", "temperature", "messages", "prompt_token_ids", "completion_token_ids",
-                 "logprobs", "finish_reason", "adapter", "created", "model"} and, when the request carried task
-                 fields in ``metadata``, "reward" (the task's reward function on the reply, as graded; a cut-off
-                 reply is not zeroed here: its finish_reason says "length") and "task" (the metadata)
-    feedback     {"type": "feedback", "id", "reward"}: a reward posted later for a trajectory without one
+Records are trajectories (id, policy version, temperature, messages, token ids, logprobs, finish reason, and the
+graded reward when the request carried task fields) and feedback (a reward posted later). Each is one ``os.write``
+on an O_APPEND descriptor, then an fsync, before the client hears about it; opening again cuts a torn last line
+off. The index of ids is rebuilt on open and bounded (``max_ids``); a feedback for an id it holds is accepted once.
+A lock file (``LOG.lock``) keeps a second server off the same log.
 
-Each record is one ``os.write`` of the whole line (with its newline) on a descriptor opened with O_APPEND,
-then an fsync, before the client hears about it: a killed server loses no record it answered for, and a
-reader following the file sees whole lines, except that a write cut by a crash can leave a last line
-without its newline. Opening the log again cuts such a torn tail off (it was never answered for), so
-new records never glue onto it.
-
-The index of ids (``TraceLog.status``) is rebuilt from the file on open and bounded (``max_ids``, oldest
-forgotten first): a feedback for an id it holds is accepted once; an id it does not hold is unknown.
-A lock file beside the log (``LOG.lock``, an flock) keeps a second server off the same log.
-
-Deliberately left out: rotation, compression, and more than one writer.
+Deliberately left out: rotation, compression, and more than one writer. Design notes: docs/design/tracelog.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Calculator environments: a bounded arithmetic tool, the agent that may call it, and GSM8K as an environment.
 
-    calculate(text)  parses arithmetic itself — integers and decimals (``1,234`` thousands groups and a ``$``
-                     in front allowed), ``+ - * /`` (also ``x``, ``×``, ``÷``, ``−``), parentheses, unary
-                     minus — and evaluates it exactly with ``fractions.Fraction``. The result prints as an
-                     integer, an exact decimal of up to ``MAX_EXACT_PLACES`` places, or else one rounded to
-                     ``ROUND_PLACES``. Bad input gives an observation string ``"error: ..."``; it never raises.
-                     Bounded by construction: input length, nesting depth, digits per number and the size of
-                     every intermediate value are capped, and there is no exponentiation, so a call costs
-                     microseconds whatever the text.
-    CalcEnv          a TextEnv (``sao.rollout.environment``) whose model may call the calculator any number of times
-                     (the sampler enforces the turn limit) before its final answer. The call format is the
-                     tokenizer's own when its chat template supports tools (``tool_format="json"``, Qwen2.5's
-                     ``<tool_call>{"name": "calculator", "arguments": {"expression": ...}}</tool_call>``), a plain
-                     tag otherwise (``"tag"``, ``<calc>1234+5678</calc>``); ``tool_format_for(tokenizer)`` picks
-                     one. Either way the answer is a message of role "tool", and ``stop_strings`` is the closing
-                     tag so that an action ends right after a call.
-    Gsm8kEnv         today's single-turn task as an environment: one step, ``grading.reward``, done.
+    calculate(text)  exact arithmetic (``+ - * /``, parentheses, decimals) in ``fractions.Fraction``, parsed here and
+                     capped in every dimension; bad input is an ``"error: ..."`` observation, never an exception
+    CalcEnv          a TextEnv whose model may call the calculator before its final answer, in the tokenizer's own
+                     tool format (``"json"``) or a plain tag (``"tag"``, ``<calc>1234+5678</calc>``)
+    Gsm8kEnv         today's single-turn task as an environment: one step, ``grading.reward``, done
 
-Deliberately left out: ``eval``/``exec``/``ast`` of model text (the parser is written here), powers, functions
-(sqrt, %), variables, several calls in one action (the first complete call is answered, text after it is
-ignored), and any state between steps beyond what a step returns (the sampler owns the trajectory).
+Deliberately left out: ``eval``/``exec``/``ast`` of model text, powers, functions, variables, several calls in one
+action, and state between steps beyond what a step returns. Design notes: docs/design/calc.md.
 """
 
 from __future__ import annotations

@@ -1,40 +1,15 @@
 """Your own tasks: prompts and answers from a JSONL or Parquet file or a Hugging Face dataset, your own
 reward function and your own environment class.
 
-``--data`` keeps today's meanings (None, ``"hub"``, ``"hub:<id>"`` and ``openai/gsm8k`` are GSM8K from the hub;
-an existing directory is GSM8K's ``train.jsonl`` and ``test.jsonl``; ``"tiny"`` is the generated task) and
-gains two more, decided by :func:`source_kind`:
+``--data`` keeps its GSM8K and ``tiny`` meanings and gains a ``.jsonl``/``.parquet`` file (one pool, split and
+decontaminated as GSM8K is) and a hub dataset name (its ``train``/``test`` splits); :func:`source_kind` decides.
+``--prompt-field``/``--messages-field`` and ``--answer-field`` pick the fields, every record's raw fields stay on
+``Task.fields``, files are streamed, and every problem is a one-line ``DataError`` naming file, line and field.
+``--reward module:function`` and ``--env module:Class`` are loaded by :func:`load_reward` and
+:func:`load_env_class` (the current directory is appended to ``sys.path`` only as a last resort).
 
-* a ``.jsonl`` or ``.parquet`` FILE: one pool of records, split the way GSM8K's test and train splits are
-  (``n_test`` held out with ``random.Random(seed)``, the rest decontaminated against them with GSM8K's word
-  8-gram rule, ``n_train`` drawn from what is left with ``random.Random(seed + 1)``, both in row order);
-* any other name that is not a path on disk (``owner/name``, ``name``): a dataset on the Hugging Face hub,
-  ``datasets.load_dataset(name)``, whose ``train`` and ``test`` splits are drawn from like GSM8K's.
-  A GSM8K copy that needs GSM8K's config ``main`` is still ``hub:<id>``.
-
-A record's prompt is ``--prompt-field`` (default ``question``) or, with ``--messages-field``, a list of chat
-messages (``{"role", "content"}``; its last user turn is the text decontamination compares); its gold answer
-is ``--answer-field`` (default ``answer``), taken as is (whitespace stripped, a number written as text), except
-that a field named ``answer`` holding GSM8K's ``####`` marker gives the text after the last marker, as for
-GSM8K. Any field option with an existing directory reads its ``train.jsonl`` and ``test.jsonl`` this way too.
-Every record's raw fields are kept on its Task (``Task.fields``) for your reward or environment. Memory and time
-follow what is used: JSONL is streamed line by line and Parquet read by the needed columns, keeping only the
-prompt text and answer of every row; the full records are read back only for the rows drawn. Task ids are
-``<file stem>/<row>``, ``<dataset>/<split>/<row>`` or ``<directory>/<split>/<row>``; rows count from 0 over the
-non-blank lines of a file or the rows of a table. Every problem is a one-line ``DataError`` naming the file
-and line (or row) and the field.
-
-``--reward module:function`` and ``--env module:Class`` are resolved with importlib by :func:`load_reward` and
-:func:`load_env_class`; a bad spec, an unimportable module, a missing attribute or something that cannot be
-called the right way is a one-line ``ConfigError`` naming the spec. The current directory is appended to
-``sys.path`` only when the module is not found otherwise and it is not there already: the ``sao`` console
-script does not put it there (``python -m`` does), a file beside your data is the natural place for a reward,
-and appending, never prepending, means it can never shadow an installed module.
-
-Deliberately left out: other file formats (CSV, JSON arrays, compressed JSONL), dataset configs and split
-names other than ``train``/``test`` on the hub, deduplication within the training pool, exact-match
-decontamination of prompts shorter than 8 words (the 8-gram rule never matches them, as for GSM8K), and
-building environments or prompts (the trainer does that from ``Task.messages``/``Task.question``).
+Deliberately left out: other file formats, other hub configs and splits, deduplication within the training pool,
+and building environments or prompts. Design notes: docs/design/custom-tasks.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
 """The embedded default: a tiny Qwen2-shaped model, a tokenizer built here, and a task generated here.
 
-Everything a run needs without a GPU or a network:
+Everything a run needs without a GPU or a network: 600 single-digit questions ("What is 7+5?") graded by
+``sao.tasks.gsm8k.grading``; a byte-level ChatML tokenizer of Qwen's family, so the product's prompt and loading
+code run unchanged; a 2-layer, width-64 ``Qwen2ForCausalLM`` (~0.14M parameters), warm-started on a careless
+tutor who is right half the time, so RL has a real job. The warm start's weights ship beside this file
+(``tiny_model.safetensors``, checked against ``SHIPPED_SHA256``) because training them gives other bits on other
+CPUs; ``ensure_model`` builds the model folder from them, and ``train_warm_start`` is the recipe that made them.
 
-    task        "What is 7+5?" / "Compute 3-8." / "7+5=?" for operands 0..9, ops + and −: 600 distinct
-                questions with numeric gold answers (negatives included), graded by ``sao.tasks.gsm8k.grading``.
-    tokenizer   byte-level BPE with no merges (one token per byte) plus ChatML's <|im_start|>/<|im_end|>
-                and a ChatML chat template — Qwen's tokenizer family, so the product's own prompt code
-                (``data.format_prompt``) and loading code (``models.load_base``) run unchanged on it.
-    model       ``Qwen2ForCausalLM`` from a config: 2 layers, width 64 (~0.14M parameters).
-    warm start  a short supervised run on demonstrations from a careless tutor who is right half the time
-                (the other half slips by ±1, ±2 or ±10, in the working and the final line alike). The
-                model learns the facts *and* the carelessness, so its sampled accuracy starts well above 0
-                and well below 1, and RL has a real job: keep the right answer, drop the slips.
-    shipped     the warm start's weights are shipped beside this file (``tiny_model.safetensors``, float32,
-                ~0.55 MB) rather than trained on each machine: 700 AdamW steps amplify the last bit of every
-                matrix product, and those bits differ between CPUs (AVX2 vs AVX-512 kernels, summation
-                order), so two machines trained two different models from the same settings (base pass@1
-                0.40208 vs 0.40417 on the same eval seed). ``ensure_model`` builds the model folder from
-                the shipped tensors and checks their hash (``SHIPPED_SHA256``); the folder is saved with
-                ``save_pretrained`` into a cache folder keyed by the settings and that hash, written to a
-                temporary folder first and renamed when complete. ``train_warm_start`` is the recipe that
-                made the shipped file, kept so that it can be remade (its output is this CPU's).
-
-Deliberately left out: retraining the warm start on every machine (see "shipped"), and anything that would
-make the toy look like GSM8K. It exists so the whole pipeline
-— sampler, ratios, critic, mask, eval, statistics — runs end to end on a CPU; what it can and cannot say
-about a 1.5B model is said in the docs, not implied here.
+Deliberately left out: retraining the warm start on every machine, and anything that would make the toy look like
+GSM8K. Design notes: docs/design/tiny-arithmetic.md.
 """
 
 from __future__ import annotations

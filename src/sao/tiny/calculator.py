@@ -1,38 +1,15 @@
 """tiny-calc: the CPU preset's agent task — 3- and 4-digit sums and differences, and a calculator to call.
 
-    task        "What is 1234+5678?" / "What is 123-4567?": operands 100..9999, ops + and −, 2 × 9900² questions,
-                each named by its index in a fixed order (``tiny-calc/<index>``), so that a split is a seeded draw of
-                indices and never needs the pool in memory. No instruction is appended (``TINY_CALC_INSTRUCTION``
-                is empty): the tiny model learns the tool and the ``#### N`` form from its demonstrations.
-    environment ``CalcEnv`` in the tag format (``<calc>1234+5678</calc>`` → a "tool" message ``6912``): the tiny
-                tokenizer's chat template has no tools. ``make_env(task)`` builds it.
-    model       its own tiny Qwen2 (the byte-level tokenizer of ``sao.tiny.arithmetic``; 2 layers, width 64, ~0.1M
-                parameters), warm-started on demonstrations of a tutor who decides to call the tool on
-                ``tool_share`` = 30% of the questions (``<calc>a+b</calc>``, the environment's answer, then
-                ``#### <answer>``) and otherwise answers at once, right only with probability
-                ``direct_accuracy`` (else off by ±1, ±10, ±100 or ±1000). The loss covers action tokens only;
-                each observation is produced by ``CalcEnv.step`` and rendered by ``render_observation`` as the
-                sampler renders it. Copying digits (question → call, observation → answer) is the slow part to
-                learn — it appears suddenly after a plateau whose length varies from run to run — so 90% of the
-                demonstrations show a call, with the decision token trained on only enough of them that the model
-                still decides to call 30% of the time (``decision_kept``), and training runs until a probe says
-                tool trajectories are mostly right, then decays the learning rate. The model cannot add
-                four-digit numbers, so a trajectory that calls the tool is mostly right and one that does not is
-                almost always wrong: RL has a visible job — call the tool more often.
-    shipped     the warm start's weights ship beside this file (``tiny_calc_model.safetensors``, float32, ~0.4 MB)
-                with the record its training wrote (``tiny_calc_warmstart.json``: the measured starting point, the
-                steps and the time it took), because training follows floating point: another CPU or library
-                version lands on other weights. ``ensure_calc_model()`` builds the model folder from them (the same
-                bytes on every machine, checked against ``SHIPPED_SHA256``) into ``$SAO_CACHE`` (default
-                ``~/.cache/sao``); other settings train there instead (``train_calc_warm_start``, ~1.5 min), in a
-                folder keyed by every setting, written to a temporary folder and renamed when complete.
-    measure     ``measure_agent`` plays whole trajectories turn by turn with ``sao.rollout.sampler.draw`` (one call per
-                turn, cut at the stop string) and reports accuracy with and without the tool and the tool-use rate.
+    task         operands 100..9999, ops + and −, each question named by its index (``tiny-calc/<index>``)
+    environment  ``CalcEnv`` in the tag format (``<calc>1234+5678</calc>``); ``make_env(task)`` builds it
+    model        a tiny Qwen2 warm-started on a tutor who calls the tool on 30% of the questions and otherwise
+                 answers at once, often wrongly: RL has a visible job, to call the tool more often
+    shipped      the warm start's weights and training record ship beside this file; ``ensure_calc_model()``
+                 builds the model folder from them, other settings train (``train_calc_warm_start``)
+    measure      ``measure_agent``: accuracy with and without the tool, and the tool-use rate
 
-Deliberately left out: multiplication and division (a call already pays off on addition), more than one call per
-demonstration, several phrasings (copying is learned later when the expression moves around), and any claim about
-real models — the task exists so the multi-turn pipeline (actions, observations, per-turn rewards, tool metrics)
-runs end to end on a CPU and RL has something it can visibly improve.
+Deliberately left out: multiplication and division, more than one call per demonstration, several phrasings, and
+any claim about real models. Design notes: docs/design/tiny-calc.md.
 """
 
 from __future__ import annotations
@@ -488,7 +465,7 @@ def build_from_shipped(out: Path) -> dict:
 
 
 def train_calc_warm_start(settings: CalcWarmStart, out: Path, progress: bool = True) -> None:
-    """The recipe that made the shipped weights (see the module docstring): writes a model folder and
+    """The recipe that made the shipped weights (see docs/design/tiny-calc.md): writes a model folder and
     ``warmstart.json`` into ``out``. To remake the shipped files: run it with the default settings, copy
     ``out/model.safetensors`` over ``SHIPPED_WEIGHTS`` and ``out/warmstart.json`` over ``SHIPPED_RECORD``, and set
     ``SHIPPED_SHA256`` to ``provenance.weights_sha256(out)``."""

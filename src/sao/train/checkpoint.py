@@ -1,21 +1,12 @@
 """A run folder: claiming it, checkpoints, the step log, and reading them back.
 
-    OUT/config.json            the settings and parts the run was started with (written once everything is built);
-                               a folder holding one needs --resume and the same settings, so runs never mix
-    OUT/checkpoints/step-N/    tensors.safetensors (adapters, value head, optimizer moments) + state.json (the rest:
-                               counters, the source's and hooks' state, the records); the newest K kept, no pickle
-    OUT/train_log.jsonl        one record per step, appended as the run goes (not rewritten)
-    OUT/traces.json            a trace run's totals;  OUT/published/ the adapters a server reloads (v{N}/, LATEST.json)
+    OUT/config.json          the settings the run started with; a folder holding one needs --resume, same settings
+    OUT/checkpoints/step-N/  tensors.safetensors + state.json, the newest K kept, no pickle
+    OUT/train_log.jsonl      one record per step, appended; on --resume made to hold exactly the checkpoint's records
 
-A checkpoint appears whole or not at all (written into a hidden folder, fsynced, renamed). The log is appended
-without an fsync: on --resume it is made to hold exactly the checkpoint's records (a kill between the two, or a
-machine crash, can leave it behind or ahead), so nothing is lost or counted twice. A damaged folder is a one-line
-error naming the file and what to do, and nothing in it is overwritten but the log, and only from the checkpoint's
-copy of the same records. Folders written before checkpoints had their own directory (OUT/checkpoint.pt, a
-torch.save file) are read with ``weights_only`` loading.
-
-Deliberately left out: the adapter export (``sao.model.artifacts``) and repairing a damaged checkpoint (its
-weights and optimizer state exist nowhere else).
+A checkpoint appears whole or not at all (written into a hidden folder, fsynced, renamed). A damaged folder is a
+one-line error naming the file and what to do. Deliberately left out: the adapter export (``sao.model.artifacts``)
+and repairing a damaged checkpoint. Design notes: docs/design/checkpoint.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,14 @@
 """Data-parallel training over ``torch.distributed``: one process per device, launched by torchrun.
 
-    torchrun --nproc-per-node N $(which sao) train --out DIR ...
+The policy step is a sum over trajectories, so rank r trains rows [r·B/N, (r+1)·B/N) with the whole batch's
+action-token count in the coefficients, and the sum of the ranks' gradients is the whole batch's. Rank 0 owns the
+source and broadcasts each batch; the LoRA gradients are summed in one flat all-reduce before the clip (written
+out, not DDP, which averages and cannot hold back a non-finite step); log-probabilities and values are gathered so
+every rank logs what a single process logs; rank 0 alone writes files. Without torchrun every collective is the
+identity.
 
-Why: the policy step is a sum over trajectories, so N devices can each take 1/N of the batch and add their
-gradients; the update is then the single-process update on the whole batch (up to the order of float sums).
-
-    world      each process reads WORLD_SIZE, RANK and LOCAL_RANK from torchrun's environment and joins the
-               group: gloo on the CPU, nccl on GPUs (process r trains on cuda:LOCAL_RANK). Without torchrun the
-               world is one process and every collective here is the identity, so the single-process path
-               computes exactly what it did before.
-    batches    rank 0 owns the source (the stale sampler, or the Ray workers, which only it starts) and
-               broadcasts each batch; every rank grades the whole batch (cheap), so every rank has the same
-               rewards and the same log record.
-    shard      rank r trains rows [r·B/N, (r+1)·B/N): the teacher-forced pass and the backward on its rows
-               only, with the whole batch's action-token count in the coefficients. A row's coefficients depend
-               on that row and the count alone, so the sum of the shards' gradients is the whole batch's.
-    reduce     the LoRA gradients are summed over ranks (one flat float32 all-reduce) before the clip, so every
-               rank clips and steps AdamW on the same gradient and the adapters stay identical without a
-               broadcast; the log-probabilities and values are gathered so that every rank computes the whole
-               batch's ``SAO.update`` (stats, value targets): the numbers a single process logs.
-    critic     sharded the same way: each rank's squared error over its action tokens divided by the whole
-               batch's count, value-head gradients summed, the same AdamW step on every rank.
-    writing    rank 0 alone writes config.json, checkpoints, train_log.json, the adapter and tracking; every rank
-               reads the checkpoint on --resume. config.json and every log record carry ``world_size``.
-
-The gradient reduction is written out rather than taken from ``DistributedDataParallel``: DDP averages
-(the coefficients already hold the global count, so the sum is wanted), reduces inside every micro-batch's
-backward unless told not to, and cannot hold a gradient back from a step that turns out non-finite.
-
-Deliberately left out: sharding the decode (rank 0 draws the whole batch; ``--engine ray`` is the way to more
-decode throughput), FSDP and tensor parallelism (the frozen base is replicated on every device; only the adapter
-and the value head have gradients), overlapping the all-reduce with the backward (the adapter's gradient is a
-small fraction of the model), and ``sao recipe``/``sweep`` under torchrun (their evals would run on every rank).
+Deliberately left out: sharding the decode, FSDP and tensor parallelism, overlapping the all-reduce with the
+backward, and ``sao recipe``/``sweep`` under torchrun. Design notes: docs/design/distributed.md.
 """
 
 from __future__ import annotations

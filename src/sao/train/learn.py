@@ -1,23 +1,15 @@
 """The learning half of a step: the teacher-forced pass, ``SAO.update``, the policy step and the critic.
 
-    pass      micro-batch by micro-batch: forward (with gradients on policy steps) → values from the
-              detached hidden states → ``SAO.update`` of the micro-batch with the whole batch's N →
-              loss = −Σ c·logprobs → backward → free. Every rule is per trajectory, so the accumulated
-              gradient is exactly the whole batch's, and only one micro-batch's activations are alive.
-    update    the whole batch's ``SAO.update`` (stats, value targets) from the kept log-probabilities and
-              values: pure tensor math, no second forward.
-    step      clip the gradient to ``grad_clip`` and step AdamW — unless the loss or the gradient norm is
-              not finite, in which case nothing is applied (the step is counted as skipped).
-    critic    ``critic_steps`` squared-error updates of the value head toward the Monte Carlo targets, on
-              the stored hidden states (the trunk is never trained by the critic).
-    retry     on out-of-memory the micro-batch halves (for the rest of the run) and the pass is retried
-              from its start: the same function of the batch, only the float summation order changes.
-    ranks     under torchrun (``sao.train.distributed``) each process passes only its rows of the batch
-              with the whole batch's N, the rows' log-probabilities and values are gathered for the whole
-              batch's update, and the critic sums its gradients over the ranks. On one process: unchanged.
+    pass     micro-batch by micro-batch: forward → values → ``SAO.update`` with the whole batch's N → backward;
+             the accumulated gradient is exactly the whole batch's
+    update   the whole batch's ``SAO.update`` from the kept log-probabilities and values (no second forward)
+    step     clip to ``grad_clip`` and step AdamW, unless the loss or the gradient norm is not finite (skipped)
+    critic   ``critic_steps`` squared-error updates of the value head on the stored hidden states
+    retry    on out-of-memory the micro-batch halves and the pass is retried from its start
 
-This is the only micro-batching in sao. Deliberately left out: gradient accumulation across batches,
-learning-rate schedules and mixed-precision loss scaling (LoRA in bf16 needs none).
+Under torchrun each rank passes only its rows (``sao.train.distributed``). This is the only micro-batching in sao.
+Deliberately left out: gradient accumulation across batches, learning-rate schedules and mixed-precision loss
+scaling. Design notes: docs/design/learn.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a step leaves behind: its log record, and the reachability checks read off the records so far.
 
-    record          one flat dict per step (SPEC §5): phase, staleness, reward, masked and would-be masked
+    record          one flat dict per step: phase, staleness, reward, masked and would-be masked
                     share (over action tokens), ratio quantiles, KL(sampler‖policy), advantage, λ, explained
                     variance, critic loss, length, truncation, grad norm, skipped — and for multi-turn
                     trajectories turns, tool calls, tool use, tool error rate and the observation-token share

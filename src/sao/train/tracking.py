@@ -1,22 +1,13 @@
 """Experiment tracking: the per-step training records and the eval results, mirrored to TensorBoard, trackio or
 W&B, so a run can be watched in the dashboard its user already knows (``--track tensorboard|trackio|wandb``).
 
-``make_tracker(kind, out_dir, run_name, config)`` returns an object with ``log_step`` / ``log_eval`` / ``close``:
+``make_tracker(kind, out_dir, run_name, config)`` returns an object with ``log_step`` / ``log_eval`` / ``close``;
+``None`` writes nothing (the default). Every finite number is logged (``train/<key>``, ``eval/<label>/<key>``);
+anything else is skipped, not flattened. Each backend is imported only when asked for; a missing one is a one-line
+``ConfigError`` naming the pip extra.
 
-    None          nothing is written (the default; ``train_log.json`` and ``results.json`` stay the record)
-    tensorboard   event files in OUT/tensorboard (``torch.utils.tensorboard``); the config as a text summary
-    trackio       trackio's own local store (``$TRACKIO_DIR``, else its cache folder): ``trackio show``
-    wandb         W&B in offline mode only, files in OUT/wandb; ``wandb sync`` uploads them later if wanted
-
-What is logged: every finite number of a record, under ``train/<key>`` at the record's global step, and every
-finite number of an eval under ``eval/<label>/<key>``. None, NaN, ±inf (``train_log.json`` writes them as null
-too), bools, strings, lists and dicts (``staleness_hist``) are skipped, not flattened: the JSON files keep
-everything, the dashboard shows the curves.
-
-Each backend is imported only when asked for; one that is not installed is a one-line ``ConfigError`` naming the
-pip extra. Deliberately left out: online W&B (no run ever talks to a server on its own), trackio Spaces and
-servers, media, histograms and system metrics beyond what a backend logs by itself, and any retry or buffering
-of our own — a tracker mirrors the JSON files, it is never the only copy.
+Deliberately left out: online W&B, trackio Spaces and servers, media and histograms, and any retry or buffering of
+our own: a tracker mirrors the JSON files, it is never the only copy. Design notes: docs/design/tracking.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,14 @@
 """GSM8K tasks: load them, hold out an evaluation set, decontaminate the training prompts, build prompts.
 
-The protocol (SPEC §3) trains on prompts from GSM8K's train split and evaluates pass@1 on tasks held out
-from its test split. This module turns either the Hugging Face hub copy (``openai/gsm8k``, config
-``main``) or a local directory holding ``train.jsonl`` and ``test.jsonl`` into a :class:`TaskSet`:
+The protocol trains on GSM8K's train split and evaluates pass@1 on tasks held out from its test split. From the
+hub copy or a local directory this builds a :class:`TaskSet`: ``n_test`` held-out tasks drawn with
+``random.Random(seed)``, training questions that share a word 8-gram with them dropped, ``n_train`` drawn from the
+rest with ``random.Random(seed + 1)``; both sorted by row, ids ``gsm8k/<split>/<row>``. A local file is read line by
+line, keeping byte offsets only; a line over ``MAX_LINE_BYTES`` is refused; every problem is a one-line ``DataError``.
 
-* the held-out set is ``n_test`` tasks sampled from the test split with ``random.Random(seed)``;
-* every training question that shares a word 8-gram with a held-out question is dropped (after
-  lowercasing and replacing every character that is neither alphanumeric nor whitespace with a space);
-  decontamination is against the held-out tasks actually drawn, not the whole test split, because those
-  are the only tasks the evaluation scores; the counts record how many were dropped;
-* ``n_train`` training tasks are then sampled from what is left with an independent stream,
-  ``random.Random(seed + 1)``, so that changing ``n_train`` never changes the held-out set.
-
-Both samples are returned sorted by their row index in the source, so a split is a plain function of
-``(source, n_train, n_test, seed)``. Task ids are ``gsm8k/<split>/<row>`` (0-based row among the non-blank
-lines of a file, or among the rows of the hub split), so the hub and an identical local copy give the
-same ids. Every problem with the data raises :class:`~sao.core.errors.DataError` with one line naming the file
-and line.
-
-Limits, so that a wrong or hostile file costs what is used and no more: a local file is read one line at a
-time and every record is checked, but only each record's byte offset is kept (8 bytes a row); the held-out
-and training tasks drawn are read back by offset, so memory holds the tasks drawn, the held-out 8-grams and
-two offset arrays, whatever the file's size. A line longer than ``MAX_LINE_BYTES`` (1 MiB; a GSM8K record is
-under 2 kB) is refused after reading at most that much. Time is one pass over each file (a million short
-records in seconds). The hub path loads the split as ``datasets`` gives it.
-
-Deliberately left out: grading (``sao.tasks.gsm8k.grading`` compares answers; the gold here is the raw text after the
-last ``####``, e.g. ``"1,000"``, not a parsed number), shuffling for training (the trainer orders its
-batches with its own seed), few-shot prompts and system turns (the model's chat template supplies its
-default system turn), and deduplication within the training split.
+Deliberately left out: grading (the gold here is the raw text after the last ``####``), shuffling for training,
+few-shot prompts and system turns, and deduplication within the training split.
+Design notes: docs/design/gsm8k-data.md.
 """
 
 from __future__ import annotations

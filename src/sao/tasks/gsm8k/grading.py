@@ -1,101 +1,16 @@
 r"""Grade a model's reply against a GSM8K gold answer: exact, bounded in time, never executing anything.
 
-The SAO reward (SPEC section 3) is 1 if the final answer of a reply equals the GSM8K gold numerically,
-else 0. ``reward(completion, gold)`` is that program; it wraps ``math_equal``, which compares the numbers
-``extract_answer`` finds in the two strings as exact ``fractions.Fraction`` values. ``gold`` is a GSM8K
-answer field (a worked solution ending in ``#### N``) or a bare number such as ``"18"`` or ``"1,000"``;
-both go through the same extraction.
+The SAO reward of the protocol is 1 if the final answer of a reply equals the GSM8K gold numerically, else 0:
+``reward(completion, gold)`` wraps ``math_equal``, which compares what ``extract_answer`` finds in both strings as
+exact ``fractions.Fraction`` values. The final answer is what a careful human grader would decide from the reply
+alone: the last marker (``#### N``, ``\boxed{}``), else the last assertive answer phrase, else the last number, with
+rules for hedges, expressions, thousands, mixed numbers, clock times, number words and Unicode; a reply that does
+not commit to one value has no answer. ``extract_answer`` returns one canonical string per rational. Time is
+bounded by construction: well under 50 ms per call for any ``str`` (a 4096-character window, capped scans).
 
-What counts as the final answer. The grader cannot see the question or ask the model what it meant, so
-each rule below is what a careful human grader would decide from the reply alone, and where a reply does
-not commit to one value the grader gives no answer (reward 0) rather than guessing one.
-
-1. Window. Only the last ``WINDOW`` = 4096 characters are read, because final answers come at the end; when
-   a text is longer, whatever at the window's edge could be the tail of a cut word or number (for a number,
-   with the ``. , : / + -`` and the spaces that join its parts) is dropped, since its value is unknown:
-   ``"1" * 5000 + "/4"`` has no answer, not 4.
-2. Markers. The answer is in the last final-answer marker by position -- a ``####`` line that opens with a
-   number (``#### 18``, ``#### $1,234.50``, ``#### **18**``, not the heading ``#### Step 2``) or a closed
-   ``\boxed{...}``/``\fbox{...}`` holding a number (of nested boxes, the innermost) -- because a later
-   marker revises an earlier one.
-3. Hedges. Two different values offered side by side give no answer, since the reply did not commit to one:
-   the last box and the box before it with no number written between them (``\boxed{18} or \boxed{20}``),
-   or, inside a marker, two numbers joined only by "or" (``The answer is 18 or 20``; in working, "or" also
-   restates: ``0.60 or 60%``). A number between two boxes is work that makes the later box a revision, and
-   the same value twice (``\boxed{18}``, ``\boxed{18.00}``) is a repetition.
-4. Answer phrases. Without a marker, the answer is in the last assertive phrase -- ``answer is|was|will
-   be|should be``, ``answer:``, ``answer =``, any case, ``**`` allowed -- directly followed by a number; a
-   conditional one (``answer would be|could be|might be|would have been``) counts only when no assertive
-   one does, because "... if she sold them all, the answer would be 32" after a stated answer is a
-   hypothetical, not a revision.
-5. Unmarked replies. Without a marker or phrase, the answer is the last number, but a reply that ends in an
-   unfinished calculation (a trailing ``=`` or operator: ``180/5 =``) was cut off and has no answer. When
-   the final sentence holds the result of the reply's last equation and the few numbers (at most 16) after
-   it only repeat numbers written before, they restate the question's data and the result is the answer
-   ("9 * 2 = 18. She makes $18 a day selling 9 eggs at $2 each." is 18); a final sentence without the
-   result chose among earlier values ("..., so the most he can earn is $250.") and keeps its last number.
-6. Results. Inside a marker (the rest of the ``####`` line, the box, the phrase up to the end of its
-   sentence) the answer is its first number, unless the marker opens with an expression -- that number
-   followed, after at most one unit word, by an operator or by of, times, plus, minus, divided, multiplied
-   -- whose result, the number after its last ``=`` or is, are, was, equals, gives, makes, "comes to", is
-   the answer: ``\boxed{9 \times 2 = 18}``, ``1/2 of 36, which is 18``, ``18, which is 9 times 2`` and
-   ``\boxed{18 = 9 \times 2}`` are all 18. A marker ending in an unfinished calculation has no answer, and
-   no rule falls back past a marker or number it has chosen: an invalid (rule 7) or hedged choice is none.
-7. Numbers. A number is an optional sign (``-``, ``+``, U+2212) and ``$``/``€``/``£``, digits grouped as
-   in rule 8, an optional decimal part (``.5``; ``5.`` is 5 and a full stop), exponent (``2.5e3``) and
-   integer denominator (``3/4``, ``\frac{3}{4}``, ``\dfrac``, ``\tfrac``), not glued to a preceding letter,
-   digit, underscore, dot or digit-colon (``x2`` holds none), and anything after it is ignored (``18%``,
-   ``18 eggs``, ``18.00``, ``\boxed{\$18}`` and ``\boxed{18 \text{ dollars}}`` are 18). It is valid with at
-   most ``MAX_DIGITS`` = 40 digits in each digit string as written, an exponent of at most 40 in magnitude,
-   a non-zero denominator and a canonical form of at most 40 digits on each side of ``/``.
-8. Thousands. A comma, or one space (thin and no-break spaces too), separates thousands only before exactly
-   three digits -- ``1,234``, ``1 000`` and ``12 345 678`` are one number each; ``1, 2, 3``, ``12,34`` and
-   ``1 2`` are several -- and a space-grouped run followed by a hyphen is not grouped, because "5
-   100-dollar bills" are 5 bills of 100.
-9. Mixed numbers. An integer, one space and a fraction below 1 are one number, as every reader takes them:
-   ``3 1/2`` is 3.5, ``-2 3/4`` is -2.75, ``2\frac{1}{2}`` is 2.5. An improper fraction there (``3 5/4``)
-   is not how anyone writes a number, so the token is invalid rather than guessed at.
-10. Clock times and ratios. Digits joined by colons (``1:30``, ``12:45:00``, ``3:2``) are one token with no
-    value, because "1:30" is 90 minutes, 1.5 hours or half past one depending on a question the grader
-    does not see, its parts (30, 1) are certainly wrong, and a reward of 0 teaches the model to answer in
-    the unit asked. A whole hour (``7:00``, ``2:00 pm``) is that hour: the value a time of day and a number
-    of hours agree on, and how GSM8K writes such golds ("What time will she eat dinner?" has gold 7).
-11. Number words. Inside a box or an answer phrase, a well-formed English cardinal in words is a number
-    (``The answer is eighteen.``, ``\boxed{\text{one hundred and five}}``, ``twenty-five``, ``twelve
-    hundred``) unless "of", a hyphen or an apostrophe follows it; elsewhere words are not read, because in
-    running prose "one of them", "the two of us" and "a hundred times" are not answers.
-12. Unicode. Decimal digits of any script are digits, U+2212 and fullwidth signs and punctuation are their
-    ASCII forms, spaces of any kind are spaces, and invisible characters (format characters such as RTL
-    marks, zero-width spaces and the BOM, controls such as NUL, unassigned and private-use code points,
-    lone surrogates) are dropped, as a reader never sees them: ``1\u200b8`` is 18. Vulgar fractions
-    (``½``), superscripts and look-alikes (``O`` for 0) are not digits.
-
-Canonical form (what ``extract_answer`` returns): the reduced fraction written as an integer (``"-3"``),
-else as an exact decimal when the denominator has no prime factor but 2 and 5 (``"1234.5"``, ``"0.75"``
-for ``3/4``), else as ``"p/q"`` (``"1/3"``, ``"-2/7"``; also used when the decimal would exceed 40
-digits). Each rational has one canonical string, and ``extract_answer`` returns a canonical string
-unchanged.
-
-Time bound: well under 50 ms per call for any ``str`` of any length, on a core another process also wants.
-The slowest inputs of ``tests/grading_corpus.py`` (200,000 random code points; a window packed with 2,000
-numbers) cost about 3 ms of CPU per call, measured on a 2-core machine whose cores were oversubscribed five
-times over, and a GSM8K-sized reply about 0.1 ms; wall time adds the scheduler's waits (there, beside a busy
-loop, the worst call took 20 to 35 ms). The tests assert the 50 ms on every corpus entry. It holds by
-construction: a fixed-size window; regexes whose repeats never overlap or are possessive where runs meet
-(the corpus puts 4,000-character runs after each kind of marker), and whose first test rejects most positions; one
-iterative pass for brace matching (no recursion, so ``\boxed{`` nested 100000 deep is fine); characters
-sorted by C-level string predicates, not a Python loop per character; at most 64 markers of each kind
-examined and 16 numbers checked for a restatement; digit strings capped before any ``int`` conversion
-(``9**9**9**9`` and ``10^10^10`` are several small numbers; ``1e999999999`` is invalid).
-
-Deliberately left out: ``eval``, ``exec``, sympy or any parser of expressions; arithmetic (``2^10`` is the
-numbers 2 and 10, ``\boxed{9 \times 2}`` is 9); symbolic algebra; unit or percent conversion (``50%`` is 50,
-18 hours is not 1080 minutes); tolerance (``0.333`` is not ``1/3``); number words outside markers and
-phrases, ordinals and word fractions ("two thirds"); decimal commas (``1,5``); telling a label glued to a
-number by a colon from a clock time (``Day 1:50`` is read as a time, so as no answer); the question, which
-would settle units and clock times; judging the reasoning.
-Non-``str`` input gives None / False / 0.0 rather than an exception, and an internal error (a bug) is warned
-about and counted as no answer, so a reward call never takes a training run down.
+Deliberately left out: ``eval``/``exec``/sympy, arithmetic, unit or percent conversion, tolerance, decimal commas,
+the question, and judging the reasoning. Non-``str`` input gives None / False / 0.0, and an internal error is warned
+about and counted as no answer. Design notes: docs/design/grading.md (the twelve rules, the time bound).
 """
 
 from __future__ import annotations
