@@ -314,7 +314,7 @@ def complete_many(
 ) -> list[Completion]:
     """``client.complete`` for every prompt at once from at most ``max_concurrency`` threads; results in prompt
     order. ``seeds[i]`` seeds prompt i; ``params`` (model, max_tokens, temperature, ...) go to every request.
-    The first failure is raised once the requests already sent have finished."""
+    On the first failure the requests not yet sent are cancelled, and it is raised once those in flight finish."""
     if seeds is not None and len(seeds) != len(prompts):
         raise ConfigError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     if max_concurrency < 1:
@@ -325,7 +325,12 @@ def complete_many(
 
     with ThreadPoolExecutor(max_workers=min(max_concurrency, max(1, len(prompts)))) as pool:
         futures = [pool.submit(one, i) for i in range(len(prompts))]
-        return [future.result() for future in futures]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
 
 
 # ---------------------------------------------------------------------------------------------------------------
