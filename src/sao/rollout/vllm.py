@@ -1,0 +1,584 @@
+"""vLLM as a rollout engine: start its OpenAI-compatible server in its own venv and process, and talk to it over HTTP.
+
+    VllmServer     ``PYTHON -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 and a free port, float32, LoRA on
+                   (runtime loading allowed), ``--logprobs-mode processed_logprobs`` so that each recorded log-prob is
+                   log_softmax(logits / T) at the sampled token, the footing sao's ratio needs; stdout and stderr go
+                   to a log file; ``start`` waits for ``/health``; ``stop`` ends the whole process group
+    VllmClient     ``/health``, ``/v1/models``, runtime adapter load / unload, and ``complete``: a token-id prompt in,
+                   token ids and one log-prob per completion token out, every reply checked
+    complete_many  many completions at once from a bounded pool of threads (vLLM batches them continuously)
+
+Only the standard library is imported here: vLLM pins its own torch and transformers, so it lives in a venv of its
+own (``make install-vllm``) and never in sao's process. Deliberately left out: chat completions and text prompts
+(the caller owns the chat template and the token ids), streaming, top-k log-probs, ``n > 1``, multi-GPU options,
+and any check of a server this module did not start (a server started with the default ``raw_logprobs`` returns
+pre-temperature log-probs, and no reply says so).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import http.client
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sao.core.errors import ConfigError, DataError, SaoError
+
+VLLM_VENV = ".venv-vllm"
+# Options that trade run-time speed for start-up time, by name (``VllmServer(compile_mode=...)``).
+COMPILE_MODES: dict[str, tuple[str, ...]] = {
+    "eager": ("--enforce-eager",),  # no torch.compile, no graphs: the fastest start
+    "O0": ("-O0",),
+    "default": (),  # vLLM's -O2: torch.compile warm-up on the first start, a compile cache after that
+}
+FINISH_REASONS = ("stop", "length")
+# Connection failures worth another try: the server is starting, restarting or briefly overloaded.
+_RETRYABLE = (ConnectionError, http.client.RemoteDisconnected, TimeoutError, socket.timeout)
+
+
+class VllmError(SaoError):
+    """The vLLM server could not be started, reached, or refused a request; the message is one line."""
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def default_vllm_python() -> Path | None:
+    """``.venv-vllm/bin/python`` in the current folder or next to this checkout (``make install-vllm``), if present."""
+    repo = Path(__file__).resolve().parents[3]
+    for root in (Path.cwd(), repo):
+        python = root / VLLM_VENV / "bin" / "python"
+        if python.is_file():
+            return python
+    return None
+
+
+def check_vllm_python(python: str | os.PathLike[str] | None) -> str:
+    """The vLLM version that ``python`` imports; a one-line ``ConfigError`` when it is missing or has no vLLM."""
+    if python is None:
+        raise ConfigError(f"no --vllm-python given and no {VLLM_VENV}/bin/python here; run make install-vllm")
+    python = Path(python)
+    if not python.is_file():
+        raise ConfigError(f"--vllm-python {python} does not exist; run make install-vllm or pass a Python with vLLM")
+    # Found and versioned without importing it (importing vllm takes 10-40 s on a busy CPU); a broken install
+    # still fails at start, with the reason in the server's log.
+    probe = (
+        "import importlib.util as u, importlib.metadata as m\n"
+        "assert u.find_spec('vllm') is not None, 'No module named vllm'\n"
+        "print(m.version(m.packages_distributions()['vllm'][0]))"
+    )
+    try:
+        done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise ConfigError(f"--vllm-python {python} could not be run ({_one_line(error)})") from None
+    if done.returncode != 0:
+        last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+        raise ConfigError(f"--vllm-python {python} has no vLLM ({_one_line(last)}); run make install-vllm")
+    return done.stdout.strip()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def log_tail(path: str | os.PathLike[str], lines: int = 3) -> str:
+    """The last non-empty ``lines`` lines of a log file, joined with " | " (empty when unreadable)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    kept = [line.strip() for line in text.splitlines() if line.strip()]
+    return " | ".join(kept[-lines:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The client
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One checked completion. ``sampler_logprobs[i]`` is log p(completion_token_ids[i]) as the sampler drew it."""
+
+    prompt_token_ids: list[int]  # [P] as echoed by the server (checked equal to what was sent)
+    completion_token_ids: list[int]  # [C] the sampled tokens, a stop token included when one was drawn
+    sampler_logprobs: list[float]  # [C] one finite log-prob <= 0 per completion token
+    finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens reached)
+    text: str  # the server's detokenised completion (special tokens skipped), for reading only
+
+
+class VllmClient:
+    """A client for one vLLM OpenAI-compatible server at ``url``.
+
+    Every request retries connection failures until ``connect_deadline`` seconds have passed since it began, then
+    raises one ``VllmError`` naming the URL; ``timeout`` bounds each attempt. No proxy is ever used (the server is
+    local), whatever the environment says.
+    """
+
+    def __init__(self, url: str, *, timeout: float = 300.0, connect_deadline: float = 30.0):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.connect_deadline = connect_deadline
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def _request(
+        self, method: str, path: str, body: Mapping[str, Any] | None = None, *, deadline: float | None = None
+    ) -> tuple[int, Any]:
+        """(status, decoded JSON or text). HTTP error statuses are returned; connection failures are retried."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        wait = self.connect_deadline if deadline is None else deadline
+        give_up, pause = time.monotonic() + wait, 0.1
+        while True:
+            request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+            try:
+                with self._opener.open(request, timeout=self.timeout) as response:
+                    status, raw = response.status, response.read()
+                break
+            except urllib.error.HTTPError as error:
+                status, raw = error.code, error.read()
+                break
+            except (urllib.error.URLError, *_RETRYABLE) as error:
+                reason = getattr(error, "reason", error)
+                if time.monotonic() + pause > give_up:
+                    raise VllmError(
+                        f"vLLM server at {self.url} unreachable for {wait:g} s ({_one_line(reason)}); is it running?"
+                    ) from None
+                time.sleep(pause)
+                pause = min(2 * pause, 1.0)
+        text = raw.decode("utf-8", errors="replace")
+        try:
+            return status, json.loads(text) if text else None
+        except ValueError:
+            return status, text
+
+    @staticmethod
+    def _reason(reply: Any) -> str:
+        """vLLM's own words from an error reply ({"error": {"message": ...}} or FastAPI's {"detail": ...})."""
+        if isinstance(reply, dict):
+            error = reply.get("error")
+            if isinstance(error, dict) and error.get("message"):
+                return _one_line(error["message"])
+            if "detail" in reply:
+                return _one_line(json.dumps(reply["detail"]))
+        return _one_line(reply if isinstance(reply, str) else json.dumps(reply))
+
+    def health(self, *, deadline: float | None = None) -> bool:
+        """True when ``/health`` answers 200, False for any other status; unreachable after ``deadline`` raises."""
+        status, _ = self._request("GET", "/health", deadline=deadline)
+        return status == 200
+
+    def models(self) -> list[str]:
+        """The names the server answers to: the base model (its path or ``--served-model-name``), then adapters."""
+        status, reply = self._request("GET", "/v1/models")
+        if status != 200:
+            raise VllmError(f"vLLM server at {self.url} refused /v1/models: {self._reason(reply)}")
+        try:
+            return [str(card["id"]) for card in reply["data"]]
+        except (KeyError, TypeError) as error:
+            raise DataError(f"vLLM /v1/models reply has no data[].id ({_one_line(error)})") from None
+
+    def load_adapter(self, name: str, path: str | os.PathLike[str], *, load_inplace: bool = False) -> None:
+        """Load a PEFT adapter folder under ``name`` (``load_inplace``: replace the weights of a loaded ``name``).
+
+        vLLM keys its prefix cache by adapter name *and path*: reload changed weights from a new folder, never by
+        overwriting the folder a name was loaded from, or cached prompt blocks of the old weights are reused.
+        A refusal (rank above ``--max-lora-rank``, a missing folder, a name already loaded) is one ``VllmError``
+        with vLLM's reason."""
+        body = {"lora_name": name, "lora_path": os.fspath(path), "load_inplace": bool(load_inplace)}
+        status, reply = self._request("POST", "/v1/load_lora_adapter", body)
+        if status != 200:
+            raise VllmError(f"vLLM refused to load adapter {name!r} from {os.fspath(path)}: {self._reason(reply)}")
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload adapter ``name``; one ``VllmError`` with vLLM's reason when it is not loaded."""
+        status, reply = self._request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+        if status != 200:
+            raise VllmError(f"vLLM refused to unload adapter {name!r}: {self._reason(reply)}")
+
+    def complete(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        model: str,
+        max_tokens: int,
+        temperature: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+    ) -> Completion:
+        """One completion of a token-id prompt by ``model`` (the base model's name or an adapter's), checked.
+
+        Plain sampling at ``temperature``: top-p 1, top-k off, min-p 0 and no penalties are sent explicitly, so that
+        a ``generation_config.json`` in the model folder cannot change the distribution the log-probs describe."""
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ConfigError("a completion needs a non-empty prompt")
+        if max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1 (got {max_tokens})")
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": int(max_tokens),
+            "temperature": float(temperature),
+            "top_p": 1.0,
+            "top_k": 0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "logprobs": 0,  # the sampled token's log-prob only
+            "return_token_ids": True,
+            "stop_token_ids": [int(t) for t in stop_token_ids],
+            "ignore_eos": bool(ignore_eos),
+        }
+        if seed is not None:
+            body["seed"] = int(seed)
+        status, reply = self._request("POST", "/v1/completions", body)
+        if status != 200:
+            raise VllmError(f"vLLM refused a completion for {model!r}: {self._reason(reply)}")
+        return parse_completion(reply, prompt, max_tokens=int(max_tokens))
+
+
+def parse_completion(reply: Any, prompt_token_ids: Sequence[int], *, max_tokens: int) -> Completion:
+    """Check a ``/v1/completions`` reply and return its one choice; any violation is a one-line ``DataError``."""
+
+    def bad(what: str) -> DataError:
+        return DataError(f"vLLM completion reply {what}")
+
+    choices = reply.get("choices") if isinstance(reply, dict) else None
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise bad(f"has {len(choices) if isinstance(choices, list) else 'no'} choices; expected exactly 1")
+    choice = choices[0]
+    echoed, token_ids = choice.get("prompt_token_ids"), choice.get("token_ids")
+    if not isinstance(echoed, list) or not all(type(t) is int for t in echoed):
+        raise bad("has no prompt_token_ids (return_token_ids is needed: vLLM >= 0.10)")
+    if echoed != list(prompt_token_ids):
+        first = next((i for i, (a, b) in enumerate(zip(echoed, prompt_token_ids, strict=False)) if a != b), None)
+        where = f"first differs at position {first}" if first is not None else "lengths differ"
+        raise bad(f"echoes {len(echoed)} prompt token ids for the {len(prompt_token_ids)} sent ({where})")
+    if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):
+        raise bad("has no completion token_ids")
+    if not token_ids or len(token_ids) > max_tokens:
+        raise bad(f"has {len(token_ids)} completion tokens; expected 1..{max_tokens}")
+    logprobs = choice.get("logprobs")
+    values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+    if not isinstance(values, list):
+        raise bad("has no logprobs.token_logprobs (send logprobs: 0)")
+    if len(values) != len(token_ids):
+        raise bad(f"has {len(values)} log-probs for {len(token_ids)} completion tokens")
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value > 1e-6:
+            raise bad(f"log-prob {i} is {value!r}; expected a finite number <= 0")
+    finish = choice.get("finish_reason")
+    if finish not in FINISH_REASONS:
+        raise bad(f"finish_reason is {finish!r}; expected one of {list(FINISH_REASONS)}")
+    if finish == "length" and len(token_ids) != max_tokens:
+        raise bad(f"finished by length after {len(token_ids)} of max_tokens {max_tokens} tokens")
+    text = choice.get("text")
+    return Completion(
+        prompt_token_ids=echoed,
+        completion_token_ids=token_ids,
+        sampler_logprobs=[float(v) for v in values],
+        finish_reason=finish,
+        text=text if isinstance(text, str) else "",
+    )
+
+
+def complete_many(
+    client: VllmClient,
+    prompts: Sequence[Sequence[int]],
+    *,
+    seeds: Sequence[int] | None = None,
+    max_concurrency: int = 16,
+    **params: Any,
+) -> list[Completion]:
+    """``client.complete`` for every prompt at once from at most ``max_concurrency`` threads; results in prompt
+    order. ``seeds[i]`` seeds prompt i; ``params`` (model, max_tokens, temperature, ...) go to every request.
+    On the first failure the requests not yet sent are cancelled, and it is raised once those in flight finish."""
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ConfigError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    if max_concurrency < 1:
+        raise ConfigError(f"max_concurrency must be >= 1 (got {max_concurrency})")
+
+    def one(i: int) -> Completion:
+        return client.complete(prompts[i], seed=None if seeds is None else seeds[i], **params)
+
+    with ThreadPoolExecutor(max_workers=min(max_concurrency, max(1, len(prompts)))) as pool:
+        futures = [pool.submit(one, i) for i in range(len(prompts))]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The server
+
+
+class VllmServer:
+    """One vLLM OpenAI-compatible server process serving ``model`` (a ``save_pretrained`` folder) on 127.0.0.1.
+
+    ``compile_mode`` picks the start-up trade (``COMPILE_MODES``). On the CPU build vLLM turns torch.compile off
+    whenever LoRA is enabled, so all modes start alike there; "eager" says so explicitly and also skips the JIT
+    kernel warm-up. The start is spent importing vLLM in each of its processes (API server, engine core, model
+    worker). ``in_process_worker`` runs the worker inside the engine core (``--distributed-executor-backend uni``
+    with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): one import fewer, but vLLM's CPU thread binding is skipped (its own
+    code calls that path unsupported on the CPU) and decoding was slower; for short-lived test servers only.
+    ``lora_modules`` maps names to adapter folders loaded at start; more can be loaded at run time. The process and
+    its engine-core child share a new process group, which ``stop`` ends (SIGTERM, then SIGKILL after ``grace``
+    seconds); ``stop`` is also registered with ``atexit``. Use as a context manager or call ``start``/``stop``.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        python: str | os.PathLike[str] | None = None,
+        max_model_len: int = 512,
+        max_lora_rank: int = 16,
+        max_loras: int = 2,
+        seed: int = 0,
+        compile_mode: str = "eager",
+        lora_modules: Mapping[str, str | os.PathLike[str]] | None = None,
+        kvcache_gib: int = 1,
+        in_process_worker: bool = False,
+        log_path: str | os.PathLike[str] | None = None,
+        startup_timeout: float = 300.0,
+        grace: float = 10.0,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ):
+        if compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"compile_mode {compile_mode!r} is not one of {sorted(COMPILE_MODES)}")
+        self.model = Path(model)
+        self.python = Path(python) if python is not None else default_vllm_python()
+        self.max_model_len, self.max_lora_rank, self.max_loras = max_model_len, max_lora_rank, max_loras
+        self.seed = seed
+        self.compile_mode = compile_mode
+        self.lora_modules = {str(k): os.fspath(v) for k, v in (lora_modules or {}).items()}
+        self.kvcache_gib = kvcache_gib
+        self.in_process_worker = in_process_worker
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.startup_timeout, self.grace = startup_timeout, grace
+        self.extra_args, self.env = tuple(extra_args), dict(env or {})
+        self.host, self.port = "127.0.0.1", 0
+        self.process: subprocess.Popen[bytes] | None = None
+        self.startup_seconds: float | None = None
+        self.version: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def command(self) -> list[str]:
+        """The command line that starts the server (the port is chosen by ``start``)."""
+        args = [
+            str(self.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enable-lora",
+            "--max-lora-rank",
+            str(self.max_lora_rank),
+            "--max-loras",
+            str(self.max_loras),
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--seed",
+            str(self.seed),
+            "--disable-uvicorn-access-log",
+            *COMPILE_MODES[self.compile_mode],
+        ]
+        if self.in_process_worker:
+            args += ["--distributed-executor-backend", "uni"]
+        if self.lora_modules:
+            args += ["--lora-modules", *(f"{name}={path}" for name, path in self.lora_modules.items())]
+        return args + list(self.extra_args)
+
+    def client(self, **kwargs: Any) -> VllmClient:
+        """A ``VllmClient`` for this server."""
+        return VllmClient(self.url, **kwargs)
+
+    def start(self) -> VllmServer:
+        """Start the server and wait until ``/health`` answers 200; a one-line ``VllmError`` with the log's last lines
+        when it exits or is not up within ``startup_timeout`` seconds (it is stopped then)."""
+        with self._lock:
+            if self.process is not None and self.process.poll() is None:
+                return self
+            if not self.model.is_dir():
+                raise ConfigError(f"vLLM model {self.model} is not a folder; pass a save_pretrained folder")
+            self.version = check_vllm_python(self.python)
+            self.port = free_port(self.host)
+            if self.log_path is None:
+                handle, name = tempfile.mkstemp(prefix="vllm-server-", suffix=".log")
+                os.close(handle)
+                self.log_path = Path(name)
+            env = {
+                **os.environ,
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+                "VLLM_CPU_KVCACHE_SPACE": str(int(self.kvcache_gib)),  # vLLM reads an int (GiB)
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "HF_HUB_OFFLINE": "1",  # a local folder: never ask a hub
+                **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if self.in_process_worker else {}),
+                **self.env,
+            }
+            began = time.monotonic()
+            with open(self.log_path, "ab") as log:
+                self.process = subprocess.Popen(
+                    self.command(),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,  # its own process group: stop() ends the engine core child too
+                )
+            atexit.register(self.stop)
+        probe = VllmClient(self.url, timeout=5.0, connect_deadline=0.0)
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                self.stop()
+                raise VllmError(
+                    f"vLLM server exited with code {code} while starting; log {self.log_path}: "
+                    f"{log_tail(self.log_path)}"
+                )
+            elapsed = time.monotonic() - began
+            if elapsed > self.startup_timeout:
+                self.stop()
+                raise VllmError(
+                    f"vLLM server not up after {self.startup_timeout:g} s; log {self.log_path}: "
+                    f"{log_tail(self.log_path)}"
+                )
+            with contextlib.suppress(VllmError):
+                if probe.health(deadline=0.0):
+                    self.startup_seconds = elapsed
+                    return self
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """End the server: SIGTERM to its process group (and to any descendant that left it), SIGKILL to whatever is
+        left after ``grace`` seconds. Safe to call twice."""
+        with self._lock:
+            process, self.process = self.process, None
+            atexit.unregister(self.stop)
+        if process is None:
+            return
+        group = process.pid  # start_new_session: the group id is the server's pid
+        tree = process_tree(process.pid)  # the API process, its engine core and helpers
+        for send in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, send)
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, send)
+            give_up = time.monotonic() + self.grace
+            while time.monotonic() < give_up:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=0.1)  # reap the API process as soon as it exits
+                if not group_alive(group) and not any(alive(pid) for pid in tree):
+                    return
+                time.sleep(0.1)
+
+    def restart(self) -> VllmServer:
+        """Stop, then start again (on a new free port; runtime-loaded adapters are gone, ``lora_modules`` are not)."""
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _proc_stats() -> list[tuple[int, str, int, int]]:
+    """(pid, state, ppid, pgrp) of every process in /proc (empty where there is no /proc)."""
+    stats = []
+    with contextlib.suppress(OSError):
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                stats.append((int(entry.name), fields[0], int(fields[1]), int(fields[2])))
+            except (OSError, IndexError, ValueError):
+                continue
+    return stats
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` is running (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every running descendant of it."""
+    children: dict[int, list[int]] = {}
+    for child, state, parent, _ in _proc_stats():
+        if state not in ("Z", "X"):
+            children.setdefault(parent, []).append(child)
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo += children.get(current, [])
+    return tree
+
+
+def group_alive(group: int) -> bool:
+    """Whether any process of process group ``group`` is still running (zombies count as gone)."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stats = _proc_stats()
+    return not stats or any(pgrp == group and state not in ("Z", "X") for _, state, _, pgrp in stats)
