@@ -69,7 +69,7 @@ def ray_row(workers: int, K: int, steps: int, batch: int) -> dict:
     import torch
 
     from sao.core.config import Config
-    from sao.train.trainer import Trainer
+    from sao.training.trainer import Trainer
 
     torch.set_num_threads(1)  # the trainer's own thread; each worker gets --worker-cpus 1 = one thread
     config = Config.preset("tiny", engine="ray", batch_size=batch, steps=steps, critic_warmup=1,

@@ -36,7 +36,8 @@ KINDS: dict[str, tuple[str, str]] = {
         "the step is skipped and counted (skipped, nonfinite in the log); tokens get coefficient 0; the run goes on",
     ),
     "killed process": (
-        "SIGKILL mid-training, between a checkpoint and its log, inside a trained arm's eval, inside a base eval, "
+        "SIGKILL mid-training, between a step's log line and its checkpoint, inside a trained arm's eval, inside a "
+        "base eval, "
         "in a multi-turn agent run",
         "--resume finishes with results.json and train_log.json identical to an uninterrupted run",
     ),
@@ -45,19 +46,19 @@ KINDS: dict[str, tuple[str, str]] = {
         "micro-batch halved and the step retried, logged (micro_batch, oom_retries); same update as without it",
     ),
     "full disk / unwritable output": (
-        "ENOSPC during a JSON write and a checkpoint write, an output path blocked by a file",
+        "ENOSPC during a JSON write and a binary write, an output path blocked by a file",
         "one-line error that says to rerun with --resume; the previous complete file is intact, no temp file left",
     ),
     "determinism": (
         "the same seed trained twice on the CPU",
-        "identical train_log.json (timings aside); another seed differs",
+        "identical train_log.jsonl (timings aside); another seed differs",
     ),
     "damaged run folders": (
-        "--resume over a truncated, missing or foreign checkpoint.pt or config.json, a truncated, missing or stale "
-        "train_log.json, truncated or foreign evals and a truncated experiment.json in a recipe folder; --resume of a "
+        "--resume over a truncated, missing or foreign checkpoint or config.json, a truncated, missing or stale "
+        "train_log.jsonl, truncated or foreign evals and a truncated experiment.json in a recipe folder; --resume of a "
         "missing or empty folder",
         "one-line error naming the file and what to do, exit code 2, nothing written or overwritten; a damaged "
-        "train_log.json is instead rebuilt exactly from the checkpoint's copy of the same records",
+        "train_log.jsonl is instead rebuilt exactly from the checkpoint's copy of the same records",
     ),
     "odd flags": (
         "--device cuda, cuda:N or tpu where there is none, a 20-digit or negative --seed or --data-seed, "

@@ -25,3 +25,14 @@ def without_keys(obj: Any, keys: set[str]) -> Any:
     if isinstance(obj, list):
         return [without_keys(v, keys) for v in obj]
     return obj
+
+
+def run_log(folder: Path) -> list[dict[str, Any]]:
+    """The step records of a run folder (train_log.jsonl, appended as it goes) or of an experiment folder
+    (train_log.json: every run's records with their cell, written once at the end)."""
+    import json
+
+    folder = Path(folder)
+    if (folder / "train_log.jsonl").exists() or not (folder / "train_log.json").exists():
+        return [json.loads(line) for line in (folder / "train_log.jsonl").read_text().splitlines() if line.strip()]
+    return json.loads((folder / "train_log.json").read_text())

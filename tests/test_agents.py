@@ -6,22 +6,24 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from helpers import run_log
 import torch
 
 from sao.core.config import Config
-from sao.train.trainer import Trainer
+from sao.training import build
 
 TIMING = {"time", "time_sample"}
 AGENT_KEYS = {"turns_mean", "tool_calls_mean", "tool_use_share", "tool_error_rate", "observation_share"}
 
 
 def _log(out):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in json.loads((out / "train_log.json").read_text())]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in run_log(out)]
 
 
 def test_the_single_turn_task_as_an_environment_trains_exactly_as_today(tiny_config, tmp_path):
-    Trainer(tiny_config, tmp_path / "plain", progress=False).run()
-    Trainer(tiny_config.replace(env="gsm8k"), tmp_path / "env", progress=False).run()
+    build.trainer(tiny_config, tmp_path / "plain", progress=False).run()
+    build.trainer(tiny_config.replace(env="gsm8k"), tmp_path / "env", progress=False).run()
     plain, env = _log(tmp_path / "plain"), _log(tmp_path / "env")
     assert [{k: v for k, v in r.items() if k not in AGENT_KEYS} for r in env] == plain
     assert all(r["turns_mean"] == 1.0 and r["observation_share"] == 0.0 for r in env)
@@ -32,7 +34,7 @@ def test_a_skyrl_gym_environment_runs_through_sao_unchanged(tiny_config, tmp_pat
     short training run: its turns, rewards and observations reach the log."""
     pytest.importorskip("skyrl_gym")
     config = tiny_config.replace(env="skyrl:gsm8k_multi_turn", max_turns=2, max_new_tokens=24, steps=2)
-    records = Trainer(config, tmp_path / "run", progress=False).run()
+    records = build.trainer(config, tmp_path / "run", progress=False).run()
     assert len(records) == config.algorithm.critic_warmup + config.training.steps
     assert all(1.0 <= r["turns_mean"] <= 2.0 for r in records) and any(r["turns_mean"] > 1 for r in records)
     assert all(0.0 < r["observation_share"] < 1.0 for r in records if r["turns_mean"] > 1)
@@ -54,7 +56,7 @@ def test_gae_over_real_multi_turn_rollouts_matches_the_slow_reference(tiny_model
 
     lm, tokenizer = load_base(tiny_model_dir, torch.device("cpu"))
     split = tiny.make_split(16, 8)
-    factory = env_factory(Config.preset("tiny", env="skyrl:gsm8k_multi_turn", max_turns=3), tokenizer)
+    factory = env_factory("skyrl:gsm8k_multi_turn", tokenizer, max_turns=3)
     envs = [factory(t.id, {"answer": t.answer, "question": t.question}) for t in split.train[:8]]
     rollout = draw_episodes(
         PlainDecoder(lm), tokenizer, envs, [build_messages(t.question, tiny.TINY_INSTRUCTION) for t in split.train[:8]],
@@ -90,7 +92,7 @@ def test_rl_on_tiny_calc_raises_tool_use_and_reward(tmp_path):
 
     out = tmp_path / "agent"
     assert main(["train", "--preset", "tiny", "--env", "tiny-calc", "--out", str(out), "--quiet"]) == 0
-    records = json.loads((out / "train_log.json").read_text())
+    records = run_log(out)
     warmup = [r for r in records if r["phase"] == "critic-warmup"]
     last = [r for r in records if r["phase"] == "policy"][-10:]
     assert len(warmup) == 10 and len(last) == 10
@@ -117,12 +119,12 @@ def test_recipe_on_tiny_calc_runs_both_arms_evals_and_verdict(tmp_path):
              "--test-prompts", "24", "--eval-samples", "2", "--base-evals", "2", "--quiet"]  # fmt: skip
     assert main(["recipe", "--preset", "tiny", "--env", "tiny-calc", *small, "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert results["config"]["env"] == "tiny-calc" and results["config"]["max_new_tokens"] == 24
+    assert results["config"]["data"]["env"] == "tiny-calc" and results["config"]["rollout"]["max_new_tokens"] == 24
     (cell,) = results["cells"]
     assert {"dis", "none"} <= set(cell["arms"])
     assert results["verdict"]
     report = (out / "report.md").read_text()
     assert "environment tiny-calc" in report and "tool_use_share" in report
-    log = json.loads((out / "train_log.json").read_text())
+    log = run_log(out)
     assert {r["arm"] for r in log} == {"dis", "none"}
     assert all(r["turns_mean"] >= 1.0 for r in log) and any(r["tool_calls_mean"] > 0 for r in log)

@@ -70,7 +70,7 @@ def _model_without_chat_template(tiny_model_dir: Path, tmp_path: Path) -> Path:
 
 
 BAD_CONFIG = {
-    "unknown arm": (["--arm", "ppo"], "--arm must be one of"),
+    "unknown arm": (["--arm", "ppo"], "--correction must be a correction rule"),
     "band not bracketing 1": (["--band", "1.2", "6"], "must bracket 1"),
     "lag below 0": (["--lag", "-2"], "--lag must be >= 0"),
     "model path that does not exist": (["--model", "./models/none-here"], "is not a directory"),

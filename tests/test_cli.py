@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from helpers import run_log
+
 from sao.cli import main
 
 
@@ -19,10 +21,12 @@ def test_train_writes_a_complete_log_and_prints_a_summary(tiny_model_dir, tmp_pa
     assert code == 0
     text = capsys.readouterr().out
     assert "reward:" in text and "lag-0 batches" in text
-    records = json.loads((out / "train_log.json").read_text())
+    records = run_log(out)
     assert [r["phase"] for r in records] == ["critic-warmup"] * 2 + ["policy"] * 3
-    saved = json.loads((out / "config.json").read_text())["config"]
-    assert saved["band"] == [0.5, 3.0] and saved["lag"] == 1 and saved["model"] == "tiny"
+    saved = json.loads((out / "config.json").read_text())["config"]  # in sections, one name per knob
+    assert (
+        saved["algorithm"]["ratio"] == [0.5, 3.0] and saved["rollout"]["lag"] == 1 and saved["model"]["name"] == "tiny"
+    )
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     logged = [(e.step, e.value) for e in events.Scalars("train/reward_mean")]

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_log
+
 import sao.cli
 from sao.cli import build_parser, config_from_args, main
 from sao.core.config import Config, read_config_file
@@ -140,8 +142,8 @@ def test_a_runs_config_json_replays_it_bit_for_bit(tiny_model_dir, tmp_path):
     assert main(["train", "--quiet", "--config", str(first / "config.json"), "--out", str(second)]) == 0
 
     assert json.loads((second / "config.json").read_text()) == json.loads((first / "config.json").read_text())
-    original = json.loads((first / "train_log.json").read_text())
-    replayed = json.loads((second / "train_log.json").read_text())
+    original = run_log(first)
+    replayed = run_log(second)
     assert len(original) == len(replayed) == 3
     for a, b in zip(original, replayed, strict=True):
         assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == {
@@ -149,8 +151,8 @@ def test_a_runs_config_json_replays_it_bit_for_bit(tiny_model_dir, tmp_path):
         }
 
     # A flag on top of the file changes that setting and nothing else.
-    base = config_from_args(_args("--config", str(first / "config.json"))).to_dict()
-    changed = config_from_args(_args("--config", str(first / "config.json"), "--lr", "0.002")).to_dict()
+    base = config_from_args(_args("--config", str(first / "config.json"))).flat()
+    changed = config_from_args(_args("--config", str(first / "config.json"), "--lr", "0.002")).flat()
     assert {k for k in base if base[k] != changed[k]} == {"lr"} and changed["lr"] == 0.002
 
 

@@ -10,6 +10,8 @@ import statistics
 from pathlib import Path
 
 import pytest
+
+from helpers import run_log
 import torch
 
 from sao.algorithm.update import SAO
@@ -64,7 +66,7 @@ def confirmed(tiny_model_dir, tmp_path_factory):
 
 def test_the_plan_runs_end_to_end_and_the_report_states_it_first(confirmed):
     plan, out, results = confirmed
-    assert results["seeds"] == [201, 202] and results["config"]["seed"] == 201
+    assert results["seeds"] == [201, 202] and results["config"]["training"]["seed"] == 201
     assert (out / "plan.json").read_text() == Path(plan).read_text(), "the plan is kept as given"
     assert set(results["cells"][0]["arms"]) == {"dis", "none", "random"}
     block = results["confirmation"]
@@ -86,12 +88,13 @@ def test_the_random_arm_masks_the_share_the_dis_arm_masked(confirmed):
     _, out, _ = confirmed
     for seed in (201, 202):
         runs = out / "cells" / CELL / "runs"
-        dis = json.loads((runs / f"dis-s{seed}" / "train_log.json").read_text())
+        dis = run_log(runs / f"dis-s{seed}")
         share = statistics.fmean(r["masked_share"] for r in dis if r["phase"] == "policy")
         random_run = json.loads((runs / f"random-s{seed}" / "config.json").read_text())
-        assert random_run["config"]["arm"] == "random" and random_run["config"]["random_mask_share"] == share
-        log = json.loads((runs / f"random-s{seed}" / "train_log.json").read_text())
-        none = json.loads((runs / f"none-s{seed}" / "train_log.json").read_text())
+        algorithm = random_run["config"]["algorithm"]
+        assert algorithm["correction"] == "random" and algorithm["random_mask_share"] == share
+        log = run_log(runs / f"random-s{seed}")
+        none = run_log(runs / f"none-s{seed}")
         assert log[0]["reward_mean"] == none[0]["reward_mean"], "the arms share prompts and sampler seeds"
 
 
@@ -136,12 +139,12 @@ def test_aggregating_a_run_made_on_other_weights_warns(confirmed, tmp_path, caps
 
 def test_intermediate_evals_leave_training_unchanged(confirmed, tmp_path):
     """The dis run of seed 201 again, without --eval-every: the same log step for step (timings aside)."""
-    from sao.train.trainer import Trainer
+    from sao.training import build
 
     _, out, _ = confirmed
     config = Config.preset("tiny", **{**SETTINGS, "eval_every": 0}, lag=2, lr=3e-3, arm="dis", seed=201)
-    plain = Trainer(config, tmp_path / "run", progress=False).run()
-    evaluated = json.loads((out / "cells" / CELL / "runs" / "dis-s201" / "train_log.json").read_text())
+    plain = build.trainer(config, tmp_path / "run", progress=False).run()
+    evaluated = run_log(out / "cells" / CELL / "runs" / "dis-s201")
     volatile = {"time", "time_sample", "rollouts_per_s"}
     assert [{k: v for k, v in r.items() if k not in volatile} for r in clean(plain)] == [
         {k: v for k, v in r.items() if k not in volatile} for r in evaluated]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Data-parallel training (``sao.train.distributed``): ``torchrun --nproc-per-node 2`` with the gloo backend on the
+"""Data-parallel training (``sao.training.distributed``): ``torchrun --nproc-per-node 2`` with the gloo backend on the
 CPU takes the same steps as one process on the whole batch — the same rewards, loss, gradient norm and final
 adapter within float tolerance — writes one train_log.json, one checkpoint and one adapter, records
 world_size in config.json and the log, and resumes after one of its processes is SIGKILLed mid-run. The
@@ -14,17 +14,19 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import run_log
 import torch
 
 from sao.core.errors import ConfigError
 from sao.rollout.types import Rollout, Turns
-from sao.train.distributed import World
+from sao.training.distributed import World
 
 # The child torchrun starts on every rank: optionally SIGKILL rank 1 as it enters step `kill_at`, then the CLI.
 CHILD = r"""
 import os, signal, sys
 from sao import cli
-from sao.train import trainer
+from sao.training import trainer
 kill_at = int(sys.argv[1])
 if kill_at >= 0:
     real_step = trainer.Trainer.step
@@ -132,23 +134,23 @@ def test_torchrun_two_processes_take_the_single_process_steps_and_resume(tiny_mo
     from safetensors.torch import load_file
 
     from sao.core.config import Config
-    from sao.train.trainer import Trainer
+    from sao.training import build
 
     torch.set_num_threads(1)
-    Trainer(Config.preset("tiny", **SETTINGS), tmp_path / "single", progress=False).run()
-    single = json.loads((tmp_path / "single" / "train_log.json").read_text())
+    build.trainer(Config.preset("tiny", **SETTINGS), tmp_path / "single", progress=False).run()
+    single = run_log(tmp_path / "single")
 
     child = tmp_path / "child.py"
     child.write_text(CHILD)
     out = tmp_path / "ddp"
     killed = _torchrun(child, 2, ["train", *FLAGS, "--out", str(out)])  # rank 1 dies entering the last step
     assert killed.returncode != 0, killed.stderr[-3000:]
-    interrupted = json.loads((out / "train_log.json").read_text())
+    interrupted = run_log(out)
     assert 1 <= len(interrupted) < len(single), "killed mid-run, after a checkpoint"
     resumed = _torchrun(child, -1, ["train", *FLAGS, "--out", str(out), "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
-    records = json.loads((out / "train_log.json").read_text())
+    records = run_log(out)
     assert [r["step"] for r in records] == [r["step"] for r in single]
     for mine, ref in zip(records, single, strict=True):
         assert mine["world_size"] == 2 and ref["world_size"] == 1

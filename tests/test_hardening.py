@@ -88,7 +88,7 @@ def _strip(obj):
 LOG_DAMAGE = {
     "truncated": lambda log: _truncate(log),
     "missing": lambda log: log.unlink(),
-    "behind its checkpoint": lambda log: log.write_text(json.dumps(json.loads(log.read_text())[:-1])),
+    "behind its checkpoint": lambda log: log.write_text("".join(log.read_text().splitlines(keepends=True)[:-1])),
 }
 
 
@@ -96,29 +96,30 @@ LOG_DAMAGE = {
 def test_resume_of_a_finished_run_rebuilds_a_damaged_log_from_its_checkpoint(finished_run, tmp_path, capsys,
                                                                             damage, faults):  # fmt: skip
     out = _copy(finished_run, tmp_path)
-    log, checkpoint = out / "train_log.json", out / "checkpoint.pt"
-    want, state = log.read_bytes(), checkpoint.read_bytes()
+    log, checkpoints = out / "train_log.jsonl", out / "checkpoints"
+    want, state = log.read_bytes(), _files(checkpoints)
     LOG_DAMAGE[damage](log)
     assert main(["train", *SMALL, "--resume", "--out", str(out)]) == 0
     captured = capsys.readouterr()
     assert log.read_bytes() == want, "the log is the one the run wrote, record for record"
-    assert checkpoint.read_bytes() == state
-    assert "rewrote it from checkpoint.pt" in captured.out + captured.err
+    assert _files(checkpoints) == state
+    assert "rewrote it from the checkpoint's records" in captured.out + captured.err
     assert f"wrote {log}" in captured.out
-    faults.record("damaged run folders", f"train_log.json {damage} in a finished run (rebuilt from the checkpoint)")
+    faults.record("damaged run folders", f"train_log.jsonl {damage} in a finished run (rebuilt from the checkpoint)")
 
 
-def _torch_save(path: Path, obj) -> None:
-    torch.save(obj, path)
+def _checkpoint(out: Path) -> Path:
+    (folder,) = (out / "checkpoints").iterdir()
+    return folder
 
 
 TRAIN_DAMAGE = {  # what is done to the finished run → what the one line must name
-    "truncated checkpoint.pt": (lambda out: _truncate(out / "checkpoint.pt", 1000), ("checkpoint.pt is damaged",
-                                                                                      "remove")),
-    "checkpoint.pt that is not a sao checkpoint": (lambda out: _torch_save(out / "checkpoint.pt", {"step": 3}),
-                                                   ("checkpoint.pt is not a sao checkpoint", "remove")),
-    "checkpoint.pt missing beside its log": (lambda out: (out / "checkpoint.pt").unlink(),
-                                             ("checkpoint.pt is missing", "remove")),
+    "truncated checkpoint tensors": (lambda out: _truncate(_checkpoint(out) / "tensors.safetensors", 1000),
+                                     ("is damaged", "remove")),
+    "a checkpoint that is not sao's": (lambda out: (_checkpoint(out) / "state.json").write_text('{"step": 3}'),
+                                       ("is not a sao checkpoint", "remove")),
+    "checkpoints missing beside the log": (lambda out: shutil.rmtree(out / "checkpoints"),
+                                           ("holds no checkpoint", "remove")),
     "truncated config.json": (lambda out: _truncate(out / "config.json"), ("config.json is damaged", "restore")),
     "config.json holding a list": (lambda out: (out / "config.json").write_text("[]"),
                                    ("config.json is damaged", "restore")),
@@ -162,7 +163,7 @@ def _one(folder: Path, pattern: str) -> Path:
 
 def test_recipe_resume_rebuilds_a_runs_damaged_log_from_its_checkpoint(finished_recipe, tmp_path, capsys, faults):
     out = _copy(finished_recipe, tmp_path)
-    log = _one(out, "cells/*/runs/dis-s17/train_log.json")
+    log = _one(out, "cells/*/runs/dis-s17/train_log.jsonl")
     want = log.read_bytes()
     _truncate(log)
     assert main(["recipe", *EXPERIMENT, "--resume", "--out", str(out)]) == 0
@@ -171,19 +172,20 @@ def test_recipe_resume_rebuilds_a_runs_damaged_log_from_its_checkpoint(finished_
     for name in ("results.json", "train_log.json"):
         got, was = json.loads((out / name).read_text()), json.loads((finished_recipe / name).read_text())
         assert _strip(got) == _strip(was), name
-    faults.record("damaged run folders", "a run's train_log.json truncated in a recipe folder (rebuilt)")
+    faults.record("damaged run folders", "a run's train_log.jsonl truncated in a recipe folder (rebuilt)")
 
 
 RECIPE_DAMAGE = {  # file (a glob under the folder) → what is done to it, what the one line must say
     "truncated experiment.json": ("experiment.json", _truncate, "restore"),
-    "truncated checkpoint.pt of a finished run": ("cells/*/runs/none-s17/checkpoint.pt",
-                                                  lambda p: _truncate(p, 1000), "delete"),
+    "truncated checkpoint of a finished run": ("cells/*/runs/none-s17/checkpoints/step-*/tensors.safetensors",
+                                               lambda p: _truncate(p, 1000), "delete"),
     "truncated eval of a trained run": ("cells/*/evals/dis-s17.json", _truncate, "delete it and rerun with --resume"),
     "eval of a trained run with other fields": ("cells/*/evals/none-s17.json",
                                                 lambda p: p.write_text('{"label": 1}'), "delete it"),
     "truncated base eval": ("evals/base-1.json", _truncate, "delete it and rerun with --resume"),
-    "run log and checkpoint both damaged": ("cells/*/runs/dis-s17/train_log.json",
-                                            lambda p: (_truncate(p), _truncate(p.parent / "checkpoint.pt", 500)),
+    "run log and checkpoint both damaged": ("cells/*/runs/dis-s17/train_log.jsonl",
+                                            lambda p: (_truncate(p), _truncate(_checkpoint(p.parent)
+                                                                                / "tensors.safetensors", 500)),
                                             "delete"),
 }  # fmt: skip
 
@@ -195,7 +197,8 @@ def test_resume_of_a_damaged_recipe_folder_is_one_line_and_overwrites_nothing(fi
     out = _copy(finished_recipe, tmp_path)
     target = _one(out, pattern)
     damage(target)
-    named = target.parent / "checkpoint.pt" if case.startswith("run log and") else target
+    named = _checkpoint(target.parent) if case.startswith("run log and") else target
+    named = named.parent if named.name == "tensors.safetensors" else named  # a checkpoint is named by its folder
     _refused(capsys, ["recipe", *EXPERIMENT, "--resume", "--out", str(out)], out, str(named), fix)
     faults.record("damaged run folders", f"{case} (sao recipe --resume)")
 
@@ -368,7 +371,7 @@ def test_starting_the_cli_imports_neither_torch_nor_scipy(faults):
 
 def test_a_step_fsyncs_the_checkpoint_but_not_the_log_it_can_be_rebuilt_from(tmp_path, monkeypatch):
     from sao.core import io
-    from sao.train import checkpoint
+    from sao.training import checkpoint
 
     synced = []
     real = os.fsync

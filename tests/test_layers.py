@@ -1,5 +1,5 @@
 """The package's layers are real: every import (module level or inside a function) goes down the order
-core → algorithm → model → rollout → tasks → tiny → train → serve → experiment → api → cli, or stays within its
+core → algorithm → model → rollout → tasks → tiny → training → serve → experiment → api → cli, or stays within its
 layer, and no two modules import each other, directly or around a loop. A registry entry in ``sao.core.registry``
 names its implementation by import path, resolved on use: that is how a lower layer offers a name a higher one
 implements, and a test below checks that every such path resolves."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "sao"
-LAYERS = ("core", "algorithm", "model", "rollout", "tasks", "tiny", "train", "serve", "experiment", "api", "cli")
+LAYERS = ("core", "algorithm", "model", "rollout", "tasks", "tiny", "training", "serve", "experiment", "api", "cli")
 
 
 def module_name(path: Path) -> str:
@@ -76,7 +76,7 @@ def test_there_is_no_import_cycle():
     assert cycles == [], "import cycles:\n" + "\n".join(sorted(set(cycles)))
 
 
-@pytest.mark.parametrize("bad", ["sao.train.trainer", "sao.cli"])
+@pytest.mark.parametrize("bad", ["sao.training.trainer", "sao.cli"])
 def test_the_checks_catch_an_upward_import(tmp_path, bad):
     """The checker itself: a core module that imports a higher layer is reported."""
     fake = tmp_path / "sao" / "core" / "x.py"

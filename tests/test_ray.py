@@ -322,12 +322,12 @@ def test_async_run_drops_nothing_and_replaced_workers_deliver(ray_module, tiny_m
     batches can only come from the replacements: each of them delivers admitted trajectories."""
     import psutil
 
-    from sao.train.trainer import Trainer
+    from sao.training import build
 
     K = 2
     config = Config.preset("tiny", engine="ray", batch_size=16, steps=8, critic_warmup=1, rollout_workers=2,
                            max_staleness=K, worker_timeout=20.0)  # fmt: skip
-    trainer = Trainer(config, tmp_path / "run", progress=False)
+    trainer = build.trainer(config, tmp_path / "run", progress=False)
     source = trainer.source
     seen: dict = {"daemons": _ray_children(), "stopped": None}
     publish, next_batch = source.after_update, source.next_batch
@@ -385,12 +385,12 @@ def test_synchronous_run_drops_nothing_and_a_resumed_run_uses_no_draw_twice(ray_
     every policy step waits for its draw. The run then dies after two steps and is resumed in a second
     local cluster (started in the same process): the draws pending at the checkpoint are drawn again, and
     no draw is used twice across the two halves."""
-    from sao.train.trainer import Trainer
+    from sao.training import build
 
     config = Config.preset(
         "tiny", engine="ray", batch_size=16, steps=3, critic_warmup=1, rollout_workers=2, max_staleness=0
     )
-    first = Trainer(config, tmp_path / "run", progress=False)
+    first = build.trainer(config, tmp_path / "run", progress=False)
     source, publish, next_batch = first.source, first.source.after_update, first.source.next_batch
     daemons = _ray_children()
 
@@ -416,7 +416,7 @@ def test_synchronous_run_drops_nothing_and_a_resumed_run_uses_no_draw_twice(ray_
     assert source.counts["received"] <= (len(first.records) + 1) * config.training.batch_size, "never drawn ahead"
     saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["source"]  # after step 2
 
-    second = Trainer(config, tmp_path / "run", resume=True, progress=False)
+    second = build.trainer(config, tmp_path / "run", resume=True, progress=False)
     records = second.run()
     assert len(records) == config.algorithm.critic_warmup + config.training.steps and second.source.batches
     assert all(r["staleness_max"] == 0 and r["staleness_hist"] == {"0": config.training.batch_size} for r in records)
@@ -439,12 +439,12 @@ def test_ray_workers_draw_multi_turn_episodes(ray_module, tiny_model_dir, tmp_pa
     whole episodes; the trainer gets turns, tool calls and observation tokens, and at staleness 0 the
     teacher-forced log-probs match the worker's at every action token."""
     from sao.tiny import calculator as tiny_calc
-    from sao.train.trainer import Trainer
+    from sao.training import build
 
     tiny_calc.ensure_calc_model(progress=False)
     config = Config.preset("tiny", env="tiny-calc", engine="ray", batch_size=8, steps=2, critic_warmup=1,
                            rollout_workers=1, max_staleness=0, train_prompts=32, test_prompts=8)  # fmt: skip
-    trainer = Trainer(config, tmp_path / "run", progress=False)
+    trainer = build.trainer(config, tmp_path / "run", progress=False)
     daemons = _ray_children()  # the cluster the source started
     records = trainer.run()
     assert len(records) == 3 and all(r["staleness_max"] == 0 for r in records)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import without_keys
+from helpers import run_log, without_keys
 
 SMALL = [
     "--preset", "tiny", "--batch-size", "16", "--steps", "5", "--critic-warmup", "2", "--lag", "2",
@@ -28,20 +28,20 @@ CHILD = r"""
 import os, signal, sys
 from sao import cli
 from sao.experiment import evaluate, runner
-from sao.train import checkpoint, trainer
+from sao.training import checkpoint, trainer
 where, label, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 calls = {"n": 0}
 
 def bang():
     os.kill(os.getpid(), signal.SIGKILL)
 
-if where == "after-checkpoint":  # the checkpoint of step `count` is written, its train_log.json is not
-    real_save = checkpoint.save_torch
-    def save_torch(path, obj):
-        real_save(path, obj)
-        if obj.get("next_step") == count and label in str(path):
+if where == "after-log":  # step `count` is in train_log.jsonl, its checkpoint is not written
+    real_append = checkpoint.append_log
+    def append_log(out, record):
+        real_append(out, record)
+        if record["step"] + 1 == count and label in str(out):
             bang()
-    checkpoint.save_torch = save_torch
+    checkpoint.append_log = append_log
 elif where == "train-step":  # in the middle of step `count` of run `label`
     real_step = trainer.Trainer.step
     def step(self, g):
@@ -99,7 +99,7 @@ def reference(tmp_path_factory, tiny_model_dir):
     ("where", "label", "count"),
     [
         ("train-step", "dis-s17", 4),  # mid-training, first arm, first policy steps
-        ("after-checkpoint", "none-s17", 3),  # between the checkpoint and the log, second arm
+        ("after-log", "none-s17", 3),  # between the log line and its checkpoint, second arm
         ("eval", "dis-s17", 0),  # in the trained arm's eval
         ("eval", "base-1", 0),  # in the second base eval
     ],
@@ -126,8 +126,8 @@ def test_killed_recipe_resumes_to_identical_results(reference, tmp_path, where, 
     got = _strip(json.loads((out / "results.json").read_text()))
     want = _strip(json.loads((reference / "results.json").read_text()))
     assert got == want
-    got_log = _strip(json.loads((out / "train_log.json").read_text()))
-    want_log = _strip(json.loads((reference / "train_log.json").read_text()))
+    got_log = _strip(run_log(out))
+    want_log = _strip(run_log(reference))
     assert got_log == want_log
     assert (out / "report.md").exists()
     faults.record("killed process", f"{where} {label} {count}")
@@ -135,15 +135,14 @@ def test_killed_recipe_resumes_to_identical_results(reference, tmp_path, where, 
 
 def test_resume_of_a_finished_trainer_changes_nothing(tiny_config, tmp_path):
     from sao.core.io import as_json
-    from sao.train.trainer import Trainer
+    from sao.training import build
 
     out = tmp_path / "run"
-    first = Trainer(tiny_config, out, progress=False).run()
-    log = (out / "train_log.json").read_bytes()
-    again = Trainer(tiny_config, out, resume=True, progress=False).run()
+    first = build.trainer(tiny_config, out, progress=False).run()
+    log = (out / "train_log.jsonl").read_bytes()
+    again = build.trainer(tiny_config, out, resume=True, progress=False).run()
     assert as_json(again) == as_json(first)  # NaN != NaN in Python; JSON compares them as null
-    assert (out / "train_log.json").read_bytes() == log
-    assert Path(out / "train_log.json").exists()
+    assert (out / "train_log.jsonl").read_bytes() == log
 
 
 @pytest.mark.slow
@@ -160,7 +159,7 @@ def test_a_killed_multi_turn_run_resumes_to_identical_results(tiny_model_dir, tm
                              "--out", str(out)], capture_output=True, text=True, env=_env(), timeout=600)  # fmt: skip
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     _run(["train", *agent, "--out", str(out), "--resume"])
-    got = _strip(json.loads((out / "train_log.json").read_text()))
-    want = _strip(json.loads((reference / "train_log.json").read_text()))
+    got = _strip(run_log(out))
+    want = _strip(run_log(reference))
     assert got == want and any(r["turns_mean"] > 1 for r in got)
     faults.record("killed process", "train-step of a multi-turn agent run")

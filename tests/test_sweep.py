@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from helpers import run_log
+
 from sao.cli import main
 from sao.core.errors import ConfigError
 from sao.experiment.results import divergence, interval
@@ -80,7 +82,7 @@ def test_small_sweep_end_to_end(tiny_model_dir, tmp_path, capsys):
             lo, hi = arm["pass_at_1_ci"]
             assert lo <= arm["pass_at_1_mean"] <= hi
     # every run of a cell trained with that cell's lag: its log shows the staleness cycle of that lag
-    log = json.loads((out / "cells" / "lag4-lr0.003-band0.7-6" / "runs" / "dis-s17" / "train_log.json").read_text())
+    log = run_log(out / "cells" / "lag4-lr0.003-band0.7-6" / "runs" / "dis-s17")
     assert [r["staleness"] for r in log if r["phase"] == "policy"] == [0, 1, 2, 3]
     assert (out / "report.md").exists()
     # resuming a finished sweep recomputes the summary from the files and trains nothing

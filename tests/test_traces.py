@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_log
+
 from sao.core.config import Config
 from sao.core.errors import ConfigError, DataError
 from sao.rollout.sources import SourceExhausted
@@ -367,7 +369,7 @@ def test_training_on_the_samplers_own_traces_reproduces_its_log_probs_at_stalene
 
     out = tmp_path / "run"
     assert cli.main(train_args(sampled["good"], out)) == 0
-    log = json.loads((out / "train_log.json").read_text())
+    log = run_log(out)
     assert [r["staleness"] for r in log] == [0, 0, 1, 2]  # version-0 traces; the policy moves on by one a step
     fresh = [r for r in log if r["staleness"] == 0]
     assert max(r["abs_log_ratio_max"] for r in fresh) < 1e-5  # the lag-0 equality, float32
@@ -385,7 +387,7 @@ def test_training_on_the_samplers_own_traces_reproduces_its_log_probs_at_stalene
     # The log allows 6 batches of 8: asked for 10 steps, the run takes 6 and says why it stopped.
     out2 = tmp_path / "short"
     assert cli.main(train_args(sampled["good"], out2, "--steps", "10", "--max-staleness", "10")) == 0
-    assert len(json.loads((out2 / "train_log.json").read_text())) == 6
+    assert len(run_log(out2)) == 6
     assert "stopped after 6 of 11 steps: the trace log" in capsys.readouterr().out
 
 
@@ -400,7 +402,7 @@ def test_log_probs_taken_before_temperature_are_refused_in_one_line(sampled, tmp
 CHILD = r"""
 import os, signal, sys
 from sao import cli
-from sao.train import trainer
+from sao.training import trainer
 real_step = trainer.Trainer.step
 def step(self, g):
     if g == int(sys.argv[1]):
@@ -413,7 +415,7 @@ sys.exit(cli.main(sys.argv[2:]))
 
 def test_a_run_killed_mid_way_resumes_to_the_same_log_using_no_trace_twice(sampled, tmp_path):
     from sao import cli
-    from sao.train import checkpoint
+    from sao.training import checkpoint
 
     args = train_args(sampled["good"], tmp_path / "whole", "--steps", "4")
     assert cli.main(args) == 0
@@ -422,13 +424,13 @@ def test_a_run_killed_mid_way_resumes_to_the_same_log_using_no_trace_twice(sampl
     child = subprocess.run([sys.executable, "-c", CHILD, "3", *train_args(sampled["good"], killed, "--steps", "4")],
                            env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
-    assert len(json.loads((killed / "train_log.json").read_text())) == 3
+    assert len(run_log(killed)) == 3
     assert cli.main([*train_args(sampled["good"], killed, "--steps", "4"), "--resume"]) == 0
 
     def strip(records):
         return [{k: v for k, v in r.items() if k not in ("time", "time_sample")} for r in records]
 
-    whole, resumed = (json.loads((d / "train_log.json").read_text()) for d in (tmp_path / "whole", killed))
+    whole, resumed = (run_log(d) for d in (tmp_path / "whole", killed))
     assert strip(resumed) == strip(whole)
     state = checkpoint.load(killed)["source"]
     assert state["counts"]["used"] == 40 == len({f"t{i}" for i in range(40)})
@@ -439,7 +441,7 @@ def test_a_run_killed_mid_way_resumes_to_the_same_log_using_no_trace_twice(sampl
 def test_follow_reads_a_log_as_it_grows_and_ends_after_the_timeout(sampled, tmp_path):
     import torch
 
-    from sao.train.trainer import Trainer
+    from sao.training import build
 
     lines = Path(sampled["good"]).read_text(encoding="utf-8").splitlines(keepends=True)[:32]
     log = tmp_path / "live.jsonl"
@@ -457,7 +459,7 @@ def test_follow_reads_a_log_as_it_grows_and_ends_after_the_timeout(sampled, tmp_
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the CLI sets it for the tiny model
     try:
-        trainer = Trainer(config, tmp_path / "run", progress=False)
+        trainer = build.trainer(config, tmp_path / "run", progress=False)
         thread.start()
         records = trainer.run()
     finally:
@@ -465,5 +467,5 @@ def test_follow_reads_a_log_as_it_grows_and_ends_after_the_timeout(sampled, tmp_
         if thread.ident is not None:  # started
             thread.join()
     assert len(records) == 4 and "no new trace" in trainer.ended_early
-    summary = trainer.traces_summary()
+    summary = trainer.source.summary()
     assert summary["traces_used"] == 32 and summary["traces_dropped"] == 0 and summary["traces_usable_unused"] == 0

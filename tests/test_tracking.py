@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from sao.core.errors import ConfigError
-from sao.train.tracking import make_tracker, scalars
+from sao.training.tracking import make_tracker, scalars
 
 # Three step records shaped like train_log.json's: numbers, None, NaN, bools, strings, a dict.
 RECORDS = [
@@ -158,7 +158,7 @@ TRACKIO_CHILD = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from sao.train.tracking import make_tracker
+    from sao.training.tracking import make_tracker
 
     records, evaluation, step = json.loads(sys.argv[1])
     tracker = make_tracker("trackio", Path(sys.argv[2]), "dis seed 0", {"arm": "dis", "lr": 1e-3})

@@ -6,13 +6,16 @@ import json
 import statistics
 
 import pytest
+
+from helpers import run_log
 import torch
 
 from sao.core.errors import ConfigError
 from sao.model import forward as forward_module
 from sao.rollout.sampler import staleness_schedule
-from sao.train import learn as learn_module
-from sao.train.trainer import Trainer
+from sao.training import learn as learn_module
+from sao.training import build
+from sao.training.hooks import Reachability
 
 SPEC_FIELDS = {
     "step", "phase", "staleness", "reward_mean", "masked_share", "would_be_masked_share", "ratio_min",
@@ -24,7 +27,7 @@ SPEC_FIELDS = {
 @pytest.mark.parametrize("lag", [0, 1, 4])
 def test_staleness_follows_the_cycle(tiny_config, tmp_path, lag):
     config = tiny_config.replace(lag=lag, steps=10, batch_size=8)
-    records = Trainer(config, tmp_path / "run", progress=False).run()
+    records = build.trainer(config, tmp_path / "run", progress=False).run()
     warmup = [r["staleness"] for r in records if r["phase"] == "critic-warmup"]
     policy = [r["staleness"] for r in records if r["phase"] == "policy"]
     assert warmup == [0] * config.algorithm.critic_warmup
@@ -34,7 +37,7 @@ def test_staleness_follows_the_cycle(tiny_config, tmp_path, lag):
 
 
 def test_lag_zero_masks_nothing_and_ratios_are_one_within_numerics(tiny_config, tmp_path):
-    records = Trainer(tiny_config.replace(lag=0), tmp_path / "run", progress=False).run()
+    records = build.trainer(tiny_config.replace(lag=0), tmp_path / "run", progress=False).run()
     for r in records:
         assert r["masked_share"] == 0.0 and r["would_be_masked_share"] == 0.0
         assert r["abs_log_ratio_max"] < 1e-4
@@ -43,8 +46,8 @@ def test_lag_zero_masks_nothing_and_ratios_are_one_within_numerics(tiny_config, 
 
 def test_log_has_every_spec_field_and_is_valid_json(tiny_config, tmp_path):
     out = tmp_path / "run"
-    Trainer(tiny_config, out, progress=False).run()
-    records = json.loads((out / "train_log.json").read_text())
+    build.trainer(tiny_config, out, progress=False).run()
+    records = run_log(out)
     assert len(records) == tiny_config.algorithm.critic_warmup + tiny_config.training.steps
     for r in records:
         assert set(r) >= SPEC_FIELDS
@@ -69,7 +72,7 @@ def test_step_with_an_injected_nan_is_skipped_and_counted(tiny_config, tmp_path,
         return out
 
     monkeypatch.setattr(learn_module, "teacher_forced", poisoned)
-    trainer = Trainer(tiny_config, tmp_path / "run", progress=False)
+    trainer = build.trainer(tiny_config, tmp_path / "run", progress=False)
     before = [p.detach().clone() for p in trainer.lora_params]
     trainer.step(0), trainer.step(1), trainer.step(2)
     mid = [p.detach().clone() for p in trainer.lora_params]
@@ -84,16 +87,16 @@ def test_step_with_an_injected_nan_is_skipped_and_counted(tiny_config, tmp_path,
 
 def test_output_folder_with_another_run_is_refused(tiny_config, tmp_path):
     out = tmp_path / "run"
-    Trainer(tiny_config.replace(steps=1), out, progress=False).run()
+    build.trainer(tiny_config.replace(steps=1), out, progress=False).run()
     with pytest.raises(ConfigError, match="already holds a run"):
-        Trainer(tiny_config.replace(steps=1), out, progress=False)
+        build.trainer(tiny_config.replace(steps=1), out, progress=False)
     with pytest.raises(ConfigError, match="other settings"):
-        Trainer(tiny_config.replace(steps=1, lr=0.5), out, resume=True, progress=False)
+        build.trainer(tiny_config.replace(steps=1, lr=0.5), out, resume=True, progress=False)
     stranger = tmp_path / "stranger"
     stranger.mkdir()
     (stranger / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match="not empty"):
-        Trainer(tiny_config, stranger, progress=False)
+        build.trainer(tiny_config, stranger, progress=False)
 
 
 @pytest.mark.slow
@@ -110,7 +113,7 @@ def test_reward_rises_on_the_tiny_preset(tiny_model_dir, tmp_path):
     """
     from sao.core.config import Config
 
-    records = Trainer(Config.preset("tiny"), tmp_path / "run", progress=False).run()
+    records = build.trainer(Config.preset("tiny"), tmp_path / "run", progress=False).run()
     rewards = [r["reward_mean"] for r in records if r["phase"] == "policy"]
     assert len(rewards) == 40
     first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
@@ -131,10 +134,10 @@ def test_out_of_memory_halves_the_micro_batch_and_retries_the_step(tiny_config, 
         return real(model, prompt_ids, *args, **kwargs)
 
     config = tiny_config.replace(micro_batch=16, steps=2)
-    clean = Trainer(config, tmp_path / "clean", progress=False)
+    clean = build.trainer(config, tmp_path / "clean", progress=False)
     clean_records = [clean.step(g) for g in range(4)]
     monkeypatch.setattr(learn_module, "teacher_forced", flaky)
-    flaky_run = Trainer(config, tmp_path / "flaky", progress=False)
+    flaky_run = build.trainer(config, tmp_path / "flaky", progress=False)
     records = [flaky_run.step(g) for g in range(4)]
     assert records[0]["oom_retries"] == 2 and records[0]["micro_batch"] == 4
     assert all(r["oom_retries"] == 0 and r["micro_batch"] == 4 for r in records[1:])
@@ -151,7 +154,7 @@ def test_other_runtime_errors_are_not_swallowed(tiny_config, tmp_path, monkeypat
         raise RuntimeError("shape mismatch")
 
     monkeypatch.setattr(learn_module, "teacher_forced", broken)
-    trainer = Trainer(tiny_config, tmp_path / "run", progress=False)
+    trainer = build.trainer(tiny_config, tmp_path / "run", progress=False)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         trainer.step(0)
 
@@ -159,11 +162,11 @@ def test_other_runtime_errors_are_not_swallowed(tiny_config, tmp_path, monkeypat
 def test_same_seed_gives_the_same_train_log_twice(tiny_config, tmp_path, faults):
     logs = []
     for name in ("a", "b"):
-        Trainer(tiny_config, tmp_path / name, progress=False).run()
-        records = json.loads((tmp_path / name / "train_log.json").read_text())
+        build.trainer(tiny_config, tmp_path / name, progress=False).run()
+        records = run_log(tmp_path / name)
         logs.append([{k: v for k, v in r.items() if not k.startswith("time")} for r in records])
     assert logs[0] == logs[1]
-    other = Trainer(tiny_config.replace(seed=18), tmp_path / "c", progress=False).run()
+    other = build.trainer(tiny_config.replace(seed=18), tmp_path / "c", progress=False).run()
     assert [r["reward_mean"] for r in other] != [r["reward_mean"] for r in logs[0]]
     faults.record("determinism", "same seed twice")
 
@@ -173,7 +176,7 @@ def test_micro_batches_give_the_whole_batch_update(tiny_config, tmp_path):
     gradient (up to float summation order) and the same stats as one pass over all sixteen rows."""
     runs = {}
     for rows in (16, 4):
-        trainer = Trainer(tiny_config.replace(micro_batch=rows), tmp_path / f"mb{rows}", progress=False)
+        trainer = build.trainer(tiny_config.replace(micro_batch=rows), tmp_path / f"mb{rows}", progress=False)
         runs[rows] = [trainer.step(g) for g in range(4)]
         runs[rows].append([p.detach().clone() for p in trainer.lora_params])
     for whole, parts in zip(runs[16][:-1], runs[4][:-1], strict=True):
@@ -188,19 +191,20 @@ def test_micro_batches_give_the_whole_batch_update(tiny_config, tmp_path):
 def test_a_dead_band_is_reported_early_and_a_live_one_is_not(tiny_config, tmp_path):
     """At lr 1e-7 four stale batches move no token out of (0.7, 6.0): one warning, in words, after the
     first four stale batches (the run is 10 steps long). At 3e-3 the band binds and nothing is said."""
-    dead = Trainer(tiny_config.replace(lr=1e-7, lag=2, steps=10), tmp_path / "dead", progress=False)
+    dead = build.trainer(tiny_config.replace(lr=1e-7, lag=2, steps=10), tmp_path / "dead", progress=False)
     records = []
+    reachability = next(h for h in dead.hooks if isinstance(h, Reachability))
     for g in range(dead.total_steps):
         records.append(dead.step(g))
         dead.records.append(records[-1])
-        dead.check_reachability()
+        reachability.on_step_end(dead, records[-1])
         if dead.warnings:
             break
     stale = [r for r in records if r["phase"] == "policy" and r["staleness"] > 0]
     assert len(stale) == 4 and len(records) < dead.total_steps, "warned early, not at the end"
     assert len(dead.warnings) == 1 and "is dead at these settings" in dead.warnings[0]
     assert "Raise --lr or --lag" in dead.warnings[0]
-    live = Trainer(tiny_config.replace(lr=3e-3, lag=2, steps=10), tmp_path / "live", progress=False)
+    live = build.trainer(tiny_config.replace(lr=3e-3, lag=2, steps=10), tmp_path / "live", progress=False)
     live.run()
     assert live.warnings == []
     assert max(r["would_be_masked_share"] for r in live.records) > 0.001

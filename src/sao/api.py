@@ -57,7 +57,7 @@ def trainer(
     progress: bool = True,
 ):
     """The ``Trainer`` ``train`` runs, built but not run (``.run()`` trains; ``.describe()`` says what it trains)."""
-    from sao.train import build
+    from sao.training import build
 
     config = config if isinstance(config, Config) else as_config(config)
     return build.trainer(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import sys
 import time
@@ -367,12 +368,14 @@ def _serve(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     import sao
 
-    parser = argparse.ArgumentParser(prog="sao", description=(__doc__ or "sao").splitlines()[0])
+    parser = argparse.ArgumentParser(prog="sao", description=(__doc__ or "sao").splitlines()[0], allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"sao {sao.__version__}")
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                         help="how much sao's own log says on stderr (default warning; info adds the masking lines "
                         "and notes that a progress bar would show)")  # fmt: skip
-    sub = parser.add_subparsers(dest="command", required=True)
+    # allow_abbrev off: a flag's prefix (--lr) is never taken for another flag (--lrs, --lr-schedule)
+    no_prefixes = functools.partial(argparse.ArgumentParser, allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=no_prefixes)
 
     p = sub.add_parser("selftest", help="check that the two arms differ only in the mask")
     p.set_defaults(func=_selftest)

@@ -269,9 +269,10 @@ class RolloutSettings(Section):
     traces: str | None = option(
         None,
         "The trace log: a JSONL file or a folder of *.jsonl files a serving system wrote (format: trace.schema.json, "
-        "docs/traces.md). `sao train --traces LOG` trains on it (each trace names the policy version that sampled "
-        "it; --max-staleness bounds how old it may be; rewards come from the trace or from --reward on its task; the "
-        "run takes min(--steps, what the log allows) steps and publishes each adapter); `sao serve` appends to it.",
+        "docs/traces-and-serving.md). `sao train --traces LOG` trains on it (each trace names the policy version that "
+        "sampled it; --max-staleness bounds how old it may be; rewards come from the trace or from --reward on its "
+        "task; the run takes min(--steps, what the log allows) steps and publishes each adapter); `sao serve` appends "
+        "to it.",
         check=not_blank,
     )
     follow: bool = option(
@@ -287,6 +288,38 @@ class RolloutSettings(Section):
         False,
         "--traces: count and skip malformed lines instead of stopping with a one-line error naming the file, line "
         "and field. Off by default, because a malformed log usually means a writer bug or the wrong file.",
+    )
+    vllm_url: str | None = option(
+        None,
+        "--rollout vllm / vllm-async: the URLs of running vLLM OpenAI servers (comma-separated; requests are spread "
+        "over them), started with --enable-lora, runtime LoRA loading and --logprobs-mode processed_logprobs.",
+        check=not_blank,
+    )
+    vllm_launch: bool = option(
+        False,
+        "--rollout vllm / vllm-async: start the servers here (on 127.0.0.1, from --vllm-python), stop them when the "
+        "run ends or fails, and restart one that dies (its requests drawn again).",
+    )
+    vllm_python: str | None = option(
+        None, "--vllm-launch: the Python that has vLLM (default: .venv-vllm/bin/python, made by make install-vllm).",
+        check=not_blank,
+    )  # fmt: skip
+    vllm_servers: int = option(1, "--vllm-launch: how many servers to start.", check=at_least(1))
+    vllm_max_loras: int = option(
+        4, "Adapters a vLLM server holds at once (--max-loras); older versions are unloaded.", check=at_least(2)
+    )
+    vllm_concurrency: int = option(
+        64, "Requests in flight per vLLM server at most (vLLM batches them continuously).", check=at_least(1)
+    )
+    vllm_timeout: float = option(
+        120.0, "Seconds a vLLM server may stay unreachable before the run stops with one line.", check=positive
+    )
+    sampler_tolerance: float = option(
+        1e-3,
+        "Mean |log r| over staleness-0 action tokens above which the run stops: the sampler is not serving the "
+        "adapter the trainer published (a float32 engine agrees to ~3e-6; a bf16 one against a float32 trainer "
+        "needs ~3e-2). Checked on every batch with fresh rows, for the vLLM sources.",
+        check=positive,
     )
 
 
@@ -408,6 +441,12 @@ class ServeSettings(Section):
         None, "A `sao train --traces` run folder: serve each adapter it publishes.", check=not_blank
     )
     max_prompt_tokens: int = option(4096, "Longest prompt accepted, in tokens.", check=at_least(1))
+    upstream: str | None = option(
+        None,
+        "The URL of a vLLM OpenAI server to draw replies from (continuous batching: concurrent clients are served "
+        "concurrently); sao renders, logs, grades and loads each published adapter into it. None: sao's own sampler.",
+        check=not_blank,
+    )
 
 
 SECTIONS: dict[str, type[Section]] = {

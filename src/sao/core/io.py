@@ -10,7 +10,7 @@ device such as ``/dev/null``, a folder where a file should be, a read-only or vi
 ``/proc``: choose another output path). Only regular files are ever replaced: a target that exists and is a
 folder, a device or a pipe is refused before anything is written.
 
-Deliberately left out: deciding what a damaged file means for a run (``sao.train.checkpoint`` and the
+Deliberately left out: deciding what a damaged file means for a run (``sao.training.checkpoint`` and the
 experiment runner do: regenerate it when that is exact, otherwise say which file and what to do).
 """
 

@@ -79,6 +79,8 @@ SOURCES = Registry(
         "local": "sao.rollout.sources:LocalStaleSource.build",
         "ray": "sao.rollout.ray_workers:RaySource.build",
         "traces": "sao.rollout.traces:TraceSource.build",
+        "vllm": "sao.rollout.vllm_source:VllmSource.build",
+        "vllm-async": "sao.rollout.vllm_source:VllmAsyncSource.build",
     },
 )
 MODELS = Registry(

@@ -35,10 +35,11 @@ from sao.rollout.sources import POLICY, make_decoder
 from sao.tasks import environments, setup
 from sao.tasks.base import Scorer, TaskSet
 from sao.tasks.environments import episodes_for
-from sao.train import build, checkpoint
-from sao.train.trainer import Hook, Trainer
+from sao.training import build, checkpoint
+from sao.training.trainer import Hook, Trainer
 
 MARKER = "experiment.json"
+EXPERIMENT_LOG = "train_log.json"  # every run's records, with its cell: what the report reads
 PROVENANCE = "provenance.json"  # in each run folder: the provenance of every invocation that made or continued it
 BASE_PROVENANCE = "base-evals.provenance.json"  # the same for the untrained model's evals (evals/)
 BASE_REDO = "delete it and rerun with --resume to make that eval again"
@@ -428,7 +429,7 @@ class Experiment:
                     warnings += (state or {}).get("warnings", [])
         records = [{"cell": name, **r} for name, arms in trained.items() for runs in arms.values()
                    for _, _, log in runs for r in log]  # fmt: skip
-        write_json(self.out / checkpoint.LOG_FILE, records)
+        write_json(self.out / EXPERIMENT_LOG, records)
         cell_name_, comparison = results.primary(out_cells)
         main = out_cells[0]["compare"][comparison]
         differ, unrecorded = self._provenance_warnings()

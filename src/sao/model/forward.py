@@ -10,7 +10,7 @@ current policy's log-probability and the trunk's hidden state (the critic's inpu
                 full-vocabulary float32 log-softmax of the whole batch
 
 The pass runs over whatever rows it is given: splitting a batch into micro-batches is the trainer's job
-(one mechanism, in ``sao.train.learn``). Deliberately left out: packing several sequences into one row,
+(one mechanism, in ``sao.training.learn``). Deliberately left out: packing several sequences into one row,
 and any model other than a decoder-only causal LM.
 """
 

@@ -225,6 +225,11 @@ class StaleSampler:
             q.copy_(p)
         self.version = version
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the sampler's LoRA tensors under PEFT's saved names (the adapter's name left out)."""
+        return {n.replace(f".{SAMPLER_ADAPTER}.", "."): p.detach().clone()
+                for n, p in lora_state(self.policy, SAMPLER_ADAPTER).items()}  # fmt: skip
+
     def refresh_before_draw(self, step: int) -> bool:
         """LAG = 0: the sampler is the current policy for every draw."""
         return self.lag == 0

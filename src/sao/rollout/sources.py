@@ -186,6 +186,7 @@ class LocalStaleSource:
         self.device = next(policy.parameters()).device
         self.max_staleness = lag
         self.tasks: dict[str, Any] = {}
+        self.drawn_with: dict[int, dict[str, torch.Tensor]] = {}  # version → the adapter that drew the last batch
 
     @classmethod
     def build(cls, context: SourceContext) -> LocalStaleSource:
@@ -214,9 +215,16 @@ class LocalStaleSource:
         else:
             prompts = [self.prompts[i] for i in task_ids]
             rollout = draw_batch(self.decoder, self.tokenizer, prompts, self.sampling, generator)
+        if self.sampler.version not in self.drawn_with:  # kept for re-scoring this batch under its own version
+            self.drawn_with = {self.sampler.version: self.sampler.weights()}
         if phase == POLICY and self.sampler.refresh_after_draw(k):
             self.sampler.refresh(policy_version)
         return Batch(task_ids=task_ids, rollout=rollout, staleness=[staleness] * len(task_ids))
+
+    def adapter(self, version: int) -> dict[str, torch.Tensor] | None:
+        """The LoRA tensors (PEFT's saved names) of the sampler version that drew the last batch, if it is
+        ``version``."""
+        return self.drawn_with.get(version)
 
     def after_update(self, policy_version: int) -> None:
         """Nothing to publish: the sampler copies the policy on its own schedule at draw time."""

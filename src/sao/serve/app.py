@@ -169,11 +169,10 @@ class Service:
             raise HTTPProblem(503, f"more than {self.settings.max_waiting} requests are waiting; retry later",
                               "overloaded", "server_error")  # fmt: skip
         try:
-            with self.policy.lock:
-                completion = self.policy.complete(
-                    request["prompt_ids"], max_tokens=request["max_tokens"], temperature=request["temperature"],
-                    seed=request["seed"],
-                )  # fmt: skip
+            completion = self.policy.generate(
+                request["prompt_ids"], max_tokens=request["max_tokens"], temperature=request["temperature"],
+                seed=request["seed"],
+            )  # fmt: skip
         finally:
             self._waiting.release()
         created = int(time.time())

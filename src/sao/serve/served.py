@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from sao.core.config import Config
-from sao.core.errors import ConfigError
+from sao.core.errors import ConfigError, SaoError
 from sao.model.artifacts import ADAPTER_CONFIG
 from sao.model.policy import POLICY_ADAPTER, Models, lora_state, model_path
 from sao.rollout.sampler import PlainDecoder, encode_prompts
@@ -137,6 +137,10 @@ class ServedPolicy:
             out[name] = state[saved]
         return out
 
+    def take(self, folder: Path, version: int) -> None:
+        """Serve the adapter in ``folder`` as ``version`` from the next reply on (read outside the lock)."""
+        self.swap(self.read_adapter(folder), version, str(folder))
+
     @torch.no_grad()
     def swap(self, tensors: dict[str, torch.Tensor], version: int, adapter: str) -> None:
         """Copy ``tensors`` (from ``read_adapter``) into the live adapter: between replies, never during one."""
@@ -193,16 +197,16 @@ class AdapterWatcher:
         if version == self.policy.version:
             return False
         folder = (self.latest.parent / path).resolve()
+        served = self.policy.version
         try:
-            tensors = self.policy.read_adapter(folder)  # outside the lock: replies keep flowing meanwhile
-        except ConfigError as error:
+            self.policy.take(folder, version)  # read outside the lock: replies keep flowing meanwhile
+        except SaoError as error:
             if (version, path) not in self._failed:
                 self._failed.add((version, path))
                 self.say(f"sao serve: cannot load v{version}: {error}; keeping v{self.policy.version}")
             return False
-        if version < self.policy.version:
-            self.say(f"sao serve: the trainer published v{version} after v{self.policy.version} (a resumed run?)")
-        self.policy.swap(tensors, version, str(folder))
+        if version < served:
+            self.say(f"sao serve: the trainer published v{version} after v{served} (a resumed run?)")
         self.say(f"sao serve: serving adapter v{version} ({folder}) at {time.strftime('%H:%M:%S')}")
         return True
 

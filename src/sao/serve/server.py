@@ -77,7 +77,13 @@ class Server:
             raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
         self.host, self.port = host, self.sock.getsockname()[1]
         try:
-            self.policy = ServedPolicy(config, device=config.model.device if config.model.device != "auto" else "cpu")
+            if config.serve.upstream:  # vLLM draws; sao renders, logs, grades and loads the adapters
+                from sao.serve.upstream import UpstreamPolicy
+
+                self.policy = UpstreamPolicy(config, config.serve.upstream)
+            else:
+                device = config.model.device if config.model.device != "auto" else "cpu"
+                self.policy = ServedPolicy(config, device=device)
             self.watcher = AdapterWatcher(self.policy, watch, interval=poll_interval, say=say) if watch else None
             if self.watcher is not None:
                 self.watcher.poll()  # serve the latest published version from the first request on

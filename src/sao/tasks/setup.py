@@ -5,7 +5,7 @@
     scorer     the reward you pass, else ``--reward module:function``, else the task set's own (GSM8K's grader)
     parts      all of them for one tokenizer: what a source draws from (prompts, or episodes with an environment)
 
-Deliberately left out: models and sources (the trainer's builder, ``sao.train.build``, brings them together).
+Deliberately left out: models and sources (the trainer's builder, ``sao.training.build``, brings them together).
 """
 
 from __future__ import annotations

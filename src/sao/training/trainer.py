@@ -9,7 +9,7 @@ Global step g runs 0 .. critic_warmup + steps − 1; the first ``critic_warmup``
 on a fresh batch. The trainer takes its parts (models, source, scorer, hooks) and knows no source by name: where a
 batch comes from is the source's business, and everything beside the step (publishing, tracking, warnings,
 evaluation) is a hook's. A killed run resumes from its last checkpoint; with the local source it ends with the
-same numbers as one that never stopped. Assembling the parts from a config is ``sao.train.build``.
+same numbers as one that never stopped. Assembling the parts from a config is ``sao.training.build``.
 
 Deliberately left out: evaluation and the two-arm experiment (``sao.experiment``).
 """
@@ -35,16 +35,16 @@ from sao.model.policy import Models, describe, lora_state
 from sao.rollout.sources import POLICY, WARMUP, Source, SourceExhausted
 from sao.rollout.types import Batch
 from sao.tasks.base import Scorer
-from sao.train import checkpoint
-from sao.train.distributed import SINGLE, BroadcastSource, World
-from sao.train.learn import apply_policy_step, critic_steps, lr_factor, policy_gradient_pass
-from sao.train.records import step_record
+from sao.training import checkpoint
+from sao.training.distributed import SINGLE, BroadcastSource, World
+from sao.training.learn import apply_policy_step, critic_steps, lr_factor, policy_gradient_pass
+from sao.training.records import step_record
 
-log = logging.getLogger("sao.train")
+log = logging.getLogger("sao.training")
 
 
 class Hook:
-    """A trainer callback: override the events you need; every one gets the trainer (``sao.train.hooks`` lists the
+    """A trainer callback: override the events you need; every one gets the trainer (``sao.training.hooks`` lists the
     events and holds the built-in hooks)."""
 
     name = "hook"
@@ -297,8 +297,9 @@ class Trainer:
         self.micro_batch = state.get("micro_batch", self.micro_batch)
         self.next_step, self.records, self.warnings = state["next_step"], state["records"], state["warnings"]
         self._saved_at = self.next_step
-        if self.world.is_main:  # the log holds exactly the checkpoint's steps: the ones after it are taken again
-            checkpoint.ensure_log(self.out, self.records)
+        if self.world.is_main and checkpoint.ensure_log(self.out, self.records):  # the checkpoint's steps exactly
+            self.say(f"[{self.label}] {self.out / checkpoint.LOG_FILE} was missing, damaged, behind or ahead of its "
+                     "checkpoint: rewrote it from the checkpoint's records")  # fmt: skip
         saved = state.get("hooks") or {}
         if "footing" in state and "footing" not in saved:  # a checkpoint from before hooks: the audit's state
             saved["footing"] = {"footing": state["footing"]}

@@ -7,7 +7,7 @@
     critic   ``critic_steps`` squared-error updates of the value head on the stored hidden states
     retry    on out-of-memory the micro-batch halves and the pass is retried from its start
 
-Under torchrun each rank passes only its rows (``sao.train.distributed``). This is the only micro-batching in sao.
+Under torchrun each rank passes only its rows (``sao.training.distributed``). This is the only micro-batching in sao.
 Deliberately left out: gradient accumulation across batches, learning-rate schedules and mixed-precision loss
 scaling. Design notes: docs/design/learn.md.
 """
@@ -24,7 +24,7 @@ from sao.algorithm.update import SAO, Update
 from sao.model.forward import TeacherForced, teacher_forced
 from sao.model.policy import Models
 from sao.rollout.types import Rollout
-from sao.train.distributed import SINGLE, World
+from sao.training.distributed import SINGLE, World
 
 
 @dataclass

@@ -17,6 +17,7 @@ Deliberately left out: evaluation (``sao.experiment`` adds its own hooks) and an
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,10 +25,10 @@ import torch
 from sao.core.errors import DataError
 from sao.core.io import write_json
 from sao.model.forward import token_logprobs, trunk_and_head
-from sao.train import checkpoint
-from sao.train.records import dead_band_warning, masking_line
-from sao.train.tracking import make_tracker
-from sao.train.trainer import Hook, Trainer
+from sao.training import checkpoint
+from sao.training.records import dead_band_warning, masking_line
+from sao.training.tracking import make_tracker
+from sao.training.trainer import Hook, Trainer
 
 if TYPE_CHECKING:
     from sao.model.forward import TeacherForced
@@ -77,7 +78,7 @@ class Publish(Hook):
 
 
 class Tracking(Hook):
-    """Every step record and eval mirrored to TensorBoard, trackio or W&B (``sao.train.tracking``), after the step
+    """Every step record and eval mirrored to TensorBoard, trackio or W&B (``sao.training.tracking``), after the step
     is durable, so a killed run never shows a step twice."""
 
     name = "tracking"
@@ -178,3 +179,76 @@ class SourceSummary(Hook):
         summary = dict(trainer.source.summary()) if hasattr(trainer.source, "summary") else {}
         audit = next((h for h in trainer.hooks if isinstance(h, FootingAudit)), None)
         write_json(trainer.out / self.file, {**summary, "footing": audit.footing if audit else None})
+
+
+class Mismatch(Hook):
+    """The ratio split into its two causes, every step: the engine's numerics and staleness.
+
+    ``mismatch_fresh``: mean |log r| over the action tokens of staleness-0 rows (the sampler's adapter is the
+    policy's: what is left is numerics). ``mismatch_rescored`` and ``staleness_drift``: up to ``rows`` stale rows
+    re-scored here under the adapter version that drew them (``source.adapter(version)``): |recorded − that
+    version's| is the engine's numerics on those rows, |that version's − the policy's| the drift staleness made.
+    With ``tolerance``, fresh rows that disagree by more stop the run: a sampler that never received the published
+    adapter looks like staleness forever otherwise."""
+
+    name = "mismatch"
+    RESCORE = "rescore"
+
+    def __init__(self, temperature: float, logprob_chunk: int, rows: int = 4, tolerance: float | None = None):
+        self.temperature, self.chunk, self.rows, self.tolerance = temperature, logprob_chunk, rows, tolerance
+
+    def on_pass(self, trainer: Trainer, batch: Batch, forward: TeacherForced) -> dict[str, Any]:
+        rollout = batch.rollout
+        staleness = torch.tensor(batch.staleness, device=rollout.action_mask.device)  # [B]
+        recorded, now = rollout.sampler_logprobs, forward.logprobs.detach()  # [B, R]
+        out: dict[str, Any] = {
+            "mismatch_fresh": _mean_abs(now - recorded, rollout.action_mask & (staleness == 0)[:, None])
+        }
+        fresh = out["mismatch_fresh"]
+        if self.tolerance is not None and fresh == fresh and fresh > self.tolerance:
+            raise DataError(
+                f"[{trainer.label}] at staleness 0 the sampler's log-probs differ from the policy's by {fresh:.2e} "
+                f"(mean |log r|, tolerance {self.tolerance:g}): the sampler is not serving the adapter the trainer "
+                "published (or another model, or other numerics: raise --sampler-tolerance for a bf16 engine)"
+            )
+        adapter = getattr(trainer.source, "adapter", None)
+        stale = [i for i, s in enumerate(batch.staleness) if s > 0]
+        if adapter is None or not stale:
+            return out
+        version = trainer.policy_version - batch.staleness[stale[0]]
+        rows = [i for i in stale if trainer.policy_version - batch.staleness[i] == version][: self.rows]
+        weights = adapter(version)
+        if weights is None:
+            return out
+        then = self._rescore(trainer, rollout, rows, weights)  # [n, R] under the version that drew them
+        mask = rollout.action_mask[rows]
+        out["mismatch_rescored"] = _mean_abs(then - recorded[rows], mask)
+        out["staleness_drift"] = _mean_abs(now[rows] - then, mask)
+        return out
+
+    def _rescore(self, trainer: Trainer, rollout, rows: list[int], weights: Any) -> torch.Tensor:
+        from safetensors.torch import load_file
+
+        from sao.model.forward import teacher_forced
+        from sao.model.policy import POLICY_ADAPTER, lora_state
+
+        policy = trainer.models.policy
+        if self.RESCORE not in policy.peft_config:
+            policy.add_adapter(self.RESCORE, policy.peft_config[POLICY_ADAPTER])
+        state = load_file(str(weights / "adapter_model.safetensors")) if isinstance(weights, Path) else weights
+        with torch.no_grad():
+            for name, p in lora_state(policy, self.RESCORE).items():
+                p.copy_(state[name.replace(f".{self.RESCORE}.", ".")].to(p))
+            policy.set_adapter(self.RESCORE, inference_mode=True)
+            try:
+                return teacher_forced(policy, rollout.prompt_ids[rows], rollout.prompt_mask[rows],
+                                      rollout.response_ids[rows], rollout.response_mask[rows],
+                                      temperature=self.temperature, logprob_chunk=self.chunk).logprobs  # fmt: skip
+            finally:
+                policy.set_adapter(POLICY_ADAPTER)
+                for p in lora_state(policy, self.RESCORE).values():
+                    p.requires_grad_(False)
+
+
+def _mean_abs(difference: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(difference[mask].abs().mean()) if bool(mask.any()) else float("nan")

@@ -9,7 +9,7 @@
     masking report  at the end of each staleness cycle (at most every 10 policy steps), one line of the masked
                     share so far at each staleness, so a dead or exploding band shows while the run is young
 
-Deliberately left out: writing files (``sao.train.checkpoint``) and folding records into results
+Deliberately left out: writing files (``sao.training.checkpoint``) and folding records into results
 (``sao.experiment.results``).
 """
 

@@ -19,10 +19,10 @@ from sao.rollout.environment import EnvFactory
 from sao.rollout.sources import Source, SourceContext, build_source
 from sao.tasks import setup
 from sao.tasks.base import TaskSet
-from sao.train import checkpoint
-from sao.train.distributed import World
-from sao.train.hooks import FootingAudit, Publish, Reachability, SourceSummary, Tracking
-from sao.train.trainer import Hook, Trainer
+from sao.training import checkpoint
+from sao.training.distributed import World
+from sao.training.hooks import FootingAudit, Mismatch, Publish, Reachability, SourceSummary, Tracking
+from sao.training.trainer import Hook, Trainer
 
 
 def trainer(
@@ -66,10 +66,14 @@ def default_hooks(config: Config) -> list[Hook]:
     """What the settings ask for beside the step: the reachability lines always; publishing with --publish or a
     trace log; the footing audit and the summary of a trace log; tracking with --track (last, so it sees every
     other hook's work)."""
-    r, t = config.rollout, config.training
-    hooks: list[Hook] = [Reachability(t.dead_band_share, config.algorithm.ratio, t.steps)]
+    r, t, chunk = config.rollout, config.training, config.model.logprob_chunk
+    engine = r.source.startswith("vllm")  # a separate engine: its delivery and its numerics are checked
+    hooks: list[Hook] = [Reachability(t.dead_band_share, config.algorithm.ratio, t.steps),
+                         Mismatch(r.temperature, chunk, tolerance=r.sampler_tolerance if engine else None)]  # fmt: skip
+    if r.source == "traces" or engine:
+        hooks.append(FootingAudit(r.temperature, chunk))
     if r.source == "traces":
-        hooks += [FootingAudit(r.temperature, config.model.logprob_chunk), SourceSummary()]
+        hooks.append(SourceSummary())
     if t.publish or r.source == "traces":
         hooks.append(Publish())
     if t.track is not None:

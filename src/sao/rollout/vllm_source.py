@@ -1,0 +1,457 @@
+"""``--rollout vllm`` and ``--rollout vllm-async``: vLLM draws the trajectories, sao trains on them.
+
+    VllmFleet       the servers a run samples from (launched here from ``--vllm-python``, or ``--vllm-url`` ones),
+                    each published adapter written to OUT/vllm-adapters/v{N}/ and loaded into every server by a name
+                    of this run's own (``<tag>-v{N}``), the oldest unloaded once no request can need them
+    VllmSource      the recipe's stale sampler with vLLM as the sampler: its adapter is refreshed every LAG policy
+                    steps (LAG 0: before every draw), each batch drawn at once, one seeded request per prompt
+    VllmAsyncSource requests stay in flight while the trainer steps, admitted under ``--max-staleness`` K by the
+                    version-tied rule the Ray workers use (nothing dropped), spread over every server
+
+Token in, token out: sao renders the chat template and sends token ids; vLLM returns token ids and log-probs after
+temperature (``processed_logprobs``); nothing is re-tokenised. With an environment each action is one request
+carrying the whole token prefix, the observation tokens appended by sao, and every row runs on its own thread, so a
+slow tool holds only its own trajectory. Deliberately left out: stop strings on the server (an action is cut at its
+stop string here, so the kept tokens are a prefix of a sample) and sharing a server's adapters between runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sao.core.errors import ConfigError
+from sao.model.artifacts import save_adapter
+from sao.rollout.environment import render_observation
+from sao.rollout.ray_workers import Admission
+from sao.rollout.sampler import derived_seed
+from sao.rollout.sources import POLICY, SourceContext
+from sao.rollout.types import Batch, Rollout, Turns
+from sao.rollout.vllm import VllmClient, VllmError, VllmServer, default_vllm_python
+
+ADAPTERS_DIR = "vllm-adapters"
+STOP_TAIL = 16  # tokens of an action decoded to look for a stop string (as the local episode loop does)
+
+
+class VllmFleet:
+    """The vLLM servers of one run and the adapters it has loaded into them."""
+
+    def __init__(self, context: SourceContext):
+        c, m = context.config, context.models
+        r = c.rollout
+        self.tokenizer, self.models, self.out = m.tokenizer, m, context.out_dir
+        self.tag = "sao-" + hashlib.sha256(f"{Path(context.out_dir).resolve()}:{os.getpid()}:{time.time()}".encode()
+                                           ).hexdigest()[:8]  # fmt: skip
+        self.keep = max(2, r.vllm_max_loras - 1)  # adapters resident per server at most (one slot spare)
+        self.loaded: OrderedDict[int, str] = OrderedDict()  # version → adapter name, oldest first
+        self.servers: list[VllmServer] = []
+        urls = [u.strip() for u in (r.vllm_url or "").split(",") if u.strip()]
+        if urls:
+            self.clients = [VllmClient(u, connect_deadline=r.vllm_timeout) for u in urls]
+        elif r.vllm_launch:
+            python = r.vllm_python or default_vllm_python()
+            max_len = min(int(getattr(m.policy.config, "max_position_embeddings", 4096)), 4096)
+            self.servers = [VllmServer(m.name, python=python, max_model_len=max_len, max_lora_rank=c.model.lora_rank,
+                                       max_loras=r.vllm_max_loras, seed=c.training.seed + i,
+                                       log_path=Path(context.out_dir) / f"vllm-server-{i}.log")
+                            for i in range(r.vllm_servers)]  # fmt: skip
+            self.max_model_len = max_len
+            self._start_all()
+            self.clients = [s.client(connect_deadline=r.vllm_timeout) for s in self.servers]
+        else:
+            raise ConfigError("--rollout vllm needs --vllm-url URL[,URL...] (running servers) or --vllm-launch "
+                              "(sao starts one from --vllm-python)")  # fmt: skip
+        self.max_model_len = getattr(self, "max_model_len", 4096)
+        self.restarts = 0
+
+    def _start_all(self) -> None:
+        Path(self.out).mkdir(parents=True, exist_ok=True)
+        with ThreadPoolExecutor(len(self.servers)) as pool:
+            list(pool.map(lambda s: s.start(), self.servers))
+
+    def publish(self, version: int) -> str:
+        """The policy's adapter now, written as OUT/vllm-adapters/v{version}/ and loaded into every server; returns
+        its name. A fresh folder per version: vLLM keys its prefix cache by adapter name and path."""
+        if version in self.loaded:
+            return self.loaded[version]
+        folder = Path(self.out) / ADAPTERS_DIR / f"v{version}"
+        if not folder.is_dir():  # a resumed run's sampler: its folder was written when that version was published
+            m = self.models
+            save_adapter(m.policy, m.tokenizer, m.value_head, folder, base_model=m.name)
+        name = f"{self.tag}-v{version}"
+        for client in self.clients:
+            self._with_restart(client, lambda cl: cl.load_adapter(name, folder))
+        self.loaded[version] = name
+        return name
+
+    def release(self, needed: set[int]) -> None:
+        """Unload the oldest adapters beyond the resident bound that no request still needs."""
+        for version in list(self.loaded):
+            if len(self.loaded) <= self.keep:
+                return
+            if version in needed:
+                continue
+            name = self.loaded.pop(version)
+            for client in self.clients:
+                with contextlib.suppress(VllmError):
+                    client.unload_adapter(name)
+            shutil.rmtree(Path(self.out) / ADAPTERS_DIR / f"v{version}", ignore_errors=True)
+
+    def complete(self, index: int, prompt: Sequence[int], **params: Any):
+        """One completion on server ``index`` (mod the fleet); a launched server that died is restarted once and
+        its adapters reloaded, and the request sent again."""
+        client = self.clients[index % len(self.clients)]
+        return self._with_restart(client, lambda cl: cl.complete(prompt, **params))
+
+    def _with_restart(self, client: VllmClient, call):
+        try:
+            return call(client)
+        except VllmError:
+            i = self.clients.index(client)
+            if not self.servers or self.servers[i].process is None or self.servers[i].process.poll() is None:
+                raise  # a server we did not start, or a refusal (not a death): one line, the run stops
+            self.restarts += 1
+            server = self.servers[i].restart()
+            self.clients[i] = fresh = server.client(connect_deadline=client.connect_deadline)
+            for version, name in self.loaded.items():
+                fresh.load_adapter(name, Path(self.out) / ADAPTERS_DIR / f"v{version}")
+            return call(fresh)
+
+    def close(self) -> None:
+        for name in self.loaded.values():
+            for client in self.clients:
+                with contextlib.suppress(VllmError):
+                    client.unload_adapter(name)
+        self.loaded.clear()
+        for server in self.servers:
+            server.stop()
+
+
+@dataclass
+class Drawn:
+    """One trajectory as vLLM drew it, as lists, with the adapter version that wrote it."""
+
+    task_id: str
+    version: int
+    prompt: list[int]
+    response: list[int] = field(default_factory=list)
+    action: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)  # per token: a turn's reward on its last action token
+    cut: bool = False
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    unfinished: bool = False
+    seq: int = 0
+    deadline: int = 0
+
+
+class _Drawing:
+    """What both sources share: prompts as token ids, one request per single reply, an episode loop per row."""
+
+    def __init__(self, context: SourceContext):
+        c, m = context.config, context.models
+        self.config, self.models, self.tokenizer = c, m, m.tokenizer
+        self.tasks, self.prompts, self.episodes = context.tasks, context.prompts, context.episodes
+        self.order = context.order
+        self.batch_size, self.seed = c.training.batch_size, c.training.seed
+        self.eos = list(m.eos_token_ids)
+        self.fleet = VllmFleet(context)
+        self.device = m.device
+        self.pool = ThreadPoolExecutor(max(1, c.rollout.vllm_concurrency * len(self.fleet.clients)))
+
+    def prompt_ids(self, task_id: str) -> list[int]:
+        return self.tokenizer(self.prompts[task_id], add_special_tokens=False)["input_ids"]
+
+    def draw(self, task_id: str, version: int, name: str, seed: int, server: int) -> Drawn:
+        """One trajectory of ``task_id`` by adapter ``name`` (version ``version``)."""
+        r = self.config.rollout
+        if self.episodes is None:
+            prompt = self.prompt_ids(task_id)
+            room = self.fleet.max_model_len - len(prompt)
+            reply = self.fleet.complete(server, prompt, model=name, max_tokens=max(1, min(r.max_new_tokens, room)),
+                                        temperature=r.temperature, seed=seed, stop_token_ids=self.eos)  # fmt: skip
+            ids = reply.completion_token_ids
+            return Drawn(task_id, version, prompt, list(ids), [True] * len(ids), list(reply.sampler_logprobs),
+                         cut=reply.finish_reason == "length" and ids[-1] not in self.eos)  # fmt: skip
+        return self._episode(task_id, version, name, seed, server)
+
+    def _episode(self, task_id: str, version: int, name: str, seed: int, server: int) -> Drawn:
+        """A multi-turn episode, as ``sao.rollout.episodes`` draws one, an action per request."""
+        e, r, tok = self.episodes, self.config.rollout, self.tokenizer
+        env = e.env_factory(task_id, e.fields[task_id])
+        try:
+            start, info = env.init(e.messages[task_id])
+            tools = (info or {}).get("tools") or None
+            text = tok.apply_chat_template(start, tools=tools, tokenize=False, add_generation_prompt=True)
+            d = Drawn(task_id, version, tok(text, add_special_tokens=False)["input_ids"])
+            stops = tuple(getattr(env, "stop_strings", ()) or ())
+            while True:
+                room = min(r.max_new_tokens, e.max_total_tokens - len(d.response),
+                           self.fleet.max_model_len - len(d.prompt) - len(d.response))  # fmt: skip
+                if room < 1:
+                    d.unfinished = True
+                    return d
+                reply = self.fleet.complete(server, d.prompt + d.response, model=name, max_tokens=room,
+                                            temperature=r.temperature, seed=derived_seed(seed, d.turns),
+                                            stop_token_ids=self.eos)  # fmt: skip
+                ids, logps = list(reply.completion_token_ids), list(reply.sampler_logprobs)
+                ended = ids[-1] if ids[-1] in self.eos else None
+                if ended is None and stops:  # an action also ends at a stop string: keep the tokens up to it
+                    for k in range(len(ids)):
+                        tail = tok.decode(ids[max(0, k + 1 - STOP_TAIL) : k + 1], skip_special_tokens=False)
+                        if tail.endswith(stops):
+                            ids, logps = ids[: k + 1], logps[: k + 1]
+                            break
+                    else:
+                        d.cut = len(ids) >= room
+                else:
+                    d.cut = ended is None and len(ids) >= room
+                d.response += ids
+                d.action += [True] * len(ids)
+                d.logprobs += logps
+                d.rewards += [0.0] * len(ids)
+                result = env.step(tok.decode(ids, skip_special_tokens=True))
+                d.rewards[-1] = float(result.get("reward", 0.0) or 0.0)
+                meta = result.get("metadata") or {}
+                d.tool_calls += int(meta.get("tool_calls", 0) or 0)
+                d.tool_errors += int(meta.get("tool_errors", 0) or 0)
+                d.turns += 1
+                done = bool(result.get("done", False))
+                if d.cut or d.turns >= e.max_turns or len(d.response) >= e.max_total_tokens:
+                    d.unfinished = d.cut or not done
+                    return d
+                if done:
+                    return d
+                eos_text = tok.decode([ended]) if ended is not None else None
+                obs = render_observation(tok, list(result.get("observations") or []), eos_text)
+                obs_ids = tok(obs, add_special_tokens=False)["input_ids"]
+                if len(d.response) + len(obs_ids) >= e.max_total_tokens:
+                    d.unfinished = True
+                    return d
+                d.response += obs_ids
+                d.action += [False] * len(obs_ids)
+                d.logprobs += [0.0] * len(obs_ids)
+                d.rewards += [0.0] * len(obs_ids)
+        finally:
+            env.close()
+
+    def rollout(self, rows: Sequence[Drawn]) -> Rollout:
+        """The trajectories as the trainer's batch: prompts left-padded, responses right-padded."""
+        B, P = len(rows), max(len(d.prompt) for d in rows)
+        R = max(max(len(d.response) for d in rows), 1)
+        pad = self.tokenizer.pad_token_id
+        prompt_ids = torch.full((B, P), pad, dtype=torch.long)
+        prompt_mask = torch.zeros(B, P, dtype=torch.bool)
+        response_ids = torch.full((B, R), pad, dtype=torch.long)
+        response_mask, action_mask = torch.zeros(B, R, dtype=torch.bool), torch.zeros(B, R, dtype=torch.bool)
+        logprobs, rewards = torch.zeros(B, R), torch.zeros(B, R)
+        for i, d in enumerate(rows):
+            n = len(d.response)
+            prompt_ids[i, P - len(d.prompt) :] = torch.tensor(d.prompt)
+            prompt_mask[i, P - len(d.prompt) :] = True
+            if n:
+                response_ids[i, :n] = torch.tensor(d.response)
+                response_mask[i, :n] = True
+                action_mask[i, :n] = torch.tensor(d.action)
+                logprobs[i, :n] = torch.tensor(d.logprobs, dtype=torch.float32)
+                if d.rewards:
+                    rewards[i, :n] = torch.tensor(d.rewards, dtype=torch.float32)
+        texts = self.tokenizer.batch_decode([d.response for d in rows], skip_special_tokens=True)
+        turns = None
+        if self.episodes is not None:
+            turns = Turns(rewards=rewards, count=torch.tensor([d.turns for d in rows]),
+                          tool_calls=torch.tensor([d.tool_calls for d in rows]),
+                          tool_errors=torch.tensor([d.tool_errors for d in rows]),
+                          unfinished=torch.tensor([d.unfinished for d in rows]))  # fmt: skip
+        return Rollout(prompt_ids, prompt_mask, response_ids, response_mask, action_mask, logprobs,
+                       torch.tensor([d.cut for d in rows]), texts, turns).to(self.device)  # fmt: skip
+
+    def adapter(self, version: int) -> Path | None:
+        """The folder of the adapter version ``version`` drew with (for re-scoring under it), while it exists."""
+        folder = Path(self.fleet.out) / ADAPTERS_DIR / f"v{version}"
+        return folder if folder.is_dir() else None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.fleet.close()
+
+
+class VllmSource(_Drawing):
+    """``--rollout vllm``: the stale sampler, with vLLM as the sampler (refreshed every LAG policy steps)."""
+
+    def __init__(self, context: SourceContext):
+        context.check_batch()
+        super().__init__(context)
+        self.lag = self.max_staleness = context.config.rollout.lag
+        self.sampler_version, self.name = 0, None
+
+    @classmethod
+    def build(cls, context: SourceContext) -> VllmSource:
+        return cls(context)
+
+    def _refresh(self, version: int) -> None:
+        self.name = self.fleet.publish(version)
+        self.sampler_version = version
+        self.fleet.release({version})
+
+    def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:
+        k = step - self.config.algorithm.critic_warmup
+        if self.name is None:  # the first batch (or the first after a resume): the sampler's version is loaded
+            self._refresh(self.sampler_version)
+        if phase == POLICY and self.lag == 0:
+            self._refresh(policy_version)
+        ids = self.order.batch(step, self.batch_size)
+        started = time.perf_counter()
+        seeds = [derived_seed(self.seed, step, j, "vllm") for j in range(len(ids))]
+        futures = [self.pool.submit(self.draw, i, self.sampler_version, self.name, seeds[j], j)
+                   for j, i in enumerate(ids)]  # fmt: skip
+        rows = [f.result() for f in futures]
+        staleness = policy_version - self.sampler_version
+        info = {"vllm_adapter_version": self.sampler_version, "vllm_seconds": time.perf_counter() - started,
+                "vllm_restarts_total": self.fleet.restarts}  # fmt: skip
+        if phase == POLICY and self.lag > 0 and k % self.lag == 0:
+            self._refresh(policy_version)
+        return Batch(task_ids=ids, rollout=self.rollout(rows), staleness=[staleness] * len(ids), info=info)
+
+    def after_update(self, policy_version: int) -> None:
+        """Nothing here: the sampler takes the policy's adapter on its own schedule, at draw time."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"source": "vllm", "sampler_version": self.sampler_version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The sampler's version: its adapter folder, kept in OUT/vllm-adapters/, is loaded again at the next draw."""
+        if state.get("source") != "vllm":
+            raise ConfigError("--resume: the checkpoint was written by another rollout source; use a new --out")
+        self.sampler_version = int(state["sampler_version"])
+        if self.adapter(self.sampler_version) is None:
+            folder = Path(self.fleet.out) / ADAPTERS_DIR / f"v{self.sampler_version}"
+            raise ConfigError(f"--resume: {folder} is missing, so the sampler's adapter cannot be restored; start "
+                              "again with a new --out")  # fmt: skip
+        self.fleet.loaded.pop(self.sampler_version, None)
+        self.name = None
+
+
+class VllmAsyncSource(_Drawing):
+    """``--rollout vllm-async``: requests in flight while the trainer steps, admitted under ``--max-staleness``."""
+
+    def __init__(self, context: SourceContext):
+        context.check_batch()
+        super().__init__(context)
+        c = context.config
+        self.max_staleness = c.rollout.max_staleness
+        self.admission = Admission(c.training.batch_size, c.rollout.max_staleness, c.algorithm.critic_warmup)
+        self.cond = threading.Condition()
+        self.buffer: list[Drawn] = []
+        self.in_flight: dict[int, Drawn] = {}
+        self.next_seq, self.version, self.name = 0, 0, None
+        self.retry: list[int] = []  # sequence numbers pending at a checkpoint: drawn again first
+        self.error: BaseException | None = None
+        self.counts = {"received": 0, "admitted": 0, "dropped_stale": 0}
+        self.stopped = False
+
+    @classmethod
+    def build(cls, context: SourceContext) -> VllmAsyncSource:
+        return cls(context)
+
+    def _issue(self) -> None:
+        """Requests while the admission rule has room (under the lock), with the newest adapter."""
+        while not self.stopped:
+            room = self.admission.room(len(self.buffer) + len(self.in_flight))
+            if room <= 0:
+                return
+            if self.retry:
+                seq = self.retry.pop(0)
+            else:
+                seq = self.next_seq
+                self.next_seq += 1
+            d = Drawn(self.order.id_at(seq), self.version, [], seq=seq, deadline=self.admission.deadline)
+            self.in_flight[seq] = d
+            self.pool.submit(self._run, d, self.name)
+
+    def _run(self, slot: Drawn, name: str) -> None:
+        try:
+            drawn = self.draw(slot.task_id, slot.version, name, derived_seed(self.seed, slot.seq, "vllm-async"),
+                              slot.seq)  # fmt: skip
+            drawn.seq, drawn.deadline = slot.seq, slot.deadline
+        except BaseException as error:  # the trainer's next_batch raises it
+            with self.cond:
+                self.error = self.error or error
+                self.cond.notify_all()
+            return
+        with self.cond:
+            self.in_flight.pop(slot.seq, None)
+            self.buffer.append(drawn)
+            self.counts["received"] += 1
+            self._issue()
+            self.cond.notify_all()
+
+    def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:
+        if self.name is None:
+            self.name, self.version = self.fleet.publish(policy_version), policy_version
+        started = time.perf_counter()
+        with self.cond:
+            self.admission.begin(step, phase, policy_version)
+            self._issue()
+            while True:
+                if self.error is not None:
+                    raise self.error
+                pending = [d.deadline for d in self.in_flight.values()]
+                chosen = self.admission.choose(self.buffer, pending)
+                if chosen is not None:
+                    break
+                self.cond.wait(timeout=1.0)
+            taken = {id(d) for d in chosen}
+            self.buffer = [d for d in self.buffer if id(d) not in taken]
+            self.admission.formed_batch(step)
+            self.counts["admitted"] += len(chosen)
+            versions = [d.version for d in chosen]
+            needed = {d.version for d in self.buffer} | {d.version for d in self.in_flight.values()} | {self.version}
+            needed |= set(versions)  # the trainer may re-score this batch under its versions
+        self.fleet.release(needed)
+        info = {"admitted_total": self.counts["admitted"], "received_total": self.counts["received"],
+                "waited_s": time.perf_counter() - started, "vllm_versions": sorted(set(versions)),
+                "staleness_max": max(policy_version - v for v in versions),
+                "vllm_restarts_total": self.fleet.restarts}  # fmt: skip
+        return Batch(task_ids=[d.task_id for d in chosen], rollout=self.rollout(chosen),
+                     staleness=[policy_version - v for v in versions], info=info)  # fmt: skip
+
+    def after_update(self, policy_version: int) -> None:
+        """The new adapter goes to every server; requests issued from now on use it, and the admission rule lets the
+        fleet draw one batch further ahead."""
+        name = self.fleet.publish(policy_version)
+        with self.cond:
+            self.name, self.version = name, policy_version
+            self.admission.published(policy_version)
+            self._issue()
+
+    def state_dict(self) -> dict[str, Any]:
+        with self.cond:
+            pending = sorted({*(d.seq for d in self.buffer), *self.in_flight})
+        return {"source": "vllm-async", "next_seq": self.next_seq, "pending": pending, "counts": dict(self.counts)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("source") != "vllm-async":
+            raise ConfigError("--resume: the checkpoint was written by another rollout source; use a new --out")
+        self.next_seq, self.retry = int(state["next_seq"]), [int(s) for s in state["pending"]]
+        self.counts.update(state["counts"])
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        super().close()

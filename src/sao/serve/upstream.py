@@ -1,0 +1,80 @@
+"""``sao serve --upstream URL``: the same endpoint, its replies drawn by a vLLM server.
+
+``UpstreamPolicy`` stands where ``ServedPolicy`` does: it renders the chat template and sends token ids to vLLM
+(``/v1/completions``), and takes back token ids and log-probs after temperature, so the trace log is what it is
+with sao's own sampler; requests are not serialised (vLLM batches them continuously). Each adapter the trainer
+publishes is loaded into vLLM under a name of this server's own and replies go to it from then on; the base
+model answers until the first one (version 0: LoRA's B is 0, so the base is the trainer's version 0).
+
+Deliberately left out: launching vLLM (start it, or let ``sao train --rollout vllm --vllm-launch`` do so) and
+checking that the server logs processed log-probs (the trainer's footing audit does, before any step trains).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from sao.core.config import Config
+from sao.rollout.vllm import VllmClient, VllmError
+from sao.serve.served import Completion
+
+
+class UpstreamPolicy:
+    """The vLLM server at ``url`` behind the endpoint: a tokenizer here, the model and the adapters there."""
+
+    def __init__(self, config: Config, url: str, *, keep: int = 3):
+        from transformers import AutoTokenizer
+
+        from sao.model.policy import model_path
+
+        self.config, self.url, self.keep = config, url, keep
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path(config.model.name))
+        self.client = VllmClient(url, connect_deadline=config.rollout.vllm_timeout)
+        models = self.client.models()
+        self.base = models[0]  # vLLM lists the base model first
+        self.tag = "serve-" + hashlib.sha256(f"{url}:{os.getpid()}:{time.time()}".encode()).hexdigest()[:8]
+        self.lock = threading.Lock()  # adapter swaps only; replies run concurrently
+        self.version, self.adapter, self.name = 0, "initial", self.base
+        self.loaded: list[str] = []
+        self.eos = sorted({i for i in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id) if i is not None}
+                          if self.tokenizer.eos_token_id is None else {self.tokenizer.eos_token_id})  # fmt: skip
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, seed: int) -> Completion:
+        with self.lock:
+            name, version, adapter = self.name, self.version, self.adapter
+        reply = self.client.complete(prompt_ids, model=name, max_tokens=max_tokens, temperature=temperature,
+                                     seed=seed, stop_token_ids=self.eos)  # fmt: skip
+        return Completion(
+            prompt_token_ids=list(reply.prompt_token_ids),
+            completion_token_ids=list(reply.completion_token_ids),
+            logprobs=list(reply.sampler_logprobs),
+            text=self.tokenizer.decode(reply.completion_token_ids, skip_special_tokens=True),
+            finish_reason=reply.finish_reason,
+            policy_version=version,
+            adapter=adapter,
+        )
+
+    def take(self, folder: Path, version: int) -> None:
+        """Serve the adapter in ``folder`` as ``version`` from the next request on (vLLM loads it by path)."""
+        name = f"{self.tag}-v{version}"
+        self.client.load_adapter(name, folder)
+        with self.lock:
+            self.name, self.version, self.adapter = name, version, str(folder)
+            self.loaded.append(name)
+            old, self.loaded = self.loaded[: -self.keep], self.loaded[-self.keep :]
+        for stale in old:  # a request already sent to one of these finishes: vLLM holds the adapter while it runs
+            with contextlib.suppress(VllmError):
+                self.client.unload_adapter(stale)
+
+    def describe(self) -> dict[str, Any]:
+        return {"upstream": self.url, "base": self.base}
