@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from helpers import run_log
 import torch
 
-from sao.core.config import Config
+from helpers import run_log
 from sao.training import build
 
 TIMING = {"time", "time_sample"}

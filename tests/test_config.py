@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_log
-
 import sao.cli
+from helpers import run_log
 from sao.cli import build_parser, config_from_args, main
 from sao.core.config import Config, read_config_file
 from sao.core.errors import ConfigError

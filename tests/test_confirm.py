@@ -10,10 +10,9 @@ import statistics
 from pathlib import Path
 
 import pytest
-
-from helpers import run_log
 import torch
 
+from helpers import run_log
 from sao.algorithm.update import SAO
 from sao.cli import main
 from sao.core import stats

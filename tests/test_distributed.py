@@ -14,10 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from helpers import run_log
 import torch
 
+from helpers import run_log
 from sao.core.errors import ConfigError
 from sao.rollout.types import Rollout, Turns
 from sao.training.distributed import World

@@ -9,7 +9,6 @@ import math
 import pytest
 
 from helpers import run_log
-
 from sao.cli import main
 from sao.experiment.results import checks, curves, fold, mean_over_seeds, numeric_keys
 

@@ -7,7 +7,6 @@ import json
 import pytest
 
 from helpers import run_log
-
 from sao.cli import main
 from sao.core.errors import ConfigError
 from sao.experiment.results import divergence, interval

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from helpers import run_log
-
 from sao.core.config import Config
 from sao.core.errors import ConfigError, DataError
 from sao.rollout.sources import SourceExhausted

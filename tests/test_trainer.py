@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 
 import pytest
-
-from helpers import run_log
 import torch
 
+from helpers import run_log
 from sao.core.errors import ConfigError
 from sao.model import forward as forward_module
 from sao.rollout.sampler import staleness_schedule
-from sao.training import learn as learn_module
 from sao.training import build
+from sao.training import learn as learn_module
 from sao.training.hooks import Reachability
 
 SPEC_FIELDS = {
