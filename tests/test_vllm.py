@@ -1,10 +1,11 @@
 """sao.rollout.vllm against a real vLLM CPU server on 127.0.0.1: token ids in and out, log-probs on sao's footing,
 adapters by name and at run time, concurrency, and the process gone after stop.
 
-One server serves the whole module (start-up is the cost: ~20-60 s on 2 busy cores). The model is built here: a
-random-weight Qwen2 of head size 32 (vLLM's CPU attention refuses the tiny preset's 16) with sao's byte-level
-tokenizer, plus random PEFT LoRA adapters. The reference for every log-prob is a teacher-forced pass of the same
-weights in HF transformers + PEFT (sao's venv): log_softmax(logits / T) at each sampled token.
+One server serves the whole module (start-up is the cost: 1-3 min on 2 busy cores, nearly all of it importing
+vLLM in its processes). The model is built here: a random-weight Qwen2 of head size 32 (vLLM's CPU attention
+refuses the tiny preset's 16) with sao's byte-level tokenizer, plus random PEFT LoRA adapters. The reference for
+every log-prob is a teacher-forced pass of the same weights in HF transformers + PEFT (sao's venv):
+log_softmax(logits / T) at each sampled token.
 
 Skipped when ``.venv-vllm`` is absent (``make install-vllm`` builds it). The server tests are marked ``slow``; the
 reply checks and the unreachable-URL case need no server. Deliberately left out: throughput numbers (see the
