@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-SLOW_FIXTURES = {"tiny_model_dir", "tiny_config", "ray_module", "recipe_run"}
+SLOW_FIXTURES = {"tiny_model_dir", "tiny_config", "ray_module", "recipe_run", "tiny_vllm"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -61,3 +61,20 @@ def pytest_sessionfinish(session, exitstatus):
     elif not table.readme_is_current():
         print("\nREADME.md's fault table differs from the cases that passed: run `make docs` and commit it.")
         session.exitstatus = 1
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm(tiny_model_dir, tmp_path_factory):
+    """One vLLM CPU server on the tiny model for the whole session (its start is the cost: a minute or two), or a
+    skip when .venv-vllm is absent (``make install-vllm`` builds it; ``make test`` does)."""
+    from sao.rollout.vllm import VllmServer, default_vllm_python
+
+    python = default_vllm_python()
+    if python is None:
+        pytest.skip(".venv-vllm is absent: make install-vllm builds it")
+    root = tmp_path_factory.mktemp("tiny-vllm")
+    server = VllmServer(tiny_model_dir, python=python, max_model_len=256, max_lora_rank=16, max_loras=4, seed=0,
+                        log_path=root / "server.log", env={"VLLM_CACHE_ROOT": str(root / "cache")})  # fmt: skip
+    server.start()
+    yield server
+    server.stop()

