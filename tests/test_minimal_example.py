@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import sao
@@ -15,7 +16,11 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sao_minimal.py"
 def test_the_minimal_example_matches_the_trainer_step_for_step(tmp_path, tiny_model_dir):
     spec = importlib.util.spec_from_file_location("sao_minimal", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    sys.modules["sao_minimal"] = example  # dataclasses look their module up while the class is built
+    try:
+        spec.loader.exec_module(example)
+    finally:
+        sys.modules.pop("sao_minimal", None)
     flat = example.main(example.Args(steps=3, critic_warmup=2, batch_size=16))
     trainer = sao.train({"preset": "tiny", "steps": 3, "critic_warmup": 2, "batch_size": 16}, tmp_path / "run",
                         progress=False)  # fmt: skip

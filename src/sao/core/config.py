@@ -594,6 +594,20 @@ def flatten(values: dict[str, Any], where: str = "settings") -> dict[str, Any]:
     return flat
 
 
+def flat_view(values: dict[str, Any]) -> dict[str, Any]:
+    """Recorded settings (a results.json's or config.json's, sectioned today or flat from earlier versions) as
+    today's flat names, for reading: never refuses, unknown names kept as written, aliases (``band``,
+    ``engine``, ``arm``) spelled as their setting."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in SECTIONS and isinstance(value, dict):
+            names = {f.name: flag_of(f) for f in dataclasses.fields(SECTIONS[key])}
+            flat.update({names.get(inner, inner): inner_value for inner, inner_value in value.items()})
+        else:
+            flat[CANONICAL.get(key, key)] = value
+    return flat
+
+
 def _unknown(name: str, known: list[str], what: str = "") -> str:
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from sao.core.config import flat_view
 from sao.core.errors import DataError
 from sao.core.io import atomic_write
 
@@ -47,10 +48,10 @@ KEY_SERIES = ("reward_mean", "masked_share", "would_be_masked_share", "ratio_max
               "turns_mean", "tool_calls_mean", "tool_use_share", "tool_error_rate", "observation_share")  # fmt: skip
 SHARE_SERIES = {"reward_mean", "masked_share", "would_be_masked_share", "tool_use_share", "tool_error_rate",
                 "observation_share"}  # fmt: skip
-CONFIG_KEYS = ("model", "data", "band", "lag", "lr", "critic_lr", "steps", "critic_warmup", "critic_steps",
+CONFIG_KEYS = ("model", "data", "ratio", "lag", "lr", "critic_lr", "steps", "critic_warmup", "critic_steps",
                "batch_size", "train_runs", "seed", "base_evals", "eval_samples", "eval_temperature", "temperature",
                "max_new_tokens", "grad_clip", "lora_rank", "lora_alpha", "gae_alpha", "dead_band_share", "tis_cap",
-               "engine", "env", "max_turns", "reward", "truncated_reward", "eval_every", "random_mask_share",
+               "rollout", "env", "max_turns", "reward", "truncated_reward", "eval_every", "random_mask_share",
                "threads")  # fmt: skip
 WALL_TOTALS = {"train_total": "**train, total**", "eval_total": "**eval, total**",
                "compute_total": "**compute, total**", "this_invocation": "this invocation"}  # fmt: skip
@@ -465,7 +466,7 @@ def _write_plots(results: dict[str, Any], log: list[dict[str, Any]], plots: Path
         "reward": ("Training reward per step", "training reward",
                    lambda ax, c: _steps_panel(ax, runs.get(c["name"], {}), arms, colors, "reward_mean")),
         "masked_share": ("Masked share by staleness (mean over seeds)", "share of generated tokens",
-                         lambda ax, c: _masked_panel(ax, c, arms, colors, results["config"].get("dead_band_share"))),
+                         lambda ax, c: _masked_panel(ax, c, arms, colors, _config(results).get("dead_band_share"))),
         "ratio_max": ("Worst token's ratio per step against the band", "max ratio π_trainer / π_sampler",
                       lambda ax, c: (_steps_panel(ax, runs.get(c["name"], {}), arms, colors, "ratio_max"),
                                      _band_axis(ax, c["band"]))),
@@ -590,7 +591,7 @@ def _cut_off_line(results: dict[str, Any], evals: list[dict[str, Any]]) -> list[
     counted = [e for e in evals if isinstance(e, dict) and "truncated_replies" in e]
     if not counted:
         return []
-    rule = (results.get("config") or {}).get("truncated_reward")
+    rule = _config(results).get("truncated_reward")
     how = {
         "zero": "score 0 (`truncated_reward` zero: our choice, not the page's)",
         "grade": "are graded like any reply (`truncated_reward` grade)",
@@ -659,7 +660,7 @@ CHECKS = [  # (column, the keys shown joined by →, formatter), one row per run
 
 
 def _checks_section(results: dict[str, Any], arms: list[str]) -> list[str]:
-    clip = fmt(results["config"].get("grad_clip"))
+    clip = fmt(_config(results).get("grad_clip"))
     rows = [[_cell(cell["name"]), _cell(label),
              *(" → ".join(f(c.get(k)) for k in keys) for _, keys, f in CHECKS)]
             for cell, _, arm in _each(results, arms) for label, run in (arm.get("runs") or {}).items()
@@ -698,8 +699,8 @@ def _tail_sections(results: dict[str, Any]) -> list[str]:
             for label, s in (wall.get(phase) or {}).items()]  # fmt: skip
     rows += [[label, fmt_seconds(wall[k])] for k, label in WALL_TOTALS.items() if k in wall]
     out = ["## Wall time", "", *_table(["phase", "time"], rows, text=1)] if rows else []
-    config, per_cell = results["config"], len(results["cells"]) > 1
-    keys = [k for k in CONFIG_KEYS if k in config and not (per_cell and k in ("lag", "lr", "band"))]
+    config, per_cell = _config(results), len(results["cells"]) > 1
+    keys = [k for k in CONFIG_KEYS if k in config and not (per_cell and k in ("lag", "lr", "ratio"))]
     out += ["## Configuration", "", *(["Shared by every cell; lag, lr and band are set per cell.", ""] * per_cell)]
     out += _table(["setting", "value"], [[k, _cell(fmt(config[k]))] for k in keys], text=2)
     if results.get("data"):
@@ -785,10 +786,16 @@ def _seed_span(seeds: list[Any]) -> str:
     return "seeds " + (", ".join(map(str, ints)) or DASH)
 
 
+def _config(results: dict[str, Any]) -> dict[str, Any]:
+    """The run's settings by flat name, from a results.json of this version (sectioned) or an earlier one (flat)."""
+    config = results.get("config")
+    return flat_view(config) if isinstance(config, dict) else {}
+
+
 def render(results: dict[str, Any], log: list[dict[str, Any]]) -> str:
     """The text of report.md (plots are linked, not embedded); malformed input is a ``DataError``."""
     _validate(results, log, "results.json", "train_log.json")
-    arms, cells, config = _arms(results), results["cells"], results["config"]
+    arms, cells, config = _arms(results), results["cells"], _config(results)
     seeds = results.get("seeds") or []
     axes = [f"{k}s {', '.join(dict.fromkeys(fmt(c[k]) for c in cells))}" for k in ("lag", "lr", "band")]
     where = _text(config.get("data", DASH)) + (f", environment {_text(config['env'])}" if config.get("env") else "")

@@ -230,7 +230,7 @@ class Trainer:
             if self.world.is_main:
                 if self.records and checkpoint.ensure_log(self.out, self.records):
                     self.say(f"[{self.label}] {self.out / checkpoint.LOG_FILE} was missing, damaged or behind its "
-                             "checkpoint: rewrote it from the checkpoint's records")  # fmt: skip
+                             "checkpoint: rewrote it from the checkpoint's records", always=True)  # fmt: skip
                 self.save_adapter()
             for hook in self.hooks:
                 hook.on_run_end(self)
@@ -250,11 +250,12 @@ class Trainer:
         else:
             log.warning(message)
 
-    def say(self, line: str) -> None:
+    def say(self, line: str, *, always: bool = False) -> None:
+        """A line of progress; ``always`` shows it even on a quiet run (a repair the user should know of)."""
         if self.progress:
             tqdm.write(line, file=sys.stderr)
         else:
-            log.info(line)
+            (log.warning if always else log.info)(line)
 
     def eval_done(self, label: str, metrics: dict[str, Any]) -> None:
         """Tell the hooks about an evaluation of this policy (a tracker mirrors it)."""
@@ -299,7 +300,7 @@ class Trainer:
         self._saved_at = self.next_step
         if self.world.is_main and checkpoint.ensure_log(self.out, self.records):  # the checkpoint's steps exactly
             self.say(f"[{self.label}] {self.out / checkpoint.LOG_FILE} was missing, damaged, behind or ahead of its "
-                     "checkpoint: rewrote it from the checkpoint's records")  # fmt: skip
+                     "checkpoint: rewrote it from the checkpoint's records", always=True)  # fmt: skip
         saved = state.get("hooks") or {}
         if "footing" in state and "footing" not in saved:  # a checkpoint from before hooks: the audit's state
             saved["footing"] = {"footing": state["footing"]}
