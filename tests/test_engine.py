@@ -172,7 +172,7 @@ def test_fused_buffers_are_refilled_from_the_model_at_every_call(tiny_model_dir)
 
 
 def test_every_sdpa_call_has_as_many_query_heads_as_key_heads_and_no_gqa_flag(tiny_model_dir, monkeypatch):
-    """GQA (the tiny model: 4 query heads, 2 K/V heads) folded into the query axis: on CUDA, ``enable_gqa`` with an
+    """GQA (the tiny model: 2 query heads, 1 K/V head) folded into the query axis: on CUDA, ``enable_gqa`` with an
     explicit mask falls back to the math kernel, which materialises the repeated K/V; none of that here."""
     calls = []
     real = torch.nn.functional.scaled_dot_product_attention
@@ -187,10 +187,13 @@ def test_every_sdpa_call_has_as_many_query_heads_as_key_heads_and_no_gqa_flag(ti
     Engine(policy, adapter="default").generate(ids, mask, **_kwargs(tokenizer), generator=torch.Generator())
     prefill, decode = calls[: len(policy.get_base_model().model.layers)], calls[-1]
     assert len(calls) > len(prefill)
+    config = policy.get_base_model().config
+    kv_heads, group = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
+    assert (kv_heads, group) == (1, 2), "the tiny model's shape this test was written for"
     for q, k, dtype, bias, kwargs in calls:
-        assert q[1] == k[1] == 2 and "enable_gqa" not in kwargs and dtype == torch.float32
+        assert q[1] == k[1] == kv_heads and "enable_gqa" not in kwargs and dtype == torch.float32
         assert bias[1] == 1 and bias[2] in (1, q[2])
-    assert decode[0][2] == 2  # the decode step: 2 query heads per K/V head, one position each
+    assert decode[0][2] == group  # the decode step: 2 query heads per K/V head, one position each
 
 
 # -- the graph cache: buckets, LRU, store after success ---------------------------------------------------

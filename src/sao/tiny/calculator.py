@@ -2,8 +2,9 @@
 
     task         operands 100..9999, ops + and −, each question named by its index (``tiny-calc/<index>``)
     environment  ``CalcEnv`` in the tag format (``<calc>1234+5678</calc>``); ``make_env(task)`` builds it
-    model        a tiny Qwen2 warm-started on a tutor who calls the tool on 30% of the questions and otherwise
-                 answers at once, often wrongly: RL has a visible job, to call the tool more often
+    model        a tiny Qwen2 (2 heads of 32 sharing 1 KV head, as vLLM's CPU attention needs) warm-started on a
+                 tutor who calls the tool on 30% of the questions and otherwise answers at once, often wrongly:
+                 RL has a visible job, to call the tool more often
     shipped      the warm start's weights and training record ship beside this file; ``ensure_calc_model()``
                  builds the model folder from them, other settings train (``train_calc_warm_start``)
     measure      ``measure_agent``: accuracy with and without the tool, and the tool-use rate
@@ -78,10 +79,11 @@ class CalcWarmStart:
     hidden_size: int = 64
     intermediate_size: int = 128  # the work is copying (attention); 256 was slower and, once, learned no better
     layers: int = 2
-    heads: int = 4
-    # Every head its own keys, and a RoPE base whose slow angles still turn over the ~30 tokens between a digit
-    # and its copy: together they learned copying in fewer steps than tiny's 2 KV heads and base 10000.
-    kv_heads: int = 4
+    # 2 heads of 32 sharing 1 key/value head, as in tiny: vLLM's CPU attention takes head sizes 32..512 only.
+    # With 4 heads of 16, 4 KV heads and RoPE base 100 learned copying in fewer steps than 2 KV heads and base
+    # 10000; with 2 heads of 32, 1 KV head reached the target at step 650 and 2 KV heads only at step 1175.
+    heads: int = 2
+    kv_heads: int = 1
     rope_theta: float = 100.0
     batch_size: int = 64
     lr: float = 1.5e-3  # held after a short warmup until the probe reaches the target, then decayed linearly
@@ -98,7 +100,7 @@ class CalcWarmStart:
     # 0.6× the time of one on an idle machine, but several times longer when other jobs hold the cores.
     threads: int = 2
     seed: int = 0
-    version: int = 1  # bump when the task, the tokenizer, the environment or the recipe changes
+    version: int = 2  # bump when the task, the tokenizer, the environment or the recipe changes (2: 2 heads of 32)
 
 
 # --- the task ------------------------------------------------------------------------------------------
@@ -328,7 +330,7 @@ def measure_agent(
 
 SHIPPED_WEIGHTS = Path(__file__).with_name("tiny_calc_model.safetensors")
 SHIPPED_RECORD = Path(__file__).with_name("tiny_calc_warmstart.json")
-SHIPPED_SHA256 = "e2457606184a8d4e5a3cb9eaca133d7b6d8520cf0fd72060638d62adef3fe5ff"
+SHIPPED_SHA256 = "365483679ef14b59d45935bc9e9ed652026a1e7754f01114b64c5b9d7f55846b"
 
 
 def calc_model_dir(settings: CalcWarmStart = CalcWarmStart()) -> Path:
@@ -338,7 +340,7 @@ def calc_model_dir(settings: CalcWarmStart = CalcWarmStart()) -> Path:
 
 def ensure_calc_model(settings: CalcWarmStart = CalcWarmStart(), progress: bool = True) -> Path:
     """The warm-started tiny-calc model's folder, cached on first use: built from the shipped weights (~1 s)
-    with the default settings, trained (~1.5 min on 2 cores) with any other."""
+    with the default settings, trained (~2 min on 2 cores) with any other."""
     target = calc_model_dir(settings)
     if (target / "warmstart.json").exists():
         return target
