@@ -1,4 +1,4 @@
-# make install: .venv/ with everything (torch CPU build pinned first); make test: pytest + ruff; make demo: the main job.
+# make install: .venv/ with everything (torch CPU build pinned first); make test: pytest + ruff (vLLM venv included); make demo: the main job.
 # make install-vllm: .venv-vllm/, vLLM's own venv (sao.rollout.vllm starts its server from it; sao never imports vllm).
 PYTHON ?= python3
 VENV   := .venv
@@ -35,7 +35,7 @@ lint: install
 	$(PY) -m ruff check src tests bench
 	$(PY) -m ruff format --check src tests bench
 
-test: install lint
+test: install install-vllm lint
 	$(PY) -m pytest
 
 # The edit loop: every test that builds or trains no model (about a minute on 2 cores).

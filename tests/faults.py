@@ -81,6 +81,12 @@ KINDS: dict[str, tuple[str, str]] = {
         "one torch thread for the tiny model unless OMP_NUM_THREADS or --threads says otherwise; sao.cli starts "
         "without importing torch or scipy",
     ),
+    "sampler servers": (
+        "a vLLM server that never receives the adapter the trainer published, an unreachable vLLM address, a "
+        "Python without vLLM, vLLM replies with missing, short, mismatched or impossible token ids and log-probs",
+        "the run stops at its next fresh batch, or the call within its deadline, with a one-line error naming the "
+        "server or the reply's field; a launched server is stopped with its run",
+    ),
     "big inputs": (
         "a 50 MB single-line train.jsonl; 20,000 short records",
         "the long line refused in one line after reading 1 MiB; memory the tasks drawn plus 16 bytes a row, never "

@@ -1,20 +1,20 @@
 """sao.rollout.vllm against a real vLLM CPU server on 127.0.0.1: token ids in and out, log-probs on sao's footing,
-adapters by name and at run time, concurrency, and the process gone after stop.
+adapters by name and at run time, concurrency, and every reply checked.
 
-One server serves the whole module (start-up is the cost: 1-3 min on 2 busy cores, nearly all of it importing
-vLLM in its processes). The model is built here: a random-weight Qwen2 of head size 32 (vLLM's CPU attention
-refuses the tiny preset's 16) with sao's byte-level tokenizer, plus random PEFT LoRA adapters. The reference for
+The server is the session's one on the shipped tiny model (``tiny_vllm``; its start is the cost, 1-3 min on 2 busy
+cores, nearly all of it importing vLLM in its processes), here with random PEFT LoRA adapters. The reference for
 every log-prob is a teacher-forced pass of the same weights in HF transformers + PEFT (sao's venv):
-log_softmax(logits / T) at each sampled token.
+log_softmax(logits / T) at each sampled token. The process tree gone after stop is checked where a run launches
+its own server (tests/test_vllm_source.py).
 
 Skipped when ``.venv-vllm`` is absent (``make install-vllm`` builds it). The server tests are marked ``slow``; the
-reply checks and the unreachable-URL case need no server. Deliberately left out: throughput numbers (see the
-measurements note) and any mock of vLLM.
+reply checks and the unreachable-URL case need no server. Deliberately left out: throughput numbers (see
+BENCHMARKS.md) and any mock of vLLM.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -27,14 +27,11 @@ from sao.rollout.vllm import (
     VllmClient,
     VllmError,
     VllmServer,
-    alive,
     check_vllm_python,
     complete_many,
     default_vllm_python,
     free_port,
-    group_alive,
     parse_completion,
-    process_tree,
 )
 
 VLLM_PYTHON = default_vllm_python()
@@ -49,35 +46,8 @@ def server_test(test):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The model: Qwen2, hidden 64, 2 heads of 32, 1 KV head, 2 layers, sao's tokenizer; adapters r16/alpha32 on every
-# linear layer with random A and B (PEFT starts B at 0, which would make an adapter equal to the base).
-
-
-def build_base(folder: Path) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from sao.tasks import tiny
-
-    tokenizer = tiny.build_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,  # head size 64 / 2 = 32, the smallest vLLM's CPU attention takes
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        initializer_range=0.2,  # peakier than the default 0.02: next-token distributions far from uniform
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).float().eval()
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+# The model: the shipped tiny model (2 heads of 32, 1 KV head); adapters r16/alpha32 on every linear layer with
+# random A and B (PEFT starts B at 0, which would make an adapter equal to the base).
 
 
 def build_adapter(base: Path, folder: Path, *, seed: int, rank: int = 16) -> Path:
@@ -127,12 +97,12 @@ class TeacherForcing:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """The model folder, its tokenizer, the adapters and one running server (stopped at the end of the module)."""
+def world(tiny_vllm, tiny_model_dir, tmp_path_factory):
+    """The session's server on the tiny model, its tokenizer, and random adapters ("a" loaded at the start)."""
     from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("vllm")
-    base = build_base(root / "base")
+    base = tiny_model_dir
     adapters = {
         "a": build_adapter(base, root / "adapter_a", seed=1),
         "b1": build_adapter(base, root / "adapter_b1", seed=2),
@@ -145,28 +115,20 @@ def world(tmp_path_factory):
         list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
         for c in chats
     ]
-    server = VllmServer(
-        base,
-        python=VLLM_PYTHON,
-        max_model_len=512,
-        max_lora_rank=16,
-        max_loras=2,
-        seed=0,
-        lora_modules={"a": adapters["a"]},
-        log_path=root / "server.log",
-        env={"VLLM_CACHE_ROOT": str(root / "vllm-cache")},
-    )
-    server.start()
+    client = tiny_vllm.client()
+    client.load_adapter("a", adapters["a"])
     yield {
         "base": base,
         "adapters": adapters,
         "tokenizer": tokenizer,
         "prompts": prompts,
-        "server": server,
-        "client": server.client(),
+        "server": tiny_vllm,
+        "client": client,
         "reference": TeacherForcing(base),
     }
-    server.stop()
+    for name in ("a", "b"):  # the session's server goes on serving other modules
+        with contextlib.suppress(VllmError):
+            client.unload_adapter(name)
 
 
 def agreement(world, completions, adapter: Path | None, temperature: float) -> tuple[float, float, int]:
@@ -299,38 +261,21 @@ def test_concurrent_requests_match_one_at_a_time(world):
         complete_many(client, prompts, seeds=seeds[:2], **params)
 
 
-@server_test
-def test_stop_ends_the_process_group(world, tmp_path):
-    """Runs last in this file: a second server is not needed, the module's own one is stopped and checked."""
-    server = world["server"]
-    pid = server.pid
-    assert pid is not None and group_alive(pid)
-    tree = process_tree(pid)  # the API server, its engine core, the model worker and their helpers
-    assert len(tree) >= 3, tree
-    server.stop()
-    assert not group_alive(pid)
-    assert not [p for p in tree if alive(p)]
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
-    server.stop()  # twice is harmless
-    with pytest.raises(VllmError, match="unreachable"):
-        VllmClient(server.url, connect_deadline=0.5).health()
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # No server needed
 
 
-def test_unreachable_url_is_one_line_after_the_deadline():
+def test_unreachable_url_is_one_line_after_the_deadline(faults):
     url = f"http://127.0.0.1:{free_port()}"
     began = time.monotonic()
     with pytest.raises(VllmError) as error:
         VllmClient(url, connect_deadline=1.0).complete([1, 2, 3], model="m", max_tokens=2)
     assert time.monotonic() - began < 5
     assert url in str(error.value) and "\n" not in str(error.value)
+    faults.record("sampler servers", "an unreachable vLLM address")
 
 
-def test_a_python_without_vllm_is_one_line(tmp_path):
+def test_a_python_without_vllm_is_one_line(tmp_path, faults):
     if VLLM_PYTHON is None:
         with pytest.raises(ConfigError, match="make install-vllm"):
             check_vllm_python(None)
@@ -341,6 +286,7 @@ def test_a_python_without_vllm_is_one_line(tmp_path):
         check_vllm_python(tmp_path / "python")
     with pytest.raises(ConfigError, match="compile_mode"):
         VllmServer(tmp_path, compile_mode="fast")
+    faults.record("sampler servers", "a Python without vLLM")
 
 
 def reply(**choice):
@@ -370,10 +316,11 @@ def reply(**choice):
         ({"finish_reason": "length"}, "finished by length after 2 of max_tokens 4"),
     ],
 )
-def test_every_reply_is_checked(choice, words):
+def test_every_reply_is_checked(choice, words, faults):
     assert parse_completion(reply(), [1, 2, 3], max_tokens=4).sampler_logprobs == [-0.5, -1.25]
     with pytest.raises(DataError, match="vLLM completion reply") as error:
         parse_completion(reply(**choice), [1, 2, 3], max_tokens=4)
     assert words in str(error.value) and "\n" not in str(error.value)
     with pytest.raises(DataError, match="expected exactly 1"):
         parse_completion({"choices": []}, [1, 2, 3], max_tokens=4)
+    faults.record("sampler servers", f"a vLLM reply with {words}")

@@ -21,7 +21,7 @@ import pytest
 import sao
 from sao.core.errors import DataError
 from sao.rollout import vllm_source
-from sao.rollout.vllm import alive
+from sao.rollout.vllm import alive, group_alive
 
 SMALL = {"preset": "tiny", "steps": 4, "critic_warmup": 1, "batch_size": 8, "train_prompts": 32, "test_prompts": 8}
 
@@ -54,7 +54,7 @@ def test_a_sampler_that_never_receives_the_published_adapter_stops_the_run(tiny_
     with pytest.raises(DataError, match="not serving the adapter the trainer published") as caught:
         _train(tmp_path, tiny_vllm.url, lag=0)
     assert "\n" not in str(caught.value)
-    faults.record("vllm", "a published adapter that never reaches the server (stopped at the next fresh batch)")
+    faults.record("sampler servers", "a published adapter that never reaches the server")
 
 
 def test_the_asynchronous_source_spreads_requests_and_drops_nothing(tiny_vllm, tmp_path):
@@ -144,3 +144,4 @@ def test_a_run_that_launches_its_server_stops_it(tiny_model_dir, tmp_path):
     (started,) = json.loads((out / "vllm-servers.json").read_text())
     assert started["url"].startswith("http://127.0.0.1:") and Path(started["log"]).is_file()
     assert not alive(started["pid"]), "the launched server is gone with the run"
+    assert not group_alive(started["pid"]), "and so is its process group (engine core, model worker, helpers)"
