@@ -458,3 +458,21 @@ def test_the_module_imports_only_the_standard_library_sao_core_and_matplotlib_la
     assert outside == {"sao.core.config", "sao.core.errors", "sao.core.io"}
     lazy = {m for m in roots(anywhere) - roots(top)}
     assert lazy and all(m.startswith("matplotlib") for m in lazy)
+
+
+def test_the_ratio_split_by_cause_is_plotted_when_the_log_has_it(tmp_path):
+    """A run whose steps logged the Mismatch hook's split (a vLLM sampler) gets the mismatch plot and its rows in the
+    curves table; one that did not gets neither (the one-cell fixture has no such keys)."""
+    results, log = _one_cell()
+    for r in log:
+        r.update(mismatch_fresh=1e-6 * (1 + r["step"]), staleness_drift=0.01 * r["staleness"],
+                 mismatch_rescored=2e-6 if r["staleness"] else None)  # fmt: skip
+    results["cells"][0]["arms"]["dis"]["curves"]["staleness_drift"] = {"first": 0.0, "last": 0.03, "mean": 0.015,
+                                                                      "max": 0.03, "min": 0.0, "n": 3}  # fmt: skip
+    folder = _write_folder(tmp_path / "split", (results, log))
+    text = report.write(folder).read_text(encoding="utf-8")
+    assert_png_linked(folder, text, report.MISMATCH_PLOT[0], min_bytes=5_000)
+    assert _row(text, "staleness_drift", _one_cell()[0]["cells"][0]["name"], "dis")[3:5] == ["0.0", "0.03"]
+    plain = _write_folder(tmp_path / "plain", _one_cell())
+    assert "mismatch.png" not in report.write(plain).read_text(encoding="utf-8")
+    assert not (plain / "plots" / "mismatch.png").exists()

@@ -43,9 +43,15 @@ PLOTS = {  # file stem → caption in report.md; every plot has one panel per ce
 }
 EVAL_CURVE = ("eval_curve", "Held-out pass@1 over policy steps (`--eval-every`; thin: each seed, thick: the mean "
               "over seeds; step 0 is the untrained policy, grey: base mean ± noise floor).")  # fmt: skip
+MISMATCH_PLOT = ("mismatch", "Mean |log r| per action token, split by cause (mean over seeds, log scale): the "
+                 "sampling engine's numerics on staleness-0 rows (solid) and on stale rows re-scored under the "
+                 "version that drew them (dotted), against the drift staleness made (dashed). A mask that fires on "
+                 "the first calls for a numerics fix, on the last for a fresher sampler.")  # fmt: skip
 KEY_SERIES = ("reward_mean", "masked_share", "would_be_masked_share", "ratio_max", "explained_variance",
               "response_length", "kl_sampler_policy",  # and, for agents (shown when logged):
-              "turns_mean", "tool_calls_mean", "tool_use_share", "tool_error_rate", "observation_share")  # fmt: skip
+              "turns_mean", "tool_calls_mean", "tool_use_share", "tool_error_rate", "observation_share",
+              # and, when the Mismatch hook ran (a vLLM sampler): the ratio split into its two causes
+              "mismatch_fresh", "mismatch_rescored", "staleness_drift")  # fmt: skip
 SHARE_SERIES = {"reward_mean", "masked_share", "would_be_masked_share", "tool_use_share", "tool_error_rate",
                 "observation_share"}  # fmt: skip
 CONFIG_KEYS = ("model", "data", "ratio", "lag", "lr", "critic_lr", "steps", "critic_warmup", "critic_steps",
@@ -344,6 +350,34 @@ def _steps_panel(ax, runs: dict[str, dict[Any, list[dict]]], arms: list[str], co
     ax.set_xlabel("step")
 
 
+MISMATCH = {
+    "mismatch_fresh": ("-", "engine, staleness-0 rows"),
+    "mismatch_rescored": (":", "engine, stale rows"),
+    "staleness_drift": ("--", "staleness drift"),
+}  # key → (line style, what it measures)
+
+
+def _has_mismatch(log: list[dict[str, Any]]) -> bool:
+    return any(isinstance(r.get(k), (int, float)) for r in log for k in MISMATCH)
+
+
+def _mismatch_panel(ax, runs: dict[str, dict[Any, list[dict]]], arms: list[str], colors: dict) -> None:
+    """Mean |log r| per action token, split: the sampling engine's numerics (staleness-0 rows; stale rows
+    re-scored under the version that drew them) against the drift staleness made; the mean over seeds per arm."""
+    for arm in [a for a in arms if a in runs]:
+        for key, (style, what) in MISMATCH.items():
+            by_step: dict[int, list[Any]] = {}
+            for rows in runs[arm].values():
+                for r in rows:
+                    by_step.setdefault(r["step"], []).append(r.get(key))
+            steps = [s for s in sorted(by_step) if _mean(by_step[s]) is not None]
+            if steps:
+                ax.plot(steps, [_mean(by_step[s]) for s in steps], color=colors[arm], ls=style, lw=1.6, marker=".",
+                        ms=3, label=f"{arm}: {what}")  # fmt: skip
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+
+
 def _band_axis(ax, band: list[float]) -> None:
     """Log scale with plain tick labels, and the band edges as dashed red lines."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
@@ -471,6 +505,10 @@ def _write_plots(results: dict[str, Any], log: list[dict[str, Any]], plots: Path
                       lambda ax, c: (_steps_panel(ax, runs.get(c["name"], {}), arms, colors, "ratio_max"),
                                      _band_axis(ax, c["band"]))),
     }  # fmt: skip
+    if _has_mismatch(log):
+        figures[MISMATCH_PLOT[0]] = ("Where the ratio comes from: the engine's numerics against staleness",
+                               "mean |log r| per action token",
+                               lambda ax, c: _mismatch_panel(ax, runs.get(c["name"], {}), arms, colors))  # fmt: skip
     if _has_eval_curve(results):
         base = results.get("base") or {}
         figures[EVAL_CURVE[0]] = ("Held-out pass@1 over policy steps", "pass@1",
@@ -806,7 +844,8 @@ def render(results: dict[str, Any], log: list[dict[str, Any]]) -> str:
              "is read from results.json and train_log.json.", ""]  # fmt: skip
     if results.get("command"):
         lines += ["Regenerate with:", "", "```", str(results["command"]), "```", ""]
-    captions = [*PLOTS.items(), *([EVAL_CURVE] if _has_eval_curve(results) else [])]
+    captions = [*PLOTS.items(), *([EVAL_CURVE] if _has_eval_curve(results) else []),
+                *([MISMATCH_PLOT] if _has_mismatch(log) else [])]  # fmt: skip
     plots = ["## Plots", "", *(f"![{stem}](plots/{stem}.png)\n\n*{caption}*\n" for stem, caption in captions)]
     for section in (_plan_section(results), _verdict_section(results), _pass_section(results, arms),
                     _vs_base_section(results, arms),
