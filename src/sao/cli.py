@@ -56,9 +56,6 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
     ),
 }
 # Switches that read as plain flags (``--follow``) and still take a value (``--follow false``).
-_SWITCHES = ("follow", "skip_bad_traces", "publish", "grad_checkpoint")
-
-
 def _fields_for(command: str, skip: tuple[str, ...] = ()) -> list[tuple[str, dataclasses.Field, type]]:
     """(section, field, section class) of every setting ``command`` reads, in section order."""
     from sao.core.config import SECTIONS
@@ -95,10 +92,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, command: str, skip: tuple
         hint = field_type(cls, f.name)
         if name == "ratio":
             kwargs.update(nargs=2, type=float, metavar=("LO", "HI"))
-        elif name in _SWITCHES:
+        elif hint in (bool, "bool"):  # a switch: --follow alone is true, --follow false says so
             kwargs.update(nargs="?", const=True, type=_bool)
-        elif hint in (bool, "bool"):
-            kwargs["type"] = _bool
         elif hint in (int, int | None):
             kwargs["type"] = int
         elif hint in (float, float | None):

@@ -99,7 +99,7 @@ class VllmFleet:
             m = self.models
             save_adapter(m.policy, m.tokenizer, m.value_head, folder, base_model=m.name)
         name = f"{self.tag}-v{version}"
-        for client in self.clients:
+        for client in self.distinct():
             self._with_restart(client, lambda cl: cl.load_adapter(name, folder))
         self.loaded[version] = name
         return name
@@ -112,10 +112,17 @@ class VllmFleet:
             if version in needed:
                 continue
             name = self.loaded.pop(version)
-            for client in self.clients:
+            for client in self.distinct():
                 with contextlib.suppress(VllmError):
                     client.unload_adapter(name)
             shutil.rmtree(Path(self.out) / ADAPTERS_DIR / f"v{version}", ignore_errors=True)
+
+    def distinct(self) -> list[VllmClient]:
+        """One client per server: an address given twice spreads requests twice as often to it, and loads once."""
+        first: dict[str, VllmClient] = {}
+        for client in self.clients:
+            first.setdefault(client.url, client)
+        return list(first.values())
 
     def complete(self, index: int, prompt: Sequence[int], **params: Any):
         """One completion on server ``index`` (mod the fleet); a launched server that died is restarted once and
@@ -140,7 +147,7 @@ class VllmFleet:
 
     def close(self) -> None:
         for name in self.loaded.values():
-            for client in self.clients:
+            for client in self.distinct():
                 with contextlib.suppress(VllmError):
                     client.unload_adapter(name)
         self.loaded.clear()
