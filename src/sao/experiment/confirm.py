@@ -270,7 +270,8 @@ def plan_power(plan: Plan, cited: list[tuple[str, dict[str, Any]]]) -> dict[str,
         raise _fail(plan.path, f"states no expected_sd, and no exploratory run it cites holds per-seed pass@1 of "
                                f"{after} and {before} in {cell}: add expected_sd (the sd of the per-seed {after} − "
                                f"{before} deltas expected) so that its power can be computed")  # fmt: skip
-    floors = [(where, f) for where, data in ([best[0::2]] if best else []) + cited
+    first = [(best[0], best[2])] if best else []  # the run the sd came from, then every run in the plan's order
+    floors = [(where, f) for where, data in first + cited
               if _finite(f := (data.get("base") or {}).get("noise_floor")) and f > 0]  # fmt: skip
     if plan.smallest_effect is not None:
         delta, delta_source = plan.smallest_effect, "the plan's smallest_effect"
@@ -295,7 +296,9 @@ def plan_power(plan: Plan, cited: list[tuple[str, dict[str, Any]]]) -> dict[str,
            f"under Holm (at full alpha it would be {out['power_at_alpha']:.2f})")  # fmt: skip
     out["summary"] = (f"power {out['power']:.2f} to detect δ {delta:.3g} ({delta_source}) with sd {sd:.3g} "
                       f"({sd_source}) over {n} paired seeds at {how}; {out['seeds_for_power']} seeds would give "
-                      f"{POWER_TARGET:g}")  # fmt: skip
+                      f"{POWER_TARGET:g}. It is the chance of p < alpha when the true delta is δ: improved also "
+                      "needs the observed |delta| above δ, which a true effect of exactly δ shows about half the "
+                      "time")  # fmt: skip
     out["warning"] = None
     if out["power"] < POWER_TARGET:
         missed = f"a true effect of δ would be missed {1 - out['power']:.0%} of the time"
