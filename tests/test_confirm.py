@@ -1,6 +1,7 @@
 """`sao confirm PLAN`: a tiny plan (one cell, arms dis / none / random, 2 fresh seeds, 4 policy steps) runs end to
 end through the one runner — plan first in the report, Holm across the family, the random control at the dis arm's
-share, pass@1 over steps, provenance — and the checks a plan must pass before anything trains."""
+share, pass@1 over steps, provenance — and the checks a plan must pass before anything trains: its power for its
+smallest effect, gatekeeping, and the committed plan read and re-aggregated as it was."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def write_plan(folder, **changes) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     explored = folder / "explored" / "results.json"
     explored.parent.mkdir(exist_ok=True)
-    explored.write_text(json.dumps({"seeds": [17, 18], "provenance": {"model": {"weights_sha256": OTHER_WEIGHTS}}}))
+    explored.write_text(json.dumps({"seeds": [17, 18], "provenance": {"model": {"weights_sha256": OTHER_WEIGHTS}},
+                                    "base": {"noise_floor": 0.1}}))  # fmt: skip
     plan = {
         "question": "Does dis beat none in this tiny cell?",
         "written": "by the test, before the run",
@@ -47,10 +49,11 @@ def write_plan(folder, **changes) -> str:
         "exploratory": ["explored/results.json"],
         "correction": "holm",
         "alpha": 0.05,
+        "expected_sd": 0.05,
         **changes,
     }
     path = folder / "plan.json"
-    path.write_text(json.dumps(plan, indent=1))
+    path.write_text(json.dumps({k: v for k, v in plan.items() if v is not None}, indent=1))
     return str(path)
 
 
@@ -173,6 +176,10 @@ def test_a_changed_plan_cannot_resume(confirmed, tmp_path):
         ({"exploratory": ["nowhere/results.json"]}, "no such file"),
         ({"hypothesis": "x"}, "unknown field"),
         ({"seeds": []}, "lacks 'seeds'"),
+        ({"expected_sd": None}, "states no expected_sd, .* add expected_sd"),
+        ({"smallest_effect": -0.1}, "smallest_effect must be a number > 0"),
+        ({"expected_sd": 0}, "expected_sd must be a number > 0"),
+        ({"gatekeeping": "yes"}, "gatekeeping must be true or false"),
     ],
 )
 def test_a_plan_is_checked_before_anything_trains(tmp_path, capsys, changes, needle):
@@ -194,25 +201,125 @@ def test_seeds_of_reads_every_kind_of_exploratory_file():
     assert confirm.seeds_of(json.loads(committed.read_text())) == {17, 18, 19, 20}
 
 
-def test_holm_turns_a_lone_improvement_unresolved_when_the_family_is_large(tmp_path):
-    grid = Grid(lags=(1, 2, 3), lrs=(1e-3,), arms=("dis", "none"))
-    plan = confirm.Plan(path=tmp_path / "p.yaml", sha256="0", question="q", written=None, config=Config(),
+def _plan(tmp_path, cells: int = 3, gatekeeping: bool = False) -> confirm.Plan:
+    grid = Grid(lags=tuple(range(1, cells + 1)), lrs=(1e-3,), arms=("dis", "none"))
+    return confirm.Plan(path=tmp_path / "p.yaml", sha256="0", question="q", written=None, config=Config(),
                         grid=grid, primary={"cell": grid.cells()[0]["name"], "comparison": "dis_vs_none",
                                             "after": "dis", "before": "none", "expect": "improved"},
-                        secondary=["dis_vs_none"], seeds=[1, 2], correction="holm", alpha=0.05)  # fmt: skip
+                        secondary=["dis_vs_none"], seeds=[1, 2], correction="holm", alpha=0.05,
+                        gatekeeping=gatekeeping)  # fmt: skip
 
-    def comparison(p: float) -> dict:
-        return {"after": "dis", "before": "none", "delta": 0.2, "ci_low": 0.01, "ci_high": 0.39, "p_value": p,
-                "unit": "seed", "n": 3, "noise_floor": 0.1, "verdict": "improved",
-                "reason": "improved: made up."}  # fmt: skip
 
-    cells = [{"name": c["name"], "compare": {"dis_vs_none": comparison(p)}, "arms": {}}
-             for c, p in zip(grid.cells(), (0.03, 0.001, 0.5), strict=True)]  # fmt: skip
-    block = confirm.confirmation({"cells": cells, "base": {}}, plan)
+def _rows(plan: confirm.Plan, p_values: list[float], verdicts: list[str] | None = None) -> list[dict]:
+    """Made-up family rows, as ``family_rows`` writes them, with these p-values (primary first)."""
+    verdicts = verdicts or ["improved"] * len(p_values)
+    return [{"cell": cell, "comparison": key, "after": "dis", "before": "none", "delta": 0.2, "ci_low": 0.01,
+             "ci_high": 0.39, "p_value": p, "unit": "seed", "n": 8, "noise_floor": 0.1, "verdict_unadjusted": v,
+             "reason_unadjusted": f"{v}: made up."}
+            for (cell, key), p, v in zip(plan.family, p_values, verdicts, strict=True)]  # fmt: skip
+
+
+def test_holm_turns_a_lone_improvement_unresolved_when_the_family_is_large(tmp_path):
+    plan = _plan(tmp_path)
+    block = confirm.decide(_rows(plan, [0.03, 0.001, 0.5]), plan)
     assert [r["p_holm"] for r in block["family"]] == pytest.approx([0.06, 0.003, 0.5])
     assert [r["verdict"] for r in block["family"]] == ["unresolved", "improved", "unresolved"]
     assert "alone it would be improved" in block["family"][0]["reason"] and block["outcome"] == "not confirmed"
-    assert block["family"][2]["verdict_unadjusted"] == "improved"
+    assert block["family"][2]["verdict_unadjusted"] == "improved" and block["gate"] is None
+
+
+def test_gatekeeping_tests_the_primary_at_full_alpha_then_holm_over_the_rest(tmp_path):
+    """The same family as above under gatekeeping: the primary's p 0.03 stands at alpha 0.05 (Holm over 3 made it
+    0.06), and the two secondary comparisons are Holm-adjusted between themselves."""
+    plan = _plan(tmp_path, gatekeeping=True)
+    block = confirm.decide(_rows(plan, [0.03, 0.001, 0.5]), plan)
+    assert block["gatekeeping"] and block["gate"] == "open" and block["outcome"] == "confirmed"
+    assert [r["p_holm"] for r in block["family"]] == pytest.approx([0.03, 0.002, 0.5])
+    assert [r["verdict"] for r in block["family"]] == ["improved", "improved", "unresolved"]
+    assert [r["stage"] for r in block["family"]] == ["primary", "secondary", "secondary"]
+    assert "alone at the full alpha (gatekeeping)" in block["family"][0]["reason"]
+
+
+def test_gatekeeping_reports_but_does_not_claim_the_family_when_the_primary_fails(tmp_path):
+    plan = _plan(tmp_path, gatekeeping=True)
+    block = confirm.decide(_rows(plan, [0.2, 0.001, 0.002], ["unresolved", "improved", "flat"]), plan)
+    assert block["gate"] == "closed" and block["outcome"] == "not confirmed"
+    assert [r["verdict"] for r in block["family"]] == ["unresolved"] * 3
+    assert [r["claimed"] for r in block["family"]] == [True, False, False]
+    second = block["family"][1]
+    assert second["verdict_unadjusted"] == "improved" and second["p_holm"] == pytest.approx(0.002)
+    assert "not claimed: under gatekeeping" in second["reason"] and "alone this would be improved" in second["reason"]
+
+
+def test_the_plan_states_its_power_for_its_smallest_effect_before_the_run(tmp_path):
+    plan = confirm.read_plan(write_plan(tmp_path / "plan", smallest_effect=0.04, expected_sd=0.05,
+                                        seeds=list(range(201, 209))))  # fmt: skip
+    power = plan.power
+    assert plan.gatekeeping, "a plan stating smallest_effect gatekeeps unless it says otherwise"
+    assert power["alpha_primary"] == 0.05 and power["seeds"] == 8
+    assert power["power"] == pytest.approx(stats.power(0.04, 0.05, 8, 0.05))
+    assert power["seeds_for_power"] == stats.seeds_for_power(0.04, 0.05, 0.05)
+    assert power["sd_source"] == "the plan's expected_sd"
+    assert power["smallest_effect_source"] == "the plan's smallest_effect"
+    assert power["power"] < 0.8 and "below 0.8" in power["warning"] and plan.to_dict()["power"] == power
+    holm_all = confirm.read_plan(write_plan(tmp_path / "holm", smallest_effect=0.04, gatekeeping=False,
+                                            seeds=list(range(201, 209))))  # fmt: skip
+    assert not holm_all.gatekeeping and holm_all.power["alpha_primary"] == pytest.approx(0.05 / 3)
+    assert holm_all.power["power"] < power["power"] == pytest.approx(holm_all.power["power_at_alpha"])
+    few = confirm.read_plan(write_plan(tmp_path / "few", smallest_effect=0.5, expected_sd=0.01)).power
+    assert few["power"] == 0.0 and "exact sign-flip p cannot go below 0.5" in few["warning"], "2 seeds: nothing"
+    big = confirm.read_plan(write_plan(tmp_path / "big", smallest_effect=0.05, expected_sd=0.02,
+                                       seeds=list(range(201, 241)))).power  # fmt: skip
+    assert big["power"] > 0.99 and big["warning"] is None
+
+
+def test_without_expected_sd_the_power_takes_the_cited_runs_per_seed_deltas(tmp_path):
+    plan_path = write_plan(tmp_path / "plan", expected_sd=None)
+    explored = Path(plan_path).parent / "explored" / "results.json"
+    dis, none = [0.40, 0.45, 0.38, 0.50], [0.30, 0.31, 0.33, 0.35]
+    data = json.loads(explored.read_text())
+    data["cells"] = [{"name": CELL, "arms": {"dis": {"pass_at_1": dis}, "none": {"pass_at_1": none}}}]
+    explored.write_text(json.dumps(data))
+    power = confirm.read_plan(plan_path).power
+    sd = statistics.stdev([a - b for a, b in zip(dis, none, strict=True)])
+    assert power["sd"] == pytest.approx(sd) and "4 per-seed dis − none deltas" in power["sd_source"]
+    assert power["smallest_effect"] == 0.1 and "no smallest_effect: the noise floor of explored" in (
+        power["smallest_effect_source"])  # fmt: skip
+
+
+def test_confirm_prints_the_power_before_it_trains(tmp_path, monkeypatch, capsys):
+    plan = write_plan(tmp_path / "plan", smallest_effect=0.04)
+    done = {"confirmation": {"family": [], "outcome": "not confirmed"}, "reason": "made up", "warnings": [],
+            "provenance": {"warnings": []}}  # fmt: skip
+    monkeypatch.setattr(confirm, "run", lambda *args, **kwargs: done)
+    assert main(["confirm", plan, "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert "the primary alone, then holm" in out and "power 0.00 to detect δ 0.04" in out
+    assert "warning: the plan's power is 0.00, below 0.8" in err
+
+
+COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "confirm-tiny"
+
+
+def test_the_committed_plan_still_parses_and_keeps_holm_over_everything():
+    plan = confirm.read_plan(COMMITTED / "plan.yaml")
+    assert not plan.gatekeeping and plan.smallest_effect is None and len(plan.family) == 18
+    power = plan.power
+    assert "4 per-seed dis − none deltas in lag16-lr0.002-band0.7-6 of ../sweep-tiny-lr2e-3" in power["sd_source"]
+    assert power["alpha_primary"] == pytest.approx(0.05 / 18) and power["power"] < 0.8 < power["power_at_alpha"]
+    assert "below 0.8" in power["warning"]
+
+
+def test_the_committed_run_re_aggregates_identically():
+    plan = confirm.read_plan(COMMITTED / "plan.yaml")
+    summary = json.loads((COMMITTED / "run" / "results.json").read_text())
+    before = summary["confirmation"]
+    block = confirm.confirmation(summary, plan)
+    assert block["outcome"] == before["outcome"] and block["family_size"] == before["family_size"] == 18
+    for new, old in zip(block["family"], before["family"], strict=True):
+        assert (new["cell"], new["comparison"], new["verdict"]) == (old["cell"], old["comparison"], old["verdict"])
+        for key in ("delta", "ci_low", "ci_high", "p_value", "p_holm"):
+            assert new[key] == pytest.approx(old[key], rel=1e-12), (new["cell"], new["comparison"], key)
 
 
 def _batch(B: int = 6, T: int = 40) -> dict[str, torch.Tensor]:

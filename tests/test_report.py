@@ -476,3 +476,50 @@ def test_the_ratio_split_by_cause_is_plotted_when_the_log_has_it(tmp_path):
     plain = _write_folder(tmp_path / "plain", _one_cell())
     assert "mismatch.png" not in report.write(plain).read_text(encoding="utf-8")
     assert not (plain / "plots" / "mismatch.png").exists()
+
+
+def _confirmed(gatekeeping: bool, gate: str | None) -> tuple[dict, list[dict]]:
+    """The one-cell experiment with a plan and its outcome beside it, as `sao confirm` writes them (made up)."""
+    results, log = _one_cell()
+    cell = results["cells"][0]["name"]
+    row = {"cell": cell, "comparison": "dis_vs_none", "delta": 0.05, "ci_low": -0.2, "ci_high": 0.3, "p_value": 0.5,
+           "p_t": 0.21, "p_rule": "exact sign-flip", "p_holm": 0.5, "smallest_effect": 0.04,
+           "verdict_unadjusted": "unresolved", "verdict": "unresolved",
+           "reason": "unresolved: the exact sign-flip p over 2 seeds is 0.5 (made up)."}  # fmt: skip
+    power = {"summary": "power 0.00 to detect δ 0.04 (the plan's smallest_effect) with sd 0.05 (the plan's "
+             "expected_sd) over 2 paired seeds at the primary alone at alpha 0.05 (gatekeeping); 16 seeds would give "
+             "0.8", "warning": "the plan's power is 0.00, below 0.8: with 2 seeds the exact sign-flip p cannot go "
+             "below 0.5; 16 seeds would give 0.8"}  # fmt: skip
+    results["plan"] = {"file": "plan.yaml", "sha256": "ab" * 32, "primary": {"cell": cell, "after": "dis",
+                       "before": "none", "expect": "improved"}, "secondary": ["dis_vs_none"], "family": [row],
+                       "arms": ["dis", "none"], "seeds": SEEDS, "correction": "holm", "alpha": 0.05,
+                       "smallest_effect": 0.04, "gatekeeping": gatekeeping, "power": power}  # fmt: skip
+    results["confirmation"] = {
+        "correction": "holm",
+        "alpha": 0.05,
+        "gatekeeping": gatekeeping,
+        "gate": gate,
+        "family": [row],
+        "primary": row,
+        "expect": "improved",
+        "outcome": "not confirmed",
+    }
+    return results, log
+
+
+def test_a_confirmation_states_its_delta_p_rule_power_and_gatekeeping():
+    text = report.render(*_confirmed(gatekeeping=True, gate="closed"))
+    plan = _section(text, "Plan (fixed before the run)")
+    assert "**Smallest effect of interest:** δ = 0.0400" in plan and "90% interval inside ± δ" in plan
+    assert "gatekeeping: the primary alone at alpha 0.05" in plan and "reported, not claimed" in plan
+    assert "**Power (computed before the run):** power 0.00 to detect δ 0.04" in plan
+    assert "> warning: the plan's power is 0.00, below 0.8" in plan
+    came = _section(text, "What came out")
+    assert "reported but not claimed" in came
+    header = next(r for r in _rows(came) if r[0] == "cell")
+    assert header[3:8] == ["95% interval", "p", "p rule", "adjusted p (primary alone, then Holm)", "δ"]
+    primary = _rows(came)[2]  # after the header and the rule
+    assert primary[1] == "dis_vs_none (primary)" and primary[5:8] == ["exact sign-flip", "0.5", "0.0400"]
+    holm = report.render(*_confirmed(gatekeeping=False, gate=None))
+    assert "holm across the whole family at alpha 0.05" in holm and "Holm-adjusted p" in holm
+    assert "Gatekeeping:" not in _section(holm, "What came out")

@@ -1,5 +1,7 @@
 """compare(): the page's arithmetic, interval coverage on simulated data, every verdict branch, the rule that one
-training seed per arm never judges a procedure, p-values and Holm's adjustment."""
+training seed per arm never judges a procedure, flat as an equivalence test against ± δ, the exact sign-flip and
+permutation floors and the sd floor that keep a few seeds from claiming certainty, p-values, Holm's adjustment, and
+power before a run."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 from scipy import stats as sps
 
 from sao.core.errors import ConfigError
-from sao.core.stats import compare, holm, noise_floor, run_std_of
+from sao.core.stats import compare, holm, least_exact_p, noise_floor, power, run_std_of, seeds_for_power
 
 
 def test_noise_floor_reproduces_the_recipe_page():
@@ -22,8 +24,9 @@ def test_run_std_of_is_the_sample_sd():
 
 
 def test_paired_interval_over_tasks_by_hand():
-    before = np.array([0.0, 0.25, 0.5, 0.5, 1.0])
-    after = np.array([0.25, 0.25, 1.0, 0.75, 1.0])
+    # scores that are not means of 0/1 samples and no run_std: no sd floor, the plain paired t
+    before = np.array([0.03, 0.27, 0.51, 0.49, 0.98])
+    after = np.array([0.26, 0.24, 0.97, 0.77, 0.99])
     d = after - before
     c = compare(before, after)
     half = 2.776445 * d.std(ddof=1) / np.sqrt(5)  # t(0.975, 4)
@@ -32,7 +35,7 @@ def test_paired_interval_over_tasks_by_hand():
         pytest.approx(d.mean() - half, rel=1e-5),
         pytest.approx(d.mean() + half, rel=1e-5),
     )
-    assert c.unit == "task" and c.n == 5
+    assert c.unit == "task" and c.n == 5 and c.sd_floor is None and not c.sd_floored
 
 
 def _simulate(rng, tasks, true_delta, samples=4, seeds=1):
@@ -74,17 +77,26 @@ def _seeds(per_seed_shift, tasks=100):
     return np.linspace(-0.05, 0.05, tasks)[None, :] + np.asarray(per_seed_shift, dtype=float)[:, None]
 
 
-def test_improved_needs_two_seeds_the_interval_off_zero_and_delta_above_the_floor():
-    before = _seeds([0.0, 0.01, -0.01])
-    after = _seeds([0.30, 0.32, 0.29])
+def test_improved_needs_the_interval_off_zero_and_delta_above_the_floor():
+    before = _seeds([0.0, 0.01, -0.01, 0.005, -0.005, 0.002])
+    after = _seeds([0.30, 0.32, 0.29, 0.31, 0.30, 0.305])
     c = compare(before, after, run_std=0.0217, run_std_runs=3)
-    assert c.verdict == "improved" and "exceeds" in c.reason
-    assert c.unit == "seed" and c.about == "training procedure"
-    # seed deltas 0.04..0.16: the interval [+0.056, +0.145] excludes 0 and reaches past the floor 0.132
+    assert c.verdict == "improved" and "exceeds δ, the noise floor" in c.reason and c.p_rule == "t"
+    assert c.unit == "seed" and c.about == "training procedure" and c.p_exact is None, "6 seeds: the t test"
+    # seed deltas 0.04..0.16: the interval [+0.056, +0.145] excludes 0 but delta +0.1 is within the floor 0.132
     small = compare(_seeds([0.0] * 6), _seeds([0.04, 0.16, 0.07, 0.13, 0.10, 0.10]), run_std=0.0217, run_std_runs=3)
-    assert small.verdict == "unresolved" and "within the noise floor" in small.reason
+    assert small.verdict == "unresolved" and "within δ, the noise floor" in small.reason
     down = compare(after, before, run_std=0.0217, run_std_runs=3)
     assert down.verdict == "regressed"
+
+
+def test_three_seeds_cannot_claim_improved_at_alpha_005_however_far_apart():
+    """Every seed better by about 0.3: the t interval is far from 0, but 3 paired seeds have 8 sign patterns, and
+    the exact sign-flip p cannot go below 2/8."""
+    c = compare(_seeds([0.0, 0.01, -0.01]), _seeds([0.30, 0.32, 0.29]), run_std=0.0217, run_std_runs=3)
+    assert c.ci_low > 0 and c.p_t < 0.01
+    assert c.verdict == "unresolved" and c.p_value == pytest.approx(0.25) and c.p_rule == "exact sign-flip"
+    assert "exact sign-flip p over 3 seeds is 0.25: with 3 seeds nothing better than 0.25 can be claimed" in c.reason
 
 
 def test_one_seed_per_arm_never_says_improved_or_regressed_but_reports_the_per_task_interval():
@@ -106,7 +118,7 @@ def test_one_seed_per_arm_never_says_improved_or_regressed_but_reports_the_per_t
 
 def test_a_fixed_base_needs_seeds_only_on_the_trained_side():
     base = np.linspace(0.2, 0.6, 60)
-    trained = np.stack([base + 0.2, base + 0.22, base + 0.19])
+    trained = np.stack([base + 0.2, base + 0.22, base + 0.19, base + 0.21, base + 0.2, base + 0.23])
     c = compare(base, trained, run_std=0.0217, run_std_runs=3, before_fixed=True)
     assert c.verdict == "improved" and c.unit == "seed" and c.about == "training procedure"
     one = compare(base, trained[0], run_std=0.0217, run_std_runs=3, before_fixed=True)
@@ -116,17 +128,19 @@ def test_a_fixed_base_needs_seeds_only_on_the_trained_side():
         compare(trained, trained, before_fixed=True)
 
 
-def test_p_values_are_the_t_tests_behind_the_intervals():
+def test_p_values_are_the_t_tests_behind_the_intervals_floored_by_the_exact_tests():
     rng = np.random.default_rng(5)
     b, a = rng.uniform(0, 1, (4, 30)), rng.uniform(0, 1, (4, 30)) + 0.1
     paired = compare(b, a)
-    assert paired.p_value == pytest.approx(sps.ttest_rel(a.mean(axis=1), b.mean(axis=1)).pvalue, rel=1e-9)
+    assert paired.p_t == pytest.approx(sps.ttest_rel(a.mean(axis=1), b.mean(axis=1)).pvalue, rel=1e-9)
+    assert paired.p_value == max(paired.p_t, paired.p_exact) and paired.p_exact >= least_exact_p(4)
     tasks = compare(b[0], a[0])
-    assert tasks.p_value == pytest.approx(sps.ttest_rel(a[0], b[0]).pvalue, rel=1e-9)
+    assert tasks.p_value == pytest.approx(sps.ttest_rel(a[0], b[0]).pvalue, rel=1e-9) and tasks.p_exact is None
     welch = compare(b[:3], a)
     expected = sps.ttest_ind(a.mean(axis=1), b[:3].mean(axis=1), equal_var=False).pvalue
-    assert welch.p_value == pytest.approx(expected, rel=1e-9)
-    assert (paired.p_value < 0.05) == (paired.ci_low > 0 or paired.ci_high < 0), "same t, same df"
+    assert welch.p_t == pytest.approx(expected, rel=1e-9)
+    assert welch.p_value == max(welch.p_t, welch.p_exact) and welch.p_exact >= 1 / 35, "C(7, 4) labellings"
+    assert (paired.p_t < 0.05) == (paired.ci_low > 0 or paired.ci_high < 0), "same t, same df"
 
 
 def test_holm_by_hand():
@@ -138,16 +152,103 @@ def test_holm_by_hand():
         holm([0.1, float("nan")])
 
 
-def test_flat_needs_two_seeds_and_the_interval_inside_the_floor():
+def test_flat_needs_two_seeds_and_the_90_percent_interval_inside_the_floor():
     rng = np.random.default_rng(0)
-    base = rng.uniform(0, 1, size=(3, 120))
-    same = base + rng.normal(0, 0.002, size=(3, 120))
+    base = rng.uniform(0, 1, size=(8, 120))
+    same = base + rng.normal(0, 0.002, size=(8, 120))
     c = compare(base, same, run_std=0.0217, run_std_runs=3)
-    assert c.verdict == "flat" and c.unit == "seed"
+    assert c.verdict == "flat" and c.unit == "seed" and c.smallest_effect == c.noise_floor
+    assert c.smallest_effect_source == "noise floor" and "no smallest effect of interest was given" in c.reason
     one_seed = compare(base[0], same[0], run_std=0.0217, run_std_runs=3)
     assert one_seed.verdict == "unresolved" and "train-runs" in one_seed.reason
     no_floor = compare(base, same)
     assert no_floor.verdict == "unresolved" and "noise floor" in no_floor.reason
+
+
+def test_flat_is_an_equivalence_test_the_90_percent_interval_inside_plus_minus_delta():
+    """Two one-sided tests at alpha 0.05 against ± δ: flat exactly when the 90% interval lies inside (−δ, +δ),
+    a weaker demand than the 95% interval inside it, and one that depends on δ, not on the noise floor."""
+    deltas = np.array([0.03, -0.06, 0.09, 0.0, 0.045, -0.03, 0.06, 0.015])
+    before, after = _seeds([0.0] * 8), _seeds(deltas)
+    sd, n = deltas.std(ddof=1), deltas.size
+    lo90, hi90 = (deltas.mean() + s * sps.t.ppf(0.95, n - 1) * sd / np.sqrt(n) for s in (-1, 1))
+    c = compare(before, after, run_std=0.0217, run_std_runs=3)
+    assert not c.sd_floored and (c.equivalence_low, c.equivalence_high) == (pytest.approx(lo90), pytest.approx(hi90))
+    bound90, bound95 = max(-lo90, hi90), max(-c.ci_low, c.ci_high)
+    assert bound90 < bound95
+    between = compare(before, after, smallest_effect=(bound90 + bound95) / 2)
+    assert between.verdict == "flat" and between.p_equivalence < 0.05, "the 95% interval need not lie inside ± δ"
+    assert "smallest effect of interest δ" in between.reason and between.smallest_effect_source == "given"
+    narrow = compare(before, after, smallest_effect=bound90 * 0.98)
+    assert narrow.verdict == "unresolved" and narrow.p_equivalence > 0.05 and "not shown flat" in narrow.reason
+    wide = compare(before, after, smallest_effect=bound90 * 1.02)
+    assert wide.verdict == "flat"
+
+
+def test_a_wide_interval_around_zero_is_unresolved_not_flat():
+    deltas = np.array([0.2, -0.25, 0.15, -0.1, 0.3, -0.28, 0.05, -0.04])
+    c = compare(_seeds([0.0] * 8), _seeds(deltas), smallest_effect=0.05, run_std=0.0217, run_std_runs=3)
+    assert c.ci_low < 0 < c.ci_high and c.verdict == "unresolved"
+    assert "not shown flat either" in c.reason and c.p_equivalence > 0.05
+
+
+def test_zero_variance_across_seeds_is_never_certainty():
+    """Two seeds whose per-seed deltas are equal (one lost sample of four on one of 40 tasks, −1/160): a zero sd,
+    which the plain t read as an interval [−0.00625, −0.00625] and p 2.8e-15."""
+    rng = np.random.default_rng(1)
+    before = rng.integers(1, 5, size=(2, 40)) / 4
+    after = before.copy()
+    after[0, 0] -= 0.25
+    after[1, 7] -= 0.25
+    for kwargs in ({"run_std": 0.02, "run_std_runs": 5}, {}):  # the eval's run_std, or the binomial sd of 4 samples
+        c = compare(before, after, **kwargs)
+        assert c.delta == pytest.approx(-0.00625) and c.verdict == "unresolved"
+        assert c.sd_floored and c.ci_high - c.ci_low > 0.1, "the sd is floored at the eval's noise: not a point"
+        assert c.p_value >= 0.5 and "below the eval's own noise" in c.reason
+    assert compare(before, after, smallest_effect=0.05).verdict == "unresolved", "nor can it be shown flat"
+    # scores with no known eval noise: no sd floor, but the exact p still caps what two seeds can claim
+    jitter = np.linspace(0.001, 0.002, 40)
+    bare = compare(before + jitter, after + jitter)
+    assert bare.ci_low == pytest.approx(bare.ci_high) and bare.p_t < 1e-6
+    assert bare.verdict == "unresolved" and bare.p_value == 0.5 and bare.p_rule == "exact sign-flip"
+    assert "exact sign-flip p over 2 seeds is 0.5: with 2 seeds nothing better than 0.5 can be claimed" in bare.reason
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_exact_sign_flip_p_is_2_to_the_1_minus_n_for_same_sign_deltas(n):
+    deltas = np.linspace(0.1, 0.3, n)
+    c = compare(_seeds([0.0] * n), _seeds(deltas))
+    assert c.p_exact == pytest.approx(2.0 ** (1 - n)) == least_exact_p(n)
+    assert c.p_value >= c.p_exact and c.verdict == "unresolved"
+    assert compare(_seeds([0.0] * n), _seeds(-deltas)).p_exact == pytest.approx(2.0 ** (1 - n))
+
+
+def test_the_exact_test_is_left_to_the_t_test_from_six_seeds():
+    c = compare(_seeds([0.0] * 6), _seeds(np.linspace(0.2, 0.3, 6)), run_std=0.0217, run_std_runs=3)
+    assert c.p_exact is None and c.p_rule == "t" and c.verdict == "improved"
+
+
+def test_unequal_seed_counts_take_the_exact_permutation_p():
+    before = _seeds([0.0, 0.01, -0.01])
+    after = _seeds([0.3, 0.31])
+    c = compare(before, after)
+    assert c.p_exact == pytest.approx(1 / 10), "the one most extreme of the C(5, 2) labellings"
+    assert c.p_rule == "exact permutation" and c.verdict == "unresolved" and "10 labellings" in c.reason
+
+
+def test_power_against_the_known_value_and_the_seeds_it_takes():
+    # a paired t with delta half the sd of the differences needs 34 pairs for 80% power at alpha 0.05, two-sided
+    assert power(0.5, 1.0, 34) == pytest.approx(0.808, abs=0.002)
+    assert power(0.5, 1.0, 33) < 0.8 <= power(0.5, 1.0, 34)
+    assert seeds_for_power(0.5, 1.0) == 34
+    assert power(0.5, 1.0, 64, paired=False) == pytest.approx(0.80, abs=0.005) and seeds_for_power(
+        0.5, 1.0, paired=False) == 64  # fmt: skip
+    assert power(0.0, 1.0, 10) == pytest.approx(0.05), "no effect: the test's size"
+    assert power(0.02, 0.05, 10, alpha=0.01) < power(0.02, 0.05, 20, alpha=0.01) < power(0.02, 0.05, 20), "n, alpha"
+    # a huge effect still needs the seeds for the exact floor to go below alpha: 2^(1−6) < 0.05 <= 2^(1−5)
+    assert seeds_for_power(10.0, 1.0) == 6 and seeds_for_power(10.0, 1.0, alpha=0.1) == 5
+    with pytest.raises(ConfigError, match="sd > 0"):
+        power(0.1, 0.0, 10)
 
 
 def test_unequal_seed_counts_use_welch_and_a_single_run_is_a_fixed_reference():

@@ -304,16 +304,20 @@ def _confirm(args: argparse.Namespace) -> int:
     print(
         f"sao confirm: {plan.path.name} (sha256 {plan.sha256[:12]}): primary {plan.primary['comparison']} at "
         f"{plan.primary['cell']} (expect {plan.primary['expect']}); {len(plan.family)} comparisons, "
-        f"{plan.correction} at alpha {plan.alpha:g}; {len(plan.grid.cells())} cell(s) x arms "
+        + ("the primary alone, then " if plan.gatekeeping else "")
+        + f"{plan.correction} at alpha {plan.alpha:g}; {len(plan.grid.cells())} cell(s) x arms "
         f"{' '.join(plan.grid.arms)} x {len(plan.seeds)} fresh seeds ({plan.seeds[0]}..{plan.seeds[-1]})"
     )
+    print(f"  {plan.power['summary']}")
+    if plan.power["warning"]:
+        print(f"warning: {plan.power['warning']}", file=sys.stderr, flush=True)
     command = "sao " + shlex.join(a for a in args.argv if a != "--resume")
     results = confirm.run(args.plan, args.out, resume=args.resume, progress=not args.quiet, command=command)
     block = results["confirmation"]
     for row in block["family"]:
         interval = f"[{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]"
-        print(f"  {row['cell']} {row['comparison']}: delta {row['delta']:+.4f} {interval}, p {row['p_value']:.3g}, "
-              f"Holm {row['p_holm']:.3g}: {row['verdict']}")  # fmt: skip
+        print(f"  {row['cell']} {row['comparison']}: delta {row['delta']:+.4f} {interval}, p {row['p_value']:.3g} "
+              f"({row['p_rule']}), adjusted {row['p_holm']:.3g}: {row['verdict']}")  # fmt: skip
     print(f"  primary: {block['outcome']} ({results['reason']})")
     for message in [*results["warnings"], *results["provenance"]["warnings"]]:
         print("  warning: " + message)

@@ -420,7 +420,8 @@ class EvalSettings(Section):
     train_runs: int = option(
         1,
         "Training seeds per arm. The page ran 1; a verdict about the training procedure (improved, regressed, flat)"
-        ' needs 2+: with 1 the two arms are two trained models and the verdict is "unresolved".',
+        ' needs 2+: with 1 the two arms are two trained models and the verdict is "unresolved". At alpha 0.05 it'
+        " needs 6+: with n seeds the exact sign-flip p cannot go below 2^(1-n).",
         check=at_least(1),
     )
     every: int = option(

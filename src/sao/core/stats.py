@@ -1,11 +1,13 @@
-"""Paired comparison of two models on the same eval tasks, with a 95% interval, a noise floor and a verdict.
+"""Paired comparison of two models on the same eval tasks: an interval, a p-value that cannot overclaim, a verdict.
 
 ``compare``: with one training run per arm the task is the unit (a paired t over tasks, which compares two trained
 models); with several seeds per arm the seed is the unit (paired by index, or Welch's t for unequal counts; the
-untrained base as a fixed reference). Noise floor from R repeated evals: t(0.975, R−1) · √2 · run_std. Verdict,
-only with ≥ 2 seeds per trained side: ``improved``/``regressed`` when the interval excludes 0 and |delta| exceeds
-the floor, ``flat`` when the whole interval is inside ± floor; else ``unresolved``, with the reason in words. A
-proxy that rises while the target falls is flagged. ``holm`` adjusts the p-values of a family planned in advance.
+untrained base as a fixed reference). With fewer than ``EXACT_BELOW`` units the exact sign-flip (or permutation) p
+floors the t test's, and the sd is floored at the eval's noise, so equal per-seed deltas are never certainty.
+Verdict, only with ≥ 2 seeds per trained side: ``improved``/``regressed`` when p < alpha and |delta| exceeds the
+smallest effect of interest δ (the noise floor when none is given); ``flat`` when two one-sided tests put the
+effect inside ± δ (the 1 − 2·alpha interval inside it); else ``unresolved``, with the reason in words. ``holm``
+adjusts a planned family; ``power`` and ``seeds_for_power`` size one before it runs.
 
 Deliberately left out: corrections applied after the fact to an exploratory grid, and bootstrap intervals.
 Design notes: docs/design/stats.md.
@@ -13,6 +15,7 @@ Design notes: docs/design/stats.md.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -23,13 +26,21 @@ from sao.core.errors import ConfigError
 
 ArrayLike = Sequence[float] | Sequence[Sequence[float]] | np.ndarray
 
+ALPHA = 0.05  # compare's default level: a 95% interval, and the 90% interval of the equivalence test
+EXACT_BELOW = 6  # with fewer units than this the exact sign-flip / permutation p is computed and floors the t p
+MOST_SAMPLES = 64  # scores that are multiples of 1/k for some k up to this count as means of k 0/1 samples
 
-def _student_t():
-    """scipy's Student t distribution, imported on first use: scipy.stats takes seconds to import on a busy
-    machine, and only the statistics need it (``import sao``, ``sao train`` and ``sao --help`` do not)."""
+
+def _scipy_stats():
+    """scipy.stats, imported on first use: it takes seconds to import on a busy machine, and only the statistics
+    need it (``import sao``, ``sao train`` and ``sao --help`` do not)."""
     from scipy import stats
 
-    return stats.t
+    return stats
+
+
+def _student_t():
+    return _scipy_stats().t
 
 
 @dataclass(frozen=True)
@@ -37,17 +48,28 @@ class Comparison:
     """The outcome of ``compare``. Every field is a plain number or string, ready for JSON."""
 
     delta: float
-    ci_low: float
+    ci_low: float  # the 1 − alpha interval (95% at the default alpha)
     ci_high: float
     noise_floor: float | None
     verdict: str  # "improved" | "regressed" | "flat" | "unresolved"
     reason: str
     unit: str  # "task" or "seed": what the interval is over
     n: int  # number of units
-    p_value: float  # two-sided t test of delta = 0, the same t and df as the interval
+    p_value: float  # two-sided p of delta = 0: max(p_t, p_exact), the rule named in p_rule
     about: str  # what the interval is about: "training procedure" or "two trained models"
     before_mean: float
     after_mean: float
+    alpha: float = ALPHA
+    smallest_effect: float | None = None  # δ the verdict used: the one given, else the noise floor, else None
+    smallest_effect_source: str | None = None  # "given" | "noise floor" | None
+    equivalence_low: float | None = None  # the 1 − 2·alpha interval (90%): flat when it lies inside ± δ
+    equivalence_high: float | None = None
+    p_equivalence: float | None = None  # two one-sided tests against ± δ: the larger p, each floored by its exact p
+    p_t: float | None = None  # the t test's two-sided p (with the floored sd)
+    p_exact: float | None = None  # the exact sign-flip / permutation p, with fewer than EXACT_BELOW units
+    p_rule: str = "t"  # what set p_value: "t", "exact sign-flip" or "exact permutation"
+    sd_floor: float | None = None  # the least sd per unit the interval may use (the eval's noise), if known
+    sd_floored: bool = False  # the units' own sd was below sd_floor, so the interval used sd_floor
     proxy_delta: float | None = None
     proxy_diverges: bool = False
 
@@ -81,15 +103,19 @@ def compare(
     run_std_runs: int | None = None,
     proxy: tuple[ArrayLike | float, ArrayLike | float] | None = None,
     before_fixed: bool = False,
+    smallest_effect: float | None = None,
+    alpha: float = ALPHA,
 ) -> Comparison:
     """Compare ``after`` against ``before`` on the same tasks.
 
     ``before`` / ``after``: per-task scores, ``[tasks]`` or ``[seeds, tasks]`` (one row per training seed);
     the task axis must match. ``run_std`` / ``run_std_runs``: sd of R repeated pass@1 evals of one model, and
-    R; without them there is no noise floor, so the verdict can be ``improved``/``regressed`` on the interval
-    alone but never ``flat``. ``proxy``: (before, after) values of a proxy metric, scalars or arrays (their
-    means are used). ``before_fixed``: ``before`` is one fixed model (the untrained base), not a training
-    procedure, so its single row is a reference rather than a seed; only ``after`` then needs seeds.
+    R: the noise floor, and the least sd an interval may use. ``proxy``: (before, after) values of a proxy
+    metric, scalars or arrays (their means are used). ``before_fixed``: ``before`` is one fixed model (the
+    untrained base), not a training procedure, so its single row is a reference rather than a seed; only
+    ``after`` then needs seeds. ``smallest_effect``: δ > 0, the smallest delta that matters, fixed before looking;
+    without it the noise floor stands in (and the reason says so), and without either nothing is called flat.
+    ``alpha``: the level of the test (the interval is 1 − alpha, the equivalence interval 1 − 2·alpha).
 
     With one training seed on a trained side the verdict is ``unresolved`` whatever the interval says: the
     per-task interval is reported (``unit`` "task", ``about`` "two trained models") but holds no training noise.
@@ -103,51 +129,86 @@ def compare(
         if run_std is None or run_std_runs is None:
             raise ConfigError("run_std and run_std_runs go together: pass both or neither")
         floor = noise_floor(run_std, run_std_runs)
+    if smallest_effect is not None and not (_is_number(smallest_effect) and smallest_effect > 0):
+        raise ConfigError(f"smallest_effect must be a number > 0, got {smallest_effect!r}")
+    if not (_is_number(alpha) and 0 < alpha < 0.5):
+        raise ConfigError(f"alpha must be a number in (0, 0.5), got {alpha!r}")
+    effect, source = (float(smallest_effect), "given") if smallest_effect is not None else (
+        (floor, "noise floor") if floor is not None else (None, None))  # fmt: skip
 
     if before_fixed and b.shape[0] != 1:
         raise ConfigError(f"before_fixed: before must be one model's per-task scores, got {b.shape[0]} rows")
-    if max(b.shape[0], a.shape[0]) == 1:
-        delta, half, n, p = _t_interval(a[0] - b[0])
+    eval_sd, eval_sd_how = _eval_sd(b, a, run_std)
+    if max(b.shape[0], a.shape[0]) == 1:  # one model each: the task is the unit
+        sd_min = None if eval_sd is None else math.sqrt(2.0) * eval_sd * math.sqrt(b.shape[1])
+        test = _one_sample(a[0] - b[0], sd_min, alpha, effect)
         unit = "task"
-    elif b.shape[0] == a.shape[0]:
-        delta, half, n, p = _t_interval(a.mean(axis=1) - b.mean(axis=1))
+    elif b.shape[0] == a.shape[0]:  # seeds paired by index: each difference holds two evals' noise
+        sd_min = None if eval_sd is None else math.sqrt(2.0) * eval_sd
+        test = _one_sample(a.mean(axis=1) - b.mean(axis=1), sd_min, alpha, effect)
+        unit = "seed"
+    elif min(b.shape[0], a.shape[0]) == 1:  # one side is a fixed reference: its seeds against it
+        sd_min = eval_sd
+        d = a.mean(axis=1) - b.mean() if b.shape[0] == 1 else a.mean() - b.mean(axis=1)
+        test = _one_sample(d, sd_min, alpha, effect)
         unit = "seed"
     else:
-        delta, half, n, p = _welch(b.mean(axis=1), a.mean(axis=1))
+        sd_min = eval_sd
+        test = _welch(b.mean(axis=1), a.mean(axis=1), sd_min, alpha, effect)
         unit = "seed"
     seeds = a.shape[0] if before_fixed else min(b.shape[0], a.shape[0])  # seeds on the trained side(s)
     about = "training procedure" if seeds >= 2 else "two trained models"
     if before_fixed and seeds < 2:
         about = "the base and one trained model"
-    lo, hi = delta - half, delta + half
-    verdict, reason = _verdict(delta, lo, hi, floor, seeds, unit, n, about)
+    verdict, reason = _verdict(test, effect, source, seeds, unit, about, alpha)
+    if test.sd_floored:
+        reason += (f" The sd over {unit}s, {test.sd:.3g}, is below the eval's own noise, {sd_min:.3g} per {unit} "
+                   f"({eval_sd_how}), so the interval uses {sd_min:.3g}: no spread can be smaller than re-evaluating "
+                   "the same models.")  # fmt: skip
+    if smallest_effect is not None and floor is not None and smallest_effect < floor:
+        reason += f" δ {smallest_effect:.3f} is below the noise floor {floor:.3f} of re-evaluating one model."
 
     proxy_delta, diverges = None, False
     if proxy is not None:
         p_before, p_after = (float(np.mean(np.asarray(x, dtype=np.float64))) for x in proxy)
         proxy_delta = p_after - p_before
-        diverges = proxy_delta > 0 and hi < 0  # the proxy rose while the target fell beyond its interval
+        diverges = proxy_delta > 0 and test.high < 0  # the proxy rose while the target fell beyond its interval
         if diverges:
             reason += (
-                f" Warning: the proxy rose by {proxy_delta:+.3f} while the target fell by {delta:+.3f};"
+                f" Warning: the proxy rose by {proxy_delta:+.3f} while the target fell by {test.delta:+.3f};"
                 " the proxy is not tracking the target."
             )
     return Comparison(
-        delta=float(delta),
-        ci_low=float(lo),
-        ci_high=float(hi),
+        delta=float(test.delta),
+        ci_low=float(test.low),
+        ci_high=float(test.high),
         noise_floor=floor,
         verdict=verdict,
         reason=reason,
         unit=unit,
-        n=int(n),
-        p_value=float(p),
+        n=int(test.n),
+        p_value=float(test.p_value),
         about=about,
         before_mean=float(b.mean()),
         after_mean=float(a.mean()),
+        alpha=float(alpha),
+        smallest_effect=effect,
+        smallest_effect_source=source,
+        equivalence_low=float(test.eq_low),
+        equivalence_high=float(test.eq_high),
+        p_equivalence=test.p_equivalence,
+        p_t=float(test.p_t),
+        p_exact=test.p_exact,
+        p_rule=test.rule,
+        sd_floor=None if sd_min is None else float(sd_min),
+        sd_floored=test.sd_floored,
         proxy_delta=proxy_delta,
         proxy_diverges=diverges,
     )
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _as_runs(x: ArrayLike, name: str) -> np.ndarray:
@@ -161,33 +222,146 @@ def _as_runs(x: ArrayLike, name: str) -> np.ndarray:
     return arr
 
 
-def _t_interval(d: np.ndarray) -> tuple[float, float, int, float]:
-    """(mean, half-width of the 95% t interval, n, two-sided p of mean = 0) of paired differences."""
+def samples_per_task(scores: np.ndarray) -> int | None:
+    """k when every score in [0, 1] is a multiple of 1/k (the mean of k 0/1 samples), the least such k up to
+    ``MOST_SAMPLES``; None for scores that are not (a graded reward, a made-up number)."""
+    if scores.size == 0 or scores.min() < 0 or scores.max() > 1:
+        return None
+    for k in range(1, MOST_SAMPLES + 1):
+        if np.all(np.abs(scores * k - np.round(scores * k)) < 1e-6):
+            return k
+    return None
+
+
+def _eval_sd(b: np.ndarray, a: np.ndarray, run_std: float | None) -> tuple[float | None, str]:
+    """(sd of one eval's pass@1 from the eval's sampling alone, how it was found): the repeated evals' run_std when
+    given; else, for scores that are means of k 0/1 samples, the binomial sd √(mean_j p_j(1 − p_j) / (k · tasks))
+    with p_j each task's mean over every row; else None (no floor)."""
+    if run_std is not None:
+        return float(run_std), "from run_std, the sd of repeated evals of one model"
+    both = np.concatenate([b, a])
+    k = samples_per_task(both)
+    if k is None:
+        return None, ""
+    p = both.mean(axis=0)
+    sd = math.sqrt(float(np.mean(p * (1 - p))) / (k * both.shape[1]))
+    return sd, f"the binomial sd of {k} sample(s) per task over {both.shape[1]} tasks"
+
+
+@dataclass(frozen=True)
+class _Test:
+    delta: float
+    low: float
+    high: float
+    eq_low: float
+    eq_high: float
+    n: int
+    df: float
+    p_t: float
+    p_exact: float | None
+    exact_least: float | None  # the least two-sided p the exact test can give with these units
+    exact_kind: str  # "sign-flip" or "permutation"
+    exact_over: str  # what the exact test runs over, in words: "3 units", "the 10 labellings of 3 and 2 units"
+    exact_with: str  # the units it had: "3 units", "3 and 2 units"
+    exact_count: int  # how many equally likely sign patterns or labellings: 1 / count is the least one-sided p
+    p_equivalence: float | None
+    p_equivalence_exact: float | None
+    sd: float  # the units' own sd (Welch: the larger group sd)
+    sd_floored: bool
+
+    @property
+    def p_value(self) -> float:
+        return max(self.p_t, self.p_exact or 0.0)
+
+    @property
+    def rule(self) -> str:
+        return f"exact {self.exact_kind}" if self.p_exact is not None and self.p_exact > self.p_t else "t"
+
+
+def _t_parts(delta: float, se: float, df: float, alpha: float, effect: float | None) -> tuple[float, ...]:
+    """(half-width at 1 − alpha, half-width at 1 − 2·alpha, two-sided p, equivalence p or NaN) of a t statistic."""
+    t = _student_t()
+    half, half_eq = t.ppf(1 - alpha / 2, df) * se, t.ppf(1 - alpha, df) * se
+    if se == 0:  # no spread and no floor to put under it: a point
+        p = 0.0 if delta != 0 else 1.0
+        p_eq = math.nan if effect is None else (0.0 if -effect < delta < effect else 1.0)
+        return float(half), float(half_eq), p, p_eq
+    p = float(2 * t.sf(abs(delta) / se, df))
+    p_eq = math.nan if effect is None else float(max(t.sf((delta + effect) / se, df), t.cdf((delta - effect) / se, df)))
+    return float(half), float(half_eq), p, p_eq
+
+
+def _tail_shares(null: np.ndarray, observed: float) -> tuple[float, float, float]:
+    """(two-sided, upper, lower) shares of a null distribution at least as extreme as ``observed``, ties counted."""
+    tol = 1e-12 * (1.0 + float(np.max(np.abs(null))) + abs(observed))
+    return (float(np.mean(np.abs(null) >= abs(observed) - tol)), float(np.mean(null >= observed - tol)),
+            float(np.mean(null <= observed + tol)))  # fmt: skip
+
+
+def _one_sample(d: np.ndarray, sd_min: float | None, alpha: float, effect: float | None) -> _Test:
+    """Paired differences (or seeds against a fixed reference): the t test with its sd floored at ``sd_min``, and,
+    with fewer than EXACT_BELOW units, the exact sign-flip test over all 2^n sign patterns of the differences."""
     n = d.size
     if n < 2:
         raise ConfigError(f"need at least 2 paired units for an interval, got {n}")
-    se = d.std(ddof=1) / math.sqrt(n)
-    half = _student_t().ppf(0.975, n - 1) * se
-    return float(d.mean()), float(half), n, _p_value(float(d.mean()), se, n - 1)
+    sd = float(d.std(ddof=1))
+    floored = sd_min is not None and sd < sd_min
+    se = (sd_min if floored else sd) / math.sqrt(n)
+    delta = float(d.mean())
+    half, half_eq, p_t, p_eq = _t_parts(delta, se, n - 1, alpha, effect)
+    p_exact = least = p_eq_exact = None
+    if n < EXACT_BELOW:
+        signs = np.array(list(itertools.product((1.0, -1.0), repeat=n)))
+        p_exact = _tail_shares(signs @ d / n, delta)[0]
+        least = 2.0 ** (1 - n)
+        if effect is not None:  # H0 mean <= −δ (reject when d + δ sits high) and H0 mean >= δ (d − δ sits low)
+            p_eq_exact = max(_tail_shares(signs @ (d + effect) / n, delta + effect)[1],
+                             _tail_shares(signs @ (d - effect) / n, delta - effect)[2])  # fmt: skip
+    return _Test(delta=delta, low=delta - half, high=delta + half, eq_low=delta - half_eq, eq_high=delta + half_eq,
+                 n=n, df=n - 1, p_t=p_t, p_exact=p_exact, exact_least=least, exact_kind="sign-flip",
+                 exact_over=f"{n} units", exact_with=f"{n} units", exact_count=2**n,
+                 p_equivalence=_equivalence(p_eq, p_eq_exact), p_equivalence_exact=p_eq_exact, sd=sd,
+                 sd_floored=floored)  # fmt: skip
 
 
-def _welch(b: np.ndarray, a: np.ndarray) -> tuple[float, float, int, float]:
-    """Welch's interval (and p) for mean(a) − mean(b); a side with one run is a fixed reference (variance 0)."""
-    vb = b.var(ddof=1) / b.size if b.size > 1 else 0.0
-    va = a.var(ddof=1) / a.size if a.size > 1 else 0.0
+def _welch(b: np.ndarray, a: np.ndarray, sd_min: float | None, alpha: float, effect: float | None) -> _Test:
+    """Welch's interval (and p) for mean(a) − mean(b), each group's sd floored at ``sd_min``; with fewer than
+    EXACT_BELOW seeds on the larger side, the exact permutation test over every assignment of the group labels."""
+    sds = [float(x.std(ddof=1)) for x in (a, b)]
+    floored = sd_min is not None and min(sds) < sd_min
+    va, vb = ((max(s, sd_min or 0.0) ** 2) / x.size for s, x in zip(sds, (a, b), strict=True))
     se2 = va + vb
-    terms = [v**2 / (x.size - 1) for v, x in ((va, a), (vb, b)) if x.size > 1]
-    df = se2**2 / sum(terms) if se2 > 0 and terms else max(a.size, b.size) - 1
-    half = _student_t().ppf(0.975, df) * math.sqrt(se2)
+    df = se2**2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1)) if se2 > 0 else a.size + b.size - 2
     delta = float(a.mean() - b.mean())
-    return delta, float(half), int(max(a.size, b.size)), _p_value(delta, math.sqrt(se2), df)
+    half, half_eq, p_t, p_eq = _t_parts(delta, math.sqrt(se2), df, alpha, effect)
+    n = int(max(a.size, b.size))
+    p_exact = least = p_eq_exact = None
+    if n < EXACT_BELOW:
+        groups = [list(c) for c in itertools.combinations(range(a.size + b.size), a.size)]
+        pick = np.zeros((len(groups), a.size + b.size), dtype=bool)
+        for row, chosen in enumerate(groups):
+            pick[row, chosen] = True
+
+        def null(shift: float) -> np.ndarray:  # mean(a) − mean(b) under every labelling, a shifted by −shift first
+            pooled = np.concatenate([a - shift, b])
+            return (pick @ pooled) / a.size - ((~pick) @ pooled) / b.size
+
+        p_exact = _tail_shares(null(0.0), delta)[0]
+        least = (2.0 if a.size == b.size else 1.0) / len(groups)
+        if effect is not None:
+            p_eq_exact = max(_tail_shares(null(-effect), delta + effect)[1],
+                             _tail_shares(null(effect), delta - effect)[2])  # fmt: skip
+    count = math.comb(a.size + b.size, a.size)
+    return _Test(delta=delta, low=delta - half, high=delta + half, eq_low=delta - half_eq, eq_high=delta + half_eq,
+                 n=n, df=df, p_t=p_t, p_exact=p_exact, exact_least=least, exact_kind="permutation",
+                 exact_over=f"the {count} labellings of {a.size} and {b.size} units",
+                 exact_with=f"{a.size} and {b.size} units", exact_count=count,
+                 p_equivalence=_equivalence(p_eq, p_eq_exact), p_equivalence_exact=p_eq_exact, sd=max(sds),
+                 sd_floored=floored)  # fmt: skip
 
 
-def _p_value(delta: float, se: float, df: float) -> float:
-    """Two-sided p of the t statistic delta / se; a zero standard error gives 0 (a delta) or 1 (none)."""
-    if se == 0:
-        return 0.0 if delta != 0 else 1.0
-    return float(2 * _student_t().sf(abs(delta) / se, df))
+def _equivalence(p_t: float, p_exact: float | None) -> float | None:
+    return None if math.isnan(p_t) else max(p_t, p_exact or 0.0)
 
 
 def holm(p_values: Sequence[float]) -> list[float]:
@@ -205,31 +379,113 @@ def holm(p_values: Sequence[float]) -> list[float]:
     return adjusted
 
 
+def least_exact_p(n: int, paired: bool = True) -> float:
+    """The smallest two-sided p the exact test can give with n seeds per arm (0 from EXACT_BELOW seeds on, where it
+    is not applied): 2^(1−n) over the sign patterns of n paired deltas, 2 / C(2n, n) over the labellings of two
+    groups of n."""
+    if n >= EXACT_BELOW:
+        return 0.0
+    return 2.0 ** (1 - n) if paired else 2.0 / math.comb(2 * n, n)
+
+
+def power(delta: float, sd: float, n: int, alpha: float = ALPHA, paired: bool = True) -> float:
+    """The chance that the two-sided t test at ``alpha`` rejects delta = 0 when the true delta is ``delta``:
+    noncentral t. ``paired``: n pairs, ``sd`` the sd of the paired differences (df n − 1, noncentrality
+    delta·√n / sd); else two groups of n, ``sd`` the sd within a group (df 2n − 2, noncentrality delta / (sd·√(2/n))).
+    The t test alone: with fewer than EXACT_BELOW seeds the exact floor (``least_exact_p``) may forbid any claim."""
+    if not (_is_number(sd) and sd > 0):
+        raise ConfigError(f"power needs an sd > 0, got {sd!r}")
+    if not (isinstance(n, int) and n >= 2):
+        raise ConfigError(f"power needs n >= 2 units, got {n!r}")
+    if not (_is_number(alpha) and 0 < alpha < 1) or not _is_number(delta):
+        raise ConfigError(f"power needs a finite delta and alpha in (0, 1), got {delta!r}, {alpha!r}")
+    st = _scipy_stats()
+    df, ncp = (n - 1, delta * math.sqrt(n) / sd) if paired else (2 * n - 2, delta / (sd * math.sqrt(2.0 / n)))
+    crit = st.t.ppf(1 - alpha / 2, df)
+    # P(T > crit) + P(T < −crit), the lower tail as P(T' > crit) at −ncp: scipy's nct.cdf far in a tail is NaN
+    total = st.nct.sf(crit, df, ncp) + st.nct.sf(crit, df, -ncp)
+    if not math.isfinite(total):
+        raise ConfigError(f"power: no finite value at delta {delta:g}, sd {sd:g}, n {n}")
+    return float(min(total, 1.0))
+
+
+def seeds_for_power(
+    delta: float, sd: float, alpha: float = ALPHA, target: float = 0.8, paired: bool = True, most: int = 100_000
+) -> int:
+    """The fewest seeds per arm (at least 2) whose ``power`` reaches ``target`` and whose exact floor
+    (``least_exact_p``) is below ``alpha``; a ConfigError past ``most``."""
+    if not (_is_number(target) and 0 < target < 1) or not (_is_number(delta) and delta != 0):
+        raise ConfigError(f"seeds_for_power needs a delta != 0 and a target in (0, 1), got {delta!r}, {target!r}")
+
+    def enough(n: int) -> bool:
+        return least_exact_p(n, paired) < alpha and power(delta, sd, n, alpha, paired) >= target
+
+    high = 2
+    while not enough(high):
+        if high >= most:
+            raise ConfigError(f"more than {most} seeds would be needed for power {target:g} at delta {delta:g}")
+        high = min(2 * high, most)
+    low = high // 2  # enough(low) is false (or low < 2); power grows with n
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if mid >= 2 and enough(mid) else (mid, high)
+    return max(high, 2)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.4g}%"
+
+
 def _verdict(
-    delta: float, lo: float, hi: float, floor: float | None, seeds: int, unit: str, n: int, about: str
+    t: _Test, effect: float | None, source: str | None, seeds: int, unit: str, about: str, alpha: float
 ) -> tuple[str, str]:
-    span = f"delta {delta:+.3f}, 95% interval [{lo:+.3f}, {hi:+.3f}] over {n} {unit}s"
-    floor_txt = "no noise floor given" if floor is None else f"noise floor {floor:.3f}"
-    excludes_zero = lo > 0 or hi < 0
-    above_floor = floor is None or abs(delta) > floor
+    n = t.n
+    span = f"delta {t.delta:+.3f}, {_pct(1 - alpha)} interval [{t.low:+.3f}, {t.high:+.3f}] over {n} {unit}s"
+    eq_interval = f"{_pct(1 - 2 * alpha)} interval [{t.eq_low:+.3f}, {t.eq_high:+.3f}]"
+    eq_span = "its " + eq_interval
+    if effect is None:
+        effect_txt = "no smallest effect of interest or noise floor given"
+    elif source == "given":
+        effect_txt = f"the smallest effect of interest δ {effect:.3f}"
+    else:
+        effect_txt = f"δ, the noise floor {effect:.3f} (no smallest effect of interest was given)"
+    over, had = (x.replace("units", unit + "s") for x in (t.exact_over, t.exact_with))
+    exact_txt = ""
+    if t.p_exact is not None:
+        exact_txt = (f"the exact {t.exact_kind} p over {over} is {t.p_exact:.3g}: with {had} nothing better than "
+                     f"{t.exact_least:.3g} can be claimed")  # fmt: skip
+    p_txt = f"{exact_txt}; the t test's p is {t.p_t:.3g}" if t.rule != "t" else f"p = {t.p_value:.3g}, t test"
+    separated = t.p_value < alpha
+    big = effect is None or abs(t.delta) > effect
     if seeds < 2:
         why = (
             f"unresolved: with one training seed this compares {about}, not the training procedure: {span} "
             "holds the eval's noise, not training's"
         )
-        if excludes_zero and above_floor:
+        if separated and big:
             why += " (it separates those two models, which a second seed could reverse)"
         return "unresolved", why + "; pass --train-runs 2 or more to judge the procedure."
-    if excludes_zero and above_floor:
-        word = "improved" if delta > 0 else "regressed"
-        return word, f"{word}: {span} excludes 0 and |delta| exceeds the {floor_txt}."
-    if floor is not None and seeds >= 2 and -floor < lo and hi < floor:
-        return "flat", f"flat: {span} lies inside ± the {floor_txt}, with {seeds} training seeds per arm."
-    if excludes_zero:
-        return "unresolved", f"unresolved: {span} excludes 0, but |delta| is within the {floor_txt}."
-    why = f"unresolved: {span} covers 0"
-    if floor is None:
-        why += "; without a noise floor it cannot be called flat"
+    if separated and big:
+        word = "improved" if t.delta > 0 else "regressed"
+        above = f"exceeds {effect_txt}" if effect is not None else f"is judged on the interval alone ({effect_txt})"
+        return word, f"{word}: {span} excludes 0 ({p_txt}) and |delta| {above}."
+    if effect is not None and t.p_equivalence is not None and t.p_equivalence < alpha:
+        return "flat", (
+            f"flat: delta {t.delta:+.3f}, {eq_interval} over {n} {unit}s lies inside ± {effect_txt}: "
+            f"two one-sided tests at alpha {alpha:g} reject an effect that large (p = "
+            f"{t.p_equivalence:.3g}), with {seeds} training seeds per arm."
+        )
+    if separated:
+        return "unresolved", f"unresolved: {span} excludes 0 ({p_txt}), but |delta| is within {effect_txt}."
+    if t.p_t < alpha:
+        return "unresolved", f"unresolved: {span} excludes 0 by the t test (p {t.p_t:.3g}), but {exact_txt}."
+    why = f"unresolved: {span} covers 0 ({p_txt})"
+    if effect is None:
+        why += "; without a smallest effect of interest or a noise floor it cannot be called flat"
     else:
-        why += f" and reaches beyond ± the {floor_txt}; more seeds or tasks would narrow it"
+        why += f"; {eq_span} reaches beyond ± {effect_txt}, so it is not shown flat either"
+        if t.p_equivalence_exact is not None and t.p_equivalence_exact >= alpha:
+            why += (f" (the exact equivalence p over {over} is {t.p_equivalence_exact:.3g}; with {had} it cannot "
+                    f"go below {1 / t.exact_count:.3g})")  # fmt: skip
+        why += "; more seeds or tasks would narrow it"
     return "unresolved", why + "."

@@ -6,8 +6,9 @@ module only lays out what results.json and train_log.json hold: four plots (trai
 staleness, the worst ratio against the band, pass@1 with the paired deltas; a fifth, pass@1 over steps, with
 ``--eval-every``), one small panel per cell, and a page that states the verdict in words with the tables behind
 it, and the provenance. A planned confirmation (`sao confirm`) states its plan first — primary endpoint, family,
-fresh seeds, correction — then what came out, Holm-adjusted. Verdicts, intervals, p-values, floors, folds and
-checks are read, never recomputed; the only arithmetic is averaging over seeds for display, and counting.
+fresh seeds, smallest effect, correction or gatekeeping, power — then what came out after the correction.
+Verdicts, intervals, p-values, floors, power, folds and checks are read, never recomputed; the only arithmetic is
+averaging over seeds for display, and counting.
 
 Deliberately left out: statistics (``sao.core.stats`` owns them), correction for multiple comparisons outside a
 planned family (the page says each interval is its own), judgement beyond the recorded verdicts, HTML, and
@@ -779,7 +780,8 @@ def _provenance_section(results: dict[str, Any]) -> list[str]:
 
 
 def _plan_section(results: dict[str, Any]) -> list[str]:
-    """A planned confirmation: the plan as it was fixed before the run, then the family's outcome, Holm-adjusted."""
+    """A planned confirmation: the plan as it was fixed before the run (its smallest effect, correction, gatekeeping
+    and power), then the family's outcome after the correction."""
     plan, done = results.get("plan"), results.get("confirmation")
     if not isinstance(plan, dict) or not isinstance(done, dict):
         return []
@@ -792,29 +794,78 @@ def _plan_section(results: dict[str, Any]) -> list[str]:
     cited = plan.get("exploratory") or []
     fresh = ("; ".join(f"{_text(e.get('path'))} used {_seed_span(e.get('seeds') or [])}" for e in cited)
              if cited else "the plan cites no exploratory run")  # fmt: skip
+    alpha, family = plan.get("alpha"), plan.get("family") or []
+    floor = (results.get("base") or {}).get("noise_floor")
+    effect = (f"δ = {fmt_share(plan['smallest_effect'])}: improved or regressed needs |delta| above it, flat "
+              f"needs the {_level(alpha, 2)} interval inside ± δ" if _num(plan.get("smallest_effect")) is not None
+              else f"none stated: each comparison uses this run's noise floor (±{fmt_share(floor)}) as δ")  # fmt: skip
+    if plan.get("gatekeeping"):
+        correction = (
+            f"gatekeeping: the primary alone at alpha {fmt(alpha)}; then {_text(plan.get('correction'))} "
+            f"across the other {_plural(max(len(family) - 1, 0), 'comparison')} at alpha {fmt(alpha)}, "
+            "only if the primary came out as expected (otherwise they are reported, not claimed)"
+        )
+    else:
+        correction = f"{_text(plan.get('correction'))} across the whole family at alpha {fmt(alpha)}"
     out = ["## Plan (fixed before the run)", "",
            f"- **Plan file:** `{_text(plan.get('file'))}`, sha256 `{_text(str(plan.get('sha256'))[:16])}…` "
            f"(kept beside the results){'; written ' + _text(plan['written']) if plan.get('written') else ''}.",
            f"- **Primary endpoint:** {_text(primary.get('after'))} − {_text(primary.get('before'))} in "
            f"{_text(primary.get('cell'))}, expected **{_text(primary.get('expect'))}**.",
-           f"- **Family:** {_plural(len(plan.get('family') or []), 'comparison')}: the primary, and "
+           f"- **Family:** {_plural(len(family), 'comparison')}: the primary, and "
            f"{_text(', '.join(plan.get('secondary') or []) or 'nothing else')} in every cell of the grid.",
-           f"- **Correction:** {_text(plan.get('correction'))} across the family at alpha {fmt(plan.get('alpha'))}.",
+           f"- **Smallest effect of interest:** {effect}.",
+           f"- **Correction:** {correction}. A flat verdict is each comparison's own equivalence test, not corrected "
+           "across the family.",
            f"- **Arms:** {', '.join(named)}.",
            f"- **Seeds:** {_plural(len(seeds), 'fresh training seed')} per arm ({_seed_span(seeds)}), disjoint from "
            f"every exploratory run cited: {fresh}.", ""]  # fmt: skip
+    power = plan.get("power")
+    if isinstance(power, dict):
+        out[-1:] = [f"- **Power (computed before the run):** {_text(power.get('summary'))}.", ""]
+        if power.get("warning"):
+            out += [f"> warning: {_cell(power['warning'])}", ""]
+    else:
+        out[-1:] = ["- **Power:** not recorded (the plan was run before sao computed it).", ""]
     first = done.get("primary") or {}
     out += ["## What came out", "",
             f"**Primary: {_text(done.get('outcome'))}** (expected {_text(done.get('expect'))}; after "
             f"{_text(done.get('correction'))}: {_text(first.get('verdict'))}). {_text(first.get('reason'))}",
             ""]  # fmt: skip
+    gate = done.get("gate")
+    if gate == "open":
+        out += ["Gatekeeping: the primary came out as expected, so the secondary comparisons were tested, "
+                "Holm-adjusted among themselves.", ""]  # fmt: skip
+    elif gate == "closed":
+        out += ["Gatekeeping: the primary did not come out as expected, so the secondary comparisons below are "
+                "reported but not claimed: each verdict is unresolved, whatever it would be alone.", ""]  # fmt: skip
     rows = [[_cell(r.get("cell")), _cell(r.get("comparison")) + (" (primary)" if i == 0 else ""),
              fmt_signed(r.get("delta")), fmt_interval(r.get("ci_low"), r.get("ci_high")), fmt(r.get("p_value")),
-             fmt(r.get("p_holm")), _cell(r.get("verdict_unadjusted")),
+             _cell(r.get("p_rule") or DASH), fmt(r.get("p_holm")), fmt_share(r.get("smallest_effect")),
+             _cell(r.get("verdict_unadjusted")),
              f"**{_cell(r.get('verdict'))}**" if r.get("verdict") in SEPARATED else _cell(r.get("verdict"))]
             for i, r in enumerate(done.get("family") or [])]  # fmt: skip
-    header = ["cell", "comparison", "delta", "95% interval", "p", "Holm-adjusted p", "verdict alone", "verdict"]
+    adjusted = "adjusted p (primary alone, then Holm)" if plan.get("gatekeeping") else "Holm-adjusted p"
+    header = [
+        "cell",
+        "comparison",
+        "delta",
+        f"{_level(alpha, 1)} interval",
+        "p",
+        "p rule",
+        adjusted,
+        "δ",
+        "verdict alone",
+        "verdict",
+    ]
     return out + _table(header, rows)
+
+
+def _level(alpha: Any, tails: int) -> str:
+    """The confidence level of an interval at ``alpha``: 1 − alpha (tails 1, the test of 0) or 1 − 2·alpha (tails
+    2, the equivalence test), e.g. 95% and 90%; 95% where the alpha is not recorded."""
+    a = _num(alpha, 0.05)
+    return f"{100 * (1 - (a if tails == 1 else 2 * a)):.4g}%"
 
 
 def _seed_span(seeds: list[Any]) -> str:

@@ -212,9 +212,13 @@ def compare_cell(arms: dict[str, dict[str, Any]], base_per_task: list[float] | N
     return comparisons, vs_base
 
 
-def compare_arms(arms: dict[str, dict[str, Any]], after: str, before: str, floor: dict) -> dict[str, Any]:
+def compare_arms(
+    arms: dict[str, dict[str, Any]], after: str, before: str, floor: dict, *, smallest_effect: float | None = None,
+    alpha: float = stats.ALPHA,
+) -> dict[str, Any]:  # fmt: skip
     """``after`` against ``before`` in one cell (seeds paired by index), as ``compare_cell`` writes each entry:
-    for comparisons other than rule-vs-none, such as a planned ``dis_vs_random``."""
+    for comparisons other than rule-vs-none, such as a planned ``dis_vs_random``, and for a plan's family (its
+    smallest effect of interest and alpha; without them the noise floor stands in for δ, at alpha 0.05)."""
     for arm in (after, before):
         if arm not in arms:
             raise KeyError(f"the cell has no arm {arm!r} (it has {sorted(arms)})")
@@ -223,7 +227,7 @@ def compare_arms(arms: dict[str, dict[str, Any]], after: str, before: str, floor
         [[run["checks"]["reward_last10"] for run in arms[arm]["runs"].values()] for arm in (before, after)],
     )
     c = stats.compare(scores[0], scores[1], run_std=floor.get("run_std"), run_std_runs=floor.get("runs"),
-                      proxy=(last10[0], last10[1]))  # fmt: skip
+                      proxy=(last10[0], last10[1]), smallest_effect=smallest_effect, alpha=alpha)  # fmt: skip
     return {"before": before, "after": after, **c.to_dict()}
 
 
