@@ -55,6 +55,8 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
         "serve",
     ),
 }
+
+
 # Switches that read as plain flags (``--follow``) and still take a value (``--follow false``).
 def _fields_for(command: str, skip: tuple[str, ...] = ()) -> list[tuple[str, dataclasses.Field, type]]:
     """(section, field, section class) of every setting ``command`` reads, in section order."""

@@ -75,7 +75,9 @@ class Hook:
 class Trainer:
     """Trains ``models`` on ``source``'s batches, graded by ``scorer``, into ``out_dir``; ``run()`` returns the
     log records. ``config`` supplies the algorithm and training settings (and the rollout temperature the
-    teacher-forced pass takes); ``run_record`` is what config.json records of how the parts were made."""
+    teacher-forced pass takes); ``run_record`` is what config.json records of how the parts were made, from a
+    builder that has already claimed ``out_dir`` (``sao.training.build.trainer``; its source may have written there
+    since), so the folder is claimed here only without one."""
 
     def __init__(
         self,
@@ -101,7 +103,8 @@ class Trainer:
         self.label = label or f"{config.algorithm.correction} seed {config.training.seed}"
         world.shard(self.settings.batch_size)  # a batch that does not split evenly over the ranks is refused here
         record = self.run_record = run_record if run_record is not None else {"config": config.to_dict()}
-        checkpoint.claim(self.out, record, resume)  # (again, when the builder claimed it: cheap, writes nothing)
+        if run_record is None:  # a builder claimed the folder before its source started writing there
+            checkpoint.claim(self.out, record, resume)
         resumed = checkpoint.load(self.out) if resume else None  # a damaged one fails here, before any step
         self.lora_params = list(lora_state(models.policy).values())
         self.policy_opt = torch.optim.AdamW(self.lora_params, lr=self.settings.lr,
