@@ -105,7 +105,7 @@ class Loop:
 
     def checkpointed_steps(self) -> int:
         try:
-            return len(json.loads((self.run / "train_log.json").read_text()))
+            return len((self.run / "train_log.jsonl").read_text().splitlines())
         except (OSError, ValueError):
             return 0
 
@@ -164,7 +164,7 @@ class Loop:
         trajectories = [r for r in records if r.get("type") != "feedback"]
         ids = Counter(r["id"] for r in trajectories)
         summary = json.loads((self.run / "traces.json").read_text())
-        steps = json.loads((self.run / "train_log.json").read_text())
+        steps = [json.loads(line) for line in (self.run / "train_log.jsonl").read_text().splitlines() if line.strip()]
         policy = [s for s in steps if s["phase"] == "policy"]
         k = max(1, min(10, len(policy) // 3))
         accounted = (summary["traces_used"] + summary["traces_dropped"] + summary["traces_usable_unused"]

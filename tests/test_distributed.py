@@ -1,6 +1,6 @@
 """Data-parallel training (``sao.training.distributed``): ``torchrun --nproc-per-node 2`` with the gloo backend on the
 CPU takes the same steps as one process on the whole batch — the same rewards, loss, gradient norm and final
-adapter within float tolerance — writes one train_log.json, one checkpoint and one adapter, records
+adapter within float tolerance — writes one train_log.jsonl, one checkpoints folder and one adapter, records
 world_size in config.json and the log, and resumes after one of its processes is SIGKILLed mid-run. The
 helpers (shards, gathers, the identity world of one process) are checked without a process group."""
 
@@ -161,7 +161,7 @@ def test_torchrun_two_processes_take_the_single_process_steps_and_resume(tiny_mo
     assert any(r["phase"] == "policy" and r["grad_norm"] > 0 for r in records), "policy steps took a gradient"
 
     assert json.loads((out / "config.json").read_text())["world_size"] == 2
-    assert sorted(p.name for p in out.iterdir()) == ["adapter", "checkpoint.pt", "config.json", "train_log.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "checkpoints", "config.json", "train_log.jsonl"]
     ours, theirs = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (out, tmp_path / "single"))
     assert ours.keys() == theirs.keys()
     assert all(torch.allclose(ours[k], theirs[k], atol=1e-6, rtol=1e-4) for k in ours), "the same final adapter"

@@ -21,6 +21,7 @@ import torch
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.rollout.types import Rollout, Turns
+from sao.training import checkpoint
 
 RAY_DAEMONS = ("raylet", "gcs_server")
 
@@ -414,7 +415,7 @@ def test_synchronous_run_drops_nothing_and_a_resumed_run_uses_no_draw_twice(ray_
     assert all(r["staleness_hist"] == {"0": config.training.batch_size} for r in first.records)
     assert all(r["waited_for"] > 0 for r in first.records[1:]), "synchronous: every policy step waits for its draw"
     assert source.counts["received"] <= (len(first.records) + 1) * config.training.batch_size, "never drawn ahead"
-    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["source"]  # after step 2
+    saved = checkpoint.load(tmp_path / "run")["source"]  # after step 2
 
     second = build.trainer(config, tmp_path / "run", resume=True, progress=False)
     records = second.run()
