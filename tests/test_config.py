@@ -227,3 +227,26 @@ def test_every_command_with_settings_takes_a_config_file(command, tmp_path):
     argv = [command, "--config", str(path)] + ([] if command == "eval" else ["--out", str(tmp_path / "x")])
     config = config_from_args(build_parser().parse_args(argv))
     assert config.training.seed == 5 and config.eval.base_evals == 1
+
+
+def test_critic_warmup_takes_a_count_or_auto_from_flags_and_files(tmp_path):
+    args = build_parser().parse_args(["train", "--out", "x", "--critic-warmup", "auto", "--baseline", "batch-mean"])
+    config = config_from_args(args)
+    assert config.algorithm.critic_warmup == "auto" and config.algorithm.baseline == "batch-mean"
+    assert (
+        config_from_args(
+            build_parser().parse_args(["train", "--out", "x", "--critic-warmup", "3"])
+        ).algorithm.critic_warmup
+        == 3
+    )
+    (tmp_path / "auto.yaml").write_text("critic_warmup: auto\ncritic_warmup_limit: 20\n")
+    assert Config(**read_config_file(tmp_path / "auto.yaml")[0]).algorithm.critic_warmup == "auto"
+    bad = [("soon", 'critic-warmup must be a whole number >= 0 or "auto"'), (-1, "critic-warmup must be >= 0"),
+           (2.5, "critic_warmup")]  # fmt: skip
+    for value, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            Config(critic_warmup=value)
+    with pytest.raises(ConfigError, match="baseline"):
+        Config(baseline="group")
+    with pytest.raises(ConfigError, match="critic-warmup-limit must be >= 2"):
+        Config(critic_warmup_limit=1)

@@ -11,6 +11,7 @@ from helpers import run_log
 from sao.core.errors import ConfigError
 from sao.model import forward as forward_module
 from sao.rollout.sampler import staleness_schedule
+from sao.rollout.sources import POLICY, WARMUP
 from sao.training import build
 from sao.training import learn as learn_module
 from sao.training.hooks import Reachability
@@ -234,3 +235,133 @@ def test_observation_tokens_carry_no_critic_loss():
     everywhere = learn_module.critic_steps(head, torch.optim.AdamW(head.parameters()), other_hidden, other_targets,
                                            torch.ones_like(actions), steps=1)  # fmt: skip
     assert everywhere > 10 * loss, "the check can fail: counting observation positions changes the loss"
+
+
+def test_the_critic_fits_the_mean_with_its_bias_not_with_per_token_features():
+    """Hidden states that share a large common component, whose scale varies token by token, and binary returns
+    they cannot predict: at one Adam rate the head fits the batch mean through w · h and its values vary along
+    each reply, so it explains less than the mean (EV < 0 on batches it has not seen); with the bias at a rate of
+    its own (``critic_bias_lr``) the bias carries the mean and EV stays at about 0."""
+    from sao.algorithm.update import explained_variance
+    from sao.model.policy import ValueHead
+
+    B, R, H = 64, 14, 32
+    common = torch.randn(H, generator=torch.Generator().manual_seed(0)) + 1.0  # [H] Σ_i |mean h_i| ≈ 39
+
+    def held_out_ev(bias_lr: float | None) -> float:
+        g = torch.Generator().manual_seed(1)
+        head = ValueHead(H)
+        optimizer = learn_module.critic_optimizer(head, 1e-3, bias_lr)
+        scores = []
+        for _ in range(20):
+            scale = 1 + 0.3 * torch.randn(B, R, 1, generator=g)  # [B, R, 1]
+            hidden = scale * common + 0.5 * torch.randn(B, R, H, generator=g)  # [B, R, H]
+            targets = (torch.rand(B, generator=g) < 0.3).float()[:, None].expand(B, R)  # [B, R]
+            actions = torch.ones(B, R, dtype=torch.bool)
+            with torch.no_grad():  # scored before it trains on this batch
+                scores.append(explained_variance(head(hidden), targets, actions))
+            learn_module.critic_steps(head, optimizer, hidden, targets, actions, steps=2)
+        return statistics.mean(scores[-10:])
+
+    one_rate, own_bias_rate = held_out_ev(None), held_out_ev(0.1)
+    assert one_rate < -0.02, one_rate
+    assert own_bias_rate > -0.01, own_bias_rate
+
+
+def test_the_critic_bias_takes_its_own_rate_and_no_weight_decay():
+    from sao.model.policy import ValueHead
+
+    head = ValueHead(8)
+    groups = learn_module.critic_optimizer(head, 1e-3, 0.1).param_groups
+    assert [(g["lr"], g["weight_decay"], [p.shape for p in g["params"]]) for g in groups] == [
+        (1e-3, 0.0, [torch.Size([1, 8])]),
+        (0.1, 0.0, [torch.Size([1])]),
+    ]
+    (single,) = learn_module.critic_optimizer(head, 1e-3).param_groups
+    assert single["lr"] == 1e-3 and len(single["params"]) == 2, "None: the page's single rate"
+
+
+def test_batch_mean_baseline_is_the_mean_return_of_the_other_trajectories():
+    from sao.algorithm import baselines
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])  # [B]
+    actions = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1]], dtype=torch.bool)  # [B, T]
+    values = baselines.batch_mean(rewards, actions)
+    expected = torch.tensor([1 / 3, 2 / 3, 2 / 3, 1 / 3], dtype=torch.float64)[:, None].expand(4, 3)
+    assert torch.equal(values, torch.where(actions, expected, torch.zeros_like(expected)))
+    per_turn = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 1.5]])  # [B, T] turn rewards
+    assert baselines.batch_mean(per_turn, actions)[0, 0].item() == pytest.approx(2.0 / 3), "totals per trajectory"
+    assert baselines.critic(rewards, actions) is None and not baselines.none(rewards, actions).any()
+
+
+def test_a_fixed_baseline_ignores_the_value_head_and_logs_the_critics_own_ev(tiny_config, tmp_path):
+    """--baseline batch-mean: the advantages do not depend on the value head (a head with random weights gives the
+    same update), the critic still trains, and the log carries its explained variance beside the baseline's."""
+    config = tiny_config.replace(baseline="batch-mean", steps=1, critic_warmup=1)
+    trainer = build.trainer(config, tmp_path / "run", progress=False)
+    batch = trainer.source.next_batch(0, WARMUP, 0)
+    rewards, _ = trainer.scorer.rewards(batch.rollout, trainer.rows(batch))
+
+    def update(head_scale: float):
+        with torch.no_grad():
+            trainer.models.value_head.linear.weight.copy_(
+                head_scale * torch.randn_like(trainer.models.value_head.linear.weight)
+            )
+        return learn_module.policy_gradient_pass(
+            trainer.models,
+            trainer.sao,
+            batch.rollout,
+            rewards,
+            rows=16,
+            with_policy_gradient=False,
+            temperature=1.0,
+            logprob_chunk=1024,
+        )
+
+    a, b = update(0.0), update(1.0)
+    assert torch.equal(a.update.advantages, b.update.advantages)
+    assert not torch.equal(a.critic_values, b.critic_values), "the critic's own values are still computed"
+    with torch.no_grad():
+        trainer.models.value_head.linear.weight.zero_()
+    records = trainer.run()
+    assert all("critic_explained_variance" in r for r in records)
+
+
+def test_an_automatic_critic_warmup_ends_when_the_target_is_met_twice_or_at_its_limit(tiny_config, tmp_path):
+    """--critic-warmup auto: a target the critic meets at once ends the warmup after the two batches the rule
+    needs; one it cannot meet (EV ≥ 1) runs to the limit and warns. The policy steps follow in both, the length is
+    in the log, and each warmup batch's EV is the critic's before it trained on that batch."""
+    easy = tiny_config.replace(critic_warmup="auto", critic_warmup_target=-1.0, critic_warmup_limit=5, steps=2)
+    records = build.trainer(easy, tmp_path / "easy", progress=False).run()
+    assert [r["phase"] for r in records] == [WARMUP, WARMUP, POLICY, POLICY]
+    assert records[1]["critic_warmup_steps"] == 2 and [r["policy_step"] for r in records[2:]] == [0, 1]
+    assert records[0]["explained_variance"] == 0.0, "scored before training: the zero-initialised head predicts 0"
+    hard = tiny_config.replace(critic_warmup="auto", critic_warmup_target=1.0, critic_warmup_limit=3, steps=1)
+    trainer = build.trainer(hard, tmp_path / "hard", progress=False)
+    records = trainer.run()
+    assert [r["phase"] for r in records] == [WARMUP] * 3 + [POLICY] and records[2]["critic_warmup_steps"] == 3
+    assert len(trainer.warnings) == 1 and "had not reached 1 twice in a row" in trainer.warnings[0]
+    assert [r.get("critic_warmup_steps") for r in run_log(tmp_path / "hard")] == [None, None, 3, None], "logged"
+
+
+def test_an_automatic_critic_warmup_resumes_with_the_length_it_chose(tiny_config, tmp_path, monkeypatch):
+    """A run killed after its automatic warmup ended resumes with the same warmup length and the same steps."""
+    config = tiny_config.replace(critic_warmup="auto", critic_warmup_target=-1.0, critic_warmup_limit=4, steps=3,
+                                 checkpoint_every=1)  # fmt: skip
+    whole = build.trainer(config, tmp_path / "whole", progress=False).run()
+    first = build.trainer(config, tmp_path / "run", progress=False)
+    step = first.step
+
+    def dies_at_4(g: int):
+        if g == 4:
+            raise KeyboardInterrupt
+        return step(g)
+
+    monkeypatch.setattr(first, "step", dies_at_4)
+    with pytest.raises(KeyboardInterrupt):
+        first.run()
+    resumed = build.trainer(config, tmp_path / "run", resume=True, progress=False)
+    assert resumed.warmup_length == 2 and resumed.total_steps == 5
+    records = resumed.run()
+    keys = ("step", "phase", "policy_step", "reward_mean", "loss", "explained_variance", "staleness")
+    assert repr([[r[k] for k in keys] for r in records]) == repr([[r[k] for k in keys] for r in whole])  # NaN loss

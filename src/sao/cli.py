@@ -98,9 +98,15 @@ def _add_config_flags(parser: argparse.ArgumentParser, command: str, skip: tuple
             kwargs.update(nargs="?", const=True, type=_bool)
         elif hint in (int, int | None):
             kwargs["type"] = int
+        elif hint == int | str:  # a count or a word (--critic-warmup 10 / auto)
+            kwargs["type"] = _count_or_word
         elif hint in (float, float | None):
             kwargs["type"] = float
         group.add_argument(*flags, **kwargs)
+
+
+def _count_or_word(text: str) -> int | str:
+    return int(text) if text.strip().lstrip("+-").isdigit() else text
 
 
 def _bool(text: str) -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 
 from sao.core.errors import ConfigError
 from sao.core.reading import Limits, parse_json, parse_yaml
-from sao.core.registry import CORRECTIONS, PRESETS, SOURCES, Registry
+from sao.core.registry import BASELINES, CORRECTIONS, PRESETS, SOURCES, Registry
 from sao.core.settings import (
     Section,
     all_of,
@@ -185,9 +185,33 @@ class AlgorithmSettings(Section):
         "the two arms drop as much and differ in which tokens; `sao train --correction random` needs a number.",
         check=lambda p: None if p is None else share(p),
     )
+    baseline: str = option(
+        "critic",
+        'What the advantages are taken against: "critic" (the value head V(s_t), the method), "batch-mean" (each '
+        "trajectory's return against the mean return of the other trajectories in its batch, one constant per "
+        'trajectory: what the critic buys over the cheapest baseline a single rollout allows), or "none" (V = 0). '
+        "The critic trains in every case; only the advantages change.",
+        check=_in_registry(BASELINES),
+    )
     critic_steps: int = option(2, "Critic updates per policy update. The page's 2.", check=at_least(0))
-    critic_warmup: int = option(
-        10, "Critic-only steps, each on a fresh batch, before the first policy step. The page's 10.", check=at_least(0)
+    critic_warmup: int | str = option(
+        10,
+        'Critic-only steps, each on a fresh batch, before the first policy step. The page\'s 10. "auto": critic-only '
+        "steps until the critic's explained variance on batches it has not trained on (each warmup batch is scored "
+        "before the critic trains on it) reaches --critic-warmup-target on two batches in a row, at most "
+        "--critic-warmup-limit steps; the length taken is logged (critic_warmup_steps) and said.",
+        check=lambda v: (
+            (None if v == "auto" else 'must be a whole number >= 0 or "auto"') if isinstance(v, str) else at_least(0)(v)
+        ),
+    )
+    critic_warmup_target: float = option(
+        0.0,
+        "--critic-warmup auto: the explained variance to reach (0: the critic predicts returns at least as well as "
+        "the batch's own mean).",
+        check=between(-1.0, 1.0),
+    )
+    critic_warmup_limit: int = option(
+        50, "--critic-warmup auto: the most critic-only steps taken whatever the explained variance.", check=at_least(2)
     )
 
 
@@ -356,6 +380,17 @@ class TrainingSettings(Section):
         1e-4,
         "AdamW on the value head. The page's override: a one-layer head at 5e-6 does not leave its zero init.",
         check=all_of(positive, lambda v: None if v <= MAX_LR else f"must be at most {MAX_LR:g}"),
+    )
+    critic_bias_lr: float | None = option(
+        None,
+        "AdamW on the value head's bias alone, in reward units (the weight keeps --critic-lr); None: --critic-lr, the "
+        "page's single rate. Adam moves every parameter by about its rate a step, and hidden states share a large "
+        "common component (the tiny model's Σ_i |mean h_i| ≈ 32), so at one rate the weight moves the mean value ~30× "
+        "faster than the bias: the head fits the batch mean through w · h, which varies along each reply where a "
+        "terminal return does not, and its explained variance is negative. The tiny presets set 0.1.",
+        check=lambda v: (
+            None if v is None else all_of(positive, lambda x: None if x <= MAX_LR else f"must be at most {MAX_LR:g}")(v)
+        ),
     )
     grad_clip: float = option(1.0, "Global norm clip on the policy gradient. The page's 1.0.", check=positive)
     seed: int = option(

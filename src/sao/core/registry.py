@@ -6,6 +6,7 @@ one offers. Your own entries: ``SOURCES.register("mine", MySource.build)`` or ``
 
     PRESETS       defaults a run starts from: a mapping of settings as a --config file takes them
     CORRECTIONS   the rule f(ratio) an update applies (``sao.algorithm.corrections``)
+    BASELINES     what advantages are taken against, ``(rewards, action_mask) -> values or None`` (None: the critic's)
     SOURCES       where a trainer's batches come from, ``build(context) -> Source`` (``sao.rollout``)
     MODELS        stand-in models built on this machine, ``ensure() -> folder`` (any other name: hub id or folder)
     TASK_SETS     generated task sets, ``make(n_train, n_test, seed) -> TaskSet`` (others: GSM8K or your data)
@@ -72,6 +73,9 @@ PRESETS = Registry("preset", {"protocol": {}, "tiny": "sao.tiny.presets:TINY"})
 CORRECTIONS = Registry(
     "correction rule",
     {name: f"sao.algorithm.corrections:{name}" for name in ("dis", "none", "tis", "seqmask", "random")},
+)
+BASELINES = Registry(
+    "baseline", {name: f"sao.algorithm.baselines:{name.replace('-', '_')}" for name in ("critic", "batch-mean", "none")}
 )
 SOURCES = Registry(
     "rollout source",

@@ -143,7 +143,9 @@ class EvalEvery(Hook):
         self.experiment, self.config, self.cell, self.label, self.seed = experiment, config, cell, label, seed
 
     def on_step_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        k = record["step"] + 1 - trainer.sao.critic_warmup  # policy steps taken
+        if record["policy_step"] is None:  # a critic warmup step
+            return
+        k = record["policy_step"] + 1  # policy steps taken
         every, steps = self.config.eval.every, self.config.training.steps
         path = self.experiment._step_eval_path(self.cell, self.label, k)
         if 0 < k < steps and k % every == 0 and not path.exists():

@@ -157,16 +157,18 @@ class Admission:
     the published version v. A call issued now gets the deadline a + K, and may carry ``room(outstanding)``
     trajectories. Items handed to ``choose`` need ``deadline``, ``version`` and ``seq`` attributes."""
 
-    def __init__(self, batch_size: int, max_staleness: int, critic_warmup: int):
+    def __init__(self, batch_size: int, max_staleness: int, critic_warmup: int | str):
         self.batch_size, self.max_staleness, self.critic_warmup = batch_size, max_staleness, critic_warmup
         self.formed = 0
         self.anchor = (0, 0)
 
     def begin(self, step: int, phase: str, version: int) -> None:
         """The trainer asks for batch ``step`` at ``version``. During the critic warmup every batch up to the
-        first policy step's (step critic_warmup) trains at this version too."""
+        first policy step's (step critic_warmup) trains at this version too; an automatic warmup's end is not known
+        ahead, so then only this batch is."""
         self.formed = step
-        first = max(step, self.critic_warmup) if phase == WARMUP else step
+        known = isinstance(self.critic_warmup, int)
+        first = max(step, self.critic_warmup) if phase == WARMUP and known else step
         self.anchor = max(self.anchor, (first, version))
 
     def published(self, version: int) -> None:

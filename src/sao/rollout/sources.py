@@ -173,14 +173,15 @@ class LocalStaleSource:
         *,
         lag: int,
         batch_size: int,
-        critic_warmup: int,
+        critic_warmup: int | str,
         sampling: Sampling,
         seed: int,
         decoder: str = "auto",
         episodes: Episodes | None = None,
     ):
         self.tokenizer, self.prompts, self.order, self.episodes = tokenizer, prompts, order, episodes
-        self.batch_size, self.critic_warmup, self.sampling, self.seed = batch_size, critic_warmup, sampling, seed
+        self.batch_size, self.sampling, self.seed = batch_size, sampling, seed
+        self.first_policy_step = critic_warmup if isinstance(critic_warmup, int) else None  # "auto": the trainer's
         self.sampler = StaleSampler(policy, lag)
         self.decoder = make_decoder(policy, SAMPLER_ADAPTER, decoder)  # reads the sampler's adapter
         self.device = next(policy.parameters()).device
@@ -203,7 +204,9 @@ class LocalStaleSource:
         return source
 
     def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:
-        k = step - self.critic_warmup  # policy step
+        if phase == POLICY and self.first_policy_step is None:  # an automatic critic warmup ends here
+            self.first_policy_step = step
+        k = step - (self.first_policy_step or 0)  # policy step (unused during the warmup)
         if phase == POLICY and self.sampler.refresh_before_draw(k):
             self.sampler.refresh(policy_version)
         staleness = policy_version - self.sampler.version
@@ -230,9 +233,14 @@ class LocalStaleSource:
         """Nothing to publish: the sampler copies the policy on its own schedule at draw time."""
 
     def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
+        state = self.sampler.state_dict()
+        if self.first_policy_step is not None:
+            state["first_policy_step"] = self.first_policy_step
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self.first_policy_step = state.pop("first_policy_step", self.first_policy_step)
         self.sampler.load_state_dict(state)
 
     def close(self) -> None:

@@ -314,6 +314,8 @@ class VllmSource(_Drawing):
         super().__init__(context)
         self.lag = self.max_staleness = context.config.rollout.lag
         self.sampler_version, self.name = 0, None
+        warmup = context.config.algorithm.critic_warmup
+        self.first_policy_step = warmup if isinstance(warmup, int) else None  # "auto": the first POLICY batch's step
 
     @classmethod
     def build(cls, context: SourceContext) -> VllmSource:
@@ -325,7 +327,9 @@ class VllmSource(_Drawing):
         self.fleet.release({version})
 
     def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:
-        k = step - self.config.algorithm.critic_warmup
+        if phase == POLICY and self.first_policy_step is None:  # an automatic critic warmup ends here
+            self.first_policy_step = step
+        k = step - (self.first_policy_step or 0)  # policy step (unused during the warmup)
         if self.name is None:  # the first batch (or the first after a resume): the sampler's version is loaded
             self._refresh(self.sampler_version)
         if phase == POLICY and self.lag == 0:
@@ -347,13 +351,14 @@ class VllmSource(_Drawing):
         """Nothing here: the sampler takes the policy's adapter on its own schedule, at draw time."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"source": "vllm", "sampler_version": self.sampler_version}
+        return {"source": "vllm", "sampler_version": self.sampler_version, "first_policy_step": self.first_policy_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The sampler's version: its adapter folder, kept in OUT/vllm-adapters/, is loaded again at the next draw."""
         if state.get("source") != "vllm":
             raise ConfigError("--resume: the checkpoint was written by another rollout source; use a new --out")
         self.sampler_version = int(state["sampler_version"])
+        self.first_policy_step = state.get("first_policy_step", self.first_policy_step)
         if self.adapter(self.sampler_version) is None:
             folder = Path(self.fleet.out) / ADAPTERS_DIR / f"v{self.sampler_version}"
             raise ConfigError(f"--resume: {folder} is missing, so the sampler's adapter cannot be restored; start "

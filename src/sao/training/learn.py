@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from sao.algorithm.update import SAO, Update
+from sao.core.registry import BASELINES
 from sao.model.forward import TeacherForced, teacher_forced
 from sao.model.policy import Models
 from sao.rollout.types import Rollout
@@ -31,6 +32,7 @@ from sao.training.distributed import SINGLE, World
 class PassResult:
     forward: TeacherForced  # logprobs [b, R] (detached) and hidden [b, R, H] of this process's rows (all on one)
     update: Update  # the whole batch's SAO.update (all ranks' rows)
+    critic_values: torch.Tensor  # [B, R] the value head's V(s_t) before this step's critic updates (all ranks' rows)
     loss: float  # Σ over micro-batches of −Σ c·logprobs (+ the optional terms; NaN on critic-only steps)
     finite: bool  # False: a micro-batch's loss was not finite, so no gradient may be applied
     extra_stats: dict[str, float] = field(default_factory=dict)  # kl_ref_mean, entropy_mean when they are on
@@ -70,7 +72,8 @@ def policy_gradient_pass(
     actions = rollout.action_mask  # [B, R] the tokens the model wrote
     n_tokens = float(actions.sum())  # N of the whole batch
     own = world.shard(len(mask))  # this process's rows (all of them on one process)
-    logprobs, hidden, values = [], [], []
+    fixed = BASELINES.get(sao.baseline)(rewards, actions)  # [B, R] values, or None: the critic's
+    logprobs, hidden, values, critic = [], [], [], []
     loss_total, finite = 0.0, True
     kl_total = entropy_total = 0.0
     for start in range(own.start, own.stop, rows):
@@ -80,7 +83,8 @@ def policy_gradient_pass(
             forward = teacher_forced(models.policy, *pass_args, temperature=temperature, logprob_chunk=logprob_chunk,
                                      entropy=entropy_coef > 0 and with_policy_gradient)  # fmt: skip
         with torch.no_grad():
-            part_values = models.value_head(forward.hidden)  # [b, R]
+            part_critic = models.value_head(forward.hidden)  # [b, R] V(s_t)
+        part_values = part_critic if fixed is None else fixed[part].to(part_critic)  # [b, R] the update's baseline
         if with_policy_gradient and finite:
             part_batch = {
                 "logprobs": forward.logprobs.detach(),
@@ -111,12 +115,13 @@ def policy_gradient_pass(
         logprobs.append(forward.logprobs.detach())
         hidden.append(forward.hidden)
         values.append(part_values)
+        critic.append(part_critic)
         del forward
     forward = TeacherForced(logprobs=torch.cat(logprobs), hidden=torch.cat(hidden))
     whole_batch = {  # every rank's rows gathered (on one process: as passed)
         "logprobs": world.gather_rows(forward.logprobs),
         "sampler_logprobs": rollout.sampler_logprobs,
-        "values": world.gather_rows(torch.cat(values)),
+        "values": (values_all := world.gather_rows(torch.cat(values))),
         "rewards": rewards.to(forward.logprobs),
         "action_mask": actions,
     }
@@ -126,7 +131,9 @@ def policy_gradient_pass(
         extra["kl_ref_mean"] = world.total(kl_total)
     if with_policy_gradient and entropy_coef > 0:
         extra["entropy_mean"] = world.total(entropy_total)
-    return PassResult(forward, update, loss_total if with_policy_gradient else float("nan"), finite, extra)
+    critic_values = values_all if fixed is None else world.gather_rows(torch.cat(critic))
+    return PassResult(forward, update, critic_values, loss_total if with_policy_gradient else float("nan"), finite,
+                      extra)  # fmt: skip
 
 
 def apply_policy_step(
@@ -142,6 +149,21 @@ def apply_policy_step(
             skipped = False
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, skipped
+
+
+def critic_optimizer(value_head: nn.Module, lr: float, bias_lr: float | None = None) -> torch.optim.Optimizer:
+    """AdamW on the value head, no weight decay; the bias at ``bias_lr`` when given (``--critic-bias-lr``).
+
+    Why a rate of its own: Adam moves each parameter by about its rate per step whatever the gradient's scale, and
+    the change in the mean value is Σ_i Δw_i · mean(h_i) + Δb. Hidden states share a large common component, so
+    the weight term is many times the bias term: at one rate the head fits the batch mean through w · h, which
+    varies token by token along a reply where a terminal return does not, and explains less than the mean does."""
+    if bias_lr is None:
+        return torch.optim.AdamW(value_head.parameters(), lr=lr, weight_decay=0.0)
+    biases = [p for name, p in value_head.named_parameters() if name.endswith("bias")]
+    weights = [p for name, p in value_head.named_parameters() if not name.endswith("bias")]
+    groups = [{"params": weights, "lr": lr}, {"params": biases, "lr": bias_lr}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, weight_decay=0.0)
 
 
 def critic_steps(

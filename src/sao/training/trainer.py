@@ -5,10 +5,12 @@
             ──► value head ──► SAO.update ──► loss = −Σ c·logprobs (+ optional KL, entropy) ──► backward
             ──► clip ──► AdamW on LoRA (scheduled lr) ──► critic_steps × squared error ──► one log record
 
-Global step g runs 0 .. critic_warmup + steps − 1; the first ``critic_warmup`` steps train only the critic, each
-on a fresh batch. The trainer takes its parts (models, source, scorer, hooks) and knows no source by name: where a
-batch comes from is the source's business, and everything beside the step (publishing, tracking, warnings,
-evaluation) is a hook's. A killed run resumes from its last checkpoint; with the local source it ends with the
+Global step g runs 0 .. W + steps − 1; the first W steps train only the critic, each on a fresh batch: W is
+``critic_warmup``, or with ``critic_warmup="auto"`` the first step count at which the critic, scored on each warmup
+batch before it trains on it, explains ``critic_warmup_target`` of the returns' variance on two batches in a row
+(at most ``critic_warmup_limit``). The trainer takes its parts (models, source, scorer, hooks) and knows no source
+by name: where a batch comes from is the source's business, and everything beside the step (publishing, tracking,
+warnings, evaluation) is a hook's. A killed run resumes from its last checkpoint; with the local source it ends with the
 same numbers as one that never stopped. Assembling the parts from a config is ``sao.training.build``.
 
 Deliberately left out: evaluation and the two-arm experiment (``sao.experiment``).
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from sao.algorithm.update import SAO
+from sao.algorithm.update import SAO, explained_variance
 from sao.core.config import Config
 from sao.model import artifacts
 from sao.model.forward import TeacherForced
@@ -37,7 +39,7 @@ from sao.rollout.types import Batch
 from sao.tasks.base import Scorer
 from sao.training import checkpoint
 from sao.training.distributed import SINGLE, BroadcastSource, World
-from sao.training.learn import apply_policy_step, critic_steps, lr_factor, policy_gradient_pass
+from sao.training.learn import apply_policy_step, critic_optimizer, critic_steps, lr_factor, policy_gradient_pass
 from sao.training.records import step_record
 
 log = logging.getLogger("sao.training")
@@ -109,8 +111,9 @@ class Trainer:
         self.lora_params = list(lora_state(models.policy).values())
         self.policy_opt = torch.optim.AdamW(self.lora_params, lr=self.settings.lr,
                                             weight_decay=self.settings.weight_decay)  # fmt: skip
-        self.critic_opt = torch.optim.AdamW(models.value_head.parameters(), lr=self.settings.critic_lr,
-                                            weight_decay=0.0)  # fmt: skip
+        self.critic_opt = critic_optimizer(models.value_head, self.settings.critic_lr, self.settings.critic_bias_lr)
+        auto = self.sao.critic_warmup == "auto"
+        self.warmup_length: int | None = None if auto else int(self.sao.critic_warmup)  # W; None: not yet decided
         self.policy_version = 0  # policy updates applied so far
         self.micro_batch = self.settings.micro_batch  # halves on out-of-memory and stays halved
         self.next_step, self.records, self.warnings = 0, [], []
@@ -123,12 +126,34 @@ class Trainer:
 
     @property
     def total_steps(self) -> int:
-        return self.sao.critic_warmup + self.settings.steps
+        """W + steps; while an automatic warmup is undecided, its bound stands in for W."""
+        warmup = self.sao.critic_warmup_limit if self.warmup_length is None else self.warmup_length
+        return warmup + self.settings.steps
+
+    def _decide_warmup(self, record: dict[str, Any]) -> None:
+        """``critic_warmup="auto"``: end the warmup after this step when the critic explained at least the target on
+        this batch and the one before (each scored before the critic trained on it), or at the limit."""
+        g, target, limit = record["step"], self.sao.critic_warmup_target, self.sao.critic_warmup_limit
+        scores = [r.get("critic_explained_variance", r["explained_variance"]) for r in (*self.records, record)
+                  if r["phase"] == WARMUP][-2:]  # fmt: skip
+        reached = len(scores) == 2 and all(v >= target for v in scores)
+        if reached or g + 1 >= limit:
+            self.warmup_length = record["critic_warmup_steps"] = g + 1
+            how = (
+                f"explained variance {scores[-2]:.3f}, {scores[-1]:.3f} >= {target:g}"
+                if reached
+                else (f"the limit; explained variance {scores[-1]:.3f} had not reached {target:g} twice in a row")
+            )
+            line = f"[{self.label}] critic warmup: {g + 1} steps ({how})"
+            if reached:
+                self.say(line)
+            else:
+                self.warn(line.removeprefix(f"[{self.label}] "))
 
     # -- one step, in the order of the data path ---------------------------------------------------------------
 
     def step(self, g: int) -> dict[str, Any]:
-        phase = WARMUP if g < self.sao.critic_warmup else POLICY
+        phase = WARMUP if self.warmup_length is None or g < self.warmup_length else POLICY
         started = time.perf_counter()
         batch = self.source.next_batch(g, phase, self.policy_version)  # prompts → source → trajectories
         rollout = batch.rollout
@@ -157,7 +182,7 @@ class Trainer:
         if policy_step:  # (sum over ranks) → clip → AdamW on LoRA, unless something was not finite
             if finite:
                 self.world.sum_gradients(self.lora_params)
-            lr = self._set_lr(g - self.sao.critic_warmup)
+            lr = self._set_lr(g - self.warmup_length)
             grad_norm, skipped = apply_policy_step(self.policy_opt, self.lora_params, self.settings.grad_clip, finite)
             if not skipped:
                 self.policy_version += 1
@@ -168,10 +193,14 @@ class Trainer:
         critic_loss = critic_steps(self.models.value_head, self.critic_opt, result.forward.hidden, targets,
                                    rollout.action_mask[own], self.sao.critic_steps, world=self.world)  # fmt: skip
         record = step_record(
-            step=g, phase=phase, policy_step=g - self.sao.critic_warmup if policy_step else None,
+            step=g, phase=phase, policy_step=g - self.warmup_length if policy_step else None,
             policy_version=self.policy_version, staleness=batch.staleness, rollout=rollout, rewards=rewards,
             update=result.update, critic_loss=critic_loss, grad_norm=grad_norm, skipped=skipped,
         )  # fmt: skip
+        if self.sao.baseline != "critic":  # the update's EV is the fixed baseline's: the critic's, beside it
+            record["critic_explained_variance"] = explained_variance(
+                result.critic_values, result.update.value_targets, rollout.action_mask
+            )
         return {
             "arm": self.sao.correction, "seed": self.settings.seed, **record, **batch.info, **extras, "loss": loss,
             **result.extra_stats, "lr": lr, "micro_batch": self.micro_batch, "oom_retries": retries,
@@ -210,13 +239,16 @@ class Trainer:
         try:
             for hook in self.hooks:
                 hook.on_run_start(self)
-            for g in range(self.next_step, self.total_steps):
+            while self.next_step < self.total_steps:
+                g = self.next_step
                 try:
                     record = self.step(g)
                 except SourceExhausted as end:  # e.g. a trace log with no further batch: the run ends here
                     self.ended_early = str(end)
                     self.say(f"[{self.label}] stopped after {g} of {self.total_steps} steps: {end}")
                     break
+                if self.warmup_length is None:
+                    self._decide_warmup(record)
                 self.records.append(record)
                 self.next_step = g + 1
                 for hook in self.hooks:
@@ -276,6 +308,7 @@ class Trainer:
         return {
             "next_step": self.next_step,
             "policy_version": self.policy_version,
+            "critic_warmup_steps": self.warmup_length,
             "micro_batch": self.micro_batch,
             "policy": {n: p.detach().cpu().clone() for n, p in lora_state(self.models.policy).items()},
             "source": self.source.state_dict(),
@@ -298,6 +331,8 @@ class Trainer:
         self.policy_opt.load_state_dict(state["policy_opt"])
         self.critic_opt.load_state_dict(state["critic_opt"])
         self.policy_version = state["policy_version"]
+        if self.warmup_length is None:  # an automatic warmup the checkpoint may have decided
+            self.warmup_length = state.get("critic_warmup_steps")
         self.micro_batch = state.get("micro_batch", self.micro_batch)
         self.next_step, self.records, self.warnings = state["next_step"], state["records"], state["warnings"]
         self._saved_at = self.next_step
@@ -338,6 +373,7 @@ class _Progress:
         summary = {"reward": f"{record['reward_mean']:.2f}", "masked": f"{record['masked_share']:.4f}",
                    "ratio_max": f"{record['ratio_max']:.2f}", "stale": record["staleness"]}  # fmt: skip
         if self.tty:
+            self.bar.total = self.trainer.total_steps  # an automatic warmup shortens the run once it ends
             self.bar.update(1)
             self.bar.set_postfix(summary)
         elif self.trainer.progress and (record["step"] + 1) % self.every == 0:
