@@ -172,6 +172,18 @@ class BroadcastSource:
         if world.is_main and source is None:
             raise ValueError("rank 0 needs the real source")
         self.world, self.source, self.device = world, source, torch.device(device)
+        # what every rank reads of the source: its training tasks by id (for the scorer; a source that grades its own
+        # rows has none) and its staleness bound (for the hooks)
+        shared = {"tasks": getattr(source, "tasks", None), "max_staleness": getattr(source, "max_staleness", None)}
+        shared = world.broadcast(shared if world.is_main else None)
+        self.tasks, self.max_staleness = shared["tasks"] or {}, shared["max_staleness"]
+
+    def __getattr__(self, name: str) -> Any:
+        """Anything else the real source offers (its summary, its sampler's adapters) on rank 0; not elsewhere."""
+        source = self.__dict__.get("source")
+        if source is None:
+            raise AttributeError(name)
+        return getattr(source, name)
 
     def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:
         batch = None

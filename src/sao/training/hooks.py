@@ -200,7 +200,8 @@ class Mismatch(Hook):
     def on_pass(self, trainer: Trainer, batch: Batch, forward: TeacherForced) -> dict[str, Any]:
         rollout = batch.rollout
         staleness = torch.tensor(batch.staleness, device=rollout.action_mask.device)  # [B]
-        recorded, now = rollout.sampler_logprobs, forward.logprobs.detach()  # [B, R]
+        recorded = rollout.sampler_logprobs  # [B, R]
+        now = trainer.world.gather_rows(forward.logprobs.detach())  # [B, R] every rank's rows (as is on one)
         out: dict[str, Any] = {
             "mismatch_fresh": _mean_abs(now - recorded, rollout.action_mask & (staleness == 0)[:, None])
         }
