@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from dataclasses import asdict
 
@@ -270,6 +271,17 @@ def test_tiny_calc_questions_have_three_or_four_digit_operands_and_right_answers
     assert tiny_calc.question(tiny_calc.POOL_SIZE - 1).question == "What is 9999-9999?"
     with pytest.raises(IndexError):
         tiny_calc.question(tiny_calc.POOL_SIZE)
+
+
+def test_tiny_calc_held_out_problems_are_disjoint_from_training_problems():
+    split = tiny_calc.make_split(480, 120, seed=0)
+
+    def problems(tasks) -> set[tuple[int, str, int]]:
+        found = [re.fullmatch(r"What is (\d+)([+-])(\d+)\?", t.question).groups() for t in tasks]
+        return {(int(a), op, int(b)) for a, op, b in found}
+
+    train, test = problems(split.train), problems(split.test)
+    assert len(test) == 120 and len(train) == 480 and not train & test
 
 
 def test_tiny_calc_split_has_the_sizes_asked_is_disjoint_and_seeded():

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from helpers import run_log
+from sao.algorithm.corrections import row_keys
 from sao.algorithm.update import SAO
 from sao.cli import main
 from sao.core import stats
@@ -21,7 +22,7 @@ from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.io import clean
 from sao.experiment import confirm
-from sao.experiment.runner import Grid
+from sao.experiment.runner import Grid, dis_shares_by_staleness
 from sao.tiny import arithmetic as tiny
 
 CELL = "lag2-lr0.003-band0.7-6"
@@ -83,18 +84,20 @@ def test_the_plan_runs_end_to_end_and_the_report_states_it_first(confirmed):
     text = (out / "report.md").read_text()
     assert text.index("## Plan (fixed before the run)") < text.index("## What came out") < text.index("## Verdict")
     assert "seeds 201, 202" in text and "explored/results.json used seeds 17, 18" in text
-    assert "Holm-adjusted p" in text and "`random` (a random token mask at the share dis masked" in text
+    assert "Holm-adjusted p" in text
+    assert "`random` (a random token mask at the share dis masked at each staleness level" in text
 
 
-def test_the_random_arm_masks_the_share_the_dis_arm_masked(confirmed):
+def test_the_random_arm_masks_the_share_the_dis_arm_masked_at_each_staleness_level(confirmed):
     _, out, _ = confirmed
     for seed in (201, 202):
         runs = out / "cells" / CELL / "runs"
         dis = run_log(runs / f"dis-s{seed}")
-        share = statistics.fmean(r["masked_share"] for r in dis if r["phase"] == "policy")
+        share = dis_shares_by_staleness(dis)
+        assert len(share) == 3, "one share per staleness level 0, 1, 2 at lag 2"
         random_run = json.loads((runs / f"random-s{seed}" / "config.json").read_text())
         algorithm = random_run["config"]["algorithm"]
-        assert algorithm["correction"] == "random" and algorithm["random_mask_share"] == share
+        assert algorithm["correction"] == "random" and algorithm["random_mask_share"] == list(share)
         log = run_log(runs / f"random-s{seed}")
         none = run_log(runs / f"none-s{seed}")
         assert log[0]["reward_mean"] == none[0]["reward_mean"], "the arms share prompts and sampler seeds"
@@ -329,7 +332,8 @@ def _batch(B: int = 6, T: int = 40) -> dict[str, torch.Tensor]:
     sampler = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
     return {"logprobs": sampler + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64),
             "sampler_logprobs": sampler, "values": torch.zeros(B, T, dtype=torch.float64),
-            "rewards": torch.tensor([1.0, 0, 1, 0, 1, 1], dtype=torch.float64), "action_mask": mask}  # fmt: skip
+            "rewards": torch.tensor([1.0, 0, 1, 0, 1, 1], dtype=torch.float64), "action_mask": mask,
+            "random_key": row_keys(17, 5, B)}  # fmt: skip
 
 
 def test_the_random_rule_drops_its_share_whatever_the_ratio_and_however_the_batch_is_split():

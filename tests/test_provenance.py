@@ -121,6 +121,23 @@ def test_differences_name_the_pieces_whose_hashes_differ_and_note_the_machine():
     assert prov.missing({"a": _block(), "old": {}}) == ["old"]
 
 
+def test_machine_records_the_cpus_instruction_set_and_torchs_kernel_choice(tmp_path):
+    block = prov.machine()
+    assert block["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    if os.path.exists("/proc/cpuinfo"):
+        assert isinstance(block["cpu_flags"], list) and set(block["cpu_flags"]) <= prov.CPU_FLAGS
+        if block["cpu_capability"] in ("AVX2", "AVX512"):
+            assert "avx2" in block["cpu_flags"], "torch's AVX2 kernels need the flag the CPU lists"
+    one = "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse4_2 avx2 fma avx512f amx_bf16 ht\n"
+    fake = tmp_path / "cpuinfo"
+    fake.write_text(one + one.replace("avx512f ", "").replace("Some", "Other"))
+    assert prov.cpuinfo(fake) == ("Some CPU", ["amx_bf16", "avx2", "avx512f", "fma", "sse4_2"]), "the first processor"
+    assert prov.cpuinfo(tmp_path / "absent") == (None, None)
+    blocks = {"a": {"machine": {"cpu_flags": ["avx2"]}}, "b": {"machine": {"cpu_flags": ["avx512f"]}}}
+    warnings = prov.differences(blocks)
+    assert "CPU instruction-set extensions" in " ".join(warnings)
+
+
 def test_collect_records_hashes_machine_and_code(tiny_model_dir):
     split = tiny.make_split(8, 4)
     block = prov.collect(str(tiny_model_dir), split.train, split.test, split.source)

@@ -4,9 +4,12 @@ between 0 and 1."""
 from __future__ import annotations
 
 import json
+import re
 
+import pytest
 import torch
 
+from sao.core.errors import DataError
 from sao.model.policy import load_base
 from sao.tasks.gsm8k import grading
 from sao.tiny import arithmetic as tiny
@@ -34,6 +37,26 @@ def test_task_answers_are_right_and_graded_by_sao_grading():
         a, op, b = int(expr[0]), expr[1], int(expr[2])
         assert int(t.answer) == (a + b if op == "+" else a - b)
         assert grading.math_equal(f"{expr}={t.answer}\n#### {t.answer}", t.answer)
+
+
+def _problem(question: str) -> tuple[int, str, int]:
+    """(a, op, b) read back from a question's text, whatever its phrasing."""
+    a, op, b = re.search(r"(\d+)([+-])(\d+)", question).groups()
+    return int(a), op, int(b)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 17])
+def test_held_out_problems_are_disjoint_from_training_problems_not_only_as_strings(seed):
+    split = tiny.make_split(480, 120, seed=seed)
+    train, test = {_problem(t.question) for t in split.train}, {_problem(t.question) for t in split.test}
+    assert len(test) == 40 and not train & test, "no held-out (a, op, b) is trained on in another phrasing"
+    small = tiny.make_split(8, 4, seed=seed)  # a held-out problem's other phrasings are counted, not trained
+    assert not {_problem(t.question) for t in small.train} & {_problem(t.question) for t in small.test}
+    c = small.counts
+    assert c["train_contaminated"] == c["train_pool"] - c["train_kept"] > 0
+    assert split.source == f"generated:tiny-arithmetic/split-v{tiny.SPLIT_VERSION}"
+    with pytest.raises(DataError):
+        tiny.make_split(481, 120)
 
 
 def test_split_is_disjoint_seeded_and_counted():

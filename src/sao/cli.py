@@ -102,6 +102,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, command: str, skip: tuple
             kwargs["type"] = _count_or_word
         elif hint in (float, float | None):
             kwargs["type"] = float
+        elif hint == float | tuple[float, ...] | None:  # one number, or one per level: --random-mask-share 0 .1 .2
+            kwargs.update(nargs="+", type=float, metavar="SHARE")
         group.add_argument(*flags, **kwargs)
 
 
@@ -122,6 +124,7 @@ def config_from_args(args: argparse.Namespace):
     from sao import api
 
     given = {name: value for name, value in vars(args).items() if name in _setting_names() and value is not None}
+    given = {name: value[0] if isinstance(value, list) and len(value) == 1 else value for name, value in given.items()}
     if any(a == "--engine" or a.startswith("--engine=") for a in getattr(args, "argv", ())):
         print("notice: --engine is now --rollout (same values); --engine still works", file=sys.stderr)
     return api.settings(args.preset, getattr(args, "config", None), **given)

@@ -58,9 +58,13 @@ class SAO(AlgorithmSettings):
         ``normalizer`` is N, the action-token count of the whole batch; leave it None unless ``batch`` is
         a micro-batch of a larger one. Every rule is per trajectory, so micro-batch updates with the
         whole batch's N give exactly the whole batch's coefficients (the stats are the micro-batch's).
+
+        Two optional [B] entries key the ``"random"`` control (``sao.algorithm.corrections.random``):
+        ``random_key`` (int64, ``row_keys(seed, step, B)``: each row's integer key, sliced with the rows of a
+        micro-batch) and ``staleness`` (integers: each row's level, for a share per staleness level).
         """
         logprobs, sampler_logprobs, values, rewards, action_mask = _validate(batch)
-        ratio, weight = self._ratio_and_weight(logprobs, sampler_logprobs, action_mask)
+        ratio, weight = self._ratio_and_weight(logprobs, sampler_logprobs, action_mask, batch)
         advantages, lam = gae(values, rewards, action_mask, self.gae_alpha)
         value_targets = monte_carlo_returns(rewards, action_mask)
 
@@ -81,11 +85,11 @@ class SAO(AlgorithmSettings):
         )
 
     def _ratio_and_weight(
-        self, logprobs: Tensor, sampler_logprobs: Tensor, action_mask: Tensor
+        self, logprobs: Tensor, sampler_logprobs: Tensor, action_mask: Tensor, batch: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         one = torch.ones_like(logprobs)
         ratio = torch.where(action_mask, (logprobs - sampler_logprobs).exp(), one)  # [B, T], 1 off-action
-        weight = CORRECTIONS.get(self.correction)(ratio, action_mask, self, sampler_logprobs)  # [B, T] f(r)
+        weight = CORRECTIONS.get(self.correction)(ratio, action_mask, self, batch)  # [B, T] f(r)
         return ratio, torch.where(action_mask, weight, torch.zeros_like(weight))
 
 

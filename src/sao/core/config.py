@@ -69,6 +69,12 @@ def _in_registry(registry: Registry) -> Any:
     return check
 
 
+def _shares(value: float | tuple[float, ...] | None) -> str | None:
+    if value is None or isinstance(value, float | int):
+        return None if value is None else share(value)
+    return next((f"entry {i}: {problem}" for i, p in enumerate(value) if (problem := share(p))), None)
+
+
 def _seed(value: int) -> str | None:
     return None if 0 <= value < SEED_LIMIT else "must be a whole number from 0 to 2**63 - 1"
 
@@ -178,12 +184,15 @@ class AlgorithmSettings(Section):
     tis_cap: float = option(
         2.0, 'Cap C for the "tis" rule only.', check=lambda c: None if math.isfinite(c) and c >= 1 else "must be >= 1"
     )
-    random_mask_share: float | None = option(
+    random_mask_share: float | tuple[float, ...] | None = option(
         None,
-        'The "random" rule only: the probability that each action token is dropped. None: the share the "dis" arm '
-        "masked (its mean masked share over the policy steps) in the same cell and seed of the experiment, so that "
-        "the two arms drop as much and differ in which tokens; `sao train --correction random` needs a number.",
-        check=lambda p: None if p is None else share(p),
+        'The "random" rule only: the probability that each action token is dropped, one number or one per '
+        'staleness level 0, 1, 2, ... (levels past the list\'s end take its last entry). None: the share the "dis" '
+        "arm masked at each staleness level (its mean over the policy steps at that level) in the same cell and "
+        "seed of the experiment, so that the two arms drop as much at every level and differ in which tokens; "
+        "`sao train --correction random` needs a value. Which tokens are dropped is a hash of (seed, step, row, "
+        "position), never of a float.",
+        check=lambda p: _shares(p),
     )
     baseline: str = option(
         "critic",

@@ -37,6 +37,7 @@ HASHES = {  # path in a provenance block → what it names, for the warnings
 }
 ENVIRONMENT = {  # what changes floating point but not what was computed
     ("machine", "cpu"): "CPU",
+    ("machine", "cpu_flags"): "CPU instruction-set extensions",
     ("machine", "cpu_capability"): "CPU instruction set",
     ("machine", "torch_threads"): "torch threads",
     ("code", "versions"): "library versions",
@@ -132,23 +133,45 @@ def model_block(model: str, name: str | None = None) -> dict[str, Any]:
             "tokenizer_sha256": tokenizer_sha256(folder)}  # fmt: skip
 
 
+# The instruction-set extensions that pick floating-point kernels (vector width, fused multiply-add, bf16/fp16,
+# matrix units), as /proc/cpuinfo names them on x86 ("flags") and on ARM ("Features").
+CPU_FLAGS = frozenset({
+    "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512dq", "avx512cd", "avx512bw",
+    "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx512ifma", "avx512vbmi", "amx_tile", "amx_bf16",
+    "amx_int8", "amx_fp16", "asimd", "asimdhp", "asimddp", "sve", "sve2", "bf16", "i8mm", "sme",
+})  # fmt: skip
+
+
+def cpuinfo(path: str | Path = "/proc/cpuinfo") -> tuple[str | None, list[str] | None]:
+    """(the CPU's model name, its instruction-set flags among ``CPU_FLAGS``, sorted) from the first processor in
+    ``path``; None for what the file does not say (there is no such file off Linux)."""
+    cpu, flags = None, None
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None, None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if cpu is None and key == "model name":
+            cpu = value.strip()
+        elif flags is None and key in ("flags", "features"):
+            flags = sorted(set(value.split()) & CPU_FLAGS)
+    return cpu, flags
+
+
 def machine() -> dict[str, Any]:
-    """The CPU, its instruction set as torch's kernels see it, cores and thread settings."""
+    """The CPU, its instruction set (the extensions /proc/cpuinfo lists, and the one torch's kernels use), cores
+    and thread settings: what decides whether floating point repeats bit for bit."""
     import torch
 
-    cpu = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.lower().startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu, flags = cpuinfo()
     capability = None
     with contextlib.suppress(AttributeError, RuntimeError):  # older torch builds lack it
         capability = torch.backends.cpu.get_cpu_capability()
     return {
         "cpu": cpu or platform.processor() or platform.machine() or None,
+        "cpu_flags": flags,
         "cpu_capability": capability,
         "architecture": platform.machine(),
         "cores": os.cpu_count(),

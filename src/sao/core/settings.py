@@ -105,6 +105,11 @@ def _convert(hint: Any, value: Any) -> tuple[bool, Any]:
         return (True, float(value)) if isinstance(value, numbers.Real) else (False, value)
     if origin is tuple:
         members = typing.get_args(hint)
+        if len(members) == 2 and members[1] is Ellipsis:  # tuple[X, ...]: one or more values of one type
+            if not isinstance(value, list | tuple) or not value:
+                return False, value
+            items = [_convert(members[0], item) for item in value]
+            return (True, tuple(c for _, c in items)) if all(ok for ok, _ in items) else (False, value)
         if not isinstance(value, list | tuple) or len(value) != len(members):
             return False, value
         items = [_convert(member, item) for member, item in zip(members, value, strict=True)]
@@ -117,6 +122,8 @@ def _describe(hint: Any) -> str:
         return " or ".join(_describe(member) for member in typing.get_args(hint))
     if typing.get_origin(hint) is tuple:
         members = typing.get_args(hint)
+        if len(members) == 2 and members[1] is Ellipsis:
+            return "a list of numbers" if members[0] is float else "a list of values"
         return "a pair of numbers [lo, hi]" if members == (float, float) else f"a list of {len(members)} values"
     names = {type(None): "null", bool: "true or false", str: "a string", int: "an integer", float: "a number"}
     return names[hint]

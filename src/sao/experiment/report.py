@@ -788,8 +788,13 @@ def _plan_section(results: dict[str, Any]) -> list[str]:
     primary, seeds = plan.get("primary") or {}, plan.get("seeds") or []
     arms = plan.get("arms") or []
     share = plan.get("random_mask_share")
-    controls = {"random": "a random token mask at " + ("the share dis masked in the same cell and seed" if share is None
-                else f"share {fmt_share(share)}"), "tis": "truncated IS", "seqmask": "sequence masking"}  # fmt: skip
+    if share is None:
+        at = "the share dis masked at each staleness level in the same cell and seed"
+    elif isinstance(share, list | tuple):
+        at = "share " + ", ".join(fmt_share(p) for p in share) + " at staleness 0, 1, ..."
+    else:
+        at = f"share {fmt_share(share)}"
+    controls = {"random": "a random token mask at " + at, "tis": "truncated IS", "seqmask": "sequence masking"}
     named = [f"`{a}` ({controls[a]})" if a in controls else f"`{a}`" for a in arms]
     cited = plan.get("exploratory") or []
     fresh = ("; ".join(f"{_text(e.get('path'))} used {_seed_span(e.get('seeds') or [])}" for e in cited)

@@ -271,21 +271,20 @@ class Experiment:
         elif self.out.exists() and any(self.out.iterdir()):
             raise ConfigError(f"output folder {self.out} is not empty and holds no sao experiment; choose a new --out")
 
-    def _run_config(self, cell: dict[str, Any], arm: str, seed: int, share: float | None = None) -> Config:
-        """One run's settings. The random arm without a share of its own masks ``share``: the dis arm's, measured
-        in the same cell and seed (0 while settings are only being checked)."""
+    def _run_config(self, cell: dict[str, Any], arm: str, seed: int, share: tuple[float, ...] | None = None) -> Config:
+        """One run's settings. The random arm without a share of its own masks ``share``: the dis arm's at each
+        staleness level, measured in the same cell and seed (0 while settings are only being checked)."""
         changes: dict[str, Any] = {"lag": cell["lag"], "lr": cell["lr"], "band": cell["band"], "arm": arm, "seed": seed}
         if arm == "random" and self.config.algorithm.random_mask_share is None:
             changes["random_mask_share"] = share or 0.0
         return self.config.replace(**changes)
 
-    def _dis_share(self, cell: dict[str, Any], seed: int) -> float:
-        """The mean masked share of the dis run of this cell and seed over its policy steps (trained before the
-        random arm: the arms run in grid order, dis first)."""
+    def _dis_shares(self, cell: dict[str, Any], seed: int) -> tuple[float, ...]:
+        """The dis run's masked share at each staleness level 0, 1, ..., its highest, in this cell and seed (trained
+        before the random arm: the arms run in grid order, dis first): at each level the mean over the policy steps
+        of the share among that level's rows; a level dis never saw takes its mean over every step."""
         run_dir, _, redo = self._paths(cell, "dis", seed)
-        shares = [r["masked_share"] for r in checkpoint.read_log(run_dir, redo)
-                  if r["phase"] == POLICY and r.get("masked_share") is not None]  # fmt: skip
-        return statistics.fmean(shares) if shares else 0.0
+        return dis_shares_by_staleness(checkpoint.read_log(run_dir, redo))
 
     @property
     def provenance(self) -> dict[str, Any]:
@@ -328,7 +327,7 @@ class Experiment:
         run_dir, eval_file, _ = self._paths(cell, arm, seed)
         if not eval_file.exists():
             share = (
-                self._dis_share(cell, seed)
+                self._dis_shares(cell, seed)
                 if arm == "random" and self.config.algorithm.random_mask_share is None
                 else None
             )
@@ -460,3 +459,22 @@ class Experiment:
                 "compute_total": sum(train_s.values()) + sum(eval_s.values()),
             },
         }
+
+
+def dis_shares_by_staleness(records: list[dict[str, Any]]) -> tuple[float, ...]:
+    """Per staleness level 0 .. the highest seen, the mean over a run's policy steps of its masked share among that
+    level's rows (a log without ``masked_share_by_staleness`` gives each step's share to its ``staleness``); a level
+    with no step takes the mean over every step. (0.0,) for a log with no policy step."""
+    by_level: dict[int, list[float]] = {}
+    every: list[float] = []
+    for r in records:
+        if r.get("phase") != POLICY or r.get("masked_share") is None:
+            continue
+        every.append(float(r["masked_share"]))
+        levels = r.get("masked_share_by_staleness") or {str(r.get("staleness", 0)): r["masked_share"]}
+        for level, value in levels.items():
+            by_level.setdefault(int(level), []).append(float(value))
+    if not every:
+        return (0.0,)
+    overall = statistics.fmean(every)
+    return tuple(statistics.fmean(by_level[s]) if s in by_level else overall for s in range(max(by_level) + 1))

@@ -117,26 +117,67 @@ def all_questions() -> list[Task]:
     return tasks
 
 
+def problem(index: int) -> tuple[int, str, int]:
+    """The (a, op, b) that question ``tiny/<index>`` of ``all_questions`` asks, whichever its phrasing."""
+    rest, b = divmod(index % 200, 10)
+    op, a = divmod(rest, 10)
+    return a, "+-"[op], b
+
+
+# The version of ``make_split``'s draw, in the task set's source: 1 held questions out as strings (117 of 120
+# held-out questions shared their (a, op, b) with a training prompt in another phrasing); 2 holds problems out.
+SPLIT_VERSION = 2
+
+
 def make_split(n_train: int, n_test: int, seed: int = 0) -> TaskSet:
-    """Held-out questions and training prompts, disjoint as strings, drawn with fixed seeds."""
+    """Held-out questions and training prompts, disjoint as problems (a, op, b), not only as strings: the held-out
+    problems are drawn with ``random.Random(seed)``, each taking its phrasings in a seeded order until ``n_test``
+    questions are held out; the training prompts are drawn with ``random.Random(seed + 1)`` among the questions of
+    the other problems (a phrasing of a held-out problem that is not itself held out counts as contaminated).
+    With the preset's 480 + 120, 40 problems are held out in all 3 phrasings and the other 160 train."""
     pool = all_questions()
-    if n_train + n_test > len(pool):
-        raise DataError(f"the tiny task has {len(pool)} questions; asked for {n_train} train + {n_test} held out")
-    order = list(range(len(pool)))
-    random.Random(seed).shuffle(order)
-    test = [pool[i] for i in sorted(order[:n_test])]
-    rest = [pool[i] for i in order[n_test:]]
-    train = sorted(random.Random(seed + 1).sample(rest, n_train), key=lambda t: int(t.id.split("/")[1]))
+    problems = sorted({problem(i) for i in range(len(pool))})  # 200 (a, op, b)
+    if n_train < 0 or n_test < 0:
+        raise DataError(f"prompt counts must be non-negative, got n_train={n_train}, n_test={n_test}")
+    rng = random.Random(seed)
+    order = list(range(len(problems)))
+    rng.shuffle(order)
+    by_problem: dict[tuple[int, str, int], list[int]] = {}
+    for i in range(len(pool)):
+        by_problem.setdefault(problem(i), []).append(i)
+    test_ids: list[int] = []
+    held: set[tuple[int, str, int]] = set()
+    for k in order:
+        if len(test_ids) >= n_test:
+            break
+        phrasings = list(by_problem[problems[k]])
+        rng.shuffle(phrasings)
+        test_ids += phrasings[: n_test - len(test_ids)]
+        held.add(problems[k])
+    held_out = set(test_ids)
+    rest = [pool[i] for i in range(len(pool)) if i not in held_out]
+    kept = [t for t in rest if problem(int(t.id.split("/")[1])) not in held]
+    if len(test_ids) < n_test or n_train > len(kept):
+        raise DataError(
+            f"the tiny task has {len(problems)} problems in {len(pool)} questions; {n_test} held out leave "
+            f"{len(kept)} questions of other problems, and {n_train} train were asked for"
+        )
+    test = [pool[i] for i in sorted(test_ids)]
+    train = sorted(random.Random(seed + 1).sample(kept, n_train), key=lambda t: int(t.id.split("/")[1]))
     counts = {
-        "train_pool": len(pool) - n_test,
+        "train_pool": len(rest),
         "test_pool": len(pool),
         "test": n_test,
-        "train_contaminated": 0,
-        "train_kept": len(pool) - n_test,
+        "train_contaminated": len(rest) - len(kept),
+        "train_kept": len(kept),
         "train": n_train,
     }
     return TaskSet(
-        train=train, test=test, counts=counts, source="generated:tiny-arithmetic", instruction=TINY_INSTRUCTION
+        train=train,
+        test=test,
+        counts=counts,
+        source=f"generated:tiny-arithmetic/split-v{SPLIT_VERSION}",
+        instruction=TINY_INSTRUCTION,
     )
 
 

@@ -63,11 +63,13 @@ def policy_gradient_pass(
     world: World = SINGLE,
     kl_coef: float = 0.0,
     entropy_coef: float = 0.0,
+    row_info: dict[str, torch.Tensor] | None = None,
 ) -> PassResult:
     """The teacher-forced pass and the policy gradient, ``rows`` trajectories at a time (see the module doc).
     On a critic-only step no gradient is taken and ``loss`` is NaN. Under torchrun ``rollout`` and
     ``rewards`` are the whole batch and this process passes only its rows (``world.shard``): ``forward``,
-    ``loss`` and ``finite`` are then this rank's, ``update`` the whole batch's."""
+    ``loss`` and ``finite`` are then this rank's, ``update`` the whole batch's. ``row_info``: further [B] entries of
+    the update's batch, sliced with its rows (the random control's ``random_key`` and ``staleness``)."""
     mask = rollout.response_mask  # [B, R] every real response token (actions and observations)
     actions = rollout.action_mask  # [B, R] the tokens the model wrote
     n_tokens = float(actions.sum())  # N of the whole batch
@@ -92,6 +94,7 @@ def policy_gradient_pass(
                 "values": part_values,
                 "rewards": rewards[part].to(part_values),
                 "action_mask": actions[part],
+                **{key: value[part] for key, value in (row_info or {}).items()},
             }
             loss = sao.update(part_batch, normalizer=n_tokens).policy_loss(forward.logprobs)
             on = actions[part]  # [b, R] the terms below are means over the whole batch's action tokens, like c_t
@@ -124,6 +127,7 @@ def policy_gradient_pass(
         "values": (values_all := world.gather_rows(torch.cat(values))),
         "rewards": rewards.to(forward.logprobs),
         "action_mask": actions,
+        **(row_info or {}),
     }
     update = sao.update(whole_batch)
     extra = {}

@@ -1,7 +1,7 @@
 """What a step leaves behind: its log record, and the reachability checks read off the records so far.
 
-    record          one flat dict per step: phase, staleness, reward, masked and would-be masked
-                    share (over action tokens), ratio quantiles, KL(sampler‖policy), advantage, λ, explained
+    record          one flat dict per step: phase, staleness, reward, masked (also by staleness) and would-be
+                    masked share (over action tokens), ratio quantiles, KL(sampler‖policy), advantage, λ, explained
                     variance, critic loss, length, truncation, grad norm, skipped — and for multi-turn
                     trajectories turns, tool calls, tool use, tool error rate and the observation-token share
     reachability    once, after the first max(LAG, 4) stale batches: if they would mask almost nothing, warn
@@ -22,6 +22,19 @@ import torch
 from sao.algorithm.update import Update
 from sao.rollout.sources import POLICY
 from sao.rollout.types import Rollout
+
+
+def masked_by_staleness(update: Update, action_mask: torch.Tensor, staleness: list[int]) -> dict[str, float]:
+    """The masked share among the action tokens of the rows at each staleness level ({"4": 0.12, ...}; a masked
+    token is an action token with a finite ratio that carries no gradient), what the random control matches."""
+    level = torch.tensor(staleness, device=action_mask.device)  # [B]
+    masked = action_mask & ~update.mask & torch.isfinite(update.ratio)  # [B, T]
+    out = {}
+    for value in sorted(set(staleness)):
+        rows = level == value  # [B]
+        tokens = float(action_mask[rows].sum())
+        out[str(value)] = float(masked[rows].sum()) / tokens if tokens else 0.0
+    return out
 
 
 def step_record(
@@ -64,6 +77,7 @@ def step_record(
         "skipped": skipped,
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_hist": histogram,
+        "masked_share_by_staleness": masked_by_staleness(update, rollout.action_mask, staleness),
     }
     if rollout.turns is not None:  # multi-turn trajectories: how the agent used its environment
         turns = rollout.turns

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from sao.algorithm.corrections import row_keys
 from sao.algorithm.update import SAO, explained_variance
 from sao.core.config import Config
 from sao.model import artifacts
@@ -167,7 +168,13 @@ class Trainer:
                 self.models, self.sao, rollout, rewards, rows=rows, with_policy_gradient=policy_step,
                 temperature=self.config.rollout.temperature, logprob_chunk=self.config.model.logprob_chunk,
                 world=self.world, kl_coef=self.settings.kl_coef, entropy_coef=self.settings.entropy_coef,
+                row_info=row_info,
             )  # fmt: skip
+
+        row_info = {  # [B] each: the random control's integer key (seed, step, row) and each row's staleness
+            "random_key": row_keys(self.settings.seed, g, len(rewards)),
+            "staleness": torch.tensor(batch.staleness, dtype=torch.int64),
+        }
 
         own = self.world.shard(len(rewards))  # this rank's rows (every row on one process)
         width = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
