@@ -62,7 +62,7 @@ def build(tiny: bool, device: torch.device):
     """(policy with a non-trivial LoRA adapter, vocab size, prompt length, new tokens, parameter count)."""
     if tiny:
         from sao.model.policy import load_base
-        from sao.tasks import tiny as tiny_mod
+        from sao.tiny import arithmetic as tiny_mod
 
         base, _ = load_base(tiny_mod.ensure_model(progress=False), device)
         prompt_len, new_tokens = 48, 20
