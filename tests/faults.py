@@ -92,6 +92,13 @@ KINDS: dict[str, tuple[str, str]] = {
         "the long line refused in one line after reading 1 MiB; memory the tasks drawn plus 16 bytes a row, never "
         "a copy of the file",
     ),
+    "failing early": (
+        "a --reward that fails in the first step (--out absent or empty), --track wandb without the extra, the "
+        "corrected command after either, a recipe whose first run fails; sao serve start-up errors: a port in "
+        "use, a missing model, a bad --reward, a bad --host or --port",
+        "one-line error, exit code 2, no traceback; --out left as it was found (absent or empty) so the corrected "
+        "command runs, and no trace log or lock created",
+    ),
 }
 
 _recorded: dict[str, set[str]] = defaultdict(set)
