@@ -99,6 +99,15 @@ KINDS: dict[str, tuple[str, str]] = {
         "one-line error, exit code 2, no traceback; --out left as it was found (absent or empty) so the corrected "
         "command runs, and no trace log or lock created",
     ),
+    "trace log integrity": (
+        "a second server on the log by a symlink, a hard link or its name; a short write on a full disk and a "
+        "torn tail before the next append; sao train --traces on an empty log, /dev/null or a FIFO; sao serve "
+        "--traces on /dev/null, a FIFO or a folder; --follow on a log replaced by a shorter or longer file; "
+        "feedback for ids never logged",
+        "the second server refused in one line (the lock is the file's, by device and inode); every line whole, "
+        "the torn bytes cut, no record glued or lost; odd or empty logs one line, exit code 2, nothing written; "
+        "a replaced log read from its start (said once), none skipped; unmatched feedback counted in traces.json",
+    ),
 }
 
 _recorded: dict[str, set[str]] = defaultdict(set)

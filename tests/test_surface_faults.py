@@ -8,6 +8,8 @@ one-line OpenAI-shaped error, and nothing written or lost; each passing case rec
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import sys
 import textwrap
@@ -143,3 +145,150 @@ def test_a_server_that_cannot_start_creates_no_trace_log_or_lock(tmp_path, capsy
         busy.close()
     assert not any(tmp_path.rglob("*")), sorted(tmp_path.rglob("*"))
     faults.record("failing early", f"sao serve start-up: {case}")
+
+
+# --- the trace log's integrity ---------------------------------------------------------------------------------
+
+
+def _trajectory(i: int, **changes) -> dict:
+    return {"id": f"r{i}", "policy_version": 0, "temperature": 1.0, "prompt_token_ids": [1, 70, 71],
+            "completion_token_ids": [72, 73, 2], "logprobs": [-0.1, -0.2, -0.3], "reward": 1.0, **changes}  # fmt: skip
+
+
+def _write(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("link", ["symlink", "hard link", "same name"])
+def test_a_second_writer_by_another_name_is_refused(tmp_path, link, faults):
+    from sao.core.errors import ConfigError
+    from sao.serve.tracelog import TraceLog, check_free
+
+    path = tmp_path / "traces.jsonl"
+    first = TraceLog(path)
+    try:
+        other = {"symlink": tmp_path / "alias.jsonl", "hard link": tmp_path / "twin.jsonl", "same name": path}[link]
+        if link == "symlink":
+            other.symlink_to(path)
+        elif link == "hard link":
+            os.link(path, other)
+        for attempt in (lambda: check_free(other), lambda: TraceLog(other)):
+            with pytest.raises(ConfigError, match="another sao serve is writing the trace log") as error:
+                attempt()
+            assert "\n" not in str(error.value)
+        first.append_trajectory({"id": "c0"})
+    finally:
+        first.close()
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["c0"]
+    assert not list(tmp_path.glob("*.lock"))
+    faults.record("trace log integrity", f"a second server on the same log by a {link}")
+
+
+def test_a_short_write_is_cut_before_the_next_record(tmp_path, monkeypatch, faults):
+    from sao.serve import tracelog
+
+    log = tracelog.TraceLog(tmp_path / "traces.jsonl")
+    real = os.write
+    try:
+        log.append_trajectory({"id": "c0"})
+        monkeypatch.setattr(tracelog.os, "write", lambda fd, data: real(fd, data[: len(data) // 2]))  # a full disk
+        with pytest.raises(OSError, match="short write"):
+            log.append_trajectory({"id": "c1"})
+        monkeypatch.setattr(tracelog.os, "write", real)
+        log.append_trajectory({"id": "c2"})
+        with open(log.path, "ab") as file:  # a torn tail left by a writer that crashed mid-line
+            file.write(b'{"id": "c3", "poli')
+        log.append_feedback("c2", 1.0)
+    finally:
+        log.close()
+    lines = log.path.read_bytes().splitlines(keepends=True)
+    assert all(line.endswith(b"\n") for line in lines)
+    assert [json.loads(line)["id"] for line in lines] == ["c0", "c2", "c2"]
+    faults.record("trace log integrity", "a short write (full disk), then the next record")
+    faults.record("trace log integrity", "a torn tail found before an append")
+
+
+ODD_LOGS = {
+    "an empty log": lambda tmp: (tmp / "empty.jsonl").touch() or tmp / "empty.jsonl",
+    "/dev/null": lambda tmp: Path("/dev/null"),
+    "a FIFO": lambda tmp: os.mkfifo(tmp / "fifo.jsonl") or tmp / "fifo.jsonl",
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_LOGS))
+def test_training_on_an_empty_or_odd_log_is_refused_in_one_line(tmp_path, capsys, case, faults, tiny_model_dir):
+    log = ODD_LOGS[case](tmp_path)
+    out = tmp_path / "run"
+    needle = "is empty" if case == "an empty log" else "not a regular file"
+    _refused(capsys, ["train", *SMALL, "--traces", str(log), "--out", str(out)], needle)
+    assert not out.exists()
+    faults.record("trace log integrity", f"sao train --traces on {case}")
+
+
+@pytest.mark.parametrize("case", ["/dev/null", "a FIFO", "a folder"])
+def test_serving_into_an_odd_log_is_refused(tmp_path, capsys, case, faults):
+    pytest.importorskip("fastapi")
+    log = {"/dev/null": lambda: Path("/dev/null"), "a FIFO": lambda: ODD_LOGS["a FIFO"](tmp_path),
+           "a folder": lambda: tmp_path}[case]()  # fmt: skip
+    before = sorted(tmp_path.iterdir())
+    _refused(capsys, ["serve", "--preset", "tiny", "--traces", str(log), "--port", "0"], "not a regular file")
+    assert sorted(tmp_path.iterdir()) == before
+    faults.record("trace log integrity", f"sao serve --traces {case}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from sao.tiny import arithmetic as tiny
+
+    return tiny.build_tokenizer()
+
+
+def _source(path: Path, tokenizer, **settings):
+    from sao.rollout.traces import TraceSource
+
+    defaults = {"batch_size": 2, "max_staleness": 4, "temperature": 1.0, "vocab_size": len(tokenizer),
+                "eos_token_ids": [tokenizer.eos_token_id], "pad_token_id": tokenizer.pad_token_id,
+                "poll_seconds": 0.01, "warn": lambda line: None}  # fmt: skip
+    return TraceSource(path, tokenizer, **{**defaults, **settings})
+
+
+@pytest.mark.parametrize("size", ["shorter", "longer"])
+def test_a_log_replaced_under_follow_is_read_from_its_start(tmp_path, tokenizer, size, faults):
+    path = _write(tmp_path / "traces.jsonl", [_trajectory(0), _trajectory(1)])
+    warnings: list[str] = []
+    source = _source(path, tokenizer, follow=True, follow_timeout=5, warn=warnings.append)
+    assert source.next_batch(0, "policy", 0).task_ids == ["r0", "r1"]
+    fresh = [_trajectory(i) for i in range(10, 12 if size == "shorter" else 15)]
+    _write(tmp_path / "new.jsonl", fresh).replace(path)  # rotated: another file at the same path
+    assert source.next_batch(1, "policy", 0).task_ids == ["r10", "r11"]  # none skipped, no "not JSON"
+    assert any("was replaced" in w for w in warnings)
+    state = source.state_dict()
+    again = _source(path, tokenizer, follow=True, follow_timeout=5)
+    again.load_state_dict(json.loads(json.dumps(state)))  # what a checkpoint keeps, as JSON
+    if size == "longer":
+        assert again.next_batch(2, "policy", 0).task_ids == ["r12", "r13"]  # resumed where it was, not from 0
+    faults.record("trace log integrity", f"--follow on a log replaced by a {size} file")
+
+
+def test_feedback_for_ids_never_logged_is_counted(tmp_path, tokenizer, faults):
+    records = [
+        _trajectory(0),
+        _trajectory(1, reward=None),
+        {"type": "feedback", "id": "r1", "reward": 0.5},
+        {"type": "feedback", "id": "ghost", "reward": 1.0},
+        {"type": "feedback", "id": "other", "reward": 0.0},
+    ]
+    records[1].pop("reward")
+    source = _source(_write(tmp_path / "traces.jsonl", records), tokenizer)
+    from sao.rollout.sources import SourceExhausted
+
+    source.next_batch(0, "policy", 0)
+    with pytest.raises(SourceExhausted):
+        source.next_batch(1, "policy", 0)  # the log read to its end
+    summary = source.summary()
+    assert summary["traces_feedback_unmatched"] == 2 and summary["traces_feedback_used"] == 1
+    from sao.cli import summarize_traces
+
+    assert "feedback for unknown ids 2" in summarize_traces(summary)
+    faults.record("trace log integrity", "feedback for ids the log never held (counted in traces.json)")
