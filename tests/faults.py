@@ -108,6 +108,11 @@ KINDS: dict[str, tuple[str, str]] = {
         "the torn bytes cut, no record glued or lost; odd or empty logs one line, exit code 2, nothing written; "
         "a replaced log read from its start (said once), none skipped; unmatched feedback counted in traces.json",
     ),
+    "server edges": (
+        "more concurrent requests than the queue bound; the trace log failing while serving",
+        "a 503 (code overloaded) or a 500 in OpenAI's error shape with one line, one line on stderr, no "
+        "traceback; every answered reply logged and the server still up",
+    ),
 }
 
 _recorded: dict[str, set[str]] = defaultdict(set)

@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -292,3 +293,93 @@ def test_feedback_for_ids_never_logged_is_counted(tmp_path, tokenizer, faults):
 
     assert "feedback for unknown ids 2" in summarize_traces(summary)
     faults.record("trace log integrity", "feedback for ids the log never held (counted in traces.json)")
+
+
+# --- the server's edges ----------------------------------------------------------------------------------------
+
+PROMPT = [{"role": "user", "content": "What is 3+4?"}]
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory):
+    """A server on a random one-layer model with the tiny tokenizer (built in a second), stopped at the end."""
+    pytest.importorskip("fastapi")
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from sao.core.config import Config
+    from sao.serve.server import Server
+    from sao.tiny import arithmetic as tiny
+
+    tokenizer = tiny.build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("small-model")
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    root = tmp_path_factory.mktemp("serve")
+    settings = Config(model=str(folder), data="tiny", lora_rank=4, lora_alpha=8, max_new_tokens=4, seed=5)
+    server = Server(settings, root / "traces.jsonl", say=lambda line: None).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_overload_is_an_openai_shaped_503_once_the_queue_bound_is_reached(small_server, monkeypatch, faults):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    service = small_server.service
+    monkeypatch.setattr(service, "_waiting", threading.BoundedSemaphore(3))  # the bound, made small to reach
+    release, real = threading.Event(), service.policy.generate
+
+    def slow(*args, **kwargs):
+        release.wait(20)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(service.policy, "generate", slow)
+    before = service.log.records
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_post, small_server.url, {"messages": PROMPT}) for _ in range(8)]
+        deadline = time.monotonic() + 20
+        while sum(f.done() for f in futures) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        release.set()
+        results = [f.result() for f in futures]
+    refused = [reply for code, reply in results if code == 503]
+    assert len(refused) == 5 and sum(code == 200 for code, _ in results) == 3
+    assert all(r["error"]["code"] == "overloaded" and r["error"]["type"] == "server_error" for r in refused)
+    assert service.log.records == before + 3  # every answered reply logged, no refused one
+    faults.record("server edges", "8 concurrent requests against a queue bound of 3 (5 refused)")
+
+
+def test_a_failure_while_serving_is_an_openai_shaped_500_and_one_line(small_server, monkeypatch, capfd, faults):
+    def full_disk(record):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(small_server.service.log, "append_trajectory", full_disk)
+    code, reply = _post(small_server.url, {"messages": PROMPT})
+    assert code == 500 and reply["error"]["type"] == "server_error" and "No space left" in reply["error"]["message"]
+    err = capfd.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    monkeypatch.undo()
+    assert _post(small_server.url, {"messages": PROMPT})[0] == 200  # and it stays up
+    faults.record("server edges", "the trace log failing while serving (a full disk)")

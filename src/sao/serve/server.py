@@ -140,7 +140,8 @@ class Server:
         import uvicorn
 
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, timeout_keep_alive=5,
-                                limit_concurrency=256, lifespan="off")  # fmt: skip
+                                limit_concurrency=self.service.settings.max_waiting + 64,
+                                lifespan="off")  # fmt: skip  # above max_waiting: the JSON 503 fires first
         self._uvicorn = uvicorn.Server(config)
         return self._uvicorn
 
