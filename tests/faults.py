@@ -109,9 +109,10 @@ KINDS: dict[str, tuple[str, str]] = {
         "a replaced log read from its start (said once), none skipped; unmatched feedback counted in traces.json",
     ),
     "server edges": (
-        "more concurrent requests than the queue bound; the trace log failing while serving",
-        "a 503 (code overloaded) or a 500 in OpenAI's error shape with one line, one line on stderr, no "
-        "traceback; every answered reply logged and the server still up",
+        "more concurrent requests than the queue bound; the trace log failing while serving; clients hanging up "
+        "mid-body",
+        "a 503 (code overloaded) or a 500 in OpenAI's error shape with one line, one line on stderr (a hang-up "
+        "too), no traceback; every answered reply logged and the server still up",
     ),
 }
 

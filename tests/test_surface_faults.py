@@ -383,3 +383,22 @@ def test_a_failure_while_serving_is_an_openai_shaped_500_and_one_line(small_serv
     monkeypatch.undo()
     assert _post(small_server.url, {"messages": PROMPT})[0] == 200  # and it stays up
     faults.record("server edges", "the trace log failing while serving (a full disk)")
+
+
+def test_a_client_that_hangs_up_mid_body_is_one_line_on_stderr(small_server, capfd, faults):
+    body = json.dumps({"messages": PROMPT}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    before = small_server.log.records
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", small_server.port), timeout=30) as sock:
+            sock.sendall(head + body[:10])
+    deadline = time.monotonic() + 10
+    err = ""
+    while err.count("hung up") < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        err += capfd.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 3 and all("hung up after 10 bytes" in line for line in lines) and "Traceback" not in err
+    assert _post(small_server.url, {"messages": PROMPT})[0] == 200 and small_server.log.records == before + 1
+    faults.record("server edges", "3 clients hanging up mid-body")

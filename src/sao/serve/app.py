@@ -26,6 +26,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
 from sao.core.errors import ConfigError
 from sao.serve.served import ServedPolicy
@@ -350,10 +351,16 @@ async def _json_body(request: Request) -> Any:
     if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
         raise HTTPProblem(413, f"the body is over {MAX_BODY_BYTES} bytes", "body_too_large")
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise HTTPProblem(413, f"the body is over {MAX_BODY_BYTES} bytes", "body_too_large")
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise HTTPProblem(413, f"the body is over {MAX_BODY_BYTES} bytes", "body_too_large")
+    except ClientDisconnect:  # one line, not uvicorn's traceback: nothing was drawn or logged for it
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        print(f"sao serve: {client} hung up after {len(raw)} bytes of its request body; nothing logged",
+              file=sys.stderr, flush=True)  # fmt: skip
+        raise HTTPProblem(400, "the client hung up before its body was complete", "client_disconnected") from None
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:
