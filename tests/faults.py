@@ -110,9 +110,10 @@ KINDS: dict[str, tuple[str, str]] = {
     ),
     "server edges": (
         "more concurrent requests than the queue bound; the trace log failing while serving; clients hanging up "
-        "mid-body",
+        "mid-body; --watch on a half-written adapter",
         "a 503 (code overloaded) or a 500 in OpenAI's error shape with one line, one line on stderr (a hang-up "
-        "too), no traceback; every answered reply logged and the server still up",
+        "too), no traceback; every answered reply logged and the server still up; the adapter waited for, served "
+        "once whole, a broken one said once",
     ),
 }
 

@@ -402,3 +402,33 @@ def test_a_client_that_hangs_up_mid_body_is_one_line_on_stderr(small_server, cap
     assert len(lines) == 3 and all("hung up after 10 bytes" in line for line in lines) and "Traceback" not in err
     assert _post(small_server.url, {"messages": PROMPT})[0] == 200 and small_server.log.records == before + 1
     faults.record("server edges", "3 clients hanging up mid-body")
+
+
+def test_a_half_written_adapter_is_waited_for_then_served(small_server, tmp_path, faults):
+    from sao.serve.served import ADAPTER_WEIGHTS, AdapterWatcher
+
+    policy = small_server.policy
+    said: list[str] = []
+    watcher = AdapterWatcher(policy, tmp_path / "run", say=said.append)
+    folder = tmp_path / "run" / "published" / "v5"
+    folder.mkdir(parents=True)
+    whole = tmp_path / "whole"
+    policy.models.policy.save_pretrained(whole)  # the live adapter, as the trainer would publish it
+    data = next(whole.rglob(ADAPTER_WEIGHTS)).read_bytes()
+    config = next(whole.rglob("adapter_config.json"))
+    (folder / config.name).write_bytes(config.read_bytes())
+    (folder / ADAPTER_WEIGHTS).write_bytes(data[: len(data) // 2])  # still being written
+    (folder.parent / "LATEST.json").write_text(json.dumps({"version": 5, "path": "v5"}))
+    version = policy.version
+    for _ in range(3):
+        assert watcher.poll() is False  # no exception, nothing said within the grace period
+    assert said == [] and policy.version == version
+    (folder / ADAPTER_WEIGHTS).write_bytes(data)  # the write finished
+    assert watcher.poll() is True and policy.version == 5
+    assert len(said) == 1 and "serving adapter v5" in said[0]
+    watcher.grace = 0.0
+    (folder.parent / "LATEST.json").write_text(json.dumps({"version": 6, "path": "v5-broken"}))
+    for _ in range(3):
+        watcher.poll()
+    assert sum("cannot load v6" in line for line in said) == 1  # a publication that stays broken: said once
+    faults.record("server edges", "--watch on a half-written adapter (waited for, then served)")
