@@ -92,6 +92,29 @@ KINDS: dict[str, tuple[str, str]] = {
         "the long line refused in one line after reading 1 MiB; memory the tasks drawn plus 16 bytes a row, never "
         "a copy of the file",
     ),
+    "failing early": (
+        "a --reward that fails in the first step (--out absent or empty), --track wandb without the extra, the "
+        "corrected command after either, a recipe whose first run fails; sao serve start-up errors: a port in "
+        "use, a missing model, a bad --reward, a bad --host or --port",
+        "one-line error, exit code 2, no traceback; --out left as it was found (absent or empty) so the corrected "
+        "command runs, and no trace log or lock created",
+    ),
+    "trace log integrity": (
+        "a second server on the log by a symlink, a hard link or its name; a short write on a full disk and a "
+        "torn tail before the next append; sao train --traces on an empty log, /dev/null or a FIFO; sao serve "
+        "--traces on /dev/null, a FIFO or a folder; --follow on a log replaced by a shorter or longer file; "
+        "feedback for ids never logged",
+        "the second server refused in one line (the lock is the file's, by device and inode); every line whole, "
+        "the torn bytes cut, no record glued or lost; odd or empty logs one line, exit code 2, nothing written; "
+        "a replaced log read from its start (said once), none skipped; unmatched feedback counted in traces.json",
+    ),
+    "server edges": (
+        "more concurrent requests than the queue bound; the trace log failing while serving; clients hanging up "
+        "mid-body; --watch on a half-written adapter",
+        "a 503 (code overloaded) or a 500 in OpenAI's error shape with one line, one line on stderr (a hang-up "
+        "too), no traceback; every answered reply logged and the server still up; the adapter waited for, served "
+        "once whole, a broken one said once",
+    ),
 }
 
 _recorded: dict[str, set[str]] = defaultdict(set)

@@ -100,6 +100,13 @@ NASTY: list[tuple[str, str]] = [
     ("spaces after an operand in a box", "\\boxed{18" + " " * 4000 + "x}"),
     ("spaces before or in a box", "\\boxed{18" + " " * 4000 + "or 20}"),
     ("operand chain in a box", "\\boxed{1/2 of 36 is " + "1 + " * 1000 + "1}"),
+    # inputs aimed at rules 13-17: restated data, corrections, rejected values, converted rates, scale words
+    ("data soup after a result", "1 + 1 = 2. So 2 " + "for 3 at 4 and 5 of " * 2000),
+    ("correction cues after a box", "\\boxed{1} " + "wait actually oops 1 = 2 " * 50_000),
+    ("not soup", "not " * 200_000 + "5"),
+    ("rate asides", "18 dollars a day, which is " * 100_000 + "126 a week"),
+    ("scale soup", "2.5 million " * 100_000),
+    ("scale words with long digits", "9" * 30 + ".5" + "5" * 30 + " billion"),
 ]
 
 # Realistic replies to GSM8K-style questions, each labelled by hand the way a careful grader who has read the
@@ -295,4 +302,33 @@ LABELLED: list[tuple[str, str, str, bool]] = [
     ("expression", r"\boxed{18 = 9 \times 2}", "18", True),
     ("expression", "The answer is 1/2.", "0.5", True),
     ("expression", r"The answer is \boxed{9 \times 2}.", "18", True),
+    # the answer restated at the end, with the question's data after it and no marker (rule 13)
+    (
+        "restated data",
+        "Janet has 16 - 3 - 4 = 9 eggs left. She sells them for 9 * 2 = $18. So Janet makes $18 every day from "
+        "her 16 eggs at $2 each.",
+        "18",
+        True,
+    ),
+    ("restated data", "The robe takes 2 + 1 = 3 bolts in all, 3 bolts for 2 of blue and 1 of white.", "3", True),
+    # a boxed or stated answer corrected later in prose (rule 14)
+    (
+        "correction",
+        "She makes 16 * 2 = 32 dollars.\n\n\\boxed{32}\n\nWait, she eats 3 and bakes with 4, so she sells "
+        "16 - 3 - 4 = 9 eggs, which is 9 * 2 = 18 dollars.",
+        "18",
+        True,
+    ),
+    ("correction", "The answer is 26.\n\nActually, I made a mistake: 9 * 2 = 18.", "18", True),
+    ("correction", "\\boxed{18}\n\nWait, let me double-check: 9 * 2 = 18. Correct.", "18", True),
+    # a correction in prose with no marker at all (rule 15)
+    ("correction", "So she makes 9 * 2 = $18, not $26.", "18", True),
+    ("correction", "The total is 24 + 40 = 64 dollars rather than 48.", "64", True),
+    # a rate restated after the answer (rule 16)
+    ("rate", "She makes 9 * 2 = 18 dollars a day, which is 18 * 7 = 126 dollars a week.", "18", True),
+    ("rate", "He earns 12 * 5 = 60 dollars per hour (that's 2400 dollars per week).", "60", True),
+    ("rate", "She reads 20 pages a day, so in a week she reads 20 * 7 = 140 pages.", "140", True),
+    # scaled number words (rule 17)
+    ("scaled", "The town grows from 2 million to 2.5 million people.", "2500000", True),
+    ("scaled", "The company is worth $1.2 billion.\n#### 1.2 billion", "1200000000", True),
 ]

@@ -176,8 +176,10 @@ def summarize_traces(summary: dict[str, Any]) -> str:
     dropped = ", ".join(f"{k.removeprefix('traces_dropped_')} {v}" for k, v in summary.items()
                         if k.startswith("traces_dropped_") and v)  # fmt: skip
     hist = " ".join(f"{s}:{n}" for s, n in summary["traces_staleness_hist"].items())
+    unmatched = summary.get("traces_feedback_unmatched")
     return (f"  traces: used {summary['traces_used']}, dropped {summary['traces_dropped']}"
-            f"{f' ({dropped})' if dropped else ''}, waiting for feedback {summary['traces_waiting_for_feedback']}; "
+            f"{f' ({dropped})' if dropped else ''}, waiting for feedback {summary['traces_waiting_for_feedback']}"
+            f"{f', feedback for unknown ids {unmatched}' if unmatched else ''}; "
             f"staleness of those used {hist or '-'}")  # fmt: skip
 
 

@@ -270,6 +270,11 @@ class Experiment:
             raise ConfigError(f"--resume: {self.out} {what}; check --out, or leave out --resume to start a new one")
         elif self.out.exists() and any(self.out.iterdir()):
             raise ConfigError(f"output folder {self.out} is not empty and holds no sao experiment; choose a new --out")
+        self._claimed = checkpoint.Claim(self.out, fresh=not resume, created=not self.out.exists())
+
+    def _nothing_done(self) -> bool:
+        """Whether no checkpoint and no eval has been written yet: a new experiment that failed this early is undone."""
+        return not any(self.out.rglob(f"{checkpoint.CHECKPOINTS_DIR}/step-*")) and not any(self.out.rglob("evals/*"))
 
     def _run_config(self, cell: dict[str, Any], arm: str, seed: int, share: tuple[float, ...] | None = None) -> Config:
         """One run's settings. The random arm without a share of its own masks ``share``: the dis arm's at each
@@ -301,6 +306,16 @@ class Experiment:
             write_json(path, [*blocks, self.provenance])
 
     def run(self) -> dict[str, Any]:
+        """Every run and eval not yet finished, then results.json and the report. A new experiment that fails
+        before its first checkpoint or eval leaves its folder as it was found."""
+        try:
+            return self._run()
+        except BaseException:
+            if self._nothing_done():
+                self._claimed.undo()
+            raise
+
+    def _run(self) -> dict[str, Any]:
         started = time.perf_counter()
         write_json(self.out / MARKER, self.settings)
         cells = self.grid.cells()

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -372,14 +374,21 @@ class TraceSource:
         self.root = Path(path)
         if not self.root.exists() and not follow:
             raise DataError(f"--traces {self.root}: no such file or folder")
+        if self.root.exists() and not self.root.is_dir() and not self.root.is_file():
+            raise DataError(f"--traces {self.root}: not a regular file (a FIFO or a device has no records to train "
+                            "on); give the trace log sao serve writes, or a folder of *.jsonl logs")  # fmt: skip
         if self.root.is_dir() and not _log_files(self.root) and not follow:
             raise DataError(f"--traces {self.root}: the folder holds no *.jsonl files")
+        if not follow and self.root.exists() and all(p.stat().st_size == 0 for p in _log_files(self.root)):
+            raise DataError(f"--traces {self.root}: the log is empty, nothing to train on; serve some requests "
+                            "first, or pass --follow to wait for them")  # fmt: skip
         self.tokenizer, self.tokens = tokenizer, Tokens(tokenizer, vocab_size, eos_token_ids)
         self.batch_size, self.max_staleness, self.temperature = batch_size, max_staleness, temperature
         self.pad_token_id, self.device = pad_token_id, torch.device(device)
         self.follow, self.follow_timeout, self.skip_bad = follow, follow_timeout, skip_bad
         self.warn, self.poll_seconds = warn, poll_seconds
         self.offsets: dict[str, int] = {}  # file → bytes read
+        self.identity: dict[str, list[int]] = {}  # file → [device, inode] of the file those bytes were read from
         self.lines: dict[str, int] = {}  # file → lines read
         self.seen: set[str] = set()  # every trajectory id read: used, usable, waiting or dropped
         self.ready: list[Trace] = []  # usable, not yet batched, in log order
@@ -414,16 +423,25 @@ class TraceSource:
         count = 0
         for path in _log_files(self.root) if self.root.exists() else []:
             key = str(path)
-            offset = self.offsets.get(key, 0)
             try:
-                size = path.stat().st_size
+                if not stat.S_ISREG(os.stat(path).st_mode):  # checked before opening: a FIFO would block the open
+                    raise DataError(f"--traces {path}: not a regular file; a trace log is a file sao serve writes")
+                handle = open(path, "rb")  # noqa: SIM115 (closed below; the identity is the open file's)
             except OSError:
-                continue
-            if size < offset:
-                raise DataError(f"{path} is shorter than the {offset} bytes already read: a log must only grow")
-            if size == offset:
-                continue
-            with open(path, "rb") as handle:
+                continue  # not there (yet, under --follow)
+            with handle:
+                info = os.fstat(handle.fileno())
+                identity = [info.st_dev, info.st_ino]
+                if self.identity.get(key, identity) != identity:  # another file at the same path: a new log
+                    self.warn(f"{path} was replaced by another file (device and inode changed): reading the new "
+                              f"file from its start, after {self.lines.get(key, 0)} lines of the old one")  # fmt: skip
+                    self.offsets[key], self.lines[key] = 0, 0
+                self.identity[key] = identity
+                offset, size = self.offsets.get(key, 0), info.st_size
+                if size < offset:
+                    raise DataError(f"{path} is shorter than the {offset} bytes already read: a log must only grow")
+                if size == offset:
+                    continue
                 handle.seek(offset)
                 while len(self.ready) < want:
                     line = handle.readline(MAX_LINE_BYTES + 1)
@@ -606,6 +624,7 @@ class TraceSource:
             **{f"traces_{k}": v for k, v in self.counts.items()},
             "traces_dropped": dropped,
             "traces_waiting_for_feedback": len(self.pending),
+            "traces_feedback_unmatched": len(self.early),  # feedback for an id not (yet) logged: used if it comes
             "traces_staleness_hist": dict(sorted(self.used_staleness.items(), key=lambda kv: int(kv[0]))),
         }
 
@@ -620,7 +639,8 @@ class TraceSource:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "offsets": dict(self.offsets), "lines": dict(self.lines), "seen": sorted(self.seen),
+            "offsets": dict(self.offsets), "lines": dict(self.lines), "identity": dict(self.identity),
+            "seen": sorted(self.seen),
             "ready": [dataclasses.asdict(t) for t in self.ready],
             "pending": [dataclasses.asdict(t) for t in self.pending.values()], "early": dict(self.early),
             "counts": dict(self.counts), "used_staleness": dict(self.used_staleness),
@@ -629,6 +649,7 @@ class TraceSource:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.offsets, self.lines = dict(state["offsets"]), dict(state["lines"])
+        self.identity = {k: list(v) for k, v in state.get("identity", {}).items()}  # absent in older checkpoints
         self.seen = set(state["seen"])
         self.ready = [Trace(**t) for t in state["ready"]]
         self.pending = {t["id"]: Trace(**t) for t in state["pending"]}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import threading
 import time
 import uuid
@@ -25,6 +26,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
 from sao.core.errors import ConfigError
 from sao.serve.served import ServedPolicy
@@ -163,18 +165,22 @@ class Service:
 
     # -- serving ----------------------------------------------------------------------------------------------
 
-    def complete(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Draw the reply, grade it when the request carried task fields, log it, and build the response."""
+    def admit(self) -> None:
+        """Take a place among the requests in flight (the event loop calls this before any thread is used, so
+        the bound is reachable whatever the thread pool's size), or a 503 in OpenAI's shape; ``leave`` after."""
         if not self._waiting.acquire(blocking=False):
             raise HTTPProblem(503, f"more than {self.settings.max_waiting} requests are waiting; retry later",
                               "overloaded", "server_error")  # fmt: skip
-        try:
-            completion = self.policy.generate(
-                request["prompt_ids"], max_tokens=request["max_tokens"], temperature=request["temperature"],
-                seed=request["seed"],
-            )  # fmt: skip
-        finally:
-            self._waiting.release()
+
+    def leave(self) -> None:
+        self._waiting.release()
+
+    def complete(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Draw the reply, grade it when the request carried task fields, log it, and build the response."""
+        completion = self.policy.generate(
+            request["prompt_ids"], max_tokens=request["max_tokens"], temperature=request["temperature"],
+            seed=request["seed"],
+        )  # fmt: skip
         created = int(time.time())
         id_ = f"cmpl-{uuid.uuid4().hex}"
         record: dict[str, Any] = {
@@ -345,14 +351,35 @@ async def _json_body(request: Request) -> Any:
     if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
         raise HTTPProblem(413, f"the body is over {MAX_BODY_BYTES} bytes", "body_too_large")
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise HTTPProblem(413, f"the body is over {MAX_BODY_BYTES} bytes", "body_too_large")
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise HTTPProblem(413, f"the body is over {MAX_BODY_BYTES} bytes", "body_too_large")
+    except ClientDisconnect:  # one line, not uvicorn's traceback: nothing was drawn or logged for it
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        print(f"sao serve: {client} hung up after {len(raw)} bytes of its request body; nothing logged",
+              file=sys.stderr, flush=True)  # fmt: skip
+        raise HTTPProblem(400, "the client hung up before its body was complete", "client_disconnected") from None
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:
         raise HTTPProblem(400, f"the body is not valid JSON ({error})", "invalid_json") from None
+
+
+async def _guarded(work: Any, *args: Any) -> Any:
+    """``work`` in the thread pool; anything it raises but an HTTPProblem becomes a 500 in OpenAI's shape with
+    one line (and one line on stderr), never uvicorn's plain-text page and a traceback."""
+    try:
+        return await run_in_threadpool(work, *args)
+    except HTTPProblem:
+        raise
+    except Exception as error:
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        what = "the trace log could not be written" if isinstance(error, OSError) else "internal error"
+        print(f"sao serve: {what}: {type(error).__name__}: {first}", file=sys.stderr, flush=True)
+        raise HTTPProblem(500, f"{what} ({type(error).__name__}: {first}); the request was not logged",
+                          "internal_error", "server_error") from None  # fmt: skip
 
 
 def create_app(service: Service) -> FastAPI:
@@ -373,14 +400,18 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> JSONResponse:
-        body = await _json_body(request)
-        parsed = await run_in_threadpool(service.parse, body)
-        return JSONResponse(await run_in_threadpool(service.complete, parsed))
+        service.admit()
+        try:
+            body = await _json_body(request)
+            parsed = await run_in_threadpool(service.parse, body)
+            return JSONResponse(await _guarded(service.complete, parsed))
+        finally:
+            service.leave()
 
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> JSONResponse:
         body = await _json_body(request)
-        return JSONResponse(await run_in_threadpool(service.feedback, body))
+        return JSONResponse(await _guarded(service.feedback, body))
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -34,6 +34,7 @@ from sao.model.policy import POLICY_ADAPTER, Models, lora_state, model_path
 from sao.rollout.sampler import PlainDecoder, encode_prompts
 
 PUBLISHED, LATEST = "published", "LATEST.json"
+GRACE_SECONDS = 10.0  # how long an adapter LATEST.json names may stay unreadable (being written) before it is said
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
@@ -115,8 +116,8 @@ class ServedPolicy:
         try:
             saved_config = json.loads(config_file.read_text(encoding="utf-8"))
             state = load_file(str(weights))
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"{folder}: could not read the adapter ({error})") from None
+        except Exception as error:  # OSError, ValueError, safetensors' own error on a file still being written
+            raise ConfigError(f"{folder}: could not read the adapter ({type(error).__name__}: {error})") from None
         rank, alpha = saved_config.get("r"), saved_config.get("lora_alpha")
         if (rank, alpha) != (self.config.model.lora_rank, self.config.model.lora_alpha):
             raise ConfigError(
@@ -157,6 +158,8 @@ class AdapterWatcher:
         self.policy, self.run, self.interval, self.say = policy, Path(run), interval, say
         self.latest = self.run / PUBLISHED / LATEST
         self._failed: set[tuple[int, str]] = set()  # versions whose load failed, reported once each
+        self._failing_since: dict[tuple[int, str], float] = {}  # a version not readable yet: maybe mid-write
+        self.grace = GRACE_SECONDS
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sao-serve-watch", daemon=True)
 
@@ -200,11 +203,13 @@ class AdapterWatcher:
         served = self.policy.version
         try:
             self.policy.take(folder, version)  # read outside the lock: replies keep flowing meanwhile
-        except SaoError as error:
-            if (version, path) not in self._failed:
+        except SaoError as error:  # a half-written adapter is waited for: retried each poll, said once if it stays
+            since = self._failing_since.setdefault((version, path), time.monotonic())
+            if (version, path) not in self._failed and time.monotonic() - since >= self.grace:
                 self._failed.add((version, path))
                 self.say(f"sao serve: cannot load v{version}: {error}; keeping v{self.policy.version}")
             return False
+        self._failing_since.pop((version, path), None)
         if version < served:
             self.say(f"sao serve: the trainer published v{version} after v{served} (a resumed run?)")
         self.say(f"sao serve: serving adapter v{version} ({folder}) at {time.strftime('%H:%M:%S')}")

@@ -40,6 +40,30 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: a free one), or a one-line ConfigError: a port outside 0..65535,
+    a host that is no address or name this machine resolves, an address in use or not this machine's."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"--port must be a whole number between 0 and 65535 (0 picks a free port), got {port!r}")
+    if not isinstance(host, str) or not host or len(host) > 253 or any(c.isspace() for c in host):
+        raise ConfigError(f"--host {host!r} is not a host name or an IP address; e.g. 127.0.0.1, ::1 or 0.0.0.0")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError, ValueError) as error:
+        why = getattr(error, "strerror", None) or str(error)
+        raise ConfigError(f"--host {host}: not an address or a name this machine resolves ({why}); "
+                          "e.g. 127.0.0.1, ::1 or 0.0.0.0") from None  # fmt: skip
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as error:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return sock
+
+
 class Server:
     """The whole server: build it, ``start()`` (background) or ``run()`` (foreground), ``stop()``."""
 
@@ -59,23 +83,19 @@ class Server:
         ensure_serve_extra()
         from sao.serve.app import EndpointSettings, Service, create_app
         from sao.serve.served import AdapterWatcher, ServedPolicy
-        from sao.serve.tracelog import TraceLog
+        from sao.serve.tracelog import TraceLog, check_free
         from sao.tasks import setup
 
         self.say = say
         max_tokens = max_tokens or config.rollout.max_new_tokens
         if max_tokens < 1 or max_prompt_tokens < 1:
             raise ConfigError("--max-tokens and --max-prompt-tokens must be >= 1")
-        self.log = TraceLog(traces)  # first: a second server on the same log stops here, before loading a model
-        try:
-            self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.sock.bind((host, port))
-            self.sock.listen(128)
-        except OSError as error:
-            self.log.close()
-            raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+        # Everything that can fail comes before the trace log is created: a failed start writes nothing.
+        check_free(traces)  # a second server on the same log (by any name) stops here, before loading a model
+        self.sock = listen(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
+        self.watcher: AdapterWatcher | None = None
+        self.log: TraceLog | None = None
         try:
             if config.serve.upstream:  # vLLM draws; sao renders, logs, grades and loads the adapters
                 from sao.serve.upstream import UpstreamPolicy
@@ -84,6 +104,7 @@ class Server:
             else:
                 device = config.model.device if config.model.device != "auto" else "cpu"
                 self.policy = ServedPolicy(config, device=device)
+            scorer = setup.scorer(config)  # a bad --reward fails here
             self.watcher = AdapterWatcher(self.policy, watch, interval=poll_interval, say=say) if watch else None
             if self.watcher is not None:
                 self.watcher.poll()  # serve the latest published version from the first request on
@@ -92,11 +113,13 @@ class Server:
                 max_tokens=max_tokens, default_temperature=config.rollout.temperature,
                 max_prompt_tokens=max_prompt_tokens, needs_answer=config.data.reward is None,
             )  # fmt: skip
-            self.service = Service(self.policy, self.log, settings, setup.scorer(config))
+            self.log = TraceLog(traces)
+            self.service = Service(self.policy, self.log, settings, scorer)
             self.app = create_app(self.service)
         except BaseException:
             self.sock.close()
-            self.log.close()
+            if self.log is not None:
+                self.log.close()
             raise
         self._uvicorn: Any = None
         self._thread: threading.Thread | None = None
@@ -117,7 +140,8 @@ class Server:
         import uvicorn
 
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, timeout_keep_alive=5,
-                                limit_concurrency=256, lifespan="off")  # fmt: skip
+                                limit_concurrency=self.service.settings.max_waiting + 64,
+                                lifespan="off")  # fmt: skip  # above max_waiting: the JSON 503 fires first
         self._uvicorn = uvicorn.Server(config)
         return self._uvicorn
 
@@ -158,17 +182,18 @@ class Server:
         if self.watcher is not None:
             self.watcher.stop()
         self.sock.close()
-        self.log.close()
+        if self.log is not None:
+            self.log.close()
 
 
 def serve(config: Config, traces: str | Path, *, host: str, host_given: bool, port: int, **options: Any) -> int:
     """``sao serve``: refuse nothing loopback, warn about anything else, then serve until interrupted."""
+    if not is_loopback(host) and not host_given:
+        raise ConfigError(f"refusing to listen on {host}: pass --host explicitly to serve beyond this machine")
+    server = Server(config, traces, host=host, port=port, **options)  # a bad host or port fails here
     if not is_loopback(host):
-        if not host_given:
-            raise ConfigError(f"refusing to listen on {host}: pass --host explicitly to serve beyond this machine")
         print(f"sao serve: warning: listening on {host}, not loopback: anyone who can reach this port can sample "
               "from the model and write to the trace log (there is no authentication)")  # fmt: skip
-    server = Server(config, traces, host=host, port=port, **options)
     print(server.describe(), flush=True)
     server.run()
     return 0

@@ -45,21 +45,27 @@ def trainer(
     tasks = tasks or setup.task_set(config, dataset)  # a bad --data fails here, before a model is loaded
     record = checkpoint.run_record(config, tasks, world.size, dataset=dataset, reward_fn=reward_fn,
                                    env_factory=env_factory, source=source)  # fmt: skip
-    checkpoint.claim(Path(out_dir), record, resume)  # writes nothing: a folder that holds another run fails now
-    if resume:
-        checkpoint.load(Path(out_dir))  # and a damaged checkpoint, before the model is loaded
-    m = config.model
-    models = Models.load(m.name, device=world.device(m.device), lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
-                         seed=config.training.seed, grad_checkpoint=m.grad_checkpoint)  # fmt: skip
-    task_parts = setup.parts(config, models.tokenizer, tasks, reward_fn=reward_fn, env_factory=env_factory)
-    label = label or f"{config.algorithm.correction} seed {config.training.seed}"
-    if source is None and world.is_main:
-        context = SourceContext(config, models, {t.id: t for t in tasks.train}, task_parts.prompts,
-                                task_parts.episodes, Path(out_dir), world.training_gpus(), label, progress,
-                                world_size=world.size)  # fmt: skip
-        source = build_source(config.rollout.source, context)
-    return Trainer(models, source, task_parts.scorer, config, out_dir, hooks=[*default_hooks(config), *hooks],
-                   world=world, run_record=record, resume=resume, progress=progress, label=label)  # fmt: skip
+    claimed = checkpoint.claim(Path(out_dir), record, resume)  # writes nothing: a folder with another run fails now
+    try:
+        if resume:
+            checkpoint.load(Path(out_dir))  # and a damaged checkpoint, before the model is loaded
+        m = config.model
+        models = Models.load(m.name, device=world.device(m.device), lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
+                             seed=config.training.seed, grad_checkpoint=m.grad_checkpoint)  # fmt: skip
+        task_parts = setup.parts(config, models.tokenizer, tasks, reward_fn=reward_fn, env_factory=env_factory)
+        label = label or f"{config.algorithm.correction} seed {config.training.seed}"
+        if source is None and world.is_main:
+            context = SourceContext(config, models, {t.id: t for t in tasks.train}, task_parts.prompts,
+                                    task_parts.episodes, Path(out_dir), world.training_gpus(), label, progress,
+                                    world_size=world.size)  # fmt: skip
+            source = build_source(config.rollout.source, context)  # a launched vLLM fleet writes into out_dir
+        return Trainer(models, source, task_parts.scorer, config, out_dir, hooks=[*default_hooks(config), *hooks],
+                       world=world, run_record=record, resume=resume, progress=progress, label=label,
+                       claimed=claimed)  # fmt: skip
+    except BaseException:
+        if world.is_main:
+            claimed.undo()  # a new run's folder as it was found, so that the corrected command is not refused
+        raise
 
 
 def default_hooks(config: Config) -> list[Hook]:

@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +61,36 @@ def _has_steps(out: Path) -> bool:
     return (out / CHECKPOINTS_DIR).is_dir() or (out / LEGACY_CHECKPOINT).exists()
 
 
-def claim(out: Path, record: dict[str, Any], resume: bool) -> None:
+@dataclass(frozen=True)
+class Claim:
+    """A claimed run folder. ``fresh``: a new run in a folder that was absent (``created``) or empty, so that a
+    run failing before its first checkpoint can be ``undone``: nothing it wrote there was worth keeping, and the
+    corrected command must find the folder as the first one did."""
+
+    out: Path
+    fresh: bool = False
+    created: bool = False
+
+    def undo(self) -> bool:
+        """Put a fresh folder back as it was found, unless a checkpoint is already in it; whether it did."""
+        if not self.fresh or _has_steps(self.out) or not self.out.is_dir():
+            return False
+        for entry in self.out.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    entry.unlink()
+        if self.created:
+            with contextlib.suppress(OSError):
+                self.out.rmdir()
+        return True
+
+
+def claim(out: Path, record: dict[str, Any], resume: bool) -> Claim:
     """Refuse to mix runs: a folder with a config.json needs --resume and the same settings; a folder with
-    other files is not ours to write into; --resume needs a run to continue. Writes nothing."""
+    other files is not ours to write into; --resume needs a run to continue. Writes nothing; the ``Claim`` can
+    undo what a new run writes later (``Claim.undo``)."""
     check_output_path(out, folder=True)
     config_file = out / CONFIG_FILE
     if config_file.exists():
@@ -72,7 +100,7 @@ def claim(out: Path, record: dict[str, Any], resume: bool) -> None:
             )
         fix = "it records the settings the run was started with: restore it, or start again with a new --out"
         if same_settings(read_saved_json(config_file, fix, expect=dict), record):
-            return
+            return Claim(out)
         raise ConfigError(f"--resume: the run in {out} was started with other settings; use a new --out")
     if resume:
         if _has_steps(out) or (out / LOG_FILE).exists() or (out / LEGACY_LOG).exists():
@@ -82,6 +110,7 @@ def claim(out: Path, record: dict[str, Any], resume: bool) -> None:
         raise ConfigError(f"--resume: {out} {what}; check --out, or leave out --resume to start a new run")
     if out.exists() and _contents(out):
         raise ConfigError(f"output folder {out} is not empty and holds no sao run; choose another --out")
+    return Claim(out, fresh=True, created=not out.exists())
 
 
 # Settings that change how a run is watched, how long it waits for a trace log or whether a malformed trace line

@@ -96,6 +96,7 @@ class Trainer:
         resume: bool = False,
         progress: bool = True,
         label: str | None = None,
+        claimed: checkpoint.Claim | None = None,
     ):
         if world.size > 1:  # rank 0 reads the source and broadcasts each batch; the other ranks hold none
             source = BroadcastSource(world, source, models.device)
@@ -107,7 +108,8 @@ class Trainer:
         world.shard(self.settings.batch_size)  # a batch that does not split evenly over the ranks is refused here
         record = self.run_record = run_record if run_record is not None else {"config": config.to_dict()}
         if run_record is None:  # a builder claimed the folder before its source started writing there
-            checkpoint.claim(self.out, record, resume)
+            claimed = checkpoint.claim(self.out, record, resume)
+        self.claimed = claimed or checkpoint.Claim(self.out)  # undone when a new run fails before its checkpoint
         resumed = checkpoint.load(self.out) if resume else None  # a damaged one fails here, before any step
         self.lora_params = list(lora_state(models.policy).values())
         self.policy_opt = torch.optim.AdamW(self.lora_params, lr=self.settings.lr,
@@ -243,6 +245,7 @@ class Trainer:
         """Every remaining step, a checkpoint every ``checkpoint_every`` steps (and after the last), then the
         adapter. A run killed between checkpoints repeats the steps since the last one."""
         progress = _Progress(self, self.total_steps, self.next_step)
+        failed = True
         try:
             for hook in self.hooks:
                 hook.on_run_start(self)
@@ -276,11 +279,14 @@ class Trainer:
                 self.save_adapter()
             for hook in self.hooks:
                 hook.on_run_end(self)
+            failed = False
         finally:
             progress.close()
             self.source.close()  # rollout workers stop even when a step fails
             for hook in self.hooks:
                 hook.on_close(self)
+            if failed and self.world.is_main:
+                self.claimed.undo()  # a new run that failed before its first checkpoint leaves its folder as found
         self.world.barrier()  # no rank returns before rank 0 has written the adapter
         return self.records
 

@@ -5,12 +5,16 @@ The SAO reward of the protocol is 1 if the final answer of a reply equals the GS
 exact ``fractions.Fraction`` values. The final answer is what a careful human grader would decide from the reply
 alone: the last marker (``#### N``, ``\boxed{}``), else the last assertive answer phrase, else the last number, with
 rules for hedges, expressions, thousands, mixed numbers, clock times, number words and Unicode; a reply that does
-not commit to one value has no answer. ``extract_answer`` returns one canonical string per rational. Time is
-bounded by construction: well under 50 ms per call for any ``str`` (a 4096-character window, capped scans).
+not commit to one value has no answer. Rules 13-17 settle realistic endings: the question's data restated after
+the answer ("... $64 in total for 16 glasses at $5") are not the answer; prose after a marker or phrase that
+admits a mistake and works to a number revises it; a rejected value ("12, not 18") is never the answer; a rate
+converted in an aside ("18 a day, which is 126 a week") leaves the rate; "2.5 million" is 2500000.
+``extract_answer`` returns one canonical string per rational. Time is bounded by construction: well under 50 ms
+per call for any ``str`` (a 4096-character window, capped scans).
 
 Deliberately left out: ``eval``/``exec``/sympy, arithmetic, unit or percent conversion, tolerance, decimal commas,
 the question, and judging the reasoning. Non-``str`` input gives None / False / 0.0, and an internal error is warned
-about and counted as no answer. Design notes: docs/design/grading.md (the twelve rules, the time bound).
+about and counted as no answer. Design notes: docs/design/grading.md (the seventeen rules, the time bound).
 """
 
 from __future__ import annotations
@@ -112,6 +116,49 @@ _LATEX_OPERATORS = {"times": " × ", "cdot": " · ", "div": " ÷ "}
 _LATEX_OPERATOR = re.compile(r"\\(times|cdot|div)(?![A-Za-z])")
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
 
+# Rules 13-17: restated data, corrections, rejected values, converted rates, scaled numbers.
+_DATA_BEFORE = re.compile(
+    r"\b(?P<word>for|at|of|from|with|by|per|each|among|between|out[ \t]+of|and)"
+    r"(?:[ \t]+(?:the|a|an|her|his|their|its))?[ \t$€£(]*+$",
+    re.IGNORECASE,
+)  # the word before a number that restates the question's data after the result
+_CORRECTION = re.compile(
+    r"\b(?:wait|actually|oops|correction|mistakes?|errors?|wrong|incorrect|miscalculat\w*|recalculat\w*|"
+    r"recomput\w*|redo(?:ing)?|re-?do)\b",
+    re.IGNORECASE,
+)
+_CONCLUDES = re.compile(
+    r"=|\b(?:is|are|was|were|equals?|gives|makes|comes[ \t]+to|ha[sd]|have|gets|got|needs|costs|earns|pays|"
+    r"totals?|so|therefore|thus)\b",
+    re.IGNORECASE,
+)  # what a sentence that works to a number says
+_HYPOTHETICAL = re.compile(r"\b(?:if|would|could|might|suppose|assuming)\b", re.IGNORECASE)
+_REJECTED_BEFORE = re.compile(r"(?:\bnot|n't|\binstead[ \t]+of|\brather[ \t]+than)[ \t$€£(]*+$", re.IGNORECASE)
+_PERIOD = r"(?:second|minute|hour|day|night|week|weekend|month|year|shift|session|lesson|semester|quarter)s?"
+_PER_PERIOD = (
+    rf"(?:(?:per|a|an|each|every|in[ \t]+a|in[ \t]+one)[ \t]+(?P<{{name}}>{_PERIOD})\b"
+    r"|(?P<{adj}>(?:dai|hour|week|month|year)ly)\b)"
+)
+# "... 18 dollars a day, which is 126 dollars a week": an aside converting the rate just stated (rule 16)
+_ASIDE = r"(?:which[ \t]+is|which[ \t]+comes[ \t]+to|that[ \t]+is|that's|i\.e\.,?|or)[ \t]+"
+_RATE_ASIDE = re.compile(
+    r"[ \t]*+(?:[A-Za-z]+[ \t]+){0,2}?"
+    + _PER_PERIOD.format(name="first", adj="first_adj")
+    + rf"(?:[ \t]*+[,;(][ \t]*+(?:{_ASIDE})?|[ \t]++{_ASIDE}|\.[ \t]++(?:that[ \t]+is|that's|this[ \t]+is)[ \t]++)"
+    r"(?:about[ \t]+|roughly[ \t]+)?$",
+    re.IGNORECASE,
+)
+_RATE_AFTER = re.compile(
+    r"[ \t]*+(?:[A-Za-z]+[ \t]+){0,2}?" + _PER_PERIOD.format(name="second", adj="second_adj"), re.IGNORECASE
+)
+_OPERATORS_ONLY = re.compile(r"[ \t]*+[-+*/×x·÷=][-+*/×x·÷= \t]*+")  # "18 * 7 = 126": one expression
+_SCALE_WORD = re.compile(r"(?=[tmb])(?:thousand|million|billion)\b", re.IGNORECASE)
+_SCALED = re.compile(
+    r"(?<![\w.,])(?P<digits>[0-9]{1,3}(?:,[0-9]{3})++|[0-9]{1,20})(?:\.(?P<dec>[0-9]{1,20}))?"
+    r"[ \t]++(?P<scale>thousand|million|billion)\b(?![-'’])",
+    re.IGNORECASE,
+)
+
 # Number words (rule 11): the 0..19 words, the tens, hundred and the scales.
 _SMALL_WORDS = [
     *("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"),
@@ -202,6 +249,12 @@ def _word_digits(m: re.Match[str]) -> str:
         return m[0]
     value = _words_value(m[0])
     return m[0] if value is None else str(value)
+
+
+def _scaled_digits(m: re.Match[str]) -> str:
+    """ "2.5 million" as "2500000" (rule 17): a number times its scale word, exactly."""
+    value = Fraction(int(m["digits"].replace(",", "") + (m["dec"] or "")), 10 ** len(m["dec"] or ""))
+    return _canonical(value * _SCALES[m["scale"].lower()])
 
 
 def _digits(canonical: str) -> int:
@@ -314,8 +367,8 @@ def _segment_value(segment: str, *, number_first: bool, words: bool) -> tuple[bo
     return True, None if _hedged(segment, chosen) else _value(chosen)
 
 
-def _last_hash_line(window: str) -> tuple[int, Fraction | None] | None:
-    """Start and value of the last #### line that opens with a number (a line ends at the next ####)."""
+def _last_hash_line(window: str) -> tuple[int, int, Fraction | None] | None:
+    """Start, end and value of the last #### line that opens with a number (a line ends at the next ####)."""
     candidates = list(_HASH_CANDIDATE.finditer(window))
     for marker in reversed(candidates[-_MAX_CANDIDATES:]):
         start = marker.end()
@@ -323,12 +376,12 @@ def _last_hash_line(window: str) -> tuple[int, Fraction | None] | None:
         stop = min((end for end in ends if end >= 0), default=start + _SEGMENT_CHARS)
         found, value = _segment_value(window[start:stop], number_first=True, words=False)
         if found:
-            return marker.start(), value
+            return marker.start(), stop, value
     return None
 
 
-def _last_box(window: str) -> tuple[int, Fraction | None] | None:
-    """Start and value of the last-opened closed box holding a number, with the hedge rule (rule 3) applied."""
+def _last_box(window: str) -> tuple[int, int, Fraction | None] | None:
+    """Start, end and value of the last-opened closed box holding a number, with the hedge rule (rule 3) applied."""
     opens = {m.end() - 1: m.start() for m in _BOX_OPEN.finditer(window)}
     if not opens:
         return None
@@ -353,14 +406,15 @@ def _last_box(window: str) -> tuple[int, Fraction | None] | None:
         found_before, value_before = _segment_value(window[previous[1] : previous[2]], number_first=False, words=True)
         between = _clean_latex(window[previous[2] + 1 : last[0]])
         if found_before and value_before is not None and value_before != value and not _NUMBER.search(between):
-            return last[0], None  # alternatives side by side, no work between them: a hedge
-    return last[0], value
+            return last[0], last[2] + 1, None  # alternatives side by side, no work between them: a hedge
+    return last[0], last[2] + 1, value
 
 
-def _last_phrase(window: str) -> tuple[bool, Fraction | None]:
-    """What the answer phrases say (rule 4): the last assertive one holding a number, else the last conditional."""
+def _last_phrase(window: str) -> tuple[bool, Fraction | None, int]:
+    """What the answer phrases say (rule 4): the last assertive one holding a number, else the last conditional;
+    with where the phrase's sentence ends."""
     candidates = list(_PHRASE_CANDIDATE.finditer(window))
-    conditional: tuple[bool, Fraction | None] = (False, None)
+    conditional: tuple[bool, Fraction | None, int] = (False, None, len(window))
     for phrase in reversed(candidates[-_MAX_CANDIDATES:]):
         start = phrase.end()
         following = _ANSWER_PHRASE.search(window, start, start + _SEGMENT_CHARS)  # the segment ends there
@@ -369,11 +423,28 @@ def _last_phrase(window: str) -> tuple[bool, Fraction | None]:
         found, value = _segment_value(segment[: end.start()] if end else segment, number_first=True, words=True)
         if not found:
             continue
+        stop = start + (end.start() if end else len(segment))
         if phrase["conditional"] is None:
-            return True, value
+            return True, value, stop
         if not conditional[0]:
-            conditional = (True, value)
+            conditional = (True, value, stop)
     return conditional
+
+
+def _corrected(window: str, end: int, value: Fraction | None) -> Fraction | None:
+    """Rule 14: the value of prose after a marker or phrase that admits a mistake ("Wait", "Actually", "I made an
+    error") and works to another number, unless its last sentence is a hypothetical; else ``value``."""
+    cue = _CORRECTION.search(window, end)
+    if cue is None:
+        return value
+    tail = window[cue.start() :]
+    last = _sentence_start(tail, len(tail.rstrip(_TRAILING_MARKUP + ".")))
+    if _HYPOTHETICAL.search(tail, last) is not None:
+        return value
+    if _CONCLUDES.search(tail, last) is None:  # "Actually, she sells 9 eggs at $2 each." restates, works nothing
+        return value
+    revised = _unmarked_value(tail)
+    return value if revised is None else revised
 
 
 def _key(m: re.Match[str]) -> str:
@@ -400,9 +471,43 @@ def _restated_result(text: str, numbers: list[re.Match[str]]) -> int:
     restated = result + max(j for j, key in enumerate(tail) if key == tail[0])
     if restated == last or numbers[restated].start() < _sentence_start(text, numbers[last].start()):
         return last  # the result must be in the final sentence: one that names another value chose it
-    # every number after the restated result must repeat one written before it (compared as written, in C)
+    # every number after the restated result must repeat one written before it (compared as written, in C), or
+    # restate the question's data: "for 16 glasses at $5 and 60% of $5" (rule 13)
     written = {key.translate(_KEY_DROP) for key in set(map(itemgetter(0), numbers[:restated]))}
-    return restated if written.issuperset(tail[restated - result + 1 :]) else last
+    if written.issuperset(tail[restated - result + 1 :]):
+        return restated
+    data = False  # whether the number before was restated data ("and" carries it on)
+    for before, number in zip(numbers[restated:last], numbers[restated + 1 :], strict=True):
+        word = _DATA_BEFORE.search(text, before.end(), number.start())
+        data = word is not None and (word["word"].lower() != "and" or data)
+        if not data and _key(number) not in written:
+            return last
+    return restated
+
+
+def _period(m: re.Match[str], name: str) -> str:
+    word = (m[name] or m[f"{name}_adj"]).lower().removesuffix("s")
+    return {"daily": "day", "hourly": "hour", "weekly": "week", "monthly": "month", "yearly": "year"}.get(word, word)
+
+
+def _converted_rate(text: str, numbers: list[re.Match[str]], chosen: int) -> int:
+    """Rule 16: the rate stated before an aside that converts it to another period ("18 dollars a day, which is
+    126 a week") is the answer, not the converted figure."""
+    first = chosen  # the first number of the expression the converted figure is the result of, if any
+    while first > 0 and _OPERATORS_ONLY.fullmatch(text, numbers[first - 1].end(), numbers[first].start()):
+        first -= 1
+    if first == 0:
+        return chosen
+    aside = _RATE_ASIDE.match(text, numbers[first - 1].end(), numbers[first].start())
+    after = _RATE_AFTER.match(text, numbers[chosen].end()) if aside else None
+    if aside is None or after is None or _period(aside, "first") == _period(after, "second"):
+        return chosen
+    return first - 1
+
+
+def _rejected(text: str, number: re.Match[str]) -> bool:
+    """Rule 15: a value the reply rejects ("12, not 18", "instead of 18") is never its answer."""
+    return _REJECTED_BEFORE.search(text, max(0, number.start() - 24), number.start()) is not None
 
 
 def _unmarked_value(window: str) -> Fraction | None:
@@ -410,10 +515,10 @@ def _unmarked_value(window: str) -> Fraction | None:
     text = _clean_latex(window)
     if _unfinished(text):
         return None
-    numbers = list(_NUMBER.finditer(text))
+    numbers = [number for number in _NUMBER.finditer(text) if not _rejected(text, number)]
     if not numbers:
         return None
-    return _value(numbers[_restated_result(text, numbers)])
+    return _value(numbers[_converted_rate(text, numbers, _restated_result(text, numbers))])
 
 
 def _extract_value(text: str) -> Fraction | None:
@@ -425,12 +530,15 @@ def _extract_value(text: str) -> Fraction | None:
         window = window[_CUT_TAIL.match(window).end() :]
     window = _normalise(window)
 
+    window = _SCALED.sub(_scaled_digits, window) if _SCALE_WORD.search(window) else window  # rule 17
+
     markers = [marker for marker in (_last_hash_line(window), _last_box(window)) if marker is not None]
     if markers:
-        return max(markers, key=lambda marker: marker[0])[1]
-    found, value = _last_phrase(window)
+        _, end, value = max(markers, key=lambda marker: marker[0])
+        return _corrected(window, end, value)
+    found, value, end = _last_phrase(window)
     if found:
-        return value
+        return _corrected(window, end, value)
     return _unmarked_value(window)
 
 
