@@ -145,3 +145,32 @@ def test_a_run_that_launches_its_server_stops_it(tiny_model_dir, tmp_path):
     assert started["url"].startswith("http://127.0.0.1:") and Path(started["log"]).is_file()
     assert not alive(started["pid"]), "the launched server is gone with the run"
     assert not group_alive(started["pid"]), "and so is its process group (engine core, model worker, helpers)"
+
+
+def test_an_asynchronous_run_killed_mid_run_resumes_without_a_trajectory_twice(tiny_vllm, tmp_path):
+    """vllm-async, killed entering step 3 (after the checkpoint of step 2), then resumed: every step is in the log
+    once, the requests pending at the checkpoint are drawn again, and the admission count continues from the
+    checkpoint's, so every admitted trajectory is counted once across the two halves."""
+    from helpers import run_log
+
+    config = {**SMALL, "rollout": "vllm-async", "vllm_url": tiny_vllm.url, "max_staleness": 2, "steps": 4,
+              "checkpoint_every": 1}  # fmt: skip
+    first = sao.trainer(config, tmp_path / "run", progress=False)
+    next_batch = first.source.next_batch
+
+    def dies_at_step_3(g: int, phase: str, policy_version: int):
+        if g == 3:
+            raise KeyboardInterrupt
+        return next_batch(g, phase, policy_version)
+
+    first.source.next_batch = dies_at_step_3
+    with pytest.raises(KeyboardInterrupt):
+        first.run()
+    saved = first.source.state_dict()
+    assert len(first.records) == 3
+    second = sao.train(config, tmp_path / "run", resume=True, progress=False)
+    records = run_log(tmp_path / "run")
+    assert [r["step"] for r in records] == list(range(5)), "each step once"
+    assert records[-1]["admitted_total"] == 5 * SMALL["batch_size"], "nothing admitted twice or lost"
+    assert all(r["staleness_max"] <= 2 for r in records if "staleness_max" in r)
+    assert second.source.state_dict()["next_seq"] >= saved["next_seq"] - len(saved["pending"])

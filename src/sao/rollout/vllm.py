@@ -423,6 +423,12 @@ class VllmServer:
             "--seed",
             str(self.seed),
             "--disable-uvicorn-access-log",
+            # Whole prefills: vLLM 0.32's CPU worker crashes its engine ("CPU Generator does not use offset") when a
+            # seeded request's prefill is split across steps, which 64 seeded ~45-token prompts already cause under
+            # the default 2048-token step budget. Every request sao sends is seeded.
+            "--no-enable-chunked-prefill",
+            "--max-num-batched-tokens",
+            str(max(2048, self.max_model_len)),
             *COMPILE_MODES[self.compile_mode],
         ]
         if self.in_process_worker:
