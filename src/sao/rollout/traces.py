@@ -15,7 +15,6 @@ trajectories may wait for feedback. Design notes: docs/design/traces.md.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from sao.core.errors import ConfigError, DataError
+from sao.core.reading import Limits, parse_jsonl_line
 from sao.rollout.sources import SourceContext, SourceExhausted
 from sao.rollout.types import Batch, Rollout, Turns
 
@@ -44,6 +44,7 @@ DROP_REASONS = (
     "bad_record", "misaligned", "too_stale", "future_version", "no_reward", "duplicate_id", "footing_mismatch", "empty",
 )  # fmt: skip
 MAX_LINE_BYTES = 64 << 20  # a longer line is a bad record (nothing a server writes for one trajectory is near it)
+TRACE_LIMITS = Limits(max_bytes=MAX_LINE_BYTES, max_depth=16)  # one record: a trace nests 5 deep
 LOGPROB_SLACK = 1e-5  # a recorded log-probability may exceed 0 by float noise, not more
 POLL_SECONDS = 0.2
 
@@ -463,12 +464,11 @@ class TraceSource:
         text = line.strip()
         if not text:
             return  # a blank line is not a record
-        try:
-            record = json.loads(text.decode("utf-8"))
-        except UnicodeDecodeError:
-            return self._bad(where, "field 'record': not UTF-8 text")
-        except json.JSONDecodeError as error:
-            return self._bad(where, f"field 'record': not JSON ({error.msg} at column {error.colno})")
+        try:  # the bounded reader: nesting, long integers, NaN and 1e400 are refused before anything reads them
+            record = parse_jsonl_line(text, where=where, limits=TRACE_LIMITS)
+        except DataError as error:
+            problem = str(error).removeprefix(f"{where}: ")
+            return self._bad(where, problem if problem.startswith("field ") else f"field 'record': {problem}")
         try:
             kind = check_record(record)
             if kind == "feedback":

@@ -26,12 +26,14 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from sao.core.errors import ConfigError
+from sao.core.errors import ConfigError, DataError
+from sao.core.reading import Limits, parse_json
 from sao.serve.served import ServedPolicy
 from sao.serve.tracelog import OPEN, REWARDED, UNKNOWN, TraceLog
 from sao.tasks.base import Scorer, Task
 
 MAX_BODY_BYTES = 1 << 20
+BODY_LIMITS = Limits(max_bytes=MAX_BODY_BYTES, max_depth=32)  # a request or feedback body
 MAX_MESSAGES = 256
 ROLES = ("system", "developer", "user", "assistant")
 # Fields of OpenAI's request accepted when they keep their default (None or the value shown): anything else
@@ -349,10 +351,10 @@ async def _json_body(request: Request) -> Any:
         raw += chunk
         if len(raw) > MAX_BODY_BYTES:
             raise HTTPProblem(413, f"the body is over {MAX_BODY_BYTES} bytes", "body_too_large")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise HTTPProblem(400, f"the body is not valid JSON ({error})", "invalid_json") from None
+    try:  # the bounded reader: nesting, long integers, NaN and 1e400 refused before anything reads them
+        return parse_json(bytes(raw), where="the body", limits=BODY_LIMITS)
+    except DataError as error:
+        raise HTTPProblem(400, str(error), "invalid_json") from None
 
 
 def create_app(service: Service) -> FastAPI:

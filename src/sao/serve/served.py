@@ -17,7 +17,6 @@ stop strings, and any sampler other than the plain loop.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -28,13 +27,15 @@ from typing import Any
 import torch
 
 from sao.core.config import Config
-from sao.core.errors import ConfigError, SaoError
+from sao.core.errors import ConfigError, DataError, SaoError
+from sao.core.reading import Limits, read_json_file
 from sao.model.artifacts import ADAPTER_CONFIG
 from sao.model.policy import POLICY_ADAPTER, Models, lora_state, model_path
 from sao.rollout.sampler import PlainDecoder, encode_prompts
 
 PUBLISHED, LATEST = "published", "LATEST.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+SMALL = Limits(max_bytes=1 << 20)  # LATEST.json names one version
 
 
 @dataclass
@@ -112,8 +113,8 @@ class ServedPolicy:
         config_file, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
         if not weights.is_file() or not config_file.is_file():
             raise ConfigError(f"{folder} holds no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+        saved_config = read_json_file(config_file, error=ConfigError)
         try:
-            saved_config = json.loads(config_file.read_text(encoding="utf-8"))
             state = load_file(str(weights))
         except (OSError, ValueError) as error:
             raise ConfigError(f"{folder}: could not read the adapter ({error})") from None
@@ -180,13 +181,15 @@ class AdapterWatcher:
     def poll(self) -> bool:
         """Load the version LATEST.json names when it differs from the served one. True when one was loaded."""
         try:
-            latest = json.loads(self.latest.read_text(encoding="utf-8"))
+            if not self.latest.exists():
+                return False  # nothing published yet: keep serving what is served
+            latest = read_json_file(self.latest, limits=SMALL)
             version, path = latest["version"], latest["path"]
             if not isinstance(version, int) or isinstance(version, bool) or version < 0 or not isinstance(path, str):
                 raise ValueError
         except FileNotFoundError:
             return False  # nothing published yet: keep serving what is served
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, DataError):
             key = (-1, "LATEST")
             if key not in self._failed:
                 self._failed.add(key)
