@@ -30,7 +30,7 @@ from sao.core.config import Config
 from sao.core.errors import ConfigError, DataError, SaoError
 from sao.core.reading import Limits, read_json_file
 from sao.model.artifacts import ADAPTER_CONFIG
-from sao.model.policy import POLICY_ADAPTER, Models, lora_state, model_path
+from sao.model.policy import POLICY_ADAPTER, Models, context_length, lora_state, model_path
 from sao.rollout.sampler import PlainDecoder, encode_prompts
 
 PUBLISHED, LATEST = "published", "LATEST.json"
@@ -65,6 +65,7 @@ class ServedPolicy:
             seed=config.training.seed,
         )
         self.tokenizer = self.models.tokenizer
+        self.context_length = context_length(self.models.policy)  # prompt + reply, in tokens
         self.lock = threading.Lock()  # one reply or one adapter swap at a time
         self.version, self.adapter = 0, "initial"
         self._lora = lora_state(self.models.policy, POLICY_ADAPTER)  # live tensors by name

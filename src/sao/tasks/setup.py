@@ -53,7 +53,7 @@ def scorer(config: Config, tasks: TaskSet | None = None, reward_fn: Callable[...
         reward, name = custom.load_reward(config.data.reward), config.data.reward
     if reward is None:
         reward = (tasks.reward if tasks is not None else None) or gsm8k.reward
-    return Scorer(reward, truncated_reward=config.data.truncated_reward, name=name)
+    return Scorer(reward, truncated_reward=config.data.truncated_reward, name=name, timeout=config.data.reward_timeout)
 
 
 @dataclass
