@@ -79,10 +79,12 @@ def parts(
     r = config.rollout
     factory = env_factory if env_factory is not None else environments.env_factory(config.data.env, tokenizer,
                                                                                     r.max_turns)  # fmt: skip
+    episodes = episodes_for(factory, tasks.train, tasks.instruction, r.max_turns, r.max_total_tokens,
+                            name=config.data.env, timeout=config.data.env_timeout)  # fmt: skip
     return TaskParts(
         tasks=tasks,
         scorer=scorer(config, tasks, reward_fn),
         env_factory=factory,
         prompts={t.id: prompt_text(tokenizer, t, tasks.instruction) for t in tasks.train},
-        episodes=episodes_for(factory, tasks.train, tasks.instruction, r.max_turns, r.max_total_tokens),
+        episodes=episodes,
     )
