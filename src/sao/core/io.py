@@ -210,7 +210,7 @@ def read_saved_json(path: str | os.PathLike[str], fix: str, expect: type = objec
     if not os.path.lexists(path):
         raise DamagedFileError(f"{path} is missing; {fix}")
     try:
-        value = read_json_file(path, where="", error=_Unreadable)
+        value = read_json_file(path, where="", error=_Unreadable, expect=object)
     except _Unreadable as error:
         why = str(error).removeprefix(": ")
         if why.startswith("cannot be read") or why.startswith("is a folder"):
