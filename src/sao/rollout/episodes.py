@@ -260,13 +260,12 @@ def _observe(rows, cols: _Columns, tokenizer, max_turns: int, calls: EnvCalls) -
 
 
 def _checked_step(result, name: str, task: str) -> dict:
-    """``env.step``'s output with its reward checked by the one rule for rewards (absent or None: 0), or a
+    """``env.step``'s output with its reward checked by the one rule for rewards (absent: 0), or a
     one-line error naming the environment and the task."""
     if not isinstance(result, dict):
         raise PluginError(f"{name} (step) returned {preview(result)} on {task}; step returns a dict with "
                           "observations, reward, done")  # fmt: skip
-    reward = result.get("reward")
-    reward = 0.0 if reward is None else reward
+    reward = result.get("reward", 0.0)  # absent: a turn without a reward; None is refused as --reward refuses it
     problem = reward_problem(reward)
     if problem is not None:
         raise PluginError(f"{name} (step) on {task}: {problem}")
