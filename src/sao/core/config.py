@@ -48,6 +48,8 @@ SEED_LIMIT = 2**63  # seeds are below it
 MAX_THREADS = 1024
 MAX_LORA_RANK = 1024  # beyond any layer's width: the adapter would not even be allocated
 MAX_PORT = 65535
+MAX_TIMEOUT = 86_400.0  # a plug-in call's timeout at most: a day
+MAX_TRAIN_RUNS = 10_000  # seeds per arm: far beyond any experiment, small enough to hold as a list
 CONFIG_LIMITS = Limits(max_bytes=1 << 20, max_nodes=100_000)  # a settings file: 1 MiB, 100k values at most
 
 
@@ -150,6 +152,20 @@ class DataSettings(Section):
         'protocol); "gsm8k" (the same, as an environment), "gsm8k-calc" (a calculator tool), "tiny-calc" (the CPU '
         'preset\'s calculator task), "skyrl:<id>" (a SkyRL-Gym environment, e.g. skyrl:gsm8k_multi_turn), or '
         '"module:Class" (your own, built as Class(task_id, fields)).',
+    )
+    reward_timeout: float = option(
+        300.0,
+        "Seconds one call of the reward may take (a batched reward: the whole batch); a call still running then "
+        "ends its trajectories as cut, scored 0 and counted (reward_timeouts in the step log). 0 = no limit. A "
+        "reward that raises or calls sys.exit is a one-line error naming it and the row.",
+        check=between(0, MAX_TIMEOUT, " seconds (0 = no limit)"),
+    )
+    env_timeout: float = option(
+        300.0,
+        "Seconds one call of an environment (building it, init, step) may take; a call still running then ends "
+        "the trajectory as cut and counts it (env_timeouts in the step log). 0 = no limit. An environment that "
+        "raises or calls sys.exit is a one-line error naming it and the row.",
+        check=between(0, MAX_TIMEOUT, " seconds (0 = no limit)"),
     )
     truncated_reward: str = option(
         "zero",
@@ -466,7 +482,7 @@ class EvalSettings(Section):
         "Training seeds per arm. The page ran 1; a verdict about the training procedure (improved, regressed, flat)"
         ' needs 2+: with 1 the two arms are two trained models and the verdict is "unresolved". At alpha 0.05 it'
         " needs 6+: with n seeds the exact sign-flip p cannot go below 2^(1-n).",
-        check=at_least(1),
+        check=between(1, MAX_TRAIN_RUNS),
     )
     every: int = option(
         0,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sao.core import stats
-from sao.core.config import CONFIG_LIMITS, Config, canonical, flatten
+from sao.core.config import CONFIG_LIMITS, MAX_TRAIN_RUNS, SEED_LIMIT, Config, canonical, flatten
 from sao.core.errors import ConfigError
 from sao.core.io import write_json
 from sao.core.reading import parse_json, parse_yaml, read_json_file
@@ -308,13 +308,23 @@ def plan_power(plan: Plan, cited: list[tuple[str, dict[str, Any]]]) -> dict[str,
     return out
 
 
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _seeds(path: Path, spec: Any) -> list[int]:
     if isinstance(spec, dict) and set(spec) == {"first", "count"}:
         first, count = spec["first"], spec["count"]
-        if not (isinstance(first, int) and isinstance(count, int)) or count < 1:
-            raise _fail(path, "seeds: first and count must be integers, count >= 1")
+        if not (_whole(first) and _whole(count)) or not 1 <= count <= MAX_TRAIN_RUNS:
+            raise _fail(path, f"seeds: first and count must be whole numbers, 1 <= count <= {MAX_TRAIN_RUNS}")
+        if not 0 <= first <= SEED_LIMIT - count:
+            raise _fail(path, f"seeds: first must be from 0 to 2**63 - count (seeds are below 2**63), got {first}")
         return list(range(first, first + count))
-    if isinstance(spec, list) and spec and all(isinstance(s, int) and not isinstance(s, bool) for s in spec):
+    if isinstance(spec, list) and spec and all(_whole(s) for s in spec):
+        if len(spec) > MAX_TRAIN_RUNS:
+            raise _fail(path, f"seeds: {len(spec)} seeds, at most {MAX_TRAIN_RUNS}")
+        if not all(0 <= s < SEED_LIMIT for s in spec):
+            raise _fail(path, "seeds must be whole numbers from 0 to 2**63 - 1")
         if len(set(spec)) != len(spec):
             raise _fail(path, f"seeds must be distinct, got {spec}")
         return list(spec)

@@ -16,6 +16,7 @@ source returns) and the update itself.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +27,12 @@ from torch import nn
 
 from sao.core.config import Config
 from sao.core.errors import ConfigError
+from sao.core.plugins import PluginError, PluginTimeout
 from sao.core.registry import SOURCES
 from sao.model.policy import Models
 from sao.rollout.engine import Engine
 from sao.rollout.environment import EnvFactory, Message
-from sao.rollout.episodes import draw_episodes
+from sao.rollout.episodes import EnvCalls, draw_episodes
 from sao.rollout.sampler import SAMPLER_ADAPTER, PlainDecoder, StaleSampler, decode, derived_seed, encode_prompts
 from sao.rollout.types import Batch, Decoder, Rollout, Sampling
 
@@ -125,6 +127,8 @@ class Episodes:
     fields: dict[str, dict[str, Any]]  # task id → what its environment is built from
     max_turns: int
     max_total_tokens: int
+    name: str = "the environment"  # what errors call it (--env as given)
+    timeout: float = 0.0  # seconds one call of it may take (--env-timeout; 0: no limit)
 
 
 def draw_episode_batch(
@@ -132,14 +136,23 @@ def draw_episode_batch(
 ) -> Rollout:
     """One multi-turn episode per task id, an environment each (closed afterwards), on the decoder's path: the
     plain loop over its model, or the engine's static cache."""
-    envs = [episodes.env_factory(i, episodes.fields[i]) for i in task_ids]
-    messages = [episodes.messages[i] for i in task_ids]
-    limits = {"max_turns": episodes.max_turns, "max_total_tokens": episodes.max_total_tokens}
+    calls = EnvCalls(episodes.name, task_ids, episodes.timeout)
+    envs: list[Any] = []
     try:
-        return draw_episodes(decoder, tokenizer, envs, messages, generator=generator, **limits, **sampling.as_kwargs())
+        for i in task_ids:  # built under the same containment and timeout as every later call
+            try:
+                envs.append(calls.call(episodes.env_factory, i, episodes.fields[i], task=i, what="building it"))
+            except PluginTimeout:
+                envs.append(None)  # the row ends before it acts, cut and counted
+        messages = [episodes.messages[i] for i in task_ids]
+        limits = {"max_turns": episodes.max_turns, "max_total_tokens": episodes.max_total_tokens}
+        return draw_episodes(decoder, tokenizer, envs, messages, generator=generator, calls=calls, **limits,
+                             **sampling.as_kwargs())  # fmt: skip
     finally:
-        for env in envs:
-            env.close()
+        for env, i in zip(envs, task_ids, strict=False):
+            if env is not None:
+                with contextlib.suppress(PluginTimeout, PluginError):  # closing cannot undo the episode
+                    calls.call(env.close, task=i, what="close")
 
 
 def make_decoder(model: nn.Module, adapter: str | None, kind: str) -> Decoder:

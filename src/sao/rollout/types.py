@@ -28,6 +28,9 @@ class Turns:
     tool_calls: torch.Tensor  # [B] long
     tool_errors: torch.Tensor  # [B] long
     unfinished: torch.Tensor  # [B] bool: ended by a limit (turns, tokens) before the environment said done
+    # Drawn episodes only (None from a source that has no environment here, e.g. a trace log):
+    timeouts: torch.Tensor | None = None  # [B] bool: ended because an environment call outlived --env-timeout
+    context_cuts: torch.Tensor | None = None  # [B] bool: ended because the model's context was full
 
     @property
     def total(self) -> torch.Tensor:
@@ -68,8 +71,8 @@ class Rollout:
                   if isinstance(getattr(self, f.name), torch.Tensor)}  # fmt: skip
         turns = None
         if self.turns is not None:
-            turns = Turns(**{f.name: tensor_fn("turns." + f.name, getattr(self.turns, f.name))
-                             for f in dataclasses.fields(Turns)})  # fmt: skip
+            present = [f.name for f in dataclasses.fields(Turns) if getattr(self.turns, f.name) is not None]
+            turns = Turns(**{name: tensor_fn("turns." + name, getattr(self.turns, name)) for name in present})
         return Rollout(**values, texts=texts, turns=turns)
 
     def to(self, device: torch.device | str) -> Rollout:
@@ -132,7 +135,8 @@ class Rollout:
         turns = None
         if rollouts[0].turns is not None:
             turns = Turns(**{f.name: stack("turns." + f.name, lambda r, n=f.name: getattr(r.turns, n))
-                             for f in dataclasses.fields(Turns)})  # fmt: skip
+                             for f in dataclasses.fields(Turns)
+                             if all(getattr(r.turns, f.name) is not None for r in rollouts)})  # fmt: skip
         return Rollout(**values, texts=[text for r in rollouts for text in r.texts], turns=turns)
 
 

@@ -50,14 +50,17 @@ def gsm8k_calc(tokenizer: Any) -> EnvFactory:
 
 
 def episodes_for(
-    factory: EnvFactory | None, tasks: list[Task], instruction: str, max_turns: int, max_total_tokens: int
-) -> Episodes | None:
-    """What a source needs to draw multi-turn episodes of ``tasks`` (None without an environment)."""
+    factory: EnvFactory | None, tasks: list[Task], instruction: str, max_turns: int, max_total_tokens: int,
+    *, name: str | None = None, timeout: float = 0.0,
+) -> Episodes | None:  # fmt: skip
+    """What a source needs to draw multi-turn episodes of ``tasks`` (None without an environment); ``name`` is what
+    errors call the environment (``--env`` as given), ``timeout`` the seconds one call of it may take."""
     if factory is None:
         return None
     messages = {t.id: t.chat(instruction) for t in tasks}
     fields = {t.id: task_fields(t) for t in tasks}
-    return Episodes(factory, messages, fields, max_turns, max_total_tokens)
+    label = f"environment {name}" if name else f"environment {getattr(factory, '__qualname__', 'factory')}"
+    return Episodes(factory, messages, fields, max_turns, max_total_tokens, name=label, timeout=timeout)
 
 
 def prompt_text(tokenizer: Any, task: Task, instruction: str) -> str:

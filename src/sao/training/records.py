@@ -89,6 +89,8 @@ def step_record(
             tool_error_rate=float(turns.tool_errors.sum()) / calls if calls else 0.0,
             observation_share=1.0 - float(rollout.action_mask.sum()) / max(float(rollout.response_mask.sum()), 1.0),
         )
+        if turns.timeouts is not None and turns.context_cuts is not None:  # drawn episodes: what ended them early
+            record.update(env_timeouts=int(turns.timeouts.sum()), context_cuts=int(turns.context_cuts.sum()))
     return record
 
 
