@@ -264,6 +264,16 @@ class RolloutSettings(Section):
         'decode step as a CUDA graph on a GPU, eager elsewhere), or "auto": graph on a GPU, plain on the CPU.',
         check=one_of("auto", "plain", "graph"),
     )
+    sampler_dtype: str = option(
+        "auto",
+        '--rollout local only: the dtype the stale sampler draws in. "auto": the model\'s own (one set of base '
+        'weights, as the trainer\'s). "bfloat16" or "float32": on a model of another dtype the sampler draws with a '
+        "copy of the base model in that dtype plus the sampler's LoRA weights cast to it (re-copied before every "
+        "draw), so the recorded sampler log-probabilities carry its numerics while the teacher-forced pass keeps "
+        "the trainer's: bfloat16 on a float32 trainer is the engine-mismatch regime, where the ratio at lag 0 "
+        "measures the numerics alone (abs_log_ratio_* in the log). Costs one copy of the base weights.",
+        check=one_of("auto", "bfloat16", "float32"),
+    )
     max_turns: int = option(
         4,
         "Actions per trajectory at most (an environment may end it sooner); hitting it ends it as truncated.",
@@ -734,6 +744,13 @@ def _random_needs_a_share(c: Config) -> str | None:
     return None
 
 
+def _sampler_dtype_local(c: Config) -> str | None:
+    if c.rollout.sampler_dtype != "auto" and c.rollout.source != "local":
+        return (f"--sampler-dtype {c.rollout.sampler_dtype} applies to --rollout local only (the stale sampler in "
+                f"this process), not --rollout {c.rollout.source}")  # fmt: skip
+    return None
+
+
 def _seeds_fit(c: Config) -> str | None:
     if c.training.seed + c.eval.train_runs - 1 >= SEED_LIMIT:
         return "--seed must be a whole number from 0 to 2**63 - 1 (with --train-runs, seed + train_runs - 1)"
@@ -756,7 +773,7 @@ def _traces_fit(c: Config) -> str | None:
     return None
 
 
-RULES = (_random_needs_a_share, _seeds_fit, _traces_fit)
+RULES = (_random_needs_a_share, _seeds_fit, _traces_fit, _sampler_dtype_local)
 
 
 # --- the machine: which device, how many CPU threads ---------------------------------------------------------------

@@ -32,7 +32,7 @@ from sao.core.io import write_json
 from sao.core.reading import parse_json, parse_yaml, read_json_file
 from sao.core.registry import PRESETS
 from sao.experiment import report, results
-from sao.experiment.runner import Experiment, Grid, cell_name
+from sao.experiment.runner import Experiment, Grid, arm_settings, cell_name
 
 CORRECTIONS = ("holm",)
 EXPECT = ("improved", "regressed")
@@ -107,6 +107,8 @@ def _fail(path: Path, message: str) -> ConfigError:
 
 
 def _comparison(path: Path, text: Any, arms: tuple[str, ...], where: str) -> tuple[str, str]:
+    """AFTER_vs_BEFORE, split at ``_vs_``: no rule or baseline holds it, and the ``+`` of an arm like dis+batch-mean
+    is not it, so ``dis_vs_dis+batch-mean`` is (dis, dis+batch-mean)."""
     parts = text.split("_vs_") if isinstance(text, str) else []
     if len(parts) != 2 or not all(parts) or parts[0] == parts[1]:
         raise _fail(path, f"{where} must be a comparison like dis_vs_none (after_vs_before), got {text!r}")
@@ -161,7 +163,7 @@ def read_plan(path: str | Path) -> Plan:
 
     arms = data["arms"]
     if not (isinstance(arms, list) and all(isinstance(a, str) for a in arms)):
-        raise _fail(path, "'arms' must be a list of correction rules")
+        raise _fail(path, "'arms' must be a list of arms: correction rules, or RULE+BASELINE (dis+batch-mean)")
     primary = data["primary"]
     if not isinstance(primary, dict) or not {"lag", "lr", "comparison"} <= set(primary):
         raise _fail(path, "'primary' must name lag, lr and comparison (and band, unless the config's)")
@@ -177,7 +179,7 @@ def read_plan(path: str | Path) -> Plan:
             arms=tuple(arms),
         )
         for arm in arms:
-            Config.preset(preset, **settings, correction=arm,
+            Config.preset(preset, **{**settings, **arm_settings(arm)},
                           random_mask_share=config.algorithm.random_mask_share or 0.0)  # fmt: skip
     except (ConfigError, TypeError, ValueError) as error:
         raise _fail(path, f"grid or arms: {error}") from None
