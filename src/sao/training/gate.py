@@ -1,32 +1,21 @@
 """The live loop's gate (``--gate held-out``): an adapter reaches the server only when it is no worse than the one
 being served, and a served one that does worse on live traffic than its predecessor is rolled back.
 
-    held aside   the first ``--gate-tasks`` tasks of the held-out split, one reply each at the eval temperature,
-                 drawn from a generator seeded once for the run: every version answers the same tasks with the
-                 same sampling seeds, so the comparison is paired task by task (equal adapters score equally)
-    publish      after each policy update the candidate's per-task rewards against the served version's
-                 (``stats.noninferior``): published (``checkpoint.publish``, LATEST.json → v{N}) when the lower
-                 bound of the one-sided (1 − alpha) paired t interval of candidate − served is above −margin;
-                 otherwise held back, and the trainer keeps training from the candidate
-    rollback     with a trace log (``--traces``), the rewards it holds for each version's replies (a trace's
-                 ``reward`` or ``turn_rewards``, or its feedback record) are running means per version; after every
-                 step the served version is tested against the version served before it (``stats.regression``:
-                 two always-valid confidence sequences, Robbins' normal mixture, each at alpha / 2, so checking
-                 after every step is accounted for); when the whole interval of the difference lies below
-                 −margin, LATEST.json points at the predecessor again, with ``rolled_back_from``, and the server's
-                 watcher reloads it (``sao serve`` and ``sao serve --upstream`` alike); the rolled-back version is
-                 never served again
-    the record   every decision, with its interval, is a line of OUT/gate.jsonl (rewritten from the checkpointed
-                 state, so a resumed run has each decision once) and ``gate_*`` fields of the step's record
+    held aside   the first ``--gate-tasks`` held-out tasks, one reply each at the eval temperature, from one seed
+                 for the run: every version answers the same tasks with the same seeds (paired task by task)
+    publish      after each policy update, ``stats.noninferior`` of the candidate against the served version:
+                 published when the one-sided (1 − alpha) lower bound of candidate − served is above −margin,
+                 else held back (the trainer trains on from the candidate)
+    rollback     with ``--traces``, each version's live rewards (a trace's ``reward``/``turn_rewards`` or its
+                 feedback) are tested after every step against the version served before (``stats.regression``:
+                 always-valid confidence sequences); when the whole interval lies below −margin, LATEST.json names
+                 the predecessor again (``rolled_back_from``), which ``sao serve`` (and ``--upstream``) reloads
+    the record   every decision with its interval: a line of OUT/gate.jsonl (rewritten from the checkpointed
+                 state, so each decision is there once across a resume) and ``gate_*`` fields of the step's record
 
-The served versions form a chain (v0 first): a publish pushes the candidate, a rollback pops the served one. The
-size check (``stats.tasks_for_margin``) is the config's, at start. Rewards are taken to lie in [0, 1]: the size
-check and the confidence sequence assume it (a reward outside it is said once).
-
-Deliberately left out: comparing on recent live traffic instead of a held-aside set (live traffic is not paired),
-holding the trainer back to the served version (it trains on from the candidate; a held-back streak longer than
---max-staleness makes new traces too stale to train on, which is said), and gating the Ray and vLLM sources'
-internal adapters (they are the trainer's samplers, not a served model).
+Served versions form a chain: a publish pushes, a rollback pops (never served again). Rewards are taken to lie in
+[0, 1] (said once otherwise). Deliberately left out: gating on live traffic (not paired), resetting the trainer to
+the served version, and gating the Ray and vLLM samplers' internal adapters. Design notes: docs/design/gate.md.
 """
 
 from __future__ import annotations
