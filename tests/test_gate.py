@@ -140,6 +140,9 @@ def test_the_gate_publishes_a_normal_adapter_and_holds_back_a_broken_one(tiny_co
                                                           ["held_back"]]  # fmt: skip
     assert logged[3]["gate_served"] == 2 and logged[3]["gate_lower"] == pytest.approx(broken["lower"])
     assert len(records) == 5
+    gate = next(h for h in trainer.hooks if isinstance(h, Gate))
+    gate.held.scores(trainer.models.policy)  # judging a candidate leaves the policy's LoRA trainable
+    assert all(p.requires_grad for p in trainer.lora_params)
 
 
 class KillAfter(Hook):

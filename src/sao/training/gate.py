@@ -31,7 +31,7 @@ import torch
 
 from sao.core import stats
 from sao.core.io import atomic_write, write_json
-from sao.model.policy import POLICY_ADAPTER
+from sao.model.policy import POLICY_ADAPTER, lora_state
 from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import Episodes, draw_batch, draw_episode_batch, make_decoder
 from sao.rollout.types import Sampling
@@ -57,7 +57,16 @@ class HeldAside:
 
     @torch.no_grad()
     def scores(self, model: torch.nn.Module) -> list[float]:
-        """Each task's reward for the reply (or episode) ``model``'s policy adapter draws, in task order."""
+        """Each task's reward for the reply (or episode) ``model``'s policy adapter draws, in task order. The
+        policy's LoRA stays as trainable as it was (drawing through a named adapter marks it frozen)."""
+        trainable = {n: p.requires_grad for n, p in lora_state(model).items()}
+        try:
+            return self._scores(model)
+        finally:
+            for name, p in lora_state(model).items():
+                p.requires_grad_(trainable[name])
+
+    def _scores(self, model: torch.nn.Module) -> list[float]:
         decoder = make_decoder(model, POLICY_ADAPTER, self.decoder)
         device = next(model.parameters()).device
         out: list[float] = []
