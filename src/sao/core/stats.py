@@ -9,6 +9,11 @@ smallest effect of interest δ (the noise floor when none is given); ``flat`` wh
 effect inside ± δ (the 1 − 2·alpha interval inside it); else ``unresolved``, with the reason in words. ``holm``
 adjusts a planned family; ``power`` and ``seeds_for_power`` size one before it runs.
 
+For the live loop's gate (``sao.training.gate``): ``noninferior`` is the paired one-sided test of candidate −
+served over tasks against a margin declared before the run, ``tasks_for_margin`` the held-aside set it needs, and
+``mean_radius`` an always-valid confidence sequence for a running mean of rewards in [0, 1] (``regression``: two
+of them, a served version against its predecessor, for a rollback that may be checked after every step).
+
 Deliberately left out: corrections applied after the fact to an exploratory grid, and bootstrap intervals.
 Design notes: docs/design/stats.md.
 """
@@ -430,6 +435,124 @@ def seeds_for_power(
         mid = (low + high) // 2
         low, high = (low, mid) if mid >= 2 and enough(mid) else (mid, high)
     return max(high, 2)
+
+
+# --- the live loop's gate: non-inferiority before a publish, a sequential test after it -----------------------
+
+
+@dataclass(frozen=True)
+class NonInferiority:
+    """``noninferior``'s outcome: the paired mean difference (candidate − served) over ``n`` tasks, the lower bound
+    of its one-sided (1 − alpha) interval, and whether that bound clears −margin."""
+
+    delta: float
+    lower: float
+    margin: float
+    alpha: float
+    n: int
+    p_value: float  # one-sided p of H0: delta <= −margin (the t test)
+    candidate_mean: float
+    served_mean: float
+    passed: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def noninferior(served: Sequence[float], candidate: Sequence[float], margin: float, alpha: float) -> NonInferiority:
+    """Is ``candidate`` no worse than ``served`` by more than ``margin``, task by task on the same tasks and the same
+    sampling seeds? The paired t interval over tasks (``_one_sample`` with no sd floor: with common seeds two equal
+    models score equally on every task, so a re-evaluation's noise is not there to floor it), one-sided at
+    ``1 − alpha``: passed when its lower bound is above −margin (equivalently, the t test rejects delta <= −margin
+    at ``alpha``)."""
+    if not (_is_number(margin) and margin > 0):
+        raise ConfigError(f"the gate's margin must be a number > 0, got {margin!r}")
+    if not (_is_number(alpha) and 0 < alpha < 0.5):
+        raise ConfigError(f"the gate's alpha must be a number in (0, 0.5), got {alpha!r}")
+    b, a = np.asarray(served, dtype=np.float64), np.asarray(candidate, dtype=np.float64)
+    if b.shape != a.shape or b.ndim != 1:
+        raise ConfigError(f"served and candidate must score the same tasks: {b.shape} vs {a.shape}")
+    test = _one_sample(a - b, None, alpha, margin)
+    se = (test.sd / math.sqrt(test.n)) if test.n else 0.0
+    if se > 0:
+        p = float(_student_t().sf((test.delta + margin) / se, test.n - 1))
+    else:
+        p = 0.0 if test.delta > -margin else 1.0
+    return NonInferiority(delta=test.delta, lower=test.eq_low, margin=float(margin), alpha=float(alpha), n=test.n,
+                          p_value=p, candidate_mean=float(a.mean()), served_mean=float(b.mean()),
+                          passed=bool(test.eq_low > -margin))  # fmt: skip
+
+
+def tasks_for_margin(margin: float, alpha: float, most: int = 10_000_000) -> int:
+    """The fewest held-aside tasks whose one-sided (1 − alpha) paired t interval can be narrower than ``margin`` when
+    the per-task differences have the worst sd a difference of two rewards in [0, 1] can have, 1:
+    t(1 − alpha, n − 1) / √n <= margin."""
+    if not (_is_number(margin) and margin > 0) or not (_is_number(alpha) and 0 < alpha < 0.5):
+        raise ConfigError(f"tasks_for_margin needs margin > 0 and alpha in (0, 0.5), got {margin!r}, {alpha!r}")
+    t = _student_t()
+    z = float(_scipy_stats().norm.ppf(1 - alpha))
+    n = max(2, math.ceil((z / margin) ** 2))  # the normal answer; t's heavier tail needs a few more
+    while t.ppf(1 - alpha, n - 1) / math.sqrt(n) > margin:
+        if n >= most:
+            raise ConfigError(f"a margin of {margin:g} at alpha {alpha:g} needs more than {most} tasks")
+        n += 1
+    return n
+
+
+# Robbins' normal mixture is tightest near this many samples: ρ = σ²·N with σ = 1/2 (any [0, 1] reward).
+MIXTURE_TUNED_AT = 100
+
+
+def mean_radius(n: int, alpha: float, tuned_at: int = MIXTURE_TUNED_AT) -> float:
+    """The radius of an always-valid (1 − alpha) confidence sequence for the mean of i.i.d. rewards in [0, 1] after
+    ``n`` of them: |mean_n − μ| <= radius(n) for every n at once, with probability >= 1 − alpha.
+
+    Robbins' normal-mixture boundary for σ-sub-Gaussian increments (a reward in [0, 1] is 1/2-sub-Gaussian by
+    Hoeffding's lemma): mixing exp(λ S_n − λ² n σ² / 2) over λ ~ N(0, 1/ρ) gives a nonnegative supermartingale
+    sqrt(ρ / (nσ² + ρ)) · exp(S_n² / (2 (nσ² + ρ))), and Ville's inequality bounds the chance that it ever reaches
+    1/alpha; so |S_n| < sqrt((nσ² + ρ) · log((nσ² + ρ) / (ρ · alpha²))) at every n. Peeking after every reward
+    costs nothing more: the bound already holds uniformly over n. ∞ for n = 0."""
+    if n <= 0:
+        return math.inf
+    if not (0 < alpha < 1):
+        raise ConfigError(f"mean_radius needs alpha in (0, 1), got {alpha!r}")
+    v, rho = n / 4.0, tuned_at / 4.0
+    return math.sqrt((v + rho) * math.log((v + rho) / (rho * alpha**2))) / n
+
+
+@dataclass(frozen=True)
+class Regression:
+    """``regression``'s outcome: the live mean difference (served − predecessor), its always-valid interval, and
+    whether the whole interval lies below −margin (the served version regressed by more than the margin)."""
+
+    delta: float
+    lower: float
+    upper: float
+    margin: float
+    alpha: float
+    n: int  # rewards of the served version so far
+    n_before: int  # rewards of its predecessor
+    mean: float
+    mean_before: float
+    regressed: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def regression(total: float, n: int, total_before: float, n_before: int, margin: float, alpha: float) -> Regression:
+    """Has the served version's live reward fallen below its predecessor's by more than ``margin``? Each running
+    mean gets ``mean_radius`` at alpha / 2, so both confidence sequences hold at every sample count of either with
+    probability >= 1 − alpha (a union bound), and so does the interval of their difference, [Δ − r − r', Δ + r + r']:
+    a rollback checked after every step is wrong at most alpha of the time. Rewards are taken to lie in [0, 1]."""
+    mean = total / n if n else math.nan
+    before = total_before / n_before if n_before else math.nan
+    r, r0 = mean_radius(n, alpha / 2), mean_radius(n_before, alpha / 2)
+    delta = mean - before if n and n_before else math.nan
+    lower, upper = (delta - r - r0, delta + r + r0) if n and n_before else (-math.inf, math.inf)
+    return Regression(delta=delta, lower=lower, upper=upper, margin=float(margin), alpha=float(alpha), n=int(n),
+                      n_before=int(n_before), mean=mean, mean_before=before,
+                      regressed=bool(upper < -margin))  # fmt: skip
 
 
 def _pct(x: float) -> str:

@@ -44,6 +44,15 @@ def post(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str,
             return error.code, {}
 
 
+def served_version(url: str, timeout: float) -> int | None:
+    """The adapter version ``GET /health`` says is served, or None when the server does not answer."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as response:
+            return int(json.loads(response.read())["policy_version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def tiny_tasks(seed: int) -> list[dict[str, Any]]:
     """The tiny preset's training tasks as chat messages with their gold answers, in a seeded order."""
     from sao.core.config import Config
@@ -66,9 +75,12 @@ def run(
     max_errors: int = 30,
     retry_wait: float = 1.0,
     temperature: float | None = None,
+    wrong_while_serving: int | None = None,
     say=print,
 ) -> dict[str, Any]:
-    """Send up to ``count`` tasks; returns counts, the mean reward, and replies by adapter version."""
+    """Send up to ``count`` tasks; returns counts, the mean reward, and replies by adapter version.
+    ``wrong_while_serving`` V: while ``/health`` says version V is served, the gold answer sent is wrong, so V's
+    replies earn 0: a simulated regression of one version on live traffic (for the gate's rollback)."""
     host = urllib.parse.urlsplit(url).hostname
     if host not in LOOPBACK:
         raise SystemExit(f"sao.serve.client: {url} is not a loopback address; this client only talks to this machine")
@@ -81,8 +93,11 @@ def run(
     window: list[tuple[float, int]] = []
     while sent < count and time.monotonic() < deadline:
         task = tasks[sent % len(tasks)]
+        answer = task["answer"]
+        if wrong_while_serving is not None and served_version(url, timeout) == wrong_while_serving:
+            answer = str(int(answer) + 1000)  # no reply of the tiny model says this
         body: dict[str, Any] = {"model": "sao-tiny", "messages": task["messages"], "logprobs": True,
-                                "metadata": {"answer": task["answer"]}, "seed": seed * 1_000_003 + sent}  # fmt: skip
+                                "metadata": {"answer": answer}, "seed": seed * 1_000_003 + sent}  # fmt: skip
         if temperature is not None:
             body["temperature"] = temperature
         sent += 1

@@ -6,7 +6,9 @@ at a time, and the adapter watcher that swaps in each version the trainer publis
                  log-probabilities are the trainer's version-0 teacher-forced ones
     version N    ``RUN/published/v{N}/`` (an adapter folder of ``sao.model.artifacts.save_adapter``), named by
                  ``RUN/published/LATEST.json`` = {"version": N, "path": "v{N}"}; its LoRA tensors are copied into
-                 the live modules in place, under the generation lock: never in the middle of a reply
+                 the live modules in place, under the generation lock: never in the middle of a reply. A rollback
+                 (the trainer's gate, ``sao.training.gate``) is LATEST.json naming an older version again, with
+                 ``"rolled_back_from": M``: reloaded like any other, and said as a rollback
     sampling     ``sao.rollout.sampler.draw`` through ``PlainDecoder``: float32 logits / τ, Gumbel-max, and the
                  drawn token's log-probability under exactly that distribution. The EOS token, when drawn, is
                  part of the completion and carries its log-probability (as in the trainer's rollouts)
@@ -214,7 +216,10 @@ class AdapterWatcher:
                 self.say(f"sao serve: cannot load v{version}: {error}; keeping v{self.policy.version}")
             return False
         self._failing_since.pop((version, path), None)
-        if version < served:
+        rolled_back = latest.get("rolled_back_from")
+        if isinstance(rolled_back, int) and not isinstance(rolled_back, bool):  # the trainer's gate (--gate)
+            self.say(f"sao serve: rolled back to v{version}: v{rolled_back} regressed on live traffic")
+        elif version < served:
             self.say(f"sao serve: the trainer published v{version} after v{served} (a resumed run?)")
         self.say(f"sao serve: serving adapter v{version} ({folder}) at {time.strftime('%H:%M:%S')}")
         return True

@@ -4,7 +4,9 @@
 (``/v1/completions``), and takes back token ids and log-probs after temperature, so the trace log is what it is
 with sao's own sampler; requests are not serialised (vLLM batches them continuously). Each adapter the trainer
 publishes is loaded into vLLM under a name of this server's own and replies go to it from then on; the base
-model answers until the first one (version 0: LoRA's B is 0, so the base is the trainer's version 0).
+model answers until the first one (version 0: LoRA's B is 0, so the base is the trainer's version 0). A rollback
+(LATEST.json naming an older version again) switches back to that version's name when vLLM still holds it, and
+loads it again otherwise: the same watcher drives both servers.
 
 Deliberately left out: launching vLLM (start it, or let ``sao train --rollout vllm --vllm-launch`` do so) and
 checking that the server logs processed log-probs (the trainer's footing audit does, before any step trains).
@@ -67,10 +69,11 @@ class UpstreamPolicy:
     def take(self, folder: Path, version: int) -> None:
         """Serve the adapter in ``folder`` as ``version`` from the next request on (vLLM loads it by path)."""
         name = f"{self.tag}-v{version}"
-        self.client.load_adapter(name, folder)
+        if name not in self.loaded:  # a rollback to a version vLLM still holds switches back to it
+            self.client.load_adapter(name, folder)
         with self.lock:
             self.name, self.version, self.adapter = name, version, str(folder)
-            self.loaded.append(name)
+            self.loaded = [n for n in self.loaded if n != name] + [name]
             old, self.loaded = self.loaded[: -self.keep], self.loaded[-self.keep :]
         for stale in old:  # a request already sent to one of these finishes: vLLM holds the adapter while it runs
             with contextlib.suppress(VllmError):

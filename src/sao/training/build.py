@@ -3,6 +3,7 @@
     trainer      the task set, the models, the task's parts (``sao.tasks.setup``), the source (``SOURCES`` by
                  ``--rollout``, or yours) and the hooks the settings ask for, assembled into a ``Trainer``: what
                  ``sao.train()``, ``sao train`` and each run of an experiment use
+    the gate     ``--gate held-out``: the held-aside tasks and the trace log's live rewards (``sao.training.gate``)
 
 Deliberately left out: what the parts do (each lives in its own layer).
 """
@@ -13,14 +14,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sao.core import stats
 from sao.core.config import Config
+from sao.core.errors import ConfigError
 from sao.model.policy import Models
 from sao.rollout.environment import EnvFactory
+from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import Source, SourceContext, build_source
-from sao.tasks import setup
-from sao.tasks.base import TaskSet
+from sao.rollout.types import Sampling
+from sao.tasks import environments, setup
+from sao.tasks.base import Task, TaskSet
 from sao.training import checkpoint
 from sao.training.distributed import World
+from sao.training.gate import Gate, HeldAside, LiveRewards
 from sao.training.hooks import FootingAudit, Mismatch, Publish, Reachability, SourceSummary, Tracking
 from sao.training.trainer import Hook, Trainer
 
@@ -43,6 +49,7 @@ def trainer(
     every part is built, so a mistake found on the way leaves the folder as it was."""
     world = World.from_env(config.model.device)  # one process, or this rank of a torchrun group
     tasks = tasks or setup.task_set(config, dataset)  # a bad --data fails here, before a model is loaded
+    held = gate_tasks(config, tasks)  # and a held-out split too small for the gate's margin
     record = checkpoint.run_record(config, tasks, world.size, dataset=dataset, reward_fn=reward_fn,
                                    env_factory=env_factory, source=source)  # fmt: skip
     claimed = checkpoint.claim(Path(out_dir), record, resume)  # writes nothing: a folder with another run fails now
@@ -59,13 +66,44 @@ def trainer(
                                     task_parts.episodes, Path(out_dir), world.training_gpus(), label, progress,
                                     world_size=world.size)  # fmt: skip
             source = build_source(config.rollout.source, context)  # a launched vLLM fleet writes into out_dir
-        return Trainer(models, source, task_parts.scorer, config, out_dir, hooks=[*default_hooks(config), *hooks],
+        gate = [held_aside_gate(config, models, tasks, held, task_parts)] if held else []
+        return Trainer(models, source, task_parts.scorer, config, out_dir,
+                       hooks=[*default_hooks(config), *gate, *hooks],
                        world=world, run_record=record, resume=resume, progress=progress, label=label,
                        claimed=claimed)  # fmt: skip
     except BaseException:
         if world.is_main:
             claimed.undo()  # a new run's folder as it was found, so that the corrected command is not refused
         raise
+
+
+def gate_tasks(config: Config, tasks: TaskSet) -> list[Task]:
+    """``--gate held-out``'s held-aside tasks: the first ``--gate-tasks`` of the held-out split (all of it with 0);
+    [] without a gate. A split smaller than the gate's margin needs is refused with the size it would need."""
+    t = config.training
+    if t.gate == "off":
+        return []
+    need = max(stats.tasks_for_margin(t.gate_margin, t.gate_alpha), t.gate_tasks)
+    if len(tasks.test) < need:
+        raise ConfigError(f"--gate held-out: the held-out split holds {len(tasks.test)} tasks; --gate-margin "
+                          f"{t.gate_margin:g} at --gate-alpha {t.gate_alpha:g}"
+                          f"{f' with --gate-tasks {t.gate_tasks}' if t.gate_tasks else ''} needs at least {need} "
+                          "(raise --test-prompts, or use a larger task set)")  # fmt: skip
+    return list(tasks.test[: t.gate_tasks or len(tasks.test)])
+
+
+def held_aside_gate(config: Config, models: Models, tasks: TaskSet, held: list[Task], parts: setup.TaskParts) -> Gate:
+    """The gate over ``held`` (``gate_tasks``): one reply each at the eval temperature from a seed of the data seed,
+    and the trace log's rewards for the rollback."""
+    t, e, r = config.training, config.eval, config.rollout
+    episodes = environments.episodes_for(parts.env_factory, held, tasks.instruction, r.max_turns, r.max_total_tokens)
+    sampling = Sampling(e.max_new_tokens, e.temperature, models.eos_token_ids, models.tokenizer.pad_token_id)
+    aside = HeldAside(held, instruction=tasks.instruction, tokenizer=models.tokenizer, scorer=parts.scorer,
+                      sampling=sampling, seed=derived_seed(config.data.seed, "gate"), batch=e.batch,
+                      decoder=r.decoder, episodes=episodes)  # fmt: skip
+    live = LiveRewards(r.traces) if r.traces is not None else None
+    return Gate(aside, margin=t.gate_margin, alpha=t.gate_alpha, live=live,
+                max_staleness=r.max_staleness if live is not None else None)  # fmt: skip
 
 
 def default_hooks(config: Config) -> list[Hook]:
@@ -80,7 +118,7 @@ def default_hooks(config: Config) -> list[Hook]:
         hooks.append(FootingAudit(r.temperature, chunk))
     if r.source == "traces":
         hooks.append(SourceSummary())
-    if t.publish or r.source == "traces":
+    if (t.publish or r.source == "traces") and t.gate == "off":  # a gate publishes what passes it (held_aside_gate)
         hooks.append(Publish())
     if t.track is not None:
         hooks.append(Tracking(t.track, config.to_dict()))

@@ -18,7 +18,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -362,17 +362,21 @@ def read_log(out: Path, fix: str) -> list[dict[str, Any]]:
 PUBLISHED_DIR, LATEST_FILE, KEEP_PUBLISHED = "published", "LATEST.json", 3
 
 
-def publish(out: Path, version: int, write_adapter: Callable[[Path], Any]) -> Path:
+def publish(
+    out: Path, version: int, write_adapter: Callable[[Path], Any], protect: Iterable[int] | None = None
+) -> Path:
     """Publish the adapter after ``version`` policy updates: ``write_adapter(folder)`` writes OUT/published/v{N}/
     (staged and fsynced, so it appears complete or not at all), then LATEST.json is replaced atomically to point
-    at it, then all but the newest ``KEEP_PUBLISHED`` versions are removed. A server that reads LATEST.json and
-    then the folder it names always finds a complete adapter (a reader slower than 2 updates may lose it)."""
+    at it, then all but the newest ``KEEP_PUBLISHED`` versions are removed (with ``protect``: every version but
+    those). A server that reads LATEST.json and then the folder it names always finds a complete adapter (a reader
+    slower than 2 updates may lose it)."""
     root = out / PUBLISHED_DIR
     folder = root / f"v{version}"
     write_adapter(folder)
     write_json(root / LATEST_FILE, {"version": version, "path": folder.name})
     versions = sorted(int(p.name[1:]) for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit())
-    for old in versions[:-KEEP_PUBLISHED]:
+    kept = set(versions[-KEEP_PUBLISHED:]) if protect is None else set(protect)
+    for old in (v for v in versions if v not in kept):
         shutil.rmtree(root / f"v{old}", ignore_errors=True)
     return folder
 
