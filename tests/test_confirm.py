@@ -402,3 +402,13 @@ def test_a_bad_arm_name_is_one_line(tmp_path, capsys):
     code = main(["sweep", "--preset", "tiny", "--arms", "dis", "none", "dis+nope", "--out", str(tmp_path / "x")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "unknown arm 'dis+nope'" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-calc", "mismatch"])
+def test_the_second_confirmations_plans_parse_with_power_for_their_smallest_effect(name):
+    """docs/confirm-v2: each plan states its smallest effect and sd, tests its primary alone at full alpha, and has
+    at least 80% power for that effect before a seed trains."""
+    plan = confirm.read_plan(COMMITTED.parent / "confirm-v2" / f"{name}.yaml")
+    assert plan.gatekeeping and plan.smallest_effect is not None and len(plan.seeds) >= 20
+    assert plan.power["alpha_primary"] == plan.alpha == 0.05 and plan.power["power"] >= 0.8
+    assert plan.power["warning"] is None
