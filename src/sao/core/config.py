@@ -420,9 +420,10 @@ class TrainingSettings(Section):
         None,
         "AdamW on the value head's bias alone, in reward units (the weight keeps --critic-lr); None: --critic-lr, the "
         "page's single rate. Adam moves every parameter by about its rate a step, and hidden states share a large "
-        "common component (the tiny model's Σ_i |mean h_i| ≈ 32), so at one rate the weight moves the mean value ~30× "
-        "faster than the bias: the head fits the batch mean through w · h, which varies along each reply where a "
-        "terminal return does not, and its explained variance is negative. The tiny presets set 0.1.",
+        "common component (the tiny model's Σ_i |mean h_i| ≈ 31 over its 64 dimensions), so at one rate the weight "
+        "moves the mean value ~30× faster than the bias: the head fits the batch mean through w · h, which varies "
+        "along each reply where a terminal return does not, and its explained variance is negative. The tiny "
+        "presets set 0.1.",
         check=lambda v: (
             None if v is None else all_of(positive, lambda x: None if x <= MAX_LR else f"must be at most {MAX_LR:g}")(v)
         ),
