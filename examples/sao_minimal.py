@@ -35,7 +35,8 @@ class Args:
     batch_size: int = 64  # prompts per step, one rollout each
     lag: int = 4  # the sampler's adapter is refreshed every LAG policy steps
     lr: float = 1e-3  # AdamW on the LoRA adapter (the 1.5B protocol uses 1e-5)
-    critic_lr: float = 1e-3  # AdamW on the value head
+    critic_lr: float = 1e-3  # AdamW on the value head's weight
+    critic_bias_lr: float = 0.1  # ... and on its bias, which carries the batch mean (docs/design/learn.md)
     critic_steps: int = 2  # squared-error updates of the value head per step
     grad_clip: float = 1.0
     ratio: tuple[float, float] = (0.7, 6.0)  # the band: tokens whose ratio leaves it are masked
@@ -60,7 +61,10 @@ def main(args: Args | None = None) -> list[dict]:
     pairs = [(p, sampler_params[n.replace(f".{POLICY_ADAPTER}.", ".sampler.")]) for n, p in theta.items()]
     value_head = ValueHead(model.config.hidden_size)  # V(h) = w·h + b, zero at the start
     policy_opt = torch.optim.AdamW(list(theta.values()), lr=args.lr, weight_decay=0.0)
-    critic_opt = torch.optim.AdamW(value_head.parameters(), lr=args.critic_lr, weight_decay=0.0)
+    head = dict(value_head.named_parameters())  # the weight at critic_lr, the bias at critic_bias_lr
+    critic_opt = torch.optim.AdamW([{"params": [p for n, p in head.items() if not n.endswith("bias")]},
+                                    {"params": [p for n, p in head.items() if n.endswith("bias")],
+                                     "lr": args.critic_bias_lr}], lr=args.critic_lr, weight_decay=0.0)  # fmt: skip
     sao = SAO(ratio=args.ratio, correction=args.correction, critic_steps=args.critic_steps,
               critic_warmup=args.critic_warmup)  # fmt: skip
     eos, pad = eos_ids(tokenizer, model), tokenizer.pad_token_id
