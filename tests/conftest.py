@@ -9,6 +9,9 @@ marked ``faults``: ``make docs`` reruns those and rewrites the table; a full ``m
 from __future__ import annotations
 
 import os
+import sys
+import textwrap
+import uuid
 
 import pytest
 
@@ -78,3 +81,20 @@ def tiny_vllm(tiny_model_dir, tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """Writes a module into tmp_path under a fresh name, puts tmp_path on sys.path, returns the name."""
+    names = []
+
+    def write(source: str) -> str:
+        name = f"sao_user_{uuid.uuid4().hex[:10]}"
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source), encoding="utf-8")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        names.append(name)
+        return name
+
+    yield write
+    for name in names:
+        sys.modules.pop(name, None)

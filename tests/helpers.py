@@ -36,3 +36,45 @@ def run_log(folder: Path) -> list[dict[str, Any]]:
     if (folder / "train_log.jsonl").exists() or not (folder / "train_log.json").exists():
         return [json.loads(line) for line in (folder / "train_log.jsonl").read_text().splitlines() if line.strip()]
     return json.loads((folder / "train_log.json").read_text())
+
+
+def files_in(folder: Path) -> dict[Path, bytes]:
+    """Every file below ``folder`` with its bytes ({} when the folder does not exist): what a refusal must leave."""
+    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()} if folder.exists() else {}
+
+
+def refused_in_one_line(capsys, argv: list[str], folder: Path | None, *needles: str) -> str:
+    """Runs the CLI: exit code 2, one line on stderr holding every needle, no traceback; with ``folder``, nothing in
+    it written, changed or removed (and, when it did not exist, not created). Returns the line."""
+    from sao.cli import main
+
+    existed, before = (folder.exists(), files_in(folder)) if folder is not None else (None, None)
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    if folder is not None:
+        assert folder.exists() == existed and files_in(folder) == before, "the folder changed"
+    return lines[0]
+
+
+def save_small_model(folder: Path) -> Path:
+    """A random one-layer Qwen2 with the tiny task's tokenizer (byte-level, ChatML) saved in ``folder``: a model
+    in a second, for tests of what surrounds a model rather than what it learns."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from sao.tiny import arithmetic as tiny
+
+    tokenizer = tiny.build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

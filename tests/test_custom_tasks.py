@@ -10,7 +10,6 @@ import json
 import os
 import random
 import sys
-import textwrap
 import types
 import uuid
 from pathlib import Path
@@ -460,23 +459,6 @@ def test_prompt_and_messages_fields_together_are_refused(tmp_path):
 
 
 # --- your reward and your environment ------------------------------------------------------------------
-
-
-@pytest.fixture
-def user_module(tmp_path, monkeypatch):
-    """Writes a module into tmp_path under a fresh name, puts tmp_path on sys.path, returns the name."""
-    names = []
-
-    def write(source: str) -> str:
-        name = f"sao_user_{uuid.uuid4().hex[:10]}"
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source), encoding="utf-8")
-        monkeypatch.syspath_prepend(str(tmp_path))
-        names.append(name)
-        return name
-
-    yield write
-    for name in names:
-        sys.modules.pop(name, None)
 
 
 REWARDS = """

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import without_keys
+from helpers import files_in as _files
+from helpers import refused_in_one_line, without_keys
 from sao.cli import main
 from sao.core.errors import DataError
 
@@ -57,22 +58,8 @@ def _copy(folder: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(folder, tmp_path / folder.name))
 
 
-def _files(folder: Path) -> dict[Path, bytes]:
-    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()} if folder.exists() else {}
-
-
 def _refused(capsys, argv: list[str], folder: Path, *needles: str) -> str:
-    """Runs the CLI: exit code 2, one line on stderr holding every needle, no traceback, nothing in
-    ``folder`` written, changed or removed (and, when it did not exist, not created)."""
-    existed, before = folder.exists(), _files(folder)
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    assert folder.exists() == existed and _files(folder) == before, "the folder changed"
-    return lines[0]
+    return refused_in_one_line(capsys, argv, folder, *needles)
 
 
 def _truncate(path: Path, keep: int = 100) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import refused_in_one_line, save_small_model
 from sao.cli import main
 from sao.core.errors import ConfigError, DataError
 from sao.core.plugins import PluginError, PluginTimeout
@@ -37,21 +38,8 @@ def _keep_torch_threads():
     torch.set_num_threads(threads)
 
 
-def _files(folder: Path) -> dict[Path, bytes]:
-    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()} if folder.exists() else {}
-
-
 def refused(capsys, argv: list[str], folder: Path, *needles: str) -> str:
-    """The CLI exits 2 with one line holding every needle, no traceback, and ``folder`` as it was."""
-    existed, before = folder.exists(), _files(folder)
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    assert folder.exists() == existed and _files(folder) == before, "the folder changed"
-    return lines[0]
+    return refused_in_one_line(capsys, argv, folder, *needles)
 
 
 def one_line(message: str, *needles: str) -> None:
@@ -251,22 +239,12 @@ def small_server(tmp_path_factory):
     """A random one-layer model with 256 positions behind sao serve, its reward a plug-in that misbehaves on
     request (metadata.mode), with a 0.5 s reward timeout."""
     _serve_fixtures()
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from sao.core.config import Config
     from sao.serve.server import Server
-    from sao.tiny import arithmetic as tiny
 
     root = tmp_path_factory.mktemp("hostile-serve")
-    tokenizer = tiny.build_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    save_small_model(root / "model")
     (root / "plugin_rewards.py").write_text(
         "import sys, time\n"
         "def reward(completion, row):\n"

@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from helpers import save_small_model
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.serve.tracelog import OPEN, REWARDED, UNKNOWN, TraceLog
@@ -59,21 +60,8 @@ def read_log(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def small_model_dir(tmp_path_factory):
     """A random one-layer Qwen2 with the tiny task's tokenizer (byte-level, ChatML): a model in a second."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from sao.tiny import arithmetic as tiny
-
-    tokenizer = tiny.build_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("small-model")
-    Qwen2ForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_small_model(tmp_path_factory.mktemp("small-model"))
 
 
 def small_config(model_dir: Path) -> Config:

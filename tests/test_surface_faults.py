@@ -11,14 +11,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
-import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
+from helpers import refused_in_one_line, save_small_model
 from sao.cli import main
 
 SMALL = ["--preset", "tiny", "--batch-size", "8", "--steps", "2", "--critic-warmup", "1", "--train-prompts", "32",
@@ -30,31 +28,7 @@ def _files(folder: Path) -> dict[Path, bytes]:
 
 
 def _refused(capsys, argv: list[str], *needles: str) -> str:
-    """Runs the CLI: exit code 2, one line on stderr holding every needle, no traceback."""
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
-@pytest.fixture
-def user_module(tmp_path, monkeypatch):
-    """Writes a module into tmp_path under a fresh name, puts tmp_path on sys.path, returns the name."""
-    names = []
-
-    def write(source: str) -> str:
-        name = f"sao_user_{uuid.uuid4().hex[:10]}"
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source), encoding="utf-8")
-        monkeypatch.syspath_prepend(str(tmp_path))
-        names.append(name)
-        return name
-
-    yield write
-    for name in names:
-        sys.modules.pop(name, None)
+    return refused_in_one_line(capsys, argv, None, *needles)
 
 
 # --- failing early writes nothing ------------------------------------------------------------------------------
@@ -304,23 +278,11 @@ PROMPT = [{"role": "user", "content": "What is 3+4?"}]
 def small_server(tmp_path_factory):
     """A server on a random one-layer model with the tiny tokenizer (built in a second), stopped at the end."""
     pytest.importorskip("fastapi")
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from sao.core.config import Config
     from sao.serve.server import Server
-    from sao.tiny import arithmetic as tiny
 
-    tokenizer = tiny.build_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("small-model")
-    Qwen2ForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = save_small_model(tmp_path_factory.mktemp("small-model"))
     root = tmp_path_factory.mktemp("serve")
     settings = Config(model=str(folder), data="tiny", lora_rank=4, lora_alpha=8, max_new_tokens=4, seed=5)
     server = Server(settings, root / "traces.jsonl", say=lambda line: None).start()
