@@ -11,7 +11,8 @@ Rows, each beside its baseline:
                       batch: ``--rollout vllm`` (vLLM the stale sampler) against ``--rollout local``
     serving           replies/s and median latency at 1, 8 and 32 concurrent clients: ``sao serve`` (sao's
                       own sampler), ``sao serve --upstream`` (the front forwarding to vLLM), and vLLM itself
-                      (its own /v1/chat/completions); the front's cost is upstream against raw at 32 clients
+                      (its own /v1/chat/completions), measured in turn three times (medians); the front's cost
+                      is upstream against raw at 32 clients
 
 Every figure is measured here on this machine's CPU, torch on ``--threads`` threads in this process; vLLM runs
 in its own processes, so on a 2-core machine the serving rows compete for the same cores and are a floor on
@@ -130,33 +131,55 @@ def serve_rate(url: str, model: str | None, clients: int, requests: int) -> dict
     return {"replies_s": requests / seconds, "p50_s": statistics.median(latencies)}
 
 
-def serve_rows(server: VllmServer, model_dir: Path, scratch: Path, requests: int) -> dict[str, dict[int, dict]]:
+def serve_rows(
+    server: VllmServer, model_dir: Path, scratch: Path, requests: int, rounds: int = 3
+) -> dict[str, dict[int, dict]]:
+    """Every front up at once; at each client count the three are measured in turn, ``rounds`` times (the median
+    kept), so that a busy moment of the machine falls on all three rather than on one."""
     from sao.serve.server import Server
 
-    rows: dict[str, dict[int, dict]] = {}
-    fronts = {"sao serve": None, "sao serve --upstream": server.url}
-    for name, upstream in fronts.items():
+    fronts = {}
+    for name, upstream in {"sao serve": None, "sao serve --upstream": server.url}.items():
         config = Config.preset("tiny", upstream=upstream) if upstream else Config.preset("tiny")
-        front = Server(config, scratch / f"{len(rows)}-traces.jsonl", port=0, say=lambda line: None)
-        front.start()
-        try:
-            rows[name] = {c: serve_rate(front.url, None, c, max(requests, c)) for c in CLIENTS}
-        finally:
-            front.stop()
-    rows["vLLM"] = {c: serve_rate(server.url, str(model_dir), c, max(requests, c)) for c in CLIENTS}
-    return rows
+        fronts[name] = (Server(config, scratch / f"{len(fronts)}-traces.jsonl", port=0, say=lambda line: None)
+                        .start(), None)  # fmt: skip
+    fronts["vLLM"] = (server, str(model_dir))
+    try:
+        rows: dict[str, dict[int, dict]] = {name: {} for name in fronts}
+        for c in CLIENTS:
+            runs: dict[str, list[dict]] = {name: [] for name in fronts}
+            for _ in range(rounds):
+                for name, (front, model) in fronts.items():
+                    runs[name].append(serve_rate(front.url, model, c, max(requests, c)))
+            for name, measured in runs.items():
+                rows[name][c] = {key: statistics.median(m[key] for m in measured) for key in measured[0]}
+            print(f"serve, {c} clients:", {n: round(r[c]["replies_s"], 1) for n, r in rows.items()}, flush=True)
+        return rows
+    finally:
+        for name, (front, _) in fronts.items():
+            if name != "vLLM":
+                front.stop()
 
 
 def table(f: dict[str, Any]) -> str:
-    d, t, s = f["decode"], f["train"], f["serve"]
-    lines = [
-        "| what | baseline | sao | vLLM | vLLM / baseline |",
-        "| --- | ---: | ---: | ---: | ---: |",
-        f"| decode batch {BATCH}, tokens/s (baseline: sao's plain loop; sao: its engine) | {d['plain']:.0f} | "
-        f"{d['engine']:.0f} | {d['vllm']:.0f} | {d['vllm'] / d['plain']:.2f}x |",
-        f"| train step, s (baseline: --rollout local) | {t['local']['step_s']:.3f} | | {t['vllm']['step_s']:.3f} | "
-        f"{t['vllm']['step_s'] / t['local']['step_s']:.2f}x |",
-        f"| of which waiting for the batch, s | {t['local']['sample_s']:.3f} | | {t['vllm']['sample_s']:.3f} | |",
+    lines = []
+    if "decode" in f or "train" in f:
+        lines += ["| what | baseline | sao | vLLM | vLLM / baseline |", "| --- | ---: | ---: | ---: | ---: |"]
+    if "decode" in f:
+        d = f["decode"]
+        what = f"decode batch {BATCH}, tokens/s (baseline: sao's plain loop; sao: its engine)"
+        lines.append(f"| {what} | {d['plain']:.0f} | {d['engine']:.0f} | {d['vllm']:.0f} | "
+                     f"{d['vllm'] / d['plain']:.2f}x |")  # fmt: skip
+    if "train" in f:
+        t = f["train"]
+        lines.append(f"| train step, s (baseline: --rollout local) | {t['local']['step_s']:.3f} | | "
+                     f"{t['vllm']['step_s']:.3f} | {t['vllm']['step_s'] / t['local']['step_s']:.2f}x |")  # fmt: skip
+        lines.append(f"| of which waiting for the batch, s | {t['local']['sample_s']:.3f} | | "
+                     f"{t['vllm']['sample_s']:.3f} | |")  # fmt: skip
+    if "serve" not in f:
+        return "\n".join(lines)
+    s = f["serve"]
+    lines += [
         "",
         "| clients | sao serve, replies/s | sao serve --upstream, replies/s | vLLM, replies/s | front's cost | "
         "p50 latency, s (serve / upstream / vLLM) |",
@@ -177,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="policy steps of each train-step run")
     parser.add_argument("--requests", type=int, default=64, help="requests per serving row")
     parser.add_argument("--out", type=Path, help="also write the figures as JSON")
+    parser.add_argument("--rows", default="decode,train,serve", help="which rows to measure (comma-separated)")
     parser.add_argument("--work", type=Path, help="keep the runs and the vLLM log here (default: a temporary folder)")
     parser.add_argument("--record", type=Path, help="append the table to this markdown file")
     args = parser.parse_args(argv)
@@ -194,11 +218,15 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         with server.start():
             print(f"vLLM up in {time.time() - t0:.0f}s at {server.url}", flush=True)
-            figures: dict[str, Any] = {"decode": decode_rows(server, model_dir, args.repeat)}
-            print("decode:", {k: round(v) for k, v in figures["decode"].items()}, flush=True)
-            figures["train"] = train_rows(server.url, scratch, args.steps)
-            print("train:", figures["train"], flush=True)
-            figures["serve"] = serve_rows(server, model_dir, scratch, args.requests)
+            rows, figures = args.rows.split(","), {}
+            if "decode" in rows:
+                figures["decode"] = decode_rows(server, model_dir, args.repeat)
+                print("decode:", {k: round(v) for k, v in figures["decode"].items()}, flush=True)
+            if "train" in rows:
+                figures["train"] = train_rows(server.url, scratch, args.steps)
+                print("train:", figures["train"], flush=True)
+            if "serve" in rows:
+                figures["serve"] = serve_rows(server, model_dir, scratch, args.requests)
     text = table(figures)
     print(text)
     if args.out:

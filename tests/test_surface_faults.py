@@ -334,7 +334,7 @@ def test_overload_is_an_openai_shaped_503_once_the_queue_bound_is_reached(small_
 
 
 def test_a_failure_while_serving_is_an_openai_shaped_500_and_one_line(small_server, monkeypatch, capfd, faults):
-    def full_disk(record):
+    def full_disk(record, sync=True):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(small_server.service.log, "append_trajectory", full_disk)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import threading
 import urllib.request
 from pathlib import Path
@@ -132,19 +130,36 @@ def test_serve_upstream_logs_concurrent_replies_and_takes_published_adapters(tin
     assert all("reward" in x and x["adapter"].endswith(f"v{trainer.policy_version}") for x in lines)
 
 
-def test_a_run_that_launches_its_server_stops_it(tiny_model_dir, tmp_path):
+def test_a_launched_server_killed_mid_run_is_restarted_and_stopped_with_the_run(tiny_model_dir, tmp_path):
+    """--vllm-launch: sao starts the server on 127.0.0.1; SIGKILLed (its whole process group) after the first step,
+    it is started again, the adapters reloaded and the batch drawn in full; when the run ends both the first and
+    the second server are gone with their process groups (engine core, model worker, helpers)."""
+    import os
+    import signal
+
+    from sao.training.trainer import Hook
+
     if vllm_source.default_vllm_python() is None:
         pytest.skip(".venv-vllm is absent: make install-vllm builds it")
+    killed: list[int] = []
+
+    class KillTheServer(Hook):
+        def on_step_end(self, trainer, record):
+            if record["step"] == 0:
+                pid = trainer.source.fleet.servers[0].pid
+                os.killpg(pid, signal.SIGKILL)
+                killed.append(pid)
+
     out = tmp_path / "run"
-    argv = ["train", "--preset", "tiny", "--rollout", "vllm", "--vllm-launch", "--steps", "1", "--critic-warmup",
-            "1", "--batch-size", "8", "--train-prompts", "16", "--test-prompts", "8", "--quiet",
-            "--out", str(out)]  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "sao", *argv], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    (started,) = json.loads((out / "vllm-servers.json").read_text())
-    assert started["url"].startswith("http://127.0.0.1:") and Path(started["log"]).is_file()
-    assert not alive(started["pid"]), "the launched server is gone with the run"
-    assert not group_alive(started["pid"]), "and so is its process group (engine core, model worker, helpers)"
+    trainer = sao.train({**SMALL, "rollout": "vllm", "vllm_launch": True, "steps": 2, "lag": 1}, out,
+                        hooks=[KillTheServer()], progress=False)  # fmt: skip
+    records = trainer.records
+    assert len(records) == 3 and killed and records[-1]["vllm_restarts_total"] == 1
+    assert all(r["nonfinite"] == 0 for r in records) and all(r["reward_mean"] == r["reward_mean"] for r in records)
+    (second,) = json.loads((out / "vllm-servers.json").read_text())
+    assert second["url"].startswith("http://127.0.0.1:") and second["pid"] != killed[0]
+    for pid in (killed[0], second["pid"]):
+        assert not alive(pid) and not group_alive(pid), "every launched server is gone with the run"
 
 
 def test_an_asynchronous_run_killed_mid_run_resumes_without_a_trajectory_twice(tiny_vllm, tmp_path):
@@ -187,3 +202,23 @@ def test_a_full_batch_of_seeded_prompts_is_served_at_once(tiny_vllm):
                             model=str(tiny_vllm.model), max_tokens=4, ignore_eos=True)  # fmt: skip
     assert len(replies) == 64 and all(len(r.completion_token_ids) == 4 for r in replies)
     assert "--no-enable-chunked-prefill" in tiny_vllm.command()
+
+
+def test_two_runs_on_one_server_load_their_adapters_under_names_of_their_own(tiny_vllm, tmp_path):
+    """Two runs sampling from one server both publish version 1: the names differ, both are served, and one run's
+    end unloads only its own adapters."""
+    from sao import api as sao_api
+
+    config = {**SMALL, "rollout": "vllm", "vllm_url": tiny_vllm.url}
+    first, second = (sao_api.trainer(config, tmp_path / name, progress=False).source for name in ("a", "b"))
+    try:
+        names = [source.fleet.publish(1) for source in (first, second)]
+        assert names[0] != names[1] and names[0].endswith("-v1") and names[1].endswith("-v1")
+        assert set(names) <= set(tiny_vllm.client().models())
+        first.close()
+        assert names[0] not in tiny_vllm.client().models() and names[1] in tiny_vllm.client().models()
+        reply = second.fleet.complete(0, [1, 30, 31, 32], model=names[1], max_tokens=2, seed=0)
+        assert len(reply.completion_token_ids) <= 2
+    finally:
+        first.close()
+        second.close()

@@ -223,8 +223,9 @@ class Service:
                 raise HTTPProblem(500, str(error), "reward_failed", "server_error") from None
             record["task"] = metadata
         with self._log_lock:
-            self.log.append_trajectory(record)
+            self.log.append_trajectory(record, sync=False)
             self.served += 1
+        self.log.sync()  # durable before the client hears of it; concurrent replies share the flush
         return self._response(record, completion, request["logprobs"])
 
     def _response(self, record: dict[str, Any], completion, with_logprobs: bool) -> dict[str, Any]:

@@ -2,10 +2,11 @@
 
 Records are trajectories (id, policy version, temperature, messages, token ids, logprobs, finish reason, and the
 graded reward when the request carried task fields) and feedback (a reward posted later). Each is one ``os.write``
-on an O_APPEND descriptor, then an fsync, before the client hears about it; a torn last line (a crash, a short
-write on a full disk) is cut off on opening and before the next append. The index of ids is rebuilt on open and
-bounded (``max_ids``); a feedback for an id it holds is accepted once. An flock on the log file itself (its device
-and inode, whatever name reaches it) keeps a second server off it; a FIFO or a device is refused.
+on an O_APPEND descriptor, then an fsync (concurrent replies share one), before the client hears about it; a torn
+last line (a crash, a short write on a full disk) is cut off on opening and before the next append. The index of
+ids is rebuilt on open and bounded (``max_ids``); a feedback for an id it holds is accepted once. An flock on the
+log file itself (its device and inode, whatever name reaches it) keeps a second server off it; a FIFO or a device
+is refused.
 
 Deliberately left out: rotation, compression, and more than one writer. Design notes: docs/design/tracelog.md.
 """
@@ -137,9 +138,10 @@ class TraceLog:
             return UNKNOWN
         return REWARDED if self._ids[id_] else OPEN
 
-    def _append(self, record: dict[str, Any]) -> None:
-        """One record as one write, fsynced; a write that fails or falls short (a full disk) is cut off again,
-        and so is anything found past the last whole line before the next, so a torn record never joins one."""
+    def _append(self, record: dict[str, Any], sync: bool = True) -> None:
+        """One record as one write, fsynced (``sync`` False: the caller calls ``sync`` once its lock is let go); a
+        write that fails or falls short (a full disk) is cut off again, and so is anything found past the last whole
+        line before the next, so a torn record never joins one."""
         if self._fd is None:
             raise OSError(f"the trace log {self.path} is closed")
         line = (json.dumps(record, ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n").encode()
@@ -150,18 +152,28 @@ class TraceLog:
             written = os.write(self._fd, line)
             if written != len(line):  # a regular file takes the whole write or fails; a short one is a full disk
                 raise OSError(errno.ENOSPC, f"short write to {self.path} ({written} of {len(line)} bytes)")
-            os.fsync(self._fd)
+            if sync:
+                os.fsync(self._fd)
         except OSError:
             with contextlib.suppress(OSError):
                 self._cut_torn_tail()
             raise
         self._end += len(line)
 
-    def append_trajectory(self, record: dict[str, Any]) -> None:
-        """Write one trajectory record (the caller's lock makes id registration and the write one step)."""
+    def sync(self) -> None:
+        """Make every record written so far durable. Called outside the writers' lock, so that concurrent replies
+        share the disk's flushes (one fsync covers every write before it) instead of taking one each in turn."""
+        fd = self._fd
+        if fd is None:
+            raise OSError(f"the trace log {self.path} is closed")
+        os.fsync(fd)
+
+    def append_trajectory(self, record: dict[str, Any], sync: bool = True) -> None:
+        """Write one trajectory record (the caller's lock makes id registration and the write one step); ``sync``
+        False leaves the fsync to ``sync()`` after the lock."""
         if record["id"] in self._ids:
             raise ValueError(f"id {record['id']} is already in {self.path}")
-        self._append(record)
+        self._append(record, sync)
         self.records += 1
         self._remember(record["id"], "reward" in record)
 
