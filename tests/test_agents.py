@@ -12,7 +12,14 @@ from helpers import run_log
 from sao.training import build
 
 TIMING = {"time", "time_sample"}
-AGENT_KEYS = {"turns_mean", "tool_calls_mean", "tool_use_share", "tool_error_rate", "observation_share"}
+AGENT_KEYS = {
+    "turns_mean",
+    "tool_calls_mean",
+    "tool_use_share",
+    "tool_error_rate",
+    "observation_share",
+    "env_fault_share",
+}
 
 
 def _log(out):

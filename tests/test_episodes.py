@@ -91,12 +91,15 @@ def test_one_turn_draws_exactly_what_the_single_turn_loop_draws(model):
     assert torch.equal(got.turns.rewards[torch.arange(6), last], got.turns.total)
 
 
-def test_observations_continue_from_the_cache_and_lag_zero_matches_at_every_action(model):
+# The concurrent loop feeds [kept token | observation] chunks at other columns than the synchronous one: its lag-0
+# gap is float32 rounding too (mean 2e-7 either way), with a max measured at 1.8e-5 against 7.6e-6.
+@pytest.mark.parametrize("concurrency, bound", [(0, 1e-5), (16, 5e-5)], ids=["synchronous", "concurrent"])
+def test_observations_continue_from_the_cache_and_lag_zero_matches_at_every_action(model, concurrency, bound):
     lm, tokenizer = model
     envs = [Nudge(turns=3) for _ in QUESTIONS]
     settings = _settings(tokenizer, max_new_tokens=32)
     rollout = draw_episodes(PlainDecoder(lm), tokenizer,
-                  envs, _prompts(), max_turns=5, max_total_tokens=300,
+                  envs, _prompts(), max_turns=5, max_total_tokens=300, env_concurrency=concurrency,
                             generator=torch.Generator().manual_seed(0), **settings)  # fmt: skip
     actions, real = rollout.action_mask, rollout.response_mask
     assert rollout.turns.count.tolist() == [3] * 6 and rollout.turns.tool_calls.tolist() == [3] * 6
@@ -112,7 +115,7 @@ def test_observations_continue_from_the_cache_and_lag_zero_matches_at_every_acti
     with torch.no_grad():
         tf = teacher_forced(lm, rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, real)
     gap = (tf.logprobs - rollout.sampler_logprobs)[actions].abs()
-    assert gap.max() < 1e-5, f"lag-0 |log ratio| max {gap.max():.2e} over {int(actions.sum())} action tokens"
+    assert gap.max() < bound, f"lag-0 |log ratio| max {gap.max():.2e} over {int(actions.sum())} action tokens"
 
 
 def test_stop_strings_end_an_action_and_limits_truncate(model):

@@ -39,6 +39,8 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
         "rollout.decoder",
         "rollout.max_turns",
         "rollout.max_total_tokens",
+        "rollout.env_concurrency",
+        "rollout.env_timeout",
         "training.seed",
     ),
     "recipe": ("model", "data", "algorithm", "rollout", "training", "eval"),

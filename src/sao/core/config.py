@@ -259,6 +259,23 @@ class RolloutSettings(Section):
         "action); hitting it ends the trajectory as truncated.",
         check=at_least(1),
     )
+    env_concurrency: int = option(
+        16,
+        "Environment steps in flight at once per draw call (a pool of threads; async def environments share one event "
+        "loop): a trajectory whose observation is back decodes on without waiting for the rest of its batch (through "
+        "vLLM every trajectory has its own thread anyway). The tokens do not depend on which tool finishes first. "
+        "0 = the batch-synchronous loop of earlier versions: every turn waits for the slowest step, the steps called "
+        "one after another, drawn exactly as those versions drew.",
+        check=at_least(0, " (0 = batch-synchronous)"),
+    )
+    env_timeout: float | None = option(
+        None,
+        "Seconds one environment step may run; past it the trajectory ends as truncated and is counted in "
+        "env_fault_share, and the batch goes on (a plain step's thread is abandoned, an async one cancelled). A step "
+        "that raises, or answers with an observation too long for the room left, ends its trajectory the same way. "
+        "None = no limit.",
+        check=lambda v: None if v is None else positive(v),
+    )
     max_staleness: int = option(
         4,
         "--rollout ray: the oldest a trajectory may be when it is put in a batch (policy updates since the adapter "

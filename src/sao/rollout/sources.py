@@ -30,7 +30,7 @@ from sao.core.registry import SOURCES
 from sao.model.policy import Models
 from sao.rollout.engine import Engine
 from sao.rollout.environment import EnvFactory, Message
-from sao.rollout.episodes import draw_episodes
+from sao.rollout.episodes import DEFAULT_CONCURRENCY, draw_episodes
 from sao.rollout.sampler import SAMPLER_ADAPTER, PlainDecoder, StaleSampler, decode, derived_seed, encode_prompts
 from sao.rollout.types import Batch, Decoder, Rollout, Sampling
 
@@ -125,6 +125,8 @@ class Episodes:
     fields: dict[str, dict[str, Any]]  # task id → what its environment is built from
     max_turns: int
     max_total_tokens: int
+    env_concurrency: int = DEFAULT_CONCURRENCY  # steps in flight at once (0: batch-synchronous, as before)
+    env_timeout: float | None = None  # seconds a step may run (None: no limit)
 
 
 def draw_episode_batch(
@@ -134,12 +136,10 @@ def draw_episode_batch(
     plain loop over its model, or the engine's static cache."""
     envs = [episodes.env_factory(i, episodes.fields[i]) for i in task_ids]
     messages = [episodes.messages[i] for i in task_ids]
-    limits = {"max_turns": episodes.max_turns, "max_total_tokens": episodes.max_total_tokens}
-    try:
-        return draw_episodes(decoder, tokenizer, envs, messages, generator=generator, **limits, **sampling.as_kwargs())
-    finally:
-        for env in envs:
-            env.close()
+    limits = {"max_turns": episodes.max_turns, "max_total_tokens": episodes.max_total_tokens,
+              "env_concurrency": episodes.env_concurrency, "env_timeout": episodes.env_timeout}  # fmt: skip
+    return draw_episodes(decoder, tokenizer, envs, messages, generator=generator, close=True, **limits,
+                         **sampling.as_kwargs())  # fmt: skip
 
 
 def make_decoder(model: nn.Module, adapter: str | None, kind: str) -> Decoder:

@@ -27,7 +27,14 @@ class Turns:
     count: torch.Tensor  # [B] long: actions taken
     tool_calls: torch.Tensor  # [B] long
     tool_errors: torch.Tensor  # [B] long
-    unfinished: torch.Tensor  # [B] bool: ended by a limit (turns, tokens) before the environment said done
+    unfinished: torch.Tensor  # [B] bool: ended by a limit (turns, tokens) or a fault before the environment said done
+    # [B] long: environment faults that ended the trajectory (a step that raised, ran past --env-timeout, or
+    # answered with an observation too long for the room left); None when built: zeros
+    faults: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.faults is None:
+            self.faults = torch.zeros_like(self.count)
 
     @property
     def total(self) -> torch.Tensor:

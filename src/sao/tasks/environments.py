@@ -20,6 +20,7 @@ from typing import Any
 from sao.core.errors import ConfigError
 from sao.core.registry import ENVIRONMENTS
 from sao.rollout.environment import EnvFactory
+from sao.rollout.episodes import DEFAULT_CONCURRENCY
 from sao.rollout.sources import Episodes
 from sao.tasks import calc, custom
 from sao.tasks.base import Task
@@ -50,14 +51,20 @@ def gsm8k_calc(tokenizer: Any) -> EnvFactory:
 
 
 def episodes_for(
-    factory: EnvFactory | None, tasks: list[Task], instruction: str, max_turns: int, max_total_tokens: int
+    factory: EnvFactory | None,
+    tasks: list[Task],
+    instruction: str,
+    max_turns: int,
+    max_total_tokens: int,
+    env_concurrency: int = DEFAULT_CONCURRENCY,
+    env_timeout: float | None = None,
 ) -> Episodes | None:
     """What a source needs to draw multi-turn episodes of ``tasks`` (None without an environment)."""
     if factory is None:
         return None
     messages = {t.id: t.chat(instruction) for t in tasks}
     fields = {t.id: task_fields(t) for t in tasks}
-    return Episodes(factory, messages, fields, max_turns, max_total_tokens)
+    return Episodes(factory, messages, fields, max_turns, max_total_tokens, env_concurrency, env_timeout)
 
 
 def prompt_text(tokenizer: Any, task: Task, instruction: str) -> str:

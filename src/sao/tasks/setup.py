@@ -84,5 +84,7 @@ def parts(
         scorer=scorer(config, tasks, reward_fn),
         env_factory=factory,
         prompts={t.id: prompt_text(tokenizer, t, tasks.instruction) for t in tasks.train},
-        episodes=episodes_for(factory, tasks.train, tasks.instruction, r.max_turns, r.max_total_tokens),
+        episodes=episodes_for(
+            factory, tasks.train, tasks.instruction, r.max_turns, r.max_total_tokens, r.env_concurrency, r.env_timeout
+        ),
     )

@@ -88,6 +88,7 @@ def step_record(
             tool_use_share=float((turns.tool_calls > 0).float().mean()),
             tool_error_rate=float(turns.tool_errors.sum()) / calls if calls else 0.0,
             observation_share=1.0 - float(rollout.action_mask.sum()) / max(float(rollout.response_mask.sum()), 1.0),
+            env_fault_share=float((turns.faults > 0).float().mean()),  # ended by a tool that raised, hung, overflowed
         )
     return record
 
