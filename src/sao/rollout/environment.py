@@ -52,6 +52,8 @@ class TextEnv(Protocol):
 EnvFactory = Callable[[str, dict[str, Any]], TextEnv]
 
 
+CHARS_PER_TOKEN = 32  # an observation longer than this many characters a token of room is judged on a prefix
+
 SENTINEL = "\u0000sao-action\u0000"
 
 
@@ -71,6 +73,17 @@ def render_observation(tokenizer: Any, observations: list[Message], eos_text: st
     if eos_text and after.startswith(eos_text):
         after = after[len(eos_text) :]
     return after
+
+
+def encode_bounded(tokenizer, text: str, room: int) -> list[int] | None:
+    """The observation's tokens, or None when it has at least ``room`` of them: a huge text is judged on a prefix of
+    ``CHARS_PER_TOKEN`` characters a token of room, so a tool that answers with megabytes costs little."""
+    limit = CHARS_PER_TOKEN * (room + 1)
+    if len(text) > limit:
+        head = tokenizer(text[:limit], add_special_tokens=False)["input_ids"]
+        if len(head) >= room:
+            return None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 # --- calling environments off the decoding thread ------------------------------------------------------------------

@@ -25,13 +25,20 @@ import torch
 
 from sao.algorithm.corrections import mix64
 from sao.model.forward import position_ids_from
-from sao.rollout.environment import EnvCalls, EnvFault, Message, TextEnv, check_env, render_observation
+from sao.rollout.environment import (
+    EnvCalls,
+    EnvFault,
+    Message,
+    TextEnv,
+    check_env,
+    encode_bounded,
+    render_observation,
+)
 from sao.rollout.sampler import derived_seed, encode_prompts, gumbel_sample_
 from sao.rollout.types import Decoder, Rollout, Stepper, Turns
 
 ACT, WAIT, DONE = 0, 1, 2  # acting; its step in flight (or, synchronous, not yet called); over
 DEFAULT_CONCURRENCY = 16  # environment steps in flight at once per draw call (the rollout setting's default)
-CHARS_PER_TOKEN = 32  # an observation longer than this many characters a token of room is judged on a prefix
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # splitmix64's increment, as the int64 with its bits
 
 
@@ -340,7 +347,7 @@ def _apply(r: _Row, i: int, outcome: Any, cols: _Columns, tokenizer, lim: _Limit
     eos_text = tokenizer.decode([r.ended_with]) if r.ended_with is not None else None
     try:
         text = render_observation(tokenizer, observations, eos_text)
-        ids = _encode_bounded(tokenizer, text, room)
+        ids = encode_bounded(tokenizer, text, room)
     except Exception as error:  # observations the template cannot render
         r.faults += 1
         r.fault = f"observation could not be rendered: {type(error).__name__}: {error}"
@@ -355,17 +362,6 @@ def _apply(r: _Row, i: int, outcome: Any, cols: _Columns, tokenizer, lim: _Limit
     r.observation_tokens += len(ids)
     r.state = ACT
     return ids
-
-
-def _encode_bounded(tokenizer, text: str, room: int) -> list[int] | None:
-    """The observation's tokens, or None when it has at least ``room`` of them: a huge text is judged on a prefix of
-    ``CHARS_PER_TOKEN`` characters a token of room, so a tool that answers with megabytes costs little."""
-    limit = CHARS_PER_TOKEN * (room + 1)
-    if len(text) > limit:
-        head = tokenizer(text[:limit], add_special_tokens=False)["input_ids"]
-        if len(head) >= room:
-            return None
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _put_reward(cols: _Columns, row: int, reward: float) -> None:

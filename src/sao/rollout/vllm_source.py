@@ -11,8 +11,9 @@
 Token in, token out: sao renders the chat template and sends token ids; vLLM returns token ids and log-probs after
 temperature (``processed_logprobs``); nothing is re-tokenised. With an environment each action is one request
 carrying the whole token prefix, the observation tokens appended by sao, and every row runs on its own thread, so a
-slow tool holds only its own trajectory. Deliberately left out: stop strings on the server (an action is cut at its
-stop string here, so the kept tokens are a prefix of a sample) and sharing a server's adapters between runs.
+slow tool holds only its own trajectory (its steps on ``EnvCalls`` under --env-timeout, async environments awaited).
+Deliberately left out: stop strings on the server (an action is cut at its stop string here, so the kept tokens are a
+prefix of a sample) and sharing a server's adapters between runs.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from sao.core.errors import ConfigError
 from sao.core.io import write_json
 from sao.model.artifacts import save_adapter
-from sao.rollout.environment import render_observation
+from sao.rollout.environment import EnvCalls, EnvFault, check_env, encode_bounded, render_observation
 from sao.rollout.ray_workers import Admission
 from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import POLICY, SourceContext
@@ -171,6 +172,7 @@ class Drawn:
     tool_calls: int = 0
     tool_errors: int = 0
     unfinished: bool = False
+    faults: int = 0  # 1: the environment raised, ran past --env-timeout, or answered what did not fit
     seq: int = 0
     deadline: int = 0
 
@@ -188,6 +190,10 @@ class _Drawing:
         self.fleet = VllmFleet(context)
         self.device = m.device
         self.pool = ThreadPoolExecutor(max(1, c.rollout.vllm_concurrency * len(self.fleet.clients)))
+        # every trajectory already has its own thread here: the steps run beside them, under --env-timeout
+        self.env_calls = EnvCalls(self.pool._max_workers, c.rollout.env_timeout)
+        if self.episodes is not None and self.tasks:
+            check_env(self.episodes.env_factory)  # a class with a wrong plain/async mix: one line, at start
 
     def prompt_ids(self, task_id: str) -> list[int]:
         return self.tokenizer(self.prompts[task_id], add_special_tokens=False)["input_ids"]
@@ -209,8 +215,9 @@ class _Drawing:
         """A multi-turn episode, as ``sao.rollout.episodes`` draws one, an action per request."""
         e, r, tok = self.episodes, self.config.rollout, self.tokenizer
         env = e.env_factory(task_id, e.fields[task_id])
+        check_env(env)
         try:
-            start, info = env.init(e.messages[task_id])
+            start, info = self.env_calls.run(env.init, e.messages[task_id])
             tools = (info or {}).get("tools") or None
             text = tok.apply_chat_template(start, tools=tools, tokenize=False, add_generation_prompt=True)
             d = Drawn(task_id, version, tok(text, add_special_tokens=False)["input_ids"])
@@ -240,30 +247,43 @@ class _Drawing:
                 d.action += [True] * len(ids)
                 d.logprobs += logps
                 d.rewards += [0.0] * len(ids)
-                result = env.step(tok.decode(ids, skip_special_tokens=True))
-                d.rewards[-1] = float(result.get("reward", 0.0) or 0.0)
-                meta = result.get("metadata") or {}
-                d.tool_calls += int(meta.get("tool_calls", 0) or 0)
-                d.tool_errors += int(meta.get("tool_errors", 0) or 0)
                 d.turns += 1
-                done = bool(result.get("done", False))
+                try:  # a tool that raises, hangs or answers a malformed step ends this trajectory only
+                    result = self.env_calls.call(env.step, tok.decode(ids, skip_special_tokens=True))
+                    if not isinstance(result, dict):
+                        raise EnvFault(f"step returned {type(result).__name__}, not a dict")
+                    reward = float(result.get("reward", 0.0) or 0.0)
+                    meta = result.get("metadata") or {}
+                    calls, errors = int(meta.get("tool_calls", 0) or 0), int(meta.get("tool_errors", 0) or 0)
+                    done = bool(result.get("done", False))
+                except Exception:
+                    d.faults, d.unfinished = 1, True
+                    return d
+                d.rewards[-1] = reward
+                d.tool_calls += calls
+                d.tool_errors += errors
                 if d.cut or d.turns >= e.max_turns or len(d.response) >= e.max_total_tokens:
                     d.unfinished = d.cut or not done
                     return d
                 if done:
                     return d
                 eos_text = tok.decode([ended]) if ended is not None else None
-                obs = render_observation(tok, list(result.get("observations") or []), eos_text)
-                obs_ids = tok(obs, add_special_tokens=False)["input_ids"]
-                if len(d.response) + len(obs_ids) >= e.max_total_tokens:
-                    d.unfinished = True
+                room = min(e.max_total_tokens - len(d.response),
+                           self.fleet.max_model_len - len(d.prompt) - len(d.response))  # fmt: skip
+                try:
+                    obs = render_observation(tok, list(result.get("observations") or []), eos_text)
+                    obs_ids = encode_bounded(tok, obs, room)
+                except Exception:
+                    obs_ids = None
+                if obs_ids is None or len(obs_ids) >= room:  # no room for the observation and another action
+                    d.faults, d.unfinished = 1, True
                     return d
                 d.response += obs_ids
                 d.action += [False] * len(obs_ids)
                 d.logprobs += [0.0] * len(obs_ids)
                 d.rewards += [0.0] * len(obs_ids)
         finally:
-            env.close()
+            self.env_calls.run(env.close)
 
     def rollout(self, rows: Sequence[Drawn]) -> Rollout:
         """The trajectories as the trainer's batch: prompts left-padded, responses right-padded."""
@@ -292,7 +312,8 @@ class _Drawing:
             turns = Turns(rewards=rewards, count=torch.tensor([d.turns for d in rows]),
                           tool_calls=torch.tensor([d.tool_calls for d in rows]),
                           tool_errors=torch.tensor([d.tool_errors for d in rows]),
-                          unfinished=torch.tensor([d.unfinished for d in rows]))  # fmt: skip
+                          unfinished=torch.tensor([d.unfinished for d in rows]),
+                          faults=torch.tensor([d.faults for d in rows]))  # fmt: skip
         return Rollout(prompt_ids, prompt_mask, response_ids, response_mask, action_mask, logprobs,
                        torch.tensor([d.cut for d in rows]), texts, turns).to(self.device)  # fmt: skip
 
@@ -303,6 +324,7 @@ class _Drawing:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.env_calls.close()
         self.fleet.close()
 
 
