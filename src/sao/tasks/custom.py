@@ -28,7 +28,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from sao.core.errors import ConfigError, DataError
-from sao.rollout.environment import EnvFactory
+from sao.rollout.environment import EnvFactory, check_env
 from sao.tasks.base import Task, TaskSet
 from sao.tasks.gsm8k import GOLD_MARKER, HUB_ID, decontaminate
 
@@ -581,6 +581,7 @@ def load_env_class(spec: str) -> EnvFactory:
                 f"--env {spec!r}: class {factory.__name__} has no {', '.join(missing)} method"
                 f"{'s' if len(missing) > 1 else ''}; an environment needs init, step and close"
             )
+        check_env(factory, f"--env {spec!r}:")  # plain and async def methods mixed wrongly: one line, at start
     _check_call(factory, spec, "--env", ("task-id", {}))
     return factory
 
