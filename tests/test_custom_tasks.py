@@ -77,7 +77,7 @@ def _one_line(error: pytest.ExceptionInfo) -> str:
 # commit's sao.tasks.gsm8k on data/gsm8k, and on an identical copy of it elsewhere, with the same result).
 GSM8K_DEFAULT = "289d480ba9a4425b9bfc625aa8ccac3105560855856b216b504b664079bdb20a"  # 512 / 120, seed 0
 GSM8K_SEED3 = "cd1ed74bf91a0be13a7ed68dedd5de342cab16ba5fdba397db31d987acd4c006"  # 100 / 50, seed 3
-TINY_DEFAULT = "9d6d2ed3a55b10ba5b88f8317b18a5678222569a181201c1dd7e35cdde072f0a"  # the tiny preset: 480 / 120
+TINY_DEFAULT = "09a60c6e2b5109cb66191eebcda5b4e6429128871499fce3ef344da0a8b98220"  # tiny: 480 / 120, split v2
 
 
 @pytest.fixture(scope="module")

@@ -346,6 +346,6 @@ def test_a_hung_plain_step_is_let_go_and_its_worker_replaced():
     calls = EnvCalls(workers=1, timeout=0.2)
     calls.submit(0, time.sleep, 30)
     ((key, outcome),) = calls.collect(block=True)
-    assert key == 0 and isinstance(outcome, EnvFault) and "timed out after 0.2 s" in str(outcome)
+    assert key == 0 and isinstance(outcome, EnvFault) and "did not return within 0.2 s" in str(outcome)
     assert calls.call(lambda: "answered") == "answered"
     calls.close()

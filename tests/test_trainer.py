@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
 import torch
 
 from helpers import run_log
+from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.model import forward as forward_module
 from sao.rollout.sampler import staleness_schedule
@@ -41,6 +43,24 @@ def test_lag_zero_masks_nothing_and_ratios_are_one_within_numerics(tiny_config, 
         assert r["masked_share"] == 0.0 and r["would_be_masked_share"] == 0.0
         assert r["abs_log_ratio_max"] < 1e-4
         assert abs(r["ratio_max"] - 1) < 1e-4 and abs(r["ratio_min"] - 1) < 1e-4
+
+
+def test_a_bfloat16_sampler_on_a_float32_trainer_shows_the_engine_mismatch_at_lag_zero(tiny_config, tmp_path):
+    config = tiny_config.replace(lag=0, steps=2, critic_warmup=1, batch_size=8, micro_batch=8)
+    default = build.trainer(config, tmp_path / "fp32", progress=False)
+    assert default.source.cast is None  # the default draws with the policy itself, no copy
+    fp32 = default.run()
+    bf16 = build.trainer(config.replace(sampler_dtype="bfloat16"), tmp_path / "bf16", progress=False).run()
+    mean = lambda log: statistics.fmean(r["abs_log_ratio_mean"] for r in log)  # noqa: E731
+    assert mean(fp32) < 1e-5 < 1e-4 < mean(bf16)
+    policy = [r for r in bf16 if r["phase"] == "policy"]
+    assert len(policy) == 2 and all(r["nonfinite"] == 0 and math.isfinite(r["grad_norm"]) for r in policy)
+
+
+def test_a_sampler_dtype_off_the_local_source_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="applies to --rollout local only") as error:
+        Config.preset("tiny", sampler_dtype="bfloat16", rollout="ray")
+    assert "\n" not in str(error.value)
 
 
 def test_log_has_every_spec_field_and_is_valid_json(tiny_config, tmp_path):

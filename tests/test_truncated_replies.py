@@ -32,7 +32,7 @@ def _rewards(rule: str) -> tuple[torch.Tensor, dict[str, int]]:
 def test_the_trainer_scores_a_cut_off_reply_zero_by_default_and_counts_it():
     zero, counted = _rewards("zero")
     assert zero.tolist() == [1.0, 0.0, 0.0, 0.0]
-    assert counted == {"truncated_replies": 2, "truncated_with_credit": 1}
+    assert counted == {"truncated_replies": 2, "truncated_with_credit": 1, "reward_timeouts": 0}
     graded, counted_too = _rewards("grade")
     assert graded.tolist() == [1.0, 1.0, 0.0, 0.0], "grade: the cut-off '3+4=7' is credited as before"
     assert counted_too == counted

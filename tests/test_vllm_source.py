@@ -171,3 +171,45 @@ def test_a_run_that_launches_its_server_stops_it(tiny_model_dir, tmp_path):
     assert started["url"].startswith("http://127.0.0.1:") and Path(started["log"]).is_file()
     assert not alive(started["pid"]), "the launched server is gone with the run"
     assert not group_alive(started["pid"]), "and so is its process group (engine core, model worker, helpers)"
+
+
+def test_an_asynchronous_run_killed_mid_run_resumes_without_a_trajectory_twice(tiny_vllm, tmp_path):
+    """vllm-async, killed entering step 3 (after the checkpoint of step 2), then resumed: every step is in the log
+    once, the requests pending at the checkpoint are drawn again, and the admission count continues from the
+    checkpoint's, so every admitted trajectory is counted once across the two halves."""
+    from helpers import run_log
+    from sao import api as sao_api
+
+    config = {**SMALL, "rollout": "vllm-async", "vllm_url": tiny_vllm.url, "max_staleness": 2, "steps": 4,
+              "checkpoint_every": 1}  # fmt: skip
+    first = sao_api.trainer(config, tmp_path / "run", progress=False)
+    next_batch = first.source.next_batch
+
+    def dies_at_step_3(g: int, phase: str, policy_version: int):
+        if g == 3:
+            raise KeyboardInterrupt
+        return next_batch(g, phase, policy_version)
+
+    first.source.next_batch = dies_at_step_3
+    with pytest.raises(KeyboardInterrupt):
+        first.run()
+    saved = first.source.state_dict()
+    assert len(first.records) == 3
+    second = sao.train(config, tmp_path / "run", resume=True, progress=False)
+    records = run_log(tmp_path / "run")
+    assert [r["step"] for r in records] == list(range(5)), "each step once"
+    assert records[-1]["admitted_total"] == 5 * SMALL["batch_size"], "nothing admitted twice or lost"
+    assert all(r["staleness_max"] <= 2 for r in records if "staleness_max" in r)
+    assert second.source.state_dict()["next_seq"] >= saved["next_seq"] - len(saved["pending"])
+
+
+def test_a_full_batch_of_seeded_prompts_is_served_at_once(tiny_vllm):
+    """64 seeded prompts of ~45 tokens sent together exceed vLLM's default step budget; a chunked prefill of a
+    seeded request stops vLLM's CPU engine, so a launched server prefills whole prompts (and survives this)."""
+    from sao.rollout.vllm import complete_many
+
+    prompts = [[1, *((7 * i + j) % 90 + 20 for j in range(44))] for i in range(64)]  # distinct: no prefix cache hits
+    replies = complete_many(tiny_vllm.client(), prompts, seeds=list(range(64)), max_concurrency=64,
+                            model=str(tiny_vllm.model), max_tokens=4, ignore_eos=True)  # fmt: skip
+    assert len(replies) == 64 and all(len(r.completion_token_ids) == 4 for r in replies)
+    assert "--no-enable-chunked-prefill" in tiny_vllm.command()

@@ -40,7 +40,6 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
         "rollout.max_turns",
         "rollout.max_total_tokens",
         "rollout.env_concurrency",
-        "rollout.env_timeout",
         "training.seed",
     ),
     "recipe": ("model", "data", "algorithm", "rollout", "training", "eval"),
@@ -425,7 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lags", type=int, nargs="+", help="sampler lags (default 1 4 8 16)")
     p.add_argument("--lrs", type=float, nargs="+", help="policy learning rates (default 1e-3 3e-3)")
     p.add_argument("--bands", nargs="+", help="ratio bands as LO,HI (default 0.7,6.0)")
-    p.add_argument("--arms", nargs="+", help="correction rules; 'none' is the baseline (default dis none; tis seqmask)")
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        help="correction rules, or RULE+BASELINE (dis+batch-mean: that rule with "
+        "that --baseline); 'none' is the arm every other is compared with (default dis none)",
+    )
     p.add_argument("--resume", action="store_true", help="continue the sweep in --out where it stopped")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_config_flags(p, "sweep", skip=("correction", "lag", "lr", "ratio"))

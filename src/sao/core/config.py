@@ -48,6 +48,8 @@ SEED_LIMIT = 2**63  # seeds are below it
 MAX_THREADS = 1024
 MAX_LORA_RANK = 1024  # beyond any layer's width: the adapter would not even be allocated
 MAX_PORT = 65535
+MAX_TIMEOUT = 86_400.0  # a plug-in call's timeout at most: a day
+MAX_TRAIN_RUNS = 10_000  # seeds per arm: far beyond any experiment, small enough to hold as a list
 CONFIG_LIMITS = Limits(max_bytes=1 << 20, max_nodes=100_000)  # a settings file: 1 MiB, 100k values at most
 
 
@@ -151,6 +153,24 @@ class DataSettings(Section):
         'preset\'s calculator task), "skyrl:<id>" (a SkyRL-Gym environment, e.g. skyrl:gsm8k_multi_turn), or '
         '"module:Class" (your own, built as Class(task_id, fields)).',
     )
+    reward_timeout: float = option(
+        300.0,
+        "Seconds one call of the reward may take (a batched reward: the whole batch); a call still running then "
+        "ends its trajectories as cut, scored 0 and counted (reward_timeouts in the step log). 0 = no limit. A "
+        "reward that raises or calls sys.exit is a one-line error naming it and the row.",
+        check=between(0, MAX_TIMEOUT, " seconds (0 = no limit)"),
+    )
+    env_timeout: float = option(
+        300.0,
+        "Seconds one call of an environment (building it, init, step, close) may run; past it the trajectory ends "
+        "as truncated and the batch goes on (a plain call's thread is abandoned, an async one cancelled), counted in "
+        "env_timeouts and env_fault_share in the step log. A call that raises or calls sys.exit, or answers what sao "
+        "cannot use (a reward against the reward rule, an observation too long for the room left), ends its "
+        "trajectory the same way, counted in env_fault_share, with one log line naming the environment and the "
+        "task. 0 = no limit. Default 300 s: a hung tool costs one trajectory, never the run, while any honest tool "
+        "call fits.",
+        check=between(0, MAX_TIMEOUT, " seconds (0 = no limit)"),
+    )
     truncated_reward: str = option(
         "zero",
         'How a reply that hit the token limit without finishing is scored, in training and eval: "zero" (it scores 0)'
@@ -248,6 +268,16 @@ class RolloutSettings(Section):
         'decode step as a CUDA graph on a GPU, eager elsewhere), or "auto": graph on a GPU, plain on the CPU.',
         check=one_of("auto", "plain", "graph"),
     )
+    sampler_dtype: str = option(
+        "auto",
+        '--rollout local only: the dtype the stale sampler draws in. "auto": the model\'s own (one set of base '
+        'weights, as the trainer\'s). "bfloat16" or "float32": on a model of another dtype the sampler draws with a '
+        "copy of the base model in that dtype plus the sampler's LoRA weights cast to it (re-copied before every "
+        "draw), so the recorded sampler log-probabilities carry its numerics while the teacher-forced pass keeps "
+        "the trainer's: bfloat16 on a float32 trainer is the engine-mismatch regime, where the ratio at lag 0 "
+        "measures the numerics alone (abs_log_ratio_* in the log). Costs one copy of the base weights.",
+        check=one_of("auto", "bfloat16", "float32"),
+    )
     max_turns: int = option(
         4,
         "Actions per trajectory at most (an environment may end it sooner); hitting it ends it as truncated.",
@@ -267,14 +297,6 @@ class RolloutSettings(Section):
         "0 = the batch-synchronous loop of earlier versions: every turn waits for the slowest step, the steps called "
         "one after another, drawn exactly as those versions drew.",
         check=at_least(0, " (0 = batch-synchronous)"),
-    )
-    env_timeout: float | None = option(
-        None,
-        "Seconds one environment step may run; past it the trajectory ends as truncated and is counted in "
-        "env_fault_share, and the batch goes on (a plain step's thread is abandoned, an async one cancelled). A step "
-        "that raises, or answers with an observation too long for the room left, ends its trajectory the same way. "
-        "None = no limit.",
-        check=lambda v: None if v is None else positive(v),
     )
     max_staleness: int = option(
         4,
@@ -483,7 +505,7 @@ class EvalSettings(Section):
         "Training seeds per arm. The page ran 1; a verdict about the training procedure (improved, regressed, flat)"
         ' needs 2+: with 1 the two arms are two trained models and the verdict is "unresolved". At alpha 0.05 it'
         " needs 6+: with n seeds the exact sign-flip p cannot go below 2^(1-n).",
-        check=at_least(1),
+        check=between(1, MAX_TRAIN_RUNS),
     )
     every: int = option(
         0,
@@ -735,6 +757,13 @@ def _random_needs_a_share(c: Config) -> str | None:
     return None
 
 
+def _sampler_dtype_local(c: Config) -> str | None:
+    if c.rollout.sampler_dtype != "auto" and c.rollout.source != "local":
+        return (f"--sampler-dtype {c.rollout.sampler_dtype} applies to --rollout local only (the stale sampler in "
+                f"this process), not --rollout {c.rollout.source}")  # fmt: skip
+    return None
+
+
 def _seeds_fit(c: Config) -> str | None:
     if c.training.seed + c.eval.train_runs - 1 >= SEED_LIMIT:
         return "--seed must be a whole number from 0 to 2**63 - 1 (with --train-runs, seed + train_runs - 1)"
@@ -757,7 +786,7 @@ def _traces_fit(c: Config) -> str | None:
     return None
 
 
-RULES = (_random_needs_a_share, _seeds_fit, _traces_fit)
+RULES = (_random_needs_a_share, _seeds_fit, _traces_fit, _sampler_dtype_local)
 
 
 # --- the machine: which device, how many CPU threads ---------------------------------------------------------------

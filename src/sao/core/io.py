@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from sao.core.errors import SaoError
+from sao.core.reading import read_json_file
 
 
 class OutputError(SaoError, OSError):
@@ -197,26 +198,29 @@ def as_json(obj: Any) -> Any:
     return json.loads(json.dumps(clean(obj), allow_nan=False))
 
 
-def read_json(path: str | os.PathLike[str]) -> Any:
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+def read_json(path: str | os.PathLike[str], *, expect: type | tuple[type, ...] = object) -> Any:
+    """A JSON file, read through the bounded reader (``sao.core.reading``): a ``DataError`` naming the file
+    when it is missing, too large, too deep, not JSON or not of type ``expect``."""
+    return read_json_file(path, expect=expect)
 
 
 def read_saved_json(path: str | os.PathLike[str], fix: str, expect: type = object) -> Any:
-    """A JSON file sao wrote, read back; missing, unreadable, not JSON or not of type ``expect``, it is a
-    ``DamagedFileError``: "<path> is damaged (<why>); <fix>"."""
+    """A JSON file sao wrote, read back through the bounded reader; missing, unreadable, too large or deep, not
+    JSON or not of type ``expect``, it is a ``DamagedFileError``: "<path> is damaged (<why>); <fix>"."""
+    if not os.path.lexists(path):
+        raise DamagedFileError(f"{path} is missing; {fix}")
     try:
-        value = read_json(path)
-    except FileNotFoundError:
-        raise DamagedFileError(f"{path} is missing; {fix}") from None
-    except json.JSONDecodeError as error:
-        why = f"not valid JSON: {error.msg} at line {error.lineno}"
+        value = read_json_file(path, where="", error=_Unreadable, expect=object)
+    except _Unreadable as error:
+        why = str(error).removeprefix(": ")
+        if why.startswith("cannot be read") or why.startswith("is a folder"):
+            raise DamagedFileError(f"{path} {why}; {fix}") from None
         raise DamagedFileError(f"{path} is damaged ({why}); {fix}") from None
-    except UnicodeDecodeError:
-        raise DamagedFileError(f"{path} is damaged (not UTF-8 text); {fix}") from None
-    except OSError as error:
-        raise DamagedFileError(f"{path} cannot be read ({error.strerror or error}); {fix}") from None
     if not isinstance(value, expect):
         found = {dict: "object", list: "list", str: "string"}.get(type(value), "number, boolean or null")
         raise DamagedFileError(f"{path} is damaged (it holds a JSON {found}, not what sao writes there); {fix}")
     return value
+
+
+class _Unreadable(SaoError):
+    """The bounded reader's problem with a saved file, reworded by ``read_saved_json``."""

@@ -24,7 +24,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from sao.core.errors import DataError
+from sao.core.reading import Limits, parse_json, read_json_file
+
 CHUNK = 1 << 24  # bytes read at a time while hashing a tensor (16 MiB)
+MODEL_FILES = Limits(max_bytes=1 << 30)  # a model's tokenizer.json or safetensors header: large, never deep
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
     "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
@@ -54,7 +58,9 @@ def weights_sha256(folder: str | os.PathLike[str]) -> tuple[str | None, str]:
         for shard in shards:
             with shard.open("rb") as handle:
                 (size,) = struct.unpack("<Q", handle.read(8))
-                header = json.loads(handle.read(size))
+                if size > MODEL_FILES.max_bytes:
+                    raise DataError(f"{shard}: a safetensors header of {size} bytes (is this the right file?)")
+                header = parse_json(handle.read(size), where=str(shard), limits=MODEL_FILES)
             for name, info in header.items():
                 if name != "__metadata__":
                     tensors[name] = (shard, 8 + size, info)
@@ -90,7 +96,7 @@ def _files_sha256(files: Iterable[Path], canonical_json: bool) -> str:
     for path in files:
         digest.update(path.name.encode() + b"\0")
         if canonical_json and path.suffix == ".json":
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = read_json_file(path, limits=MODEL_FILES, expect=(dict, list))
             digest.update(json.dumps(data, sort_keys=True, separators=(",", ":")).encode())
         else:
             with path.open("rb") as handle:

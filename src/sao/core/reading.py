@@ -543,3 +543,37 @@ def check_number(
 
 def _number(bound: float) -> str:
     return f"{bound:g}" if isinstance(bound, float) else preview(bound)
+
+
+# The one rule for a reward, wherever it comes from: a --reward function, an environment's step, a trace line,
+# a feedback request. Rewards are summed over turns and batches in float32: 1e6 is far beyond any task's and
+# leaves float32's 3.4e38 unreachable.
+REWARD_LIMIT = 1e6
+
+
+def reward_problem(value: Any) -> str | None:
+    """None when ``value`` is a reward: a real number (true/false, a string such as "1" and None are not), finite,
+    of magnitude at most ``REWARD_LIMIT``; otherwise what is wrong with it, in words."""
+    if value is None or isinstance(value, (bool, str, bytes)):
+        return f"a reward must be a number, got {preview(value)}"
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    except (TypeError, ValueError):
+        return f"a reward must be a number, got {preview(value)}"
+    if not math.isfinite(number) or abs(number) > REWARD_LIMIT:
+        return f"a reward must be a finite number of magnitude at most {REWARD_LIMIT:g}, got {preview(value)}"
+    return None
+
+
+def check_reward(value: Any, *, where: str, error: type[SaoError] = DataError) -> float:
+    """``value`` as a float when ``reward_problem`` finds nothing wrong; otherwise ``error`` beginning ``where``."""
+    problem = reward_problem(value)
+    if problem is not None:
+        raise error(f"{where}: {problem}")
+    return float(value)
+
+
+# Sampling temperatures taken from outside (a request, a trace): below the least, logits / τ leave float32.
+TEMPERATURE_RANGE = (1e-3, 1e3)

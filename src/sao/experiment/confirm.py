@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from sao.core import stats
-from sao.core.config import CONFIG_LIMITS, Config, canonical, flatten
+from sao.core.config import CONFIG_LIMITS, MAX_TRAIN_RUNS, SEED_LIMIT, Config, canonical, flatten
 from sao.core.errors import ConfigError
 from sao.core.io import write_json
 from sao.core.reading import parse_json, parse_yaml, read_json_file
 from sao.core.registry import PRESETS
 from sao.experiment import report, results
-from sao.experiment.runner import Experiment, Grid, cell_name
+from sao.experiment.runner import Experiment, Grid, arm_settings, cell_name
 
 CORRECTIONS = ("holm",)
 EXPECT = ("improved", "regressed")
@@ -107,6 +107,8 @@ def _fail(path: Path, message: str) -> ConfigError:
 
 
 def _comparison(path: Path, text: Any, arms: tuple[str, ...], where: str) -> tuple[str, str]:
+    """AFTER_vs_BEFORE, split at ``_vs_``: no rule or baseline holds it, and the ``+`` of an arm like dis+batch-mean
+    is not it, so ``dis_vs_dis+batch-mean`` is (dis, dis+batch-mean)."""
     parts = text.split("_vs_") if isinstance(text, str) else []
     if len(parts) != 2 or not all(parts) or parts[0] == parts[1]:
         raise _fail(path, f"{where} must be a comparison like dis_vs_none (after_vs_before), got {text!r}")
@@ -161,7 +163,7 @@ def read_plan(path: str | Path) -> Plan:
 
     arms = data["arms"]
     if not (isinstance(arms, list) and all(isinstance(a, str) for a in arms)):
-        raise _fail(path, "'arms' must be a list of correction rules")
+        raise _fail(path, "'arms' must be a list of arms: correction rules, or RULE+BASELINE (dis+batch-mean)")
     primary = data["primary"]
     if not isinstance(primary, dict) or not {"lag", "lr", "comparison"} <= set(primary):
         raise _fail(path, "'primary' must name lag, lr and comparison (and band, unless the config's)")
@@ -177,7 +179,7 @@ def read_plan(path: str | Path) -> Plan:
             arms=tuple(arms),
         )
         for arm in arms:
-            Config.preset(preset, **settings, correction=arm,
+            Config.preset(preset, **{**settings, **arm_settings(arm)},
                           random_mask_share=config.algorithm.random_mask_share or 0.0)  # fmt: skip
     except (ConfigError, TypeError, ValueError) as error:
         raise _fail(path, f"grid or arms: {error}") from None
@@ -308,13 +310,23 @@ def plan_power(plan: Plan, cited: list[tuple[str, dict[str, Any]]]) -> dict[str,
     return out
 
 
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _seeds(path: Path, spec: Any) -> list[int]:
     if isinstance(spec, dict) and set(spec) == {"first", "count"}:
         first, count = spec["first"], spec["count"]
-        if not (isinstance(first, int) and isinstance(count, int)) or count < 1:
-            raise _fail(path, "seeds: first and count must be integers, count >= 1")
+        if not (_whole(first) and _whole(count)) or not 1 <= count <= MAX_TRAIN_RUNS:
+            raise _fail(path, f"seeds: first and count must be whole numbers, 1 <= count <= {MAX_TRAIN_RUNS}")
+        if not 0 <= first <= SEED_LIMIT - count:
+            raise _fail(path, f"seeds: first must be from 0 to 2**63 - count (seeds are below 2**63), got {first}")
         return list(range(first, first + count))
-    if isinstance(spec, list) and spec and all(isinstance(s, int) and not isinstance(s, bool) for s in spec):
+    if isinstance(spec, list) and spec and all(_whole(s) for s in spec):
+        if len(spec) > MAX_TRAIN_RUNS:
+            raise _fail(path, f"seeds: {len(spec)} seeds, at most {MAX_TRAIN_RUNS}")
+        if not all(0 <= s < SEED_LIMIT for s in spec):
+            raise _fail(path, "seeds must be whole numbers from 0 to 2**63 - 1")
         if len(set(spec)) != len(spec):
             raise _fail(path, f"seeds must be distinct, got {spec}")
         return list(spec)

@@ -29,6 +29,7 @@ from typing import Any
 from sao.core.config import flat_view
 from sao.core.errors import DataError
 from sao.core.io import atomic_write
+from sao.core.reading import read_json_file
 
 BASELINE = "none"  # every other arm is compared against it
 POLICY = "policy"  # the phase of a policy step; anything else is the critic-only warmup
@@ -221,9 +222,9 @@ def load(out_dir: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str, Any
         if not path.is_file():
             raise DataError(f"{path} is missing: run `sao recipe` or `sao sweep` into this folder first")
         try:
-            loaded.append(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DataError(f"{path} is not readable JSON ({e.__class__.__name__}: {e})".splitlines()[0]) from None
+            loaded.append(read_json_file(path, expect=(dict, list)))  # the bounded reader: size, depth, numbers
+        except DataError as e:
+            raise DataError(f"{path} is not readable JSON ({str(e).removeprefix(f'{path}: ')})") from None
     _validate(*loaded, *paths)
     return loaded[0], loaded[1]
 

@@ -8,6 +8,10 @@ file, with its provenance; ``--resume`` skips finished pieces and continues a ru
 a killed experiment finishes with the same numbers. A damaged file is a one-line error and is never overwritten.
 The ``random`` arm drops the share of tokens the ``dis`` arm of the same cell and seed masked.
 
+An arm is named by its correction rule (``dis``: the config's baseline) or by ``RULE+BASELINE`` (``dis+batch-mean``:
+correction ``dis`` with the ``batch-mean`` baseline), so arms can differ in the baseline too; ``+`` is in no rule,
+baseline or comparison separator (``_vs_``), so ``dis_vs_dis+batch-mean`` reads one way only.
+
 Deliberately left out: choosing hyperparameters, and statistics beyond ``sao.core.stats.compare``.
 Design notes: docs/design/experiment-runner.md (with the folder layout).
 """
@@ -27,6 +31,7 @@ from sao.core import provenance as prov
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.io import DamagedFileError, check_output_path, clean, read_saved_json, write_json
+from sao.core.registry import BASELINES, CORRECTIONS
 from sao.experiment import report, results
 from sao.experiment.evaluate import EvalResult, evaluate
 from sao.model.policy import POLICY_ADAPTER, eos_ids, load_base, model_path, pick_device
@@ -45,6 +50,25 @@ BASE_PROVENANCE = "base-evals.provenance.json"  # the same for the untrained mod
 BASE_REDO = "delete it and rerun with --resume to make that eval again"
 
 
+ARM_JOIN = "+"  # RULE+BASELINE: an arm that sets the baseline as well as the correction rule
+
+
+def arm_settings(arm: str) -> dict[str, str]:
+    """The settings an arm's name sets: ``RULE`` → correction RULE (the baseline stays the config's);
+    ``RULE+BASELINE`` → correction RULE and baseline BASELINE. Any other name is a one-line ConfigError."""
+    rule, join, baseline = arm.partition(ARM_JOIN) if isinstance(arm, str) else ("", "", "")
+    if rule not in CORRECTIONS or (join and baseline not in BASELINES):
+        raise ConfigError(f"unknown arm {arm!r}: an arm is a correction rule ({', '.join(CORRECTIONS.names())}) or "
+                          f"RULE{ARM_JOIN}BASELINE with a baseline of {', '.join(BASELINES.names())} "
+                          f"(e.g. dis{ARM_JOIN}batch-mean)")  # fmt: skip
+    return {"correction": rule, **({"baseline": baseline} if join else {})}
+
+
+def arm_rule(arm: str) -> str:
+    """The correction rule an arm trains with (``dis+batch-mean`` → ``dis``)."""
+    return arm_settings(arm)["correction"]
+
+
 @dataclass(frozen=True)
 class Grid:
     """The cells of an experiment and the rules trained in each; ``none`` is the baseline every rule meets."""
@@ -55,6 +79,8 @@ class Grid:
     arms: tuple[str, ...] = ("dis", "none")
 
     def __post_init__(self) -> None:
+        for arm in self.arms:
+            arm_settings(arm)
         if "none" not in self.arms:
             raise ConfigError("--arms must include 'none': every arm is compared against the plain ratio")
         if len(set(self.arms)) != len(self.arms) or len(self.arms) < 2:
@@ -111,7 +137,7 @@ def pass_at_1(config: Config, model, tokenizer, tasks: list, label: str, *, seed
     factory = parts.env_factory or environments.env_factory(config.data.env, tokenizer, config.rollout.max_turns)
     r = config.rollout
     episodes = episodes_for(factory, tasks, parts.tasks.instruction, r.max_turns, r.max_total_tokens, r.env_concurrency,
-                           r.env_timeout)  # fmt: skip
+                            name=config.data.env, env_timeout=config.data.env_timeout)  # fmt: skip
     e = config.eval
     return evaluate(
         make_decoder(model, adapter, r.decoder), tokenizer, tasks, instruction=parts.tasks.instruction,
@@ -196,13 +222,15 @@ class Experiment:
         """``seeds``: the training seeds (default seed, seed + 1, ... for train_runs); ``record``: further settings
         the experiment is started with (a confirmation's plan hash), kept in experiment.json and checked on
         --resume like the rest."""
-        if "random" in grid.arms and config.algorithm.random_mask_share is None:
+        randoms = [i for i, arm in enumerate(grid.arms) if arm_rule(arm) == "random"]
+        if randoms and config.algorithm.random_mask_share is None:
             arms = list(grid.arms)
-            if "dis" not in arms or arms.index("dis") > arms.index("random"):
+            if "dis" not in arms or arms.index("dis") > randoms[0]:
                 raise ConfigError("the random arm masks the share the dis arm masked: list dis before random in "
                                   "--arms, or give --random-mask-share")  # fmt: skip
         first = grid.cells()[0]
-        self.config = config.replace(lag=first["lag"], lr=first["lr"], band=first["band"], arm=grid.arms[0])
+        self.config = config.replace(lag=first["lag"], lr=first["lr"], band=first["band"],
+                                     correction=arm_rule(grid.arms[0]))  # fmt: skip
         self.grid, self.command, self.progress = grid, command, progress
         self.out = Path(out_dir)
         self.settings = {"config": self.config.to_dict(), "grid": asdict(grid)}
@@ -278,12 +306,19 @@ class Experiment:
         return not any(self.out.rglob(f"{checkpoint.CHECKPOINTS_DIR}/step-*")) and not any(self.out.rglob("evals/*"))
 
     def _run_config(self, cell: dict[str, Any], arm: str, seed: int, share: tuple[float, ...] | None = None) -> Config:
-        """One run's settings. The random arm without a share of its own masks ``share``: the dis arm's at each
-        staleness level, measured in the same cell and seed (0 while settings are only being checked)."""
-        changes: dict[str, Any] = {"lag": cell["lag"], "lr": cell["lr"], "band": cell["band"], "arm": arm, "seed": seed}
-        if arm == "random" and self.config.algorithm.random_mask_share is None:
+        """One run's settings: the arm's rule (and baseline, for RULE+BASELINE). The random arm without a share of
+        its own masks ``share``: the plain dis arm's at each staleness level, measured in the same cell and seed (0
+        while settings are only being checked)."""
+        changes: dict[str, Any] = {"lag": cell["lag"], "lr": cell["lr"], "band": cell["band"], **arm_settings(arm),
+                                   "seed": seed}  # fmt: skip
+        if changes["correction"] == "random" and self.config.algorithm.random_mask_share is None:
             changes["random_mask_share"] = share or 0.0
         return self.config.replace(**changes)
+
+    def _arm_record(self, cell: dict[str, Any], arm: str) -> dict[str, str]:
+        """What an arm trained with, for results.json: its correction rule and baseline."""
+        a = self._run_config(cell, arm, self.seeds[0]).algorithm
+        return {"correction": a.correction, "baseline": a.baseline}
 
     def _dis_shares(self, cell: dict[str, Any], seed: int) -> tuple[float, ...]:
         """The dis run's masked share at each staleness level 0, 1, ..., its highest, in this cell and seed (trained
@@ -344,7 +379,7 @@ class Experiment:
         if not eval_file.exists():
             share = (
                 self._dis_shares(cell, seed)
-                if arm == "random" and self.config.algorithm.random_mask_share is None
+                if arm_rule(arm) == "random" and self.config.algorithm.random_mask_share is None
                 else None
             )
             config = self._run_config(cell, arm, seed, share)
@@ -433,7 +468,8 @@ class Experiment:
         out_cells, warnings, train_s, eval_s = [], [], {}, {e.label: e.seconds for e in base}
         for cell in cells:
             clip = self.config.training.grad_clip
-            arms = {arm: results.summarize_arm(runs, arm, clip, self._eval_curve(cell, arm, runs))
+            arms = {arm: {**results.summarize_arm(runs, arm, clip, self._eval_curve(cell, arm, runs)),
+                          **self._arm_record(cell, arm)}
                     for arm, runs in trained[cell["name"]].items()}  # fmt: skip
             compare, vs_base = results.compare_cell(arms, base_scores, floor)
             out_cells.append({**cell, "band": list(cell["band"]), "arms": arms, "compare": compare, "vs_base": vs_base})
@@ -444,7 +480,8 @@ class Experiment:
                     run_dir, _, redo = self._paths(cell, arm, seed)
                     state = checkpoint.load(run_dir, redo)
                     warnings += (state or {}).get("warnings", [])
-        records = [{"cell": name, **r} for name, arms in trained.items() for runs in arms.values()
+        # each record under the arm's name as the grid gives it (a run's own log says only its rule)
+        records = [{"cell": name, **r, "arm": arm} for name, arms in trained.items() for arm, runs in arms.items()
                    for _, _, log in runs for r in log]  # fmt: skip
         write_json(self.out / EXPERIMENT_LOG, records)
         cell_name_, comparison = results.primary(out_cells)

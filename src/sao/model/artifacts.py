@@ -28,6 +28,7 @@ from torch import nn
 
 from sao.core.errors import ConfigError
 from sao.core.io import OutputError, folder_mode, write_json
+from sao.core.reading import read_json_file
 from sao.model.policy import POLICY_ADAPTER, ValueHead
 
 VALUE_HEAD_WEIGHTS = "value_head.safetensors"
@@ -163,11 +164,11 @@ def load_value_head(path: str | os.PathLike[str]) -> ValueHead:
     for file in (info_file, weights_file):
         if not file.is_file():
             raise ConfigError(f"{file} is missing; save the adapter with sao.model.artifacts.save_adapter")
+    info = read_json_file(info_file, error=ConfigError)
     try:
-        info = json.loads(info_file.read_text(encoding="utf-8"))
         hidden_size, dtype_name = info["hidden_size"], info["dtype"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
-        raise ConfigError(f"{info_file} is malformed ({_first_line(error)})") from None
+    except KeyError as error:
+        raise ConfigError(f"{info_file} is malformed (no {_first_line(error)})") from None
     dtype = getattr(torch, str(dtype_name), None)
     if not isinstance(hidden_size, int) or hidden_size <= 0 or not isinstance(dtype, torch.dtype):
         raise ConfigError(f"{info_file} is malformed (hidden_size {hidden_size!r}, dtype {dtype_name!r})")
@@ -242,11 +243,10 @@ def merge(
     config_file = adapter_dir / ADAPTER_CONFIG
     if not config_file.is_file():
         raise ConfigError(f"{config_file} is missing; pass an adapter folder written by sao train")
-    try:
-        adapter_config = json.loads(config_file.read_text(encoding="utf-8"))
-        recorded_base = adapter_config.get("base_model_name_or_path")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
-        raise ConfigError(f"{config_file} is malformed ({_first_line(error)})") from None
+    adapter_config = read_json_file(config_file, error=ConfigError)
+    recorded_base = adapter_config.get("base_model_name_or_path")
+    if recorded_base is not None and not isinstance(recorded_base, str):
+        raise ConfigError(f"{config_file} is malformed (base_model_name_or_path is not a string)")
     base = base_model_path or recorded_base
     if not base:
         raise ConfigError(f"{config_file} names no base model; pass --base-model PATH")

@@ -117,6 +117,17 @@ def eos_ids(tokenizer, model: nn.Module | None = None) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+def context_length(model: Any) -> int | None:
+    """The most positions ``model`` (or its ``config``) attends over, prompt and reply together: its
+    ``max_position_embeddings`` (or ``n_positions``); None when its config states neither."""
+    config = getattr(model, "config", model)
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def lora_state(policy: nn.Module, adapter: str = POLICY_ADAPTER) -> dict[str, torch.Tensor]:
     """The adapter's LoRA tensors by parameter name (references, not copies)."""
     marker = f".{adapter}."

@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sao.core.errors import ConfigError
 from sao.model.forward import position_ids_from
-from sao.model.policy import causal_lm, lora_state
+from sao.model.policy import causal_lm, context_length, lora_state
 from sao.rollout.sampler import gumbel_sample_
 from sao.rollout.types import Rollout
 
@@ -240,6 +240,7 @@ class Engine:
             raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
         self.device = next(lm.parameters()).device
         self.dtype = next(lm.parameters()).dtype
+        self.context_length = context_length(cfg)  # prompt + response positions, at most
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.sync_every = sync_every
         self.max_graphs = max_graphs

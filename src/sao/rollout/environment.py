@@ -8,8 +8,10 @@ One interface, the ecosystem's (SkyRL-Gym's text environment), so that its envir
 
 Observation segments are not actions (no log-probability, coefficient or critic loss); each step's reward lands on
 the last action token of its turn. Read when present: ``stop_strings``, and ``tool_calls``/``tool_errors`` metadata.
-``async def`` methods are accepted as they are (``check_env`` refuses a wrong mix); ``EnvCalls`` runs steps off the
-decoding thread, bounded, each with an optional deadline. Deliberately left out: tool registries and sandboxes,
+``async def`` methods are accepted as they are (``check_env`` refuses a wrong mix); ``EnvCalls`` runs every call
+(building, init, step, close) off the decoding thread, bounded, contained (what it raises or a ``sys.exit`` is an
+``EnvFault``: one line naming the environment, the call and the task, as ``sao.core.plugins`` words it) and under
+--env-timeout. Deliberately left out: tool registries and sandboxes,
 killing a hung plain step (its thread is abandoned), anything that needs the network.
 Design notes: docs/design/environment.md.
 """
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
 from sao.core.errors import ConfigError
+from sao.core.plugins import failure
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 
@@ -110,7 +113,12 @@ def check_env(env: Any, where: str = "environment") -> bool:
 
 
 class EnvFault(Exception):
-    """An environment call that did not answer: it raised, or it ran past its deadline. ``str`` says which."""
+    """An environment call that did not answer usably: it raised, exited, ran past its deadline (``timed_out``) or
+    answered what sao cannot use. ``str`` is one line naming the environment, the call and the task."""
+
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 @dataclass(eq=False)
@@ -119,6 +127,8 @@ class _Call:
 
     key: Any
     future: Future
+    plugin: str  # "NAME (what)", as the one-line errors call it
+    task: str
     started: float | None = None  # time.monotonic() when it began running (None: still queued)
     worker: _Worker | None = None  # the thread running a plain call
     cancel: Callable[[], Any] | None = None  # cancels an async call's task
@@ -134,36 +144,44 @@ class EnvCalls:
     """Environment methods called off the caller's thread: plain ones on ``workers`` daemon threads (a step that
     hangs past ``timeout`` seconds has its thread abandoned and replaced, so the pool keeps its size and the process
     can still exit), ``async def`` ones on one event loop in a daemon thread (cancelled past the deadline). The
-    deadline counts from when a call starts running, not from when it was queued. ``timeout`` None: no limit."""
+    deadline counts from when a call starts running, not from when it was queued. ``timeout`` 0 (or None): no
+    limit. ``name``: what the one-line faults call the environment (--env as given)."""
 
-    workers: int
-    timeout: float | None = None
+    workers: int = 1
+    timeout: float | None = 0.0
+    name: str = "the environment"
     _queue: queue.SimpleQueue = field(init=False, repr=False, default_factory=queue.SimpleQueue)
     _calls: dict[Any, _Call] = field(init=False, repr=False, default_factory=dict)  # key -> its call in flight
     _threads: int = field(init=False, default=0)
     _loop: asyncio.AbstractEventLoop | None = field(init=False, repr=False, default=None)
     _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
 
+    def __post_init__(self) -> None:
+        if self.timeout is not None and self.timeout <= 0:
+            self.timeout = None  # no limit
+
     @property
     def in_flight(self) -> int:
         """Calls submitted and not yet collected."""
         return len(self._calls)
 
-    def submit(self, key: Any, fn: Callable[..., Any], *args: Any) -> None:
-        """Start ``fn(*args)`` under ``key`` (one call per key at a time); ``collect`` hands back its outcome."""
+    def submit(self, key: Any, fn: Callable[..., Any], *args: Any, task: str = "its task", what: str = "step") -> None:
+        """Start ``fn(*args)`` under ``key`` (one call per key at a time); ``collect`` hands back its outcome.
+        ``task`` and ``what`` (the call: step, init, ...) name it in the one-line faults."""
         if key in self._calls:
             raise RuntimeError(f"an environment call under {key!r} is already in flight")
-        self._calls[key] = self._start(key, fn, args)
+        self._calls[key] = self._start(key, fn, args, task, what)
 
-    def _start(self, key: Any, fn: Callable[..., Any], args: tuple) -> _Call:
+    def _start(self, key: Any, fn: Callable[..., Any], args: tuple, task: str, what: str) -> _Call:
+        plugin = f"{self.name} ({what})"
         if inspect.iscoroutinefunction(fn):
             loop = self._event_loop()
-            call = _Call(key, Future(), started=time.monotonic())
+            call = _Call(key, Future(), plugin, task, started=time.monotonic())
             task_future = asyncio.run_coroutine_threadsafe(fn(*args), loop)
             call.cancel = task_future.cancel
             task_future.add_done_callback(lambda f, c=call: _copy_outcome(f, c.future))
             return call
-        call = _Call(key, Future())
+        call = _Call(key, Future(), plugin, task)
         with self._lock:
             if self._threads < self.workers:
                 self._spawn()
@@ -186,7 +204,8 @@ class EnvCalls:
                 value = fn(*args)
                 if inspect.isawaitable(value):
                     _close_awaitable(value)
-                    raise EnvFault("step returned a coroutine without being async def; declare it async def")
+                    raise EnvFault(f"{call.plugin} returned a coroutine without being async def on {call.task}; "
+                                   "declare it async def")  # fmt: skip
             except BaseException as error:  # a tool's failure is the trajectory's, not the run's
                 if not call.future.done():
                     call.future.set_exception(error)
@@ -211,9 +230,10 @@ class EnvCalls:
                 return done
             wait([c.future for c in self._calls.values()], timeout=self._next_deadline(), return_when=FIRST_COMPLETED)
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` off this thread under the deadline; its value, or ``EnvFault``. Safe from several threads."""
-        call = self._start(object(), fn, args)
+    def call(self, fn: Callable[..., Any], *args: Any, task: str = "its task", what: str = "step") -> Any:
+        """``fn(*args)`` off this thread under the deadline (an async one awaited); its value, or ``EnvFault``. Safe
+        from several threads."""
+        call = self._start(object(), fn, args, task, what)
         while True:
             timeout = None if self.timeout is None else 0.05 if call.started is None else max(
                 0.0, call.started + self.timeout - time.monotonic())  # fmt: skip
@@ -239,10 +259,10 @@ class EnvCalls:
                 return (call.future.result(),)
             if isinstance(error, EnvFault):
                 return (error,)
-            return (EnvFault(f"{type(error).__name__}: {_first_line(error)}"),)
+            return (EnvFault(failure(error, call.plugin, call.task)),)
         if self.timeout is not None and call.started is not None and time.monotonic() - call.started > self.timeout:
             self._abandon(call)
-            return (EnvFault(f"timed out after {self.timeout:g} s"),)
+            return (EnvFault(f"{call.plugin} did not return within {self.timeout:g} s on {call.task}", timed_out=True),)
         return None
 
     def _abandon(self, call: _Call) -> None:
@@ -266,13 +286,6 @@ class EnvCalls:
             waits.append(0.05)
         return max(0.0, min(waits)) if waits else 0.05
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` with its coroutine awaited (an async ``init``/``close``), in this thread for a plain
-        function; no deadline, and what it raises propagates."""
-        if inspect.iscoroutinefunction(fn):
-            return asyncio.run_coroutine_threadsafe(fn(*args), self._event_loop()).result()
-        return fn(*args)
-
     def close(self) -> None:
         """Stop the idle threads and the event loop; calls still in flight are left to finish on their own."""
         with self._lock:
@@ -288,7 +301,7 @@ def _copy_outcome(source: Future, target: Future) -> None:
     if target.done():
         return
     if source.cancelled():
-        target.set_exception(EnvFault("cancelled"))
+        target.set_exception(EnvFault("cancelled"))  # only ever after its deadline, when the fault is already told
     elif source.exception() is not None:
         target.set_exception(source.exception())
     else:
@@ -305,11 +318,6 @@ def _raise_fault(outcome: Any) -> Any:
     if isinstance(outcome, EnvFault):
         raise outcome
     return outcome
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return (text.splitlines()[0] if text else "")[:200]
 
 
 def _sort_key(key: Any) -> tuple[int, Any]:

@@ -4,8 +4,12 @@ Rows act token by token until EOS, a stop string or ``max_new_tokens``; the fini
 ``EnvCalls`` (a bounded thread pool; ``async def`` environments on an event loop), its reward lands on the turn's
 last action token, and the observation is appended to the cache in one chunk (no re-encoding). With
 ``env_concurrency`` > 0 the batch does not wait: rows whose observation is back join the next decode call while slow
-tools run on. A step that raises, runs past ``env_timeout`` or answers with an observation too long for the room left
-ends its trajectory as truncated, counted in ``Turns.faults``. ``max_turns``/``max_total_tokens`` truncate too.
+tools run on. Every environment call (init, step, close) is contained: one that raises, exits, runs past
+``env_timeout``, answers what sao cannot use (a reward against ``sao.core.reading.reward_problem``, malformed
+observations or metadata) or an observation too long for the room left ends that trajectory only, as truncated,
+counted in ``Turns.faults`` (past the timeout: ``Turns.timeouts`` too), its one line naming the environment and the
+task logged. ``max_turns``/``max_total_tokens`` truncate too, and so does the decoder's ``context_length``: a row's
+prompt and response never pass it, a trajectory that fills it ends cut (``Turns.context_cuts``).
 Deterministic under concurrency: each row's noise (its first action from the batch generator exactly as
 ``sampler.draw``, later ones a counter hash of (row, turn, token)), so deterministic tools give the same tokens
 whichever finishes first, up to float rounding of the batch's hole layout. Not: timing, and tools sharing state.
@@ -17,6 +21,7 @@ leaves holes in the shared columns) and CUDA-graph replay for multi-turn decodin
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +29,8 @@ from typing import Any
 import torch
 
 from sao.algorithm.corrections import mix64
+from sao.core.plugins import PluginError, describe
+from sao.core.reading import preview, reward_problem
 from sao.model.forward import position_ids_from
 from sao.rollout.environment import (
     EnvCalls,
@@ -40,6 +47,7 @@ from sao.rollout.types import Decoder, Rollout, Stepper, Turns
 ACT, WAIT, DONE = 0, 1, 2  # acting; its step in flight (or, synchronous, not yet called); over
 DEFAULT_CONCURRENCY = 16  # environment steps in flight at once per draw call (the rollout setting's default)
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # splitmix64's increment, as the int64 with its bits
+log = logging.getLogger("sao.rollout")
 
 
 @dataclass
@@ -48,6 +56,8 @@ class _Row:
 
     env: TextEnv
     stops: tuple[str, ...]
+    budget: int  # response tokens it may hold: max_total_tokens, or less where the model's context ends first
+    task: str  # what its one-line faults call it
     state: int = ACT
     turns: int = 0  # actions taken (finished)
     turn_tokens: list[int] = field(default_factory=list)  # the current action's tokens
@@ -58,8 +68,11 @@ class _Row:
     tool_calls: int = 0
     tool_errors: int = 0
     observation_tokens: int = 0
-    faults: int = 0  # steps that raised, ran past the timeout, or answered with what did not fit (0 or 1)
-    fault: str | None = None  # what happened, in words
+    faults: int = 0  # calls that raised, ran past the timeout, or answered what sao cannot use (0 or 1)
+    fault: str | None = None  # what happened: one line naming the environment and the task
+    timed_out: bool = False  # the fault was a call past the timeout
+    context_cut: bool = False  # the budget is the context's (smaller than max_total_tokens)
+    out_of_room: bool = False  # the budget ended the trajectory
 
 
 @dataclass
@@ -95,45 +108,95 @@ def draw_episodes(
     pad_token_id: int,
     generator: torch.Generator,
     env_concurrency: int = DEFAULT_CONCURRENCY,
-    env_timeout: float | None = None,
+    env_timeout: float = 0.0,
     close: bool = False,
+    name: str = "the environment",
+    tasks: Sequence[str] | None = None,
 ) -> Rollout:
     """One episode per environment (see docs/design/episodes.md), on the decoder's own stepper: the plain loop's
     model with its adapter, or the engine's static cache. ``env_concurrency``: steps in flight at once (0: the
-    batch-synchronous loop, one step after another); ``env_timeout``: seconds a step may run (None: no limit);
-    ``close``: close every environment afterwards (an async ``close`` on the loop its steps ran on)."""
+    batch-synchronous loop, one step after another); ``env_timeout``: seconds one environment call may run (0: no
+    limit); ``close``: close every environment afterwards (an async ``close`` on the loop its steps ran on);
+    ``name`` and ``tasks`` (each row's task id): what the one-line faults call the environment and the row. An
+    ``EnvFault`` in place of an environment (building it failed) ends that row before it acts, counted. A row's
+    prompt and response never pass the decoder's ``context_length``."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
-    for env in {type(e): e for e in envs}.values():  # a wrong mix of plain and async methods: one line, at start
-        check_env(env)
-    calls = EnvCalls(max(env_concurrency, 1), env_timeout)
+    tasks = list(tasks) if tasks is not None else [f"row {i}" for i in range(len(envs))]
+    calls = EnvCalls(max(env_concurrency, 1), env_timeout, name)
     try:
+        for env in {type(e): e for e in envs if not isinstance(e, EnvFault)}.values():  # a wrong mix: one line
+            check_env(env)
         device = generator.device
-        rows = [_Row(env, tuple(getattr(env, "stop_strings", ()) or ())) for env in envs]
+        starts: list[EnvFault | None] = []
         texts = []
-        for env, messages in zip(envs, prompts, strict=True):
-            start, info = calls.run(env.init, messages)
+        for env, messages, task in zip(envs, prompts, tasks, strict=True):
+            start, info, fault = messages, None, env if isinstance(env, EnvFault) else None
+            if fault is None:
+                try:
+                    start, info = _checked_init(calls.call(env.init, messages, task=task, what="init"), name, task)
+                except (EnvFault, PluginError) as error:  # the row ends before it acts, on the prompt as given
+                    start, fault = messages, error
+            starts.append(fault)
             tools = (info or {}).get("tools") or None  # a tool-calling template lists the tools in the prompt
             texts.append(tokenizer.apply_chat_template(start, tools=tools, tokenize=False, add_generation_prompt=True))
         prompt_ids, prompt_mask = encode_prompts(tokenizer, texts, device)  # [B, P]
-        limits = _Limits(max_new_tokens, max_turns, max_total_tokens, temperature, set(eos_token_ids), pad_token_id)
+        context = getattr(decoder, "context_length", None)
+        rows = []
+        for i, (env, task) in enumerate(zip(envs, tasks, strict=True)):
+            room = max_total_tokens if context is None else min(max_total_tokens, context - int(prompt_mask[i].sum()))
+            row = _Row(env, tuple(getattr(env, "stop_strings", ()) or ()), budget=max(room, 1), task=task)
+            row.context_cut = room < max_total_tokens  # marked as such only if the row runs out of room
+            if starts[i] is not None:
+                _fault(row, starts[i])
+            rows.append(row)
+        limits = _Limits(max_new_tokens, max_turns, temperature, set(eos_token_ids), pad_token_id)
         run = _run_concurrent if env_concurrency > 0 else _run
         with decoder.stepper(len(rows), prompt_ids.shape[1] + max_total_tokens) as net:
-            return run(net, rows, tokenizer, prompt_ids, prompt_mask, limits, calls, generator)
+            rollout = run(net, rows, tokenizer, prompt_ids, prompt_mask, limits, calls, generator)
+        _tell_faults(rows, name)
+        return rollout
     finally:
         try:
             if close:
-                for env in envs:
-                    calls.run(env.close)
+                for env, task in zip(envs, tasks, strict=True):
+                    if not isinstance(env, EnvFault):
+                        try:  # closing cannot undo the episode
+                            calls.call(env.close, task=task, what="close")
+                        except EnvFault as error:
+                            log.warning("%s", error)
         finally:
             calls.close()
+
+
+def _checked_init(result, name: str, task: str):
+    """``env.init``'s (messages, info), or a one-line error naming the environment and the task."""
+    if not (isinstance(result, tuple | list) and len(result) == 2 and isinstance(result[0], list)
+            and (result[1] is None or isinstance(result[1], dict))):  # fmt: skip
+        raise PluginError(f"{name} (init) returned {preview(result)} on {task}; init returns (messages, info)")
+    return result
+
+
+def _fault(r: _Row, error: BaseException | str) -> None:
+    """Row r's trajectory ends here, truncated, counted as a fault (``error``: its one line)."""
+    r.faults, r.fault = 1, str(error)
+    r.timed_out = bool(getattr(error, "timed_out", False))
+    r.state, r.truncated = DONE, True
+
+
+def _tell_faults(rows: list[_Row], name: str) -> None:
+    """One log line per draw call for the faults it counted: how many, and the first one's own line."""
+    faulted = [r for r in rows if r.faults]
+    if faulted:
+        more = f" (and {len(faulted) - 1} more)" if len(faulted) > 1 else ""
+        log.warning("%d of %d trajectories ended by a fault of %s: %s%s", len(faulted), len(rows), name,
+                    faulted[0].fault, more)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class _Limits:
     max_new_tokens: int
     max_turns: int
-    budget: int  # max_total_tokens
     temperature: float
     eos: set[int]
     pad: int
@@ -176,10 +239,11 @@ def _run(net: Stepper, rows: list[_Row], tokenizer, prompt_ids, prompt_mask, lim
                 observations.append([])
                 continue
             try:
-                outcome = calls.call(r.env.step, tokenizer.decode(r.turn_tokens, skip_special_tokens=True))
+                outcome = calls.call(r.env.step, tokenizer.decode(r.turn_tokens, skip_special_tokens=True),
+                                     task=r.task)  # fmt: skip
             except EnvFault as fault:
                 outcome = fault
-            observations.append(_apply(r, i, outcome, cols, tokenizer, lim))
+            observations.append(_apply(r, i, outcome, cols, tokenizer, lim, calls.name))
         if not any(observations):
             break
         chunk, chunk_mask = _chunk(pending, observations, B, lim.pad, device)  # [B, L]
@@ -214,7 +278,7 @@ def _run_concurrent(net: Stepper, rows: list[_Row], tokenizer, prompt_ids, promp
         acting_now = [r.state == ACT for r in rows]
         joining: dict[int, list[int]] = {}  # row -> observation tokens to feed now
         for i, outcome in calls.collect(block=not any(acting_now)):
-            ids = _apply(rows[i], i, outcome, cols, tokenizer, lim)
+            ids = _apply(rows[i], i, outcome, cols, tokenizer, lim, calls.name)
             if ids:
                 joining[i] = ids
         if not any(acting_now) and not joining:
@@ -237,7 +301,7 @@ def _run_concurrent(net: Stepper, rows: list[_Row], tokenizer, prompt_ids, promp
                     lead[i], lead_real[i] = token[i], True
                 else:  # the action ended: to its environment, the token kept until the observation is back
                     kept[i] = int(token[i])
-                    calls.submit(i, r.env.step, tokenizer.decode(r.turn_tokens, skip_special_tokens=True))
+                    calls.submit(i, r.env.step, tokenizer.decode(r.turn_tokens, skip_special_tokens=True), task=r.task)
         for i in list(kept):
             if rows[i].state == DONE:
                 del kept[i]
@@ -305,15 +369,16 @@ def _extend_action(r: _Row, token: int, tokenizer, lim: _Limits) -> None:
         r.state, r.ended_with = WAIT, token
     elif r.stops and any(_tail(tokenizer, r.turn_tokens).endswith(s) for s in r.stops):
         r.state, r.ended_with = WAIT, None
-    elif len(r.turn_tokens) >= lim.max_new_tokens or r.response_tokens >= lim.budget:
+    elif len(r.turn_tokens) >= lim.max_new_tokens or r.response_tokens >= r.budget:
         r.state, r.ended_with, r.cut = WAIT, None, True
+        r.out_of_room = r.response_tokens >= r.budget
 
 
 def _tail(tokenizer, tokens: list[int], n: int = 16) -> str:
     return tokenizer.decode(tokens[-n:], skip_special_tokens=False)
 
 
-def _apply(r: _Row, i: int, outcome: Any, cols: _Columns, tokenizer, lim: _Limits) -> list[int]:
+def _apply(r: _Row, i: int, outcome: Any, cols: _Columns, tokenizer, lim: _Limits, name: str) -> list[int]:
     """Row i's step outcome (a ``StepOutput`` or an ``EnvFault``): the reward on the turn's last action token, the
     counters, and the observation tokens to append ([]: the trajectory is over; the row is DONE)."""
     r.turns += 1
@@ -321,47 +386,70 @@ def _apply(r: _Row, i: int, outcome: Any, cols: _Columns, tokenizer, lim: _Limit
     try:
         if isinstance(outcome, EnvFault):
             raise outcome
-        if not isinstance(outcome, dict):
-            raise EnvFault(f"step returned {type(outcome).__name__}, not a dict")
-        reward = float(outcome.get("reward", 0.0) or 0.0)
-        meta = outcome.get("metadata") or {}
-        calls_made, errors = int(meta.get("tool_calls", 0) or 0), int(meta.get("tool_errors", 0) or 0)
-        done = bool(outcome.get("done", False))
-        observations = list(outcome.get("observations") or []) if not done else []
-    except Exception as error:  # a malformed answer is the trajectory's fault, not the run's
-        r.faults += 1
-        r.fault = str(error) if isinstance(error, EnvFault) else f"{type(error).__name__}: {error}"
-        r.state, r.truncated = DONE, True
+        result = _checked_step(outcome, name, r.task)
+        meta = result.get("metadata") or {}
+        calls_made = _count(meta, "tool_calls", name, r.task)
+        errors = _count(meta, "tool_errors", name, r.task)
+        done = bool(result.get("done", False))
+    except (EnvFault, PluginError) as error:  # a tool's failure is the trajectory's, not the run's
+        _fault(r, error)
         return []
-    _put_reward(cols, i, reward)
+    _put_reward(cols, i, result["reward"])
     r.tool_calls += calls_made
     r.tool_errors += errors
-    if r.cut or r.turns >= lim.max_turns or r.response_tokens >= lim.budget:
+    if r.cut or r.turns >= lim.max_turns or r.response_tokens >= r.budget:
         r.truncated = r.cut or not done
         r.state = DONE
         return []
     if done:
         r.state = DONE
         return []
-    room = lim.budget - r.response_tokens  # the observation and at least one more action token must fit
+    room = r.budget - r.response_tokens  # the observation and at least one more action token must fit
     eos_text = tokenizer.decode([r.ended_with]) if r.ended_with is not None else None
     try:
-        text = render_observation(tokenizer, observations, eos_text)
+        text = render_observation(tokenizer, result["observations"], eos_text)
         ids = encode_bounded(tokenizer, text, room)
     except Exception as error:  # observations the template cannot render
-        r.faults += 1
-        r.fault = f"observation could not be rendered: {type(error).__name__}: {error}"
-        r.state, r.truncated = DONE, True
+        _fault(r, f"{name} (step) on {r.task}: its observations could not be rendered: {describe(error)}")
         return []
     if ids is None or len(ids) >= room:  # no room for the observation and another action
-        r.faults += 1
-        r.fault = f"an observation of {f'over {room}' if ids is None else len(ids)} tokens, {room} left"
-        r.state, r.truncated = DONE, True
+        r.out_of_room = True
+        _fault(r, f"{name} (step) on {r.task}: an observation of {f'over {room}' if ids is None else len(ids)} "
+                  f"tokens, {room} left")  # fmt: skip
         return []
     r.response_tokens += len(ids)
     r.observation_tokens += len(ids)
     r.state = ACT
     return ids
+
+
+def _checked_step(result, name: str, task: str) -> dict:
+    """``env.step``'s output with its reward checked by the one rule for rewards (absent: 0), or a
+    one-line error naming the environment and the task."""
+    if not isinstance(result, dict):
+        raise PluginError(f"{name} (step) returned {preview(result)} on {task}; step returns a dict with "
+                          "observations, reward, done")  # fmt: skip
+    reward = result.get("reward", 0.0)  # absent: a turn without a reward; None is refused as --reward refuses it
+    problem = reward_problem(reward)
+    if problem is not None:
+        raise PluginError(f"{name} (step) on {task}: {problem}")
+    observations = result.get("observations") or []
+    if not isinstance(observations, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in observations
+    ):
+        raise PluginError(f"{name} (step) on {task}: observations must be a list of {{role, content}} messages, "
+                          f"got {preview(observations)}")  # fmt: skip
+    if result.get("metadata") is not None and not isinstance(result["metadata"], dict):
+        raise PluginError(f"{name} (step) on {task}: metadata must be a dict, got {preview(result['metadata'])}")
+    return {**result, "reward": float(reward), "observations": observations}
+
+
+def _count(meta: dict, key: str, name: str, task: str) -> int:
+    value = meta.get(key, 0) or 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1_000_000:
+        raise PluginError(f"{name} (step) on {task}: metadata {key} must be a whole number >= 0, got {preview(value)}")
+    return value
 
 
 def _put_reward(cols: _Columns, row: int, reward: float) -> None:
@@ -389,6 +477,10 @@ def _chunk(pending, observations: list[list[int]], B: int, pad: int, device) -> 
 
 def _compact(prompt_ids, prompt_mask, cols: _Columns, rows, tokenizer, pad: int) -> Rollout:
     """Drop each row's holes and right-pad: the trajectory as the trainer sees it."""
+    if not cols.ids:  # no row acted (every environment failed before the first action): one empty column
+        B, device = prompt_ids.shape[0], prompt_ids.device
+        nothing = torch.zeros(B, dtype=torch.bool, device=device)
+        cols.add(torch.full((B,), pad, device=device), nothing, nothing, torch.zeros(B, device=device))
     fed = {name: torch.stack(getattr(cols, name), 1) for name in ("ids", "real", "action", "logprobs", "rewards")}
     real = fed["real"]  # [B, C]
     B, R = real.shape[0], max(int(real.sum(dim=1).max()), 1)
@@ -417,6 +509,8 @@ def _compact(prompt_ids, prompt_mask, cols: _Columns, rows, tokenizer, pad: int)
             tool_errors=torch.tensor([r.tool_errors for r in rows], device=dev),
             unfinished=torch.tensor([r.truncated for r in rows], device=dev),
             faults=torch.tensor([r.faults for r in rows], device=dev),
+            timeouts=torch.tensor([r.timed_out for r in rows], device=dev),
+            context_cuts=torch.tensor([r.context_cut and r.out_of_room for r in rows], device=dev),
         ),
     )
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from sao.model.forward import cache_keyword, logits_fp32, position_ids_from, trunk_and_head
-from sao.model.policy import POLICY_ADAPTER, lora_state
+from sao.model.policy import POLICY_ADAPTER, context_length, lora_state
 from sao.rollout.types import Rollout
 
 SAMPLER_ADAPTER = "sampler"
@@ -135,6 +135,7 @@ class PlainDecoder:
     def __init__(self, model: nn.Module, adapter: str | None = None):
         self.model, self.adapter = model, adapter
         self.device = next(model.parameters()).device
+        self.context_length = context_length(model)  # prompt + response positions, at most
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> Rollout:
         with self.active() as model:

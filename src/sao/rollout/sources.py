@@ -8,6 +8,8 @@
                    task ids name (``tasks``).
     PromptOrder    the seeded order every source reads the training prompts in.
     Episodes       what multi-turn drawing needs beyond the prompts (an environment per task, limits).
+    CastSampler    ``--sampler-dtype``: the local sampler drawing from a copy of the model in another dtype (bfloat16
+                   against a float32 trainer: the engine-mismatch regime); the default draws with the policy itself.
 
 Step g's local batch is a pure function of (seed, g) and the adapters, so a run resumed from a checkpoint
 continues exactly as if it had never stopped. Deliberately left out: rewards (the task's scorer grades what a
@@ -16,6 +18,7 @@ source returns) and the update itself.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +30,9 @@ from torch import nn
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.registry import SOURCES
-from sao.model.policy import Models
+from sao.model.policy import Models, lora_state
 from sao.rollout.engine import Engine
-from sao.rollout.environment import EnvFactory, Message
+from sao.rollout.environment import EnvCalls, EnvFactory, EnvFault, Message
 from sao.rollout.episodes import DEFAULT_CONCURRENCY, draw_episodes
 from sao.rollout.sampler import SAMPLER_ADAPTER, PlainDecoder, StaleSampler, decode, derived_seed, encode_prompts
 from sao.rollout.types import Batch, Decoder, Rollout, Sampling
@@ -126,7 +129,8 @@ class Episodes:
     max_turns: int
     max_total_tokens: int
     env_concurrency: int = DEFAULT_CONCURRENCY  # steps in flight at once (0: batch-synchronous, as before)
-    env_timeout: float | None = None  # seconds a step may run (None: no limit)
+    env_timeout: float = 0.0  # seconds one call of an environment may take (--env-timeout; 0: no limit)
+    name: str = "the environment"  # what its one-line faults call it (--env as given)
 
 
 def draw_episode_batch(
@@ -134,12 +138,21 @@ def draw_episode_batch(
 ) -> Rollout:
     """One multi-turn episode per task id, an environment each (closed afterwards), on the decoder's path: the
     plain loop over its model, or the engine's static cache."""
-    envs = [episodes.env_factory(i, episodes.fields[i]) for i in task_ids]
+    builder = EnvCalls(1, episodes.env_timeout, episodes.name)
+    envs: list[Any] = []
+    try:
+        for i in task_ids:  # built under the same containment and timeout as every later call
+            try:
+                envs.append(builder.call(episodes.env_factory, i, episodes.fields[i], task=i, what="building it"))
+            except EnvFault as fault:
+                envs.append(fault)  # the row ends before it acts, counted
+    finally:
+        builder.close()
     messages = [episodes.messages[i] for i in task_ids]
     limits = {"max_turns": episodes.max_turns, "max_total_tokens": episodes.max_total_tokens,
               "env_concurrency": episodes.env_concurrency, "env_timeout": episodes.env_timeout}  # fmt: skip
-    return draw_episodes(decoder, tokenizer, envs, messages, generator=generator, close=True, **limits,
-                         **sampling.as_kwargs())  # fmt: skip
+    return draw_episodes(decoder, tokenizer, envs, messages, generator=generator, close=True, name=episodes.name,
+                         tasks=task_ids, **limits, **sampling.as_kwargs())  # fmt: skip
 
 
 def make_decoder(model: nn.Module, adapter: str | None, kind: str) -> Decoder:
@@ -149,6 +162,35 @@ def make_decoder(model: nn.Module, adapter: str | None, kind: str) -> Decoder:
     if kind == "graph" or (kind == "auto" and device.type == "cuda"):
         return Engine(model, adapter=adapter)
     return PlainDecoder(model, adapter)
+
+
+SAMPLER_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class CastSampler:
+    """``--sampler-dtype``: the stale sampler drawn in another dtype than the trainer's. A copy of the policy
+    (base and both adapters) cast to ``dtype``; before each draw the sampler adapter's tensors are copied into it
+    from the policy (cast), so it draws what the stale sampler holds, with ``dtype``'s numerics. The copy never
+    trains: only its sampler adapter is ever written."""
+
+    def __init__(self, policy: nn.Module, dtype: torch.dtype):
+        self.model = copy.deepcopy(policy).to(dtype)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        src, dst = lora_state(policy, SAMPLER_ADAPTER), lora_state(self.model, SAMPLER_ADAPTER)
+        self._pairs = [(p, dst[name]) for name, p in src.items()]
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """The sampler adapter as the policy holds it now, cast into the copy."""
+        for p, q in self._pairs:
+            q.copy_(p)
+
+
+def sampler_dtype(policy: nn.Module, name: str) -> torch.dtype | None:
+    """The dtype ``--sampler-dtype name`` draws in, or None when it is the policy's own (no copy needed)."""
+    dtype = SAMPLER_DTYPES.get(name)
+    return None if dtype is None or dtype == next(policy.parameters()).dtype else dtype
 
 
 def draw_batch(decoder: Decoder, tokenizer: Any, prompts: list[str], sampling: Sampling, generator) -> Rollout:
@@ -178,12 +220,17 @@ class LocalStaleSource:
         seed: int,
         decoder: str = "auto",
         episodes: Episodes | None = None,
+        dtype: str = "auto",
     ):
+        """``dtype``: ``--sampler-dtype`` ("auto": the policy's own; another dtype draws with a ``CastSampler``)."""
         self.tokenizer, self.prompts, self.order, self.episodes = tokenizer, prompts, order, episodes
         self.batch_size, self.sampling, self.seed = batch_size, sampling, seed
         self.first_policy_step = critic_warmup if isinstance(critic_warmup, int) else None  # "auto": the trainer's
         self.sampler = StaleSampler(policy, lag)
-        self.decoder = make_decoder(policy, SAMPLER_ADAPTER, decoder)  # reads the sampler's adapter
+        cast = sampler_dtype(policy, dtype)
+        self.cast = CastSampler(policy, cast) if cast is not None else None
+        drawer = policy if self.cast is None else self.cast.model
+        self.decoder = make_decoder(drawer, SAMPLER_ADAPTER, decoder)  # reads the sampler's adapter
         self.device = next(policy.parameters()).device
         self.max_staleness = lag
         self.tasks: dict[str, Any] = {}
@@ -198,7 +245,7 @@ class LocalStaleSource:
         source = cls(
             m.policy, m.tokenizer, context.prompts, context.order, lag=c.rollout.lag, batch_size=c.training.batch_size,
             critic_warmup=c.algorithm.critic_warmup, sampling=sampling, seed=c.training.seed, decoder=c.rollout.decoder,
-            episodes=context.episodes,
+            episodes=context.episodes, dtype=c.rollout.sampler_dtype,
         )  # fmt: skip
         source.tasks = context.tasks
         return source
@@ -212,6 +259,8 @@ class LocalStaleSource:
         staleness = policy_version - self.sampler.version
         task_ids = self.order.batch(step, self.batch_size)
         generator = torch.Generator(device=self.device).manual_seed(derived_seed(self.seed, step, "rollout"))
+        if self.cast is not None:
+            self.cast.sync()
         if self.episodes is not None:
             decoder, episodes = self.decoder, self.episodes
             rollout = draw_episode_batch(decoder, self.tokenizer, task_ids, episodes, self.sampling, generator)

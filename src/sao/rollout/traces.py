@@ -15,7 +15,6 @@ trajectories may wait for feedback. Design notes: docs/design/traces.md.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import stat
@@ -28,6 +27,8 @@ from typing import Any
 import torch
 
 from sao.core.errors import ConfigError, DataError
+from sao.core.reading import TEMPERATURE_RANGE, Limits, parse_jsonl_line, reward_problem
+from sao.model.policy import context_length
 from sao.rollout.sources import SourceContext, SourceExhausted
 from sao.rollout.types import Batch, Rollout, Turns
 
@@ -44,8 +45,10 @@ FINISH_REASONS = ("stop", "length")
 OBSERVATION_ROLES = ("tool", "observation", "user", "system")
 DROP_REASONS = (
     "bad_record", "misaligned", "too_stale", "future_version", "no_reward", "duplicate_id", "footing_mismatch", "empty",
+    "too_long",
 )  # fmt: skip
 MAX_LINE_BYTES = 64 << 20  # a longer line is a bad record (nothing a server writes for one trajectory is near it)
+TRACE_LIMITS = Limits(max_bytes=MAX_LINE_BYTES, max_depth=16)  # one record: a trace nests 5 deep
 LOGPROB_SLACK = 1e-5  # a recorded log-probability may exceed 0 by float noise, not more
 POLL_SECONDS = 0.2
 
@@ -143,11 +146,12 @@ def check_record(record: Any) -> str:
     if not isinstance(record.get("id"), str) or not record["id"]:
         raise _Bad("id", "missing or not a non-empty string")
     if kind == "feedback":
-        if not _number(record.get("reward")):
-            raise _Bad("reward", "a feedback record needs a finite number")
+        problem = reward_problem(record.get("reward"))
+        if problem is not None:
+            raise _Bad("reward", f"a feedback record needs a reward: {problem}")
         return kind
     version = record.get("policy_version")
-    if not _integer(version) or version < 0:
+    if not _integer(version) or not 0 <= version < 1 << 63:
         raise _Bad("policy_version", f"must be a whole number >= 0, got {version!r}")
     temperature = record.get("temperature")
     if not _number(temperature):
@@ -155,6 +159,11 @@ def check_record(record: Any) -> str:
     if temperature <= 0:
         raise _Bad(
             "temperature", f"is {temperature}: greedy traces (temperature <= 0) have no log-probs to correct with"
+        )
+    low, high = TEMPERATURE_RANGE
+    if not low <= temperature <= high:
+        raise _Bad(
+            "temperature", f"is {temperature:g}: outside {low:g}..{high:g}, where logits / temperature fit float32"
         )
     if "messages" not in record and "prompt_token_ids" not in record:
         raise _Bad("messages", "give the prompt as messages or prompt_token_ids (or both)")
@@ -176,8 +185,8 @@ def check_record(record: Any) -> str:
     if finish is not None and finish not in FINISH_REASONS:
         raise _Bad("finish_reason", f'must be "stop" or "length", got {finish!r}')
     reward = record.get("reward")
-    if reward is not None and not _number(reward):
-        raise _Bad("reward", f"must be a finite number, got {reward!r}")
+    if reward is not None and (problem := reward_problem(reward)) is not None:
+        raise _Bad("reward", problem)
     if record.get("task") is not None and not isinstance(record["task"], dict):
         raise _Bad("task", "must be an object of task fields (e.g. question, answer)")
     for name, ok in (("adapter", str), ("model", str)):
@@ -329,8 +338,11 @@ def parse_trace(record: dict[str, Any], tokens: Tokens, where: str) -> Trace:
             raise _Bad("segments", "hold no assistant segment: nothing the model wrote")
         if "turn_rewards" in record:
             given = record["turn_rewards"]
-            if not isinstance(given, list) or not all(_number(x) for x in given) or len(given) != len(turn_ends):
-                raise _Bad("turn_rewards", f"must be {len(turn_ends)} finite numbers, one per assistant segment")
+            if not isinstance(given, list) or len(given) != len(turn_ends):
+                raise _Bad("turn_rewards", f"must be {len(turn_ends)} numbers, one per assistant segment")
+            problem = next((p for x in given if (p := reward_problem(x)) is not None), None)
+            if problem is not None:
+                raise _Bad("turn_rewards", problem)
             turn_rewards = [float(x) for x in given]
     reward = record.get("reward")
     return Trace(
@@ -370,6 +382,7 @@ class TraceSource:
         device: torch.device | str = "cpu",
         warn: Callable[[str], None] = print,
         poll_seconds: float = POLL_SECONDS,
+        context_length: int | None = None,
     ):
         self.root = Path(path)
         if not self.root.exists() and not follow:
@@ -387,6 +400,7 @@ class TraceSource:
         self.pad_token_id, self.device = pad_token_id, torch.device(device)
         self.follow, self.follow_timeout, self.skip_bad = follow, follow_timeout, skip_bad
         self.warn, self.poll_seconds = warn, poll_seconds
+        self.context_length = context_length  # prompt + completion tokens a trace may hold (None: not checked)
         self.offsets: dict[str, int] = {}  # file → bytes read
         self.identity: dict[str, list[int]] = {}  # file → [device, inode] of the file those bytes were read from
         self.lines: dict[str, int] = {}  # file → lines read
@@ -413,6 +427,7 @@ class TraceSource:
             temperature=r.temperature, vocab_size=m.policy.get_input_embeddings().num_embeddings,
             eos_token_ids=m.eos_token_ids, pad_token_id=m.tokenizer.pad_token_id, follow=r.follow,
             follow_timeout=r.follow_timeout, skip_bad=r.skip_bad_traces, device=m.device, warn=context.warn,
+            context_length=context_length(m.policy),
         )  # fmt: skip
 
     # -- reading ----------------------------------------------------------------------------------------
@@ -481,12 +496,11 @@ class TraceSource:
         text = line.strip()
         if not text:
             return  # a blank line is not a record
-        try:
-            record = json.loads(text.decode("utf-8"))
-        except UnicodeDecodeError:
-            return self._bad(where, "field 'record': not UTF-8 text")
-        except json.JSONDecodeError as error:
-            return self._bad(where, f"field 'record': not JSON ({error.msg} at column {error.colno})")
+        try:  # the bounded reader: nesting, long integers, NaN and 1e400 are refused before anything reads them
+            record = parse_jsonl_line(text, where=where, limits=TRACE_LIMITS)
+        except DataError as error:
+            problem = str(error).removeprefix(f"{where}: ")
+            return self._bad(where, problem if problem.startswith("field ") else f"field 'record': {problem}")
         try:
             kind = check_record(record)
             if kind == "feedback":
@@ -504,6 +518,8 @@ class TraceSource:
         self.seen.add(trace.id)
         if not any(trace.action):
             self.counts["dropped_empty"] += 1
+        elif self.context_length is not None and len(trace.prompt) + len(trace.response) > self.context_length:
+            self.counts["dropped_too_long"] += 1  # more tokens than the model attends over: not trainable as logged
         elif abs(trace.temperature - self.temperature) > 1e-6:
             self.counts["dropped_footing_mismatch"] += 1
             if not self._warned_footing:

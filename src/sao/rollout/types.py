@@ -27,14 +27,14 @@ class Turns:
     count: torch.Tensor  # [B] long: actions taken
     tool_calls: torch.Tensor  # [B] long
     tool_errors: torch.Tensor  # [B] long
-    unfinished: torch.Tensor  # [B] bool: ended by a limit (turns, tokens) or a fault before the environment said done
-    # [B] long: environment faults that ended the trajectory (a step that raised, ran past --env-timeout, or
-    # answered with an observation too long for the room left); None when built: zeros
+    unfinished: torch.Tensor  # [B] bool: ended by a limit (turns, tokens, context) or a fault before the environment
+    # said done. Drawn episodes only (None from a source that has no environment here, e.g. a trace log):
+    # [B] long: environment faults that ended the trajectory (0 or 1): a call that raised, exited, ran past
+    # --env-timeout or answered what sao cannot use (not a dict, a reward against the reward rule, an observation
+    # too long for the room left)
     faults: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.faults is None:
-            self.faults = torch.zeros_like(self.count)
+    timeouts: torch.Tensor | None = None  # [B] bool: of those, ended because a call outlived --env-timeout
+    context_cuts: torch.Tensor | None = None  # [B] bool: ended because the model's context was full
 
     @property
     def total(self) -> torch.Tensor:
@@ -75,8 +75,8 @@ class Rollout:
                   if isinstance(getattr(self, f.name), torch.Tensor)}  # fmt: skip
         turns = None
         if self.turns is not None:
-            turns = Turns(**{f.name: tensor_fn("turns." + f.name, getattr(self.turns, f.name))
-                             for f in dataclasses.fields(Turns)})  # fmt: skip
+            present = [f.name for f in dataclasses.fields(Turns) if getattr(self.turns, f.name) is not None]
+            turns = Turns(**{name: tensor_fn("turns." + name, getattr(self.turns, name)) for name in present})
         return Rollout(**values, texts=texts, turns=turns)
 
     def to(self, device: torch.device | str) -> Rollout:
@@ -139,7 +139,8 @@ class Rollout:
         turns = None
         if rollouts[0].turns is not None:
             turns = Turns(**{f.name: stack("turns." + f.name, lambda r, n=f.name: getattr(r.turns, n))
-                             for f in dataclasses.fields(Turns)})  # fmt: skip
+                             for f in dataclasses.fields(Turns)
+                             if all(getattr(r.turns, f.name) is not None for r in rollouts)})  # fmt: skip
         return Rollout(**values, texts=[text for r in rollouts for text in r.texts], turns=turns)
 
 

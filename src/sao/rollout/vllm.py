@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from sao.core.errors import ConfigError, DataError, SaoError
+from sao.core.reading import Limits, parse_json
 
 VLLM_VENV = ".venv-vllm"
 # Options that trade run-time speed for start-up time, by name (``VllmServer(compile_mode=...)``).
@@ -49,6 +50,7 @@ COMPILE_MODES: dict[str, tuple[str, ...]] = {
 FINISH_REASONS = ("stop", "length")
 # Connection failures worth another try: the server is starting, restarting or briefly overloaded.
 _RETRYABLE = (ConnectionError, http.client.RemoteDisconnected, TimeoutError, socket.timeout)
+REPLY_LIMITS = Limits(max_bytes=256 << 20)  # a reply of the vLLM server: token ids and log-probs of a batch
 
 
 class VllmError(SaoError):
@@ -166,9 +168,9 @@ class VllmClient:
                 time.sleep(pause)
                 pause = min(2 * pause, 1.0)
         text = raw.decode("utf-8", errors="replace")
-        try:
-            return status, json.loads(text) if text else None
-        except ValueError:
+        try:  # the bounded reader: a reply cannot nest or grow without limit
+            return status, parse_json(text, where=self.url, limits=REPLY_LIMITS) if text else None
+        except DataError:
             return status, text
 
     @staticmethod
@@ -423,6 +425,12 @@ class VllmServer:
             "--seed",
             str(self.seed),
             "--disable-uvicorn-access-log",
+            # Whole prefills: vLLM 0.32's CPU worker crashes its engine ("CPU Generator does not use offset") when a
+            # seeded request's prefill is split across steps, which 64 seeded ~45-token prompts already cause under
+            # the default 2048-token step budget. Every request sao sends is seeded.
+            "--no-enable-chunked-prefill",
+            "--max-num-batched-tokens",
+            str(max(2048, self.max_model_len)),
             *COMPILE_MODES[self.compile_mode],
         ]
         if self.in_process_worker:

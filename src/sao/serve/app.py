@@ -28,12 +28,15 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from sao.core.errors import ConfigError
+from sao.core.errors import ConfigError, DataError
+from sao.core.plugins import PluginError, PluginTimeout
+from sao.core.reading import TEMPERATURE_RANGE, Limits, parse_json, reward_problem
 from sao.serve.served import ServedPolicy
 from sao.serve.tracelog import OPEN, REWARDED, UNKNOWN, TraceLog
 from sao.tasks.base import Scorer, Task
 
 MAX_BODY_BYTES = 1 << 20
+BODY_LIMITS = Limits(max_bytes=MAX_BODY_BYTES, max_depth=32)  # a request or feedback body
 MAX_MESSAGES = 256
 ROLES = ("system", "developer", "user", "assistant")
 # Fields of OpenAI's request accepted when they keep their default (None or the value shown): anything else
@@ -67,6 +70,7 @@ class EndpointSettings:
     max_prompt_tokens: int = 4096
     max_waiting: int = 64  # requests queued for the lock beyond this are refused with 503
     needs_answer: bool = True  # the task's own reward grades a gold "answer" (False: --reward reads its own fields)
+    context_length: int | None = None  # the model's positions, prompt and reply together (None: not checked)
 
 
 class Service:
@@ -103,6 +107,10 @@ class Service:
         if not math.isfinite(temperature) or temperature <= 0:
             raise HTTPProblem(400, f"temperature must be > 0 (got {temperature}): greedy decoding has no sampling "
                               "distribution, so its log-probabilities could not correct anything")  # fmt: skip
+        low, high = TEMPERATURE_RANGE
+        if not low <= temperature <= high:
+            raise HTTPProblem(400, f"temperature must be from {low:g} to {high:g} (got {temperature:g}): beyond them "
+                              "logits / temperature leave float32's range")  # fmt: skip
         max_tokens = s.max_tokens
         for name in ("max_completion_tokens", "max_tokens"):
             if body.get(name) is not None:
@@ -125,7 +133,8 @@ class Service:
         if metadata is not None:
             if not isinstance(metadata, dict) or not metadata:
                 raise HTTPProblem(400, 'metadata must be a non-empty JSON object of task fields, e.g. {"answer": "5"}')
-            if s.needs_answer and not isinstance(metadata.get("answer"), str | int | float):
+            answer = metadata.get("answer")
+            if s.needs_answer and (not isinstance(answer, str | int | float) or isinstance(answer, bool)):
                 raise HTTPProblem(400, 'metadata needs an "answer" (the gold final answer) for the default reward')
         try:
             prompt_ids = self.policy.prompt_ids(messages)
@@ -135,6 +144,13 @@ class Service:
         if len(prompt_ids) > s.max_prompt_tokens:
             raise HTTPProblem(400, f"the prompt has {len(prompt_ids)} tokens; this server takes at most "
                               f"{s.max_prompt_tokens}")  # fmt: skip
+        context = s.context_length
+        if context is not None and len(prompt_ids) + max_tokens > context:
+            room = context - len(prompt_ids)
+            fix = f"ask for max_tokens <= {room}" if room >= 1 else "shorten the prompt"
+            message = (f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}: more than the "
+                       f"model's context of {context} tokens; {fix}")  # fmt: skip
+            raise HTTPProblem(400, message, "context_length_exceeded")
         return {"messages": messages, "prompt_ids": prompt_ids, "temperature": temperature, "max_tokens": max_tokens,
                 "logprobs": logprobs, "seed": seed, "metadata": metadata}  # fmt: skip
 
@@ -201,7 +217,9 @@ class Service:
             task = _task(id_, request["messages"], metadata)
             try:
                 record["reward"] = self.scorer.score([completion.text], [task.row()])[0]
-            except ConfigError as error:  # a user's reward function returned something that is not a number
+            except PluginTimeout as error:  # nothing logged: the reply was never answered
+                raise HTTPProblem(504, str(error), "reward_timeout", "server_error") from None
+            except (ConfigError, PluginError) as error:  # the reward raised, exited or returned no number
                 raise HTTPProblem(500, str(error), "reward_failed", "server_error") from None
             record["task"] = metadata
         with self._log_lock:
@@ -268,8 +286,9 @@ class Service:
         id_, reward = body.get("id"), body.get("reward")
         if not isinstance(id_, str) or not id_:
             raise HTTPProblem(400, "id must be the completion's id (a string)")
-        if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-            raise HTTPProblem(400, "reward must be a finite number")
+        problem = reward_problem(reward)  # the one rule for rewards, wherever they come from
+        if problem is not None:
+            raise HTTPProblem(400, f"reward: {problem}")
         with self._log_lock:
             status = self.log.status(id_)
             if status == UNKNOWN:
@@ -361,10 +380,10 @@ async def _json_body(request: Request) -> Any:
         print(f"sao serve: {client} hung up after {len(raw)} bytes of its request body; nothing logged",
               file=sys.stderr, flush=True)  # fmt: skip
         raise HTTPProblem(400, "the client hung up before its body was complete", "client_disconnected") from None
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise HTTPProblem(400, f"the body is not valid JSON ({error})", "invalid_json") from None
+    try:  # the bounded reader: nesting, long integers, NaN and 1e400 refused before anything reads them
+        return parse_json(bytes(raw), where="the body", limits=BODY_LIMITS)
+    except DataError as error:
+        raise HTTPProblem(400, str(error), "invalid_json") from None
 
 
 async def _guarded(work: Any, *args: Any) -> Any:

@@ -25,6 +25,9 @@ import urllib.request
 from collections import Counter
 from typing import Any
 
+from sao.core.errors import DataError
+from sao.core.reading import parse_json
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -33,11 +36,11 @@ def post(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str,
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
+            return response.status, parse_json(response.read(), where=url)
     except urllib.error.HTTPError as error:
         try:
-            return error.code, json.loads(error.read())
-        except ValueError:
+            return error.code, parse_json(error.read(), where=url)
+        except DataError:
             return error.code, {}
 
 

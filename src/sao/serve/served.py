@@ -17,7 +17,6 @@ stop strings, and any sampler other than the plain loop.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -28,14 +27,16 @@ from typing import Any
 import torch
 
 from sao.core.config import Config
-from sao.core.errors import ConfigError, SaoError
+from sao.core.errors import ConfigError, DataError, SaoError
+from sao.core.reading import Limits, read_json_file
 from sao.model.artifacts import ADAPTER_CONFIG
-from sao.model.policy import POLICY_ADAPTER, Models, lora_state, model_path
+from sao.model.policy import POLICY_ADAPTER, Models, context_length, lora_state, model_path
 from sao.rollout.sampler import PlainDecoder, encode_prompts
 
 PUBLISHED, LATEST = "published", "LATEST.json"
 GRACE_SECONDS = 10.0  # how long an adapter LATEST.json names may stay unreadable (being written) before it is said
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+SMALL = Limits(max_bytes=1 << 20)  # LATEST.json names one version
 
 
 @dataclass
@@ -65,6 +66,7 @@ class ServedPolicy:
             seed=config.training.seed,
         )
         self.tokenizer = self.models.tokenizer
+        self.context_length = context_length(self.models.policy)  # prompt + reply, in tokens
         self.lock = threading.Lock()  # one reply or one adapter swap at a time
         self.version, self.adapter = 0, "initial"
         self._lora = lora_state(self.models.policy, POLICY_ADAPTER)  # live tensors by name
@@ -113,8 +115,8 @@ class ServedPolicy:
         config_file, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
         if not weights.is_file() or not config_file.is_file():
             raise ConfigError(f"{folder} holds no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+        saved_config = read_json_file(config_file, error=ConfigError)
         try:
-            saved_config = json.loads(config_file.read_text(encoding="utf-8"))
             state = load_file(str(weights))
         except Exception as error:  # OSError, ValueError, safetensors' own error on a file still being written
             raise ConfigError(f"{folder}: could not read the adapter ({type(error).__name__}: {error})") from None
@@ -183,13 +185,15 @@ class AdapterWatcher:
     def poll(self) -> bool:
         """Load the version LATEST.json names when it differs from the served one. True when one was loaded."""
         try:
-            latest = json.loads(self.latest.read_text(encoding="utf-8"))
+            if not self.latest.exists():
+                return False  # nothing published yet: keep serving what is served
+            latest = read_json_file(self.latest, limits=SMALL)
             version, path = latest["version"], latest["path"]
             if not isinstance(version, int) or isinstance(version, bool) or version < 0 or not isinstance(path, str):
                 raise ValueError
         except FileNotFoundError:
             return False  # nothing published yet: keep serving what is served
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, DataError):
             key = (-1, "LATEST")
             if key not in self._failed:
                 self._failed.add(key)

@@ -112,6 +112,7 @@ class Server:
                 model_name=f"sao-{name}" if (name := config.model.name).startswith("tiny") else name,
                 max_tokens=max_tokens, default_temperature=config.rollout.temperature,
                 max_prompt_tokens=max_prompt_tokens, needs_answer=config.data.reward is None,
+                context_length=getattr(self.policy, "context_length", None),
             )  # fmt: skip
             self.log = TraceLog(traces)
             self.service = Service(self.policy, self.log, settings, scorer)

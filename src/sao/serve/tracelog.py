@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from sao.core.errors import ConfigError
+from sao.core.reading import parse_jsonl_line
 
 FEEDBACK = "feedback"
 MAX_IDS = 1_000_000  # ~100 MB of index at most; older ids are forgotten (their feedback is then a 404)
@@ -111,10 +112,10 @@ class TraceLog:
 
     def _index_line(self, line: bytes) -> None:
         try:
-            record = json.loads(line)
+            record = parse_jsonl_line(line, where=str(self.path))  # bounded: depth, size, long integers
             if not isinstance(record, dict) or not isinstance(record.get("id"), str):
                 raise ValueError
-        except ValueError:
+        except ValueError:  # DataError included
             self.bad_lines += 1
             return
         if record.get("type") == FEEDBACK:

@@ -5,8 +5,9 @@ reward) and ``Scorer`` (that reward, the one grader of training, eval and servin
 A reward is plain data in, a number out: ``reward(completion, row) -> float`` where ``row`` is a dict of the
 task's fields (``id``, ``question``, ``answer`` and whatever the record held), or batched
 ``reward(completions, rows) -> list[float]`` (first parameter named ``completions``, or ``fn.batched = True``),
-sync or ``async``. Every value it returns is checked finite; anything else is a one-line error naming the reward
-and the row.
+sync or ``async``. Every value it returns is checked by the one rule for rewards (``sao.core.reading``); what it
+raises (``SystemExit`` too) is a one-line error naming the reward and the row, and a call past its timeout scores
+its rows 0 as cut trajectories, counted (``sao.core.plugins``).
 
 Deliberately left out: loading (each source loads its own: ``gsm8k``, ``custom``, ``sao.tiny``) and drawing.
 """
@@ -16,15 +17,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from sao.core import plugins
 from sao.core.errors import ConfigError
-from sao.core.reading import preview
+from sao.core.plugins import PluginTimeout
+from sao.core.reading import REWARD_LIMIT, preview, reward_problem
 from sao.rollout.types import Rollout
 
 
@@ -124,7 +126,10 @@ class Scorer:
     says (``truncated_reward`` "zero": 0; "grade": graded like any reply), the same in training, eval and serving.
     ``name`` says which reward it is in errors and in config.json (its import path when it has one)."""
 
-    def __init__(self, reward: Callable[..., Any], *, truncated_reward: str = "zero", name: str | None = None):
+    def __init__(
+        self, reward: Callable[..., Any], *, truncated_reward: str = "zero", name: str | None = None,
+        timeout: float = 0.0,
+    ):  # fmt: skip
         if not callable(reward):
             raise ConfigError(f"a reward must be callable, got {preview(reward)}")
         if truncated_reward not in ("zero", "grade"):
@@ -132,22 +137,56 @@ class Scorer:
         self.reward, self.truncated_reward = reward, truncated_reward
         self.name = name or _name_of(reward)
         self.batched = is_batched(reward)
+        self.timeout = timeout  # seconds per call (a batch, for a batched reward); 0: no limit
 
     def score(self, completions: Sequence[str], rows: Sequence[dict[str, Any]]) -> list[float]:
-        """The reward of each completion against its row (no cut-off rule applied)."""
+        """The reward of each completion against its row (no cut-off rule applied). A reward that raises or exits
+        is a ``PluginError``; one that outlives ``timeout`` a ``PluginTimeout`` (``score_within`` scores it 0)."""
+        values, timed_out = self.score_within(completions, rows)
+        if any(timed_out):
+            row = rows[timed_out.index(True)]
+            raise PluginTimeout(f"reward {self.name}", str(row.get("id", "a row")), self.timeout)
+        return values
+
+    def score_within(
+        self, completions: Sequence[str], rows: Sequence[dict[str, Any]]
+    ) -> tuple[list[float], list[bool]]:
+        """(rewards, timed out) per completion: a call still running after ``timeout`` scores its rows 0 and
+        marks them, for the caller to cut and count; anything else wrong is a one-line error."""
         if len(completions) != len(rows):
             raise ValueError(f"{len(completions)} completions for {len(rows)} rows")
         rows = [r if isinstance(r, Row) else Row(r) for r in rows]
-        if self.batched:
-            values = _run(self.reward(list(completions), rows))
+        if not rows:
+            return [], []
+        plugin = f"reward {self.name}"
+        if self.batched or inspect.iscoroutinefunction(self.reward):  # one call for the batch
+
+            def work() -> Any:
+                if self.batched:
+                    return _run(self.reward(list(completions), rows))
+                return _run(_gather([self.reward(c, r) for c, r in zip(completions, rows, strict=True)]))
+
+            where = f"{rows[0].get('id', 'a row')} (a batch of {len(rows)})"
+            try:
+                values = plugins.call(work, plugin=plugin, row=where, timeout=self.timeout)
+            except PluginTimeout:
+                return [0.0] * len(rows), [True] * len(rows)
             if not isinstance(values, list | tuple) or len(values) != len(rows):
                 raise ConfigError(f"reward {self.name} returned {preview(values)} for {len(rows)} completions; a "
                                   "batched reward returns one number per completion")  # fmt: skip
-        elif inspect.iscoroutinefunction(self.reward):
-            values = _run(_gather([self.reward(c, r) for c, r in zip(completions, rows, strict=True)]))
-        else:
-            values = [_run(self.reward(c, r)) for c, r in zip(completions, rows, strict=True)]
-        return [self._checked(v, row) for v, row in zip(values, rows, strict=True)]
+            return [self._checked(v, row) for v, row in zip(values, rows, strict=True)], [False] * len(rows)
+        out, timed_out = [], []
+        for completion, row in zip(completions, rows, strict=True):
+            try:
+                value = plugins.call(lambda c=completion, r=row: _run(self.reward(c, r)), plugin=plugin,
+                                     row=str(row.get("id", "a row")), timeout=self.timeout)  # fmt: skip
+            except PluginTimeout:
+                out.append(0.0)
+                timed_out.append(True)
+                continue
+            out.append(self._checked(value, row))
+            timed_out.append(False)
+        return out, timed_out
 
     def graded(self, completions: Sequence[str], rows: Sequence[dict[str, Any]], cut: Sequence[bool]) -> list[float]:
         """``score`` with the cut-off rule: a completion cut at the token limit scores 0 under "zero"."""
@@ -165,11 +204,15 @@ class Scorer:
         last = (rollout.action_mask.long() * columns).argmax(dim=1)  # [B] each row's last action token
         cut = rollout.cut  # [B] the last action hit a token limit
         todo = [i for i, row in enumerate(rows) if row is not None]
-        graded = self.score([rollout.texts[i] for i in todo], [rows[i] for i in todo]) if todo else []
+        graded, timed_out = self.score_within([rollout.texts[i] for i in todo], [rows[i] for i in todo])
+        late = [i for i, late in zip(todo, timed_out, strict=True) if late]
+        if late:  # a reward call that outlived its timeout: those trajectories end as cut (scored 0)
+            rollout.cut[late] = True
         if rollout.turns is None:  # one reply per prompt: every row graded from its text
             values = torch.tensor(graded, dtype=torch.float32, device=cut.device)  # [B]
             credited = cut & (values > 0)
-            counts = {"truncated_replies": int(cut.sum()), "truncated_with_credit": int(credited.sum())}
+            counts = {"truncated_replies": int(cut.sum()), "truncated_with_credit": int(credited.sum()),
+                      "reward_timeouts": len(late)}  # fmt: skip
             return (torch.where(cut, torch.zeros_like(values), values) if self.truncated_reward == "zero"
                     else values), counts  # fmt: skip
         per_turn = rollout.turns.rewards.clone()  # [B, R] each turn's reward on its last action token
@@ -177,28 +220,24 @@ class Scorer:
             per_turn[i, last[i]] = value
         rows_ = torch.arange(per_turn.shape[0], device=per_turn.device)
         credited = cut & (per_turn[rows_, last] > 0)
-        counts = {"truncated_replies": int(cut.sum()), "truncated_with_credit": int(credited.sum())}
+        counts = {"truncated_replies": int(cut.sum()), "truncated_with_credit": int(credited.sum()),
+                  "reward_timeouts": len(late)}  # fmt: skip
         if self.truncated_reward == "zero":
             per_turn[rows_[cut], last[cut]] = 0.0
         return (per_turn if bool((rollout.turns.count > 1).any()) else per_turn.sum(dim=1)), counts
 
     def _checked(self, value: Any, row: dict[str, Any]) -> float:
+        """The shared rule (``sao.core.reading.reward_problem``), worded for a reward function."""
+        problem = reward_problem(value)
+        if problem is None:
+            return float(value)
         where = f"reward {self.name} returned {preview(value)} for {row.get('id', 'a row')}"
-        if isinstance(value, bool | str | bytes) or value is None:
+        if problem.startswith("a reward must be a number"):
             raise ConfigError(f"{where}; it must return a number")
-        try:
-            number = float(value)
-        except (TypeError, ValueError, OverflowError):
-            raise ConfigError(f"{where}; it must return a number") from None
-        if not math.isfinite(number) or abs(number) > REWARD_LIMIT:
-            raise ConfigError(f"{where}; it must return a finite number of magnitude at most {REWARD_LIMIT:g}")
-        return number
+        raise ConfigError(f"{where}; it must return a finite number of magnitude at most {REWARD_LIMIT:g}")
 
     def __repr__(self) -> str:
         return f"Scorer({self.name})"
-
-
-REWARD_LIMIT = 1e6  # a reward's magnitude at most: far beyond any task's, well inside float32 (3.4e38) after sums
 
 
 def _run(value: Any) -> Any:

@@ -12,12 +12,13 @@ action, and state between steps beyond what a step returns. Design notes: docs/d
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
+from sao.core.errors import DataError
+from sao.core.reading import Limits, parse_json
 from sao.rollout.environment import Message, StepOutput
 from sao.tasks.gsm8k import grading
 
@@ -45,7 +46,8 @@ MAX_NUMBER_DIGITS = 30  # digits in one written number
 MAX_VALUE_DIGITS = 40  # digits of the numerator and the denominator of every intermediate value
 MAX_EXACT_PLACES = 10  # a terminating decimal with at most this many places prints exactly
 ROUND_PLACES = 8  # anything else prints rounded to this many places
-MAX_CALL_CHARS = 1000  # a JSON tool call longer than this is refused before json.loads
+MAX_CALL_CHARS = 1000  # a JSON tool call longer than this is refused before it is parsed
+CALL_LIMITS = Limits(max_bytes=4 * MAX_CALL_CHARS, max_depth=8)  # what a model's tool call may hold
 
 TOOL_NAME = "calculator"
 TOOL_FORMATS = ("tag", "json")
@@ -255,8 +257,8 @@ def _find_call(action: str, tool_format: str) -> tuple[bool, str | None, str]:
     if len(body) > MAX_CALL_CHARS:
         return True, None, f"error: tool call longer than {MAX_CALL_CHARS} characters"
     try:
-        call = json.loads(body)
-    except (ValueError, RecursionError):
+        call = parse_json(body, where="the tool call", limits=CALL_LIMITS)
+    except DataError:
         return True, None, "error: the tool call is not valid JSON"
     if not isinstance(call, dict):
         return True, None, 'error: the tool call must be a JSON object with "name" and "arguments"'
@@ -265,8 +267,8 @@ def _find_call(action: str, tool_format: str) -> tuple[bool, str | None, str]:
     arguments = call.get("arguments")
     if isinstance(arguments, str):  # some models send the arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
-        except (ValueError, RecursionError):
+            arguments = parse_json(arguments, where="the arguments", limits=CALL_LIMITS)
+        except DataError:
             return True, None, "error: the arguments are not valid JSON"
     if not isinstance(arguments, dict) or not isinstance(arguments.get("expression"), str):
         return True, None, 'error: the arguments must be {"expression": "..."}'

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import json
+import itertools
 import os
 import random
 import re
@@ -28,6 +28,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from sao.core.errors import ConfigError, DataError
+from sao.core.reading import Limits, parse_jsonl_line, read_bounded_line
 from sao.rollout.environment import EnvFactory, check_env
 from sao.tasks.base import Task, TaskSet
 from sao.tasks.gsm8k import GOLD_MARKER, HUB_ID, decontaminate
@@ -46,6 +47,7 @@ __all__ = [
 DEFAULT_PROMPT_FIELD = "question"
 DEFAULT_ANSWER_FIELD = "answer"
 FILE_SUFFIXES = (".jsonl", ".parquet")
+RECORD_LIMITS = Limits(max_bytes=16 << 20)  # one record of --data: a prompt, an answer and its fields
 
 # A hub dataset name: "name" or "owner/name" (no "./", no deeper paths: those are local paths).
 _HUB_NAME_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -140,7 +142,13 @@ class _JsonlTable:
         with self._open() as handle:
             offset = 0
             # Binary lines split on b"\n" only, so line numbers agree with GSM8K's reader.
-            for lineno, raw in enumerate(handle, start=1):
+            for lineno in itertools.count(1):
+                raw, fits = read_bounded_line(handle, RECORD_LIMITS.max_bytes)
+                if not raw:
+                    break
+                if not fits:
+                    raise DataError(f"{self.path} line {lineno}: longer than {RECORD_LIMITS.max_bytes >> 20} MiB "
+                                    "(is this the right file?)")  # fmt: skip
                 start, offset = offset, offset + len(raw)
                 if not raw.strip():
                     continue
@@ -157,17 +165,15 @@ class _JsonlTable:
             text = raw.decode("utf-8-sig" if first else "utf-8")
         except UnicodeDecodeError as e:
             raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        return parse_jsonl_line(text, where=where, limits=RECORD_LIMITS)
 
     def fetch(self, rows: list[int]) -> dict[int, Any]:
         records = {}
         with self._open() as handle:
             for row in sorted(rows):
                 handle.seek(self.offsets[row])
-                records[row] = self._parse(handle.readline(), f"{self.path} row {row}", first=self.offsets[row] == 0)
+                raw = handle.readline(RECORD_LIMITS.max_bytes + 1)
+                records[row] = self._parse(raw, f"{self.path} row {row}", first=self.offsets[row] == 0)
         return records
 
 

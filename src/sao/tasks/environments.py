@@ -57,14 +57,19 @@ def episodes_for(
     max_turns: int,
     max_total_tokens: int,
     env_concurrency: int = DEFAULT_CONCURRENCY,
-    env_timeout: float | None = None,
+    *,
+    name: str | None = None,
+    env_timeout: float = 0.0,
 ) -> Episodes | None:
-    """What a source needs to draw multi-turn episodes of ``tasks`` (None without an environment)."""
+    """What a source needs to draw multi-turn episodes of ``tasks`` (None without an environment); ``name`` is what
+    its one-line faults call the environment (``--env`` as given), ``env_timeout`` the seconds one call of it may
+    take (0: no limit), ``env_concurrency`` the steps in flight at once (0: batch-synchronous)."""
     if factory is None:
         return None
     messages = {t.id: t.chat(instruction) for t in tasks}
     fields = {t.id: task_fields(t) for t in tasks}
-    return Episodes(factory, messages, fields, max_turns, max_total_tokens, env_concurrency, env_timeout)
+    label = f"environment {name}" if name else f"environment {getattr(factory, '__qualname__', 'factory')}"
+    return Episodes(factory, messages, fields, max_turns, max_total_tokens, env_concurrency, env_timeout, label)
 
 
 def prompt_text(tokenizer: Any, task: Task, instruction: str) -> str:

