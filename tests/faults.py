@@ -136,8 +136,10 @@ KINDS: dict[str, tuple[str, str]] = {
     "plug-ins": (
         "a reward or environment that raises, calls sys.exit(0), returns garbage or hangs; the same reward behind "
         "sao serve",
-        "one line naming the plug-in and the row (exit code 2, never 0); a call past --reward-timeout/--env-timeout "
-        "ends its trajectory as cut and counted; the server answers an OpenAI-shaped 5xx, logs nothing, stays up",
+        "a reward: one line naming the plug-in and the row (exit code 2, never 0); an environment: that trajectory "
+        "ends truncated and counted (env_fault_share), told in one log line naming it and the task; a call past "
+        "--reward-timeout/--env-timeout ends its trajectory as cut and counted; the server answers an OpenAI-shaped "
+        "5xx, logs nothing, stays up",
     ),
 }
 

@@ -12,8 +12,16 @@ from helpers import run_log
 from sao.training import build
 
 TIMING = {"time", "time_sample"}
-AGENT_KEYS = {"turns_mean", "tool_calls_mean", "tool_use_share", "tool_error_rate", "observation_share",
-              "env_timeouts", "context_cuts"}  # fmt: skip
+AGENT_KEYS = {
+    "turns_mean",
+    "tool_calls_mean",
+    "tool_use_share",
+    "tool_error_rate",
+    "observation_share",
+    "env_fault_share",
+    "env_timeouts",
+    "context_cuts",
+}
 
 
 def _log(out):

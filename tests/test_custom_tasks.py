@@ -563,6 +563,14 @@ ENVS = """
     class WrongArguments(EchoEnv):
         def __init__(self, task_id):
             pass
+
+    class AsyncInitPlainStep(EchoEnv):
+        async def init(self, prompt):
+            return prompt, {}
+
+    class AsyncEnv(EchoEnv):
+        async def step(self, action):
+            return {"observations": [], "reward": 0.0, "done": True}
 """
 
 
@@ -584,6 +592,7 @@ def test_custom_env_class_builds_one_env_per_task(user_module):
         ("NoStep", "class NoStep has no step method; an environment needs init, step and close"),
         ("WrongArguments", "cannot be called as (task_id, fields)"),
         ("Missing", "has no 'Missing'"),
+        ("AsyncInitPlainStep", "init is async def but step is not; make step async def too"),
     ],
 )
 def test_bad_env_class_is_one_line(user_module, attribute, needle):
@@ -592,6 +601,10 @@ def test_bad_env_class_is_one_line(user_module, attribute, needle):
         load_env_class(f"{module}:{attribute}")
     text = _one_line(err)
     assert needle in text and text.startswith("--env ")
+
+
+def test_an_async_env_class_is_accepted_as_it_is(user_module):
+    assert load_env_class(f"{user_module(ENVS)}:AsyncEnv").__name__ == "AsyncEnv"
 
 
 def test_current_directory_is_appended_only_when_needed(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ trace line under --skip-bad-traces, a trajectory past its timeout or its context
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from sao.cli import main
 from sao.core.errors import ConfigError, DataError
 from sao.core.plugins import PluginError, PluginTimeout
 from sao.core.reading import REWARD_LIMIT, reward_problem
-from sao.rollout.episodes import EnvCalls, _checked_step, draw_episodes
+from sao.rollout.episodes import _checked_step, draw_episodes
 from sao.rollout.sampler import PlainDecoder
 from sao.rollout.sources import SourceExhausted
 from sao.rollout.traces import TraceSource
@@ -408,27 +409,32 @@ def _episodes(tiny_lm, modes: list[str], *, context: int | None = None, timeout:
     if context is not None:
         decoder.context_length = context
     prompts = [[{"role": "user", "content": f"What is {i}+1?"}] for i in range(len(modes))]
-    calls = EnvCalls("environment tests:Env", [f"task/{i}" for i in range(len(modes))], timeout)
     return draw_episodes(decoder, tokenizer, [Env(m) for m in modes], prompts, max_new_tokens=8, max_turns=6,
                          max_total_tokens=total, temperature=1.0, eos_token_ids=[tokenizer.eos_token_id],
                          pad_token_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0),
-                         calls=calls)  # fmt: skip
+                         name="environment tests:Env", tasks=[f"task/{i}" for i in range(len(modes))],
+                         env_timeout=timeout)  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["raise", "exit", "garbage"])
-def test_an_environment_that_fails_is_one_line_naming_it_and_the_task(tiny_lm, mode, faults):
-    with pytest.raises(PluginError) as error:
-        _episodes(tiny_lm, ["fine", mode])
+def test_an_environment_that_fails_ends_its_trajectory_counted_in_one_line_naming_it_and_the_task(
+    tiny_lm, mode, faults, caplog
+):
+    with caplog.at_level(logging.WARNING, logger="sao.rollout"):
+        rollout = _episodes(tiny_lm, ["fine", mode])
+    assert rollout.turns.faults.tolist() == [0, 1] and rollout.turns.timeouts.tolist() == [False, False]
+    assert rollout.truncated.tolist() == [bool(rollout.truncated[0]), True]
     needle = {"raise": "raised ValueError: no such tool", "exit": "called sys.exit(0)",
               "garbage": "returned 'done'"}[mode]  # fmt: skip
-    one_line(str(error.value), "environment tests:Env (step)", "task/1", needle)
+    (told,) = [r.getMessage() for r in caplog.records if r.name == "sao.rollout"]
+    one_line(told, "1 of 2 trajectories", "environment tests:Env (step)", "task/1", needle)
     faults.record("plug-ins", f"an environment whose step {mode}s")
 
 
 @pytest.mark.parametrize("mode", ["hang", "init-hang"])
 def test_an_environment_past_its_timeout_ends_the_trajectory_cut_and_counted(tiny_lm, mode, faults):
     rollout = _episodes(tiny_lm, ["fine", mode], timeout=0.2)
-    assert rollout.turns.timeouts.tolist() == [False, True]
+    assert rollout.turns.timeouts.tolist() == [False, True] and rollout.turns.faults.tolist() == [0, 1]
     assert bool(rollout.truncated[1]) and not bool(rollout.turns.timeouts[0])
     faults.record("plug-ins", f"an environment that hangs in {mode.replace('-hang', '') if '-' in mode else 'step'}")
 

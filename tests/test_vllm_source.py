@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -95,6 +96,31 @@ def test_multi_turn_episodes_run_an_action_per_request(tiny_vllm, tmp_path):
     assert all(r["turns_mean"] > 1 for r in records) and all(r["observation_share"] > 0 for r in records)
     fresh = [r["mismatch_fresh"] for r in records if r["staleness"] == 0]
     assert max(fresh) < 1e-4, "observation tokens appended by sao, the prefix sent whole: the same distribution"
+
+
+class Flaky(Echo):
+    """Echo for a third of the tasks; the rest raise on their first step or hang past --env-timeout."""
+
+    def __init__(self, task_id, fields):
+        super().__init__(task_id, fields)
+        self.kind = sum(map(ord, task_id)) % 3
+
+    def step(self, action):
+        if self.kind == 1:
+            raise ConnectionError("the tool's server went away")
+        if self.kind == 2:
+            time.sleep(30)
+        return super().step(action)
+
+
+def test_a_tool_that_raises_or_hangs_ends_only_its_own_trajectory_through_vllm(tiny_vllm, tmp_path):
+    started = time.perf_counter()
+    trainer = sao.train({**SMALL, "rollout": "vllm", "vllm_url": tiny_vllm.url, "steps": 1, "max_turns": 3,
+                         "max_total_tokens": 64, "env_timeout": 1.0}, tmp_path / "run", env_factory=Flaky,
+                        progress=False)  # fmt: skip
+    records = trainer.records
+    assert all(0 < r["env_fault_share"] < 1 for r in records), [r["env_fault_share"] for r in records]
+    assert time.perf_counter() - started < 25, "a hung tool held its batch past the timeout"
 
 
 def test_serve_upstream_logs_concurrent_replies_and_takes_published_adapters(tiny_vllm, tmp_path):

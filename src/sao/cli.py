@@ -39,6 +39,7 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
         "rollout.decoder",
         "rollout.max_turns",
         "rollout.max_total_tokens",
+        "rollout.env_concurrency",
         "training.seed",
     ),
     "recipe": ("model", "data", "algorithm", "rollout", "training", "eval"),

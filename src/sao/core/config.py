@@ -162,9 +162,13 @@ class DataSettings(Section):
     )
     env_timeout: float = option(
         300.0,
-        "Seconds one call of an environment (building it, init, step) may take; a call still running then ends "
-        "the trajectory as cut and counts it (env_timeouts in the step log). 0 = no limit. An environment that "
-        "raises or calls sys.exit is a one-line error naming it and the row.",
+        "Seconds one call of an environment (building it, init, step, close) may run; past it the trajectory ends "
+        "as truncated and the batch goes on (a plain call's thread is abandoned, an async one cancelled), counted in "
+        "env_timeouts and env_fault_share in the step log. A call that raises or calls sys.exit, or answers what sao "
+        "cannot use (a reward against the reward rule, an observation too long for the room left), ends its "
+        "trajectory the same way, counted in env_fault_share, with one log line naming the environment and the "
+        "task. 0 = no limit. Default 300 s: a hung tool costs one trajectory, never the run, while any honest tool "
+        "call fits.",
         check=between(0, MAX_TIMEOUT, " seconds (0 = no limit)"),
     )
     truncated_reward: str = option(
@@ -284,6 +288,15 @@ class RolloutSettings(Section):
         "Response tokens per trajectory at most, actions and observations together (--max-new-tokens caps each "
         "action); hitting it ends the trajectory as truncated.",
         check=at_least(1),
+    )
+    env_concurrency: int = option(
+        16,
+        "Environment steps in flight at once per draw call (a pool of threads; async def environments share one event "
+        "loop): a trajectory whose observation is back decodes on without waiting for the rest of its batch (through "
+        "vLLM every trajectory has its own thread anyway). The tokens do not depend on which tool finishes first. "
+        "0 = the batch-synchronous loop of earlier versions: every turn waits for the slowest step, the steps called "
+        "one after another, drawn exactly as those versions drew.",
+        check=at_least(0, " (0 = batch-synchronous)"),
     )
     max_staleness: int = option(
         4,

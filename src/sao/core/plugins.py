@@ -60,11 +60,15 @@ def _contained(fn: Callable[..., Any], args: tuple[Any, ...], plugin: str, row: 
         return fn(*args)
     except (KeyboardInterrupt, PluginError, PluginTimeout):
         raise
-    except SystemExit as error:
-        exited = f"{plugin} called sys.exit({preview(error.code)}) on {row}"
-        raise PluginError(f"{exited}; a plug-in must return, not exit") from None
     except BaseException as error:
-        raise PluginError(f"{plugin} raised {describe(error)} on {row}") from None
+        raise PluginError(failure(error, plugin, row)) from None
+
+
+def failure(error: BaseException, plugin: str, row: str) -> str:
+    """The one line for what ``plugin`` raised (or the ``sys.exit`` it called) on ``row``."""
+    if isinstance(error, SystemExit):
+        return f"{plugin} called sys.exit({preview(error.code)}) on {row}; a plug-in must return, not exit"
+    return f"{plugin} raised {describe(error)} on {row}"
 
 
 def describe(error: BaseException) -> str:
@@ -74,4 +78,4 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
-__all__ = ["PluginError", "PluginTimeout", "call", "describe"]
+__all__ = ["PluginError", "PluginTimeout", "call", "describe", "failure"]

@@ -136,8 +136,8 @@ def pass_at_1(config: Config, model, tokenizer, tasks: list, label: str, *, seed
     adapter = POLICY_ADAPTER if hasattr(model, "peft_config") else None
     factory = parts.env_factory or environments.env_factory(config.data.env, tokenizer, config.rollout.max_turns)
     r = config.rollout
-    episodes = episodes_for(factory, tasks, parts.tasks.instruction, r.max_turns, r.max_total_tokens,
-                            name=config.data.env, timeout=config.data.env_timeout)  # fmt: skip
+    episodes = episodes_for(factory, tasks, parts.tasks.instruction, r.max_turns, r.max_total_tokens, r.env_concurrency,
+                            name=config.data.env, env_timeout=config.data.env_timeout)  # fmt: skip
     e = config.eval
     return evaluate(
         make_decoder(model, adapter, r.decoder), tokenizer, tasks, instruction=parts.tasks.instruction,

@@ -8,14 +8,28 @@ One interface, the ecosystem's (SkyRL-Gym's text environment), so that its envir
 
 Observation segments are not actions (no log-probability, coefficient or critic loss); each step's reward lands on
 the last action token of its turn. Read when present: ``stop_strings``, and ``tool_calls``/``tool_errors`` metadata.
-Deliberately left out: tool registries and sandboxes, asynchronous environments, anything that needs the network.
+``async def`` methods are accepted as they are (``check_env`` refuses a wrong mix); ``EnvCalls`` runs every call
+(building, init, step, close) off the decoding thread, bounded, contained (what it raises or a ``sys.exit`` is an
+``EnvFault``: one line naming the environment, the call and the task, as ``sao.core.plugins`` words it) and under
+--env-timeout. Deliberately left out: tool registries and sandboxes,
+killing a hung plain step (its thread is abandoned), anything that needs the network.
 Design notes: docs/design/environment.md.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import queue
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
+
+from sao.core.errors import ConfigError
+from sao.core.plugins import failure
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 
@@ -41,6 +55,8 @@ class TextEnv(Protocol):
 EnvFactory = Callable[[str, dict[str, Any]], TextEnv]
 
 
+CHARS_PER_TOKEN = 32  # an observation longer than this many characters a token of room is judged on a prefix
+
 SENTINEL = "\u0000sao-action\u0000"
 
 
@@ -60,3 +76,249 @@ def render_observation(tokenizer: Any, observations: list[Message], eos_text: st
     if eos_text and after.startswith(eos_text):
         after = after[len(eos_text) :]
     return after
+
+
+def encode_bounded(tokenizer, text: str, room: int) -> list[int] | None:
+    """The observation's tokens, or None when it has at least ``room`` of them: a huge text is judged on a prefix of
+    ``CHARS_PER_TOKEN`` characters a token of room, so a tool that answers with megabytes costs little."""
+    limit = CHARS_PER_TOKEN * (room + 1)
+    if len(text) > limit:
+        head = tokenizer(text[:limit], add_special_tokens=False)["input_ids"]
+        if len(head) >= room:
+            return None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# --- calling environments off the decoding thread ------------------------------------------------------------------
+
+
+def check_env(env: Any, where: str = "environment") -> bool:
+    """Whether ``env`` (an environment or its class) steps asynchronously (``async def step``); a wrong mix of plain
+    and ``async def`` methods is a one-line ConfigError. ``step`` decides: an async ``step`` may come with a plain or
+    an async ``init``/``close``; a plain ``step`` with an async ``init`` or ``close`` is refused (whatever the
+    coroutine set up belongs to an event loop the plain step never runs on), and so is an async generator."""
+    kind = env if isinstance(env, type) else type(env)
+    name = f"{where} {kind.__module__}.{kind.__qualname__}"
+    methods = {m: getattr(env, m, None) for m in ("init", "step", "close")}
+    generators = [m for m, f in methods.items() if inspect.isasyncgenfunction(f)]
+    if generators:
+        raise ConfigError(f"{name}: {', '.join(generators)} is an async generator (it yields); make it async def that "
+                          "returns, or a plain def")  # fmt: skip
+    is_async = {m: inspect.iscoroutinefunction(f) for m, f in methods.items()}
+    if not is_async["step"] and (is_async["init"] or is_async["close"]):
+        wrong = " and ".join(m for m in ("init", "close") if is_async[m])
+        raise ConfigError(f"{name}: {wrong} is async def but step is not; make step async def too (sao awaits it on "
+                          "its own event loop) or make every method a plain def")  # fmt: skip
+    return is_async["step"]
+
+
+class EnvFault(Exception):
+    """An environment call that did not answer usably: it raised, exited, ran past its deadline (``timed_out``) or
+    answered what sao cannot use. ``str`` is one line naming the environment, the call and the task."""
+
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+@dataclass(eq=False)
+class _Call:
+    """One environment call in flight."""
+
+    key: Any
+    future: Future
+    plugin: str  # "NAME (what)", as the one-line errors call it
+    task: str
+    started: float | None = None  # time.monotonic() when it began running (None: still queued)
+    worker: _Worker | None = None  # the thread running a plain call
+    cancel: Callable[[], Any] | None = None  # cancels an async call's task
+
+
+@dataclass(eq=False)
+class _Worker:
+    abandoned: bool = False  # its call ran past the deadline: the thread ends when (if) the call returns
+
+
+@dataclass
+class EnvCalls:
+    """Environment methods called off the caller's thread: plain ones on ``workers`` daemon threads (a step that
+    hangs past ``timeout`` seconds has its thread abandoned and replaced, so the pool keeps its size and the process
+    can still exit), ``async def`` ones on one event loop in a daemon thread (cancelled past the deadline). The
+    deadline counts from when a call starts running, not from when it was queued. ``timeout`` 0 (or None): no
+    limit. ``name``: what the one-line faults call the environment (--env as given)."""
+
+    workers: int = 1
+    timeout: float | None = 0.0
+    name: str = "the environment"
+    _queue: queue.SimpleQueue = field(init=False, repr=False, default_factory=queue.SimpleQueue)
+    _calls: dict[Any, _Call] = field(init=False, repr=False, default_factory=dict)  # key -> its call in flight
+    _threads: int = field(init=False, default=0)
+    _loop: asyncio.AbstractEventLoop | None = field(init=False, repr=False, default=None)
+    _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        if self.timeout is not None and self.timeout <= 0:
+            self.timeout = None  # no limit
+
+    @property
+    def in_flight(self) -> int:
+        """Calls submitted and not yet collected."""
+        return len(self._calls)
+
+    def submit(self, key: Any, fn: Callable[..., Any], *args: Any, task: str = "its task", what: str = "step") -> None:
+        """Start ``fn(*args)`` under ``key`` (one call per key at a time); ``collect`` hands back its outcome.
+        ``task`` and ``what`` (the call: step, init, ...) name it in the one-line faults."""
+        if key in self._calls:
+            raise RuntimeError(f"an environment call under {key!r} is already in flight")
+        self._calls[key] = self._start(key, fn, args, task, what)
+
+    def _start(self, key: Any, fn: Callable[..., Any], args: tuple, task: str, what: str) -> _Call:
+        plugin = f"{self.name} ({what})"
+        if inspect.iscoroutinefunction(fn):
+            loop = self._event_loop()
+            call = _Call(key, Future(), plugin, task, started=time.monotonic())
+            task_future = asyncio.run_coroutine_threadsafe(fn(*args), loop)
+            call.cancel = task_future.cancel
+            task_future.add_done_callback(lambda f, c=call: _copy_outcome(f, c.future))
+            return call
+        call = _Call(key, Future(), plugin, task)
+        with self._lock:
+            if self._threads < self.workers:
+                self._spawn()
+        self._queue.put((call, fn, args))
+        return call
+
+    def _spawn(self) -> None:
+        """One more worker thread (under the lock)."""
+        self._threads += 1
+        threading.Thread(target=self._work, args=(_Worker(),), daemon=True, name="sao-env").start()
+
+    def _work(self, worker: _Worker) -> None:
+        while not worker.abandoned:
+            item = self._queue.get()
+            if item is None:
+                return
+            call, fn, args = item
+            call.worker, call.started = worker, time.monotonic()
+            try:
+                value = fn(*args)
+                if inspect.isawaitable(value):
+                    _close_awaitable(value)
+                    raise EnvFault(f"{call.plugin} returned a coroutine without being async def on {call.task}; "
+                                   "declare it async def")  # fmt: skip
+            except BaseException as error:  # a tool's failure is the trajectory's, not the run's
+                if not call.future.done():
+                    call.future.set_exception(error)
+            else:
+                if not call.future.done():
+                    call.future.set_result(value)
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, daemon=True, name="sao-env-loop").start()
+                self._loop = loop
+            return self._loop
+
+    def collect(self, block: bool) -> list[tuple[Any, Any]]:
+        """The calls that have ended, as (key, value or ``EnvFault``), sorted by key; with ``block``, waits until at
+        least one has (a call past its deadline ends as an ``EnvFault``), unless none is in flight."""
+        while True:
+            done = self._take_done()
+            if done or not block or not self._calls:
+                return done
+            wait([c.future for c in self._calls.values()], timeout=self._next_deadline(), return_when=FIRST_COMPLETED)
+
+    def call(self, fn: Callable[..., Any], *args: Any, task: str = "its task", what: str = "step") -> Any:
+        """``fn(*args)`` off this thread under the deadline (an async one awaited); its value, or ``EnvFault``. Safe
+        from several threads."""
+        call = self._start(object(), fn, args, task, what)
+        while True:
+            timeout = None if self.timeout is None else 0.05 if call.started is None else max(
+                0.0, call.started + self.timeout - time.monotonic())  # fmt: skip
+            wait([call.future], timeout=timeout)
+            outcome = self._outcome(call)
+            if outcome is not None:
+                return _raise_fault(outcome[0])
+
+    def _take_done(self) -> list[tuple[Any, Any]]:
+        out = []
+        for key in sorted(self._calls, key=_sort_key):
+            outcome = self._outcome(self._calls[key])
+            if outcome is not None:
+                del self._calls[key]
+                out.append((key, outcome[0]))
+        return out
+
+    def _outcome(self, call: _Call) -> tuple[Any] | None:
+        """(value or EnvFault,) when the call has ended or run past its deadline, else None."""
+        if call.future.done():
+            error = call.future.exception()
+            if error is None:
+                return (call.future.result(),)
+            if isinstance(error, EnvFault):
+                return (error,)
+            return (EnvFault(failure(error, call.plugin, call.task)),)
+        if self.timeout is not None and call.started is not None and time.monotonic() - call.started > self.timeout:
+            self._abandon(call)
+            return (EnvFault(f"{call.plugin} did not return within {self.timeout:g} s on {call.task}", timed_out=True),)
+        return None
+
+    def _abandon(self, call: _Call) -> None:
+        """A call past its deadline: an async one is cancelled; a plain one's thread is let go and replaced."""
+        call.future.cancel()
+        if call.cancel is not None:
+            call.cancel()
+        elif call.worker is not None and not call.worker.abandoned:
+            call.worker.abandoned = True
+            with self._lock:
+                self._threads -= 1
+                self._spawn()
+
+    def _next_deadline(self) -> float | None:
+        """Seconds until the next running call's deadline (short while some are still queued)."""
+        if self.timeout is None:
+            return None
+        now = time.monotonic()
+        waits = [c.started + self.timeout - now for c in self._calls.values() if c.started is not None]
+        if any(c.started is None for c in self._calls.values()):
+            waits.append(0.05)
+        return max(0.0, min(waits)) if waits else 0.05
+
+    def close(self) -> None:
+        """Stop the idle threads and the event loop; calls still in flight are left to finish on their own."""
+        with self._lock:
+            for _ in range(self._threads):
+                self._queue.put(None)
+            self._threads = 0
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._loop = None
+
+
+def _copy_outcome(source: Future, target: Future) -> None:
+    if target.done():
+        return
+    if source.cancelled():
+        target.set_exception(EnvFault("cancelled"))  # only ever after its deadline, when the fault is already told
+    elif source.exception() is not None:
+        target.set_exception(source.exception())
+    else:
+        target.set_result(source.result())
+
+
+def _close_awaitable(value: Any) -> None:
+    close = getattr(value, "close", None)
+    if callable(close):
+        close()
+
+
+def _raise_fault(outcome: Any) -> Any:
+    if isinstance(outcome, EnvFault):
+        raise outcome
+    return outcome
+
+
+def _sort_key(key: Any) -> tuple[int, Any]:
+    return (0, key) if isinstance(key, int) else (1, id(key))

@@ -1,43 +1,63 @@
 """Multi-turn trajectories: the model acts, the environment answers, the model continues from its KV cache.
 
-Rows act token by token (drawn exactly as ``sampler.draw`` draws) until EOS, a stop string or ``max_new_tokens``;
-then each finished row calls ``env.step``, its reward lands on the turn's last action token, and the rendered
-observation is appended to the cache in one chunk (no re-encoding). ``max_turns`` and ``max_total_tokens`` end a
-trajectory as truncated. The returned ``Rollout`` is compacted row by row, so the teacher-forced pass sees exactly
-what the sampler attended to; with one turn per row the tokens are ``sampler.draw``'s. One loop, two ``Stepper``s:
-``HFStepper`` (the plain loop) and ``sao.rollout.engine.EngineStepper``.
-
-Deliberately left out: asynchronous environments, and CUDA-graph replay for multi-turn decoding.
-Design notes: docs/design/episodes.md.
+Rows act token by token until EOS, a stop string or ``max_new_tokens``; the finished action goes to ``env.step`` on
+``EnvCalls`` (a bounded thread pool; ``async def`` environments on an event loop), its reward lands on the turn's
+last action token, and the observation is appended to the cache in one chunk (no re-encoding). With
+``env_concurrency`` > 0 the batch does not wait: rows whose observation is back join the next decode call while slow
+tools run on. Every environment call (init, step, close) is contained: one that raises, exits, runs past
+``env_timeout``, answers what sao cannot use (a reward against ``sao.core.reading.reward_problem``, malformed
+observations or metadata) or an observation too long for the room left ends that trajectory only, as truncated,
+counted in ``Turns.faults`` (past the timeout: ``Turns.timeouts`` too), its one line naming the environment and the
+task logged. ``max_turns``/``max_total_tokens`` truncate too, and so does the decoder's ``context_length``: a row's
+prompt and response never pass it, a trajectory that fills it ends cut (``Turns.context_cuts``).
+Deterministic under concurrency: each row's noise (its first action from the batch generator exactly as
+``sampler.draw``, later ones a counter hash of (row, turn, token)), so deterministic tools give the same tokens
+whichever finishes first, up to float rounding of the batch's hole layout. Not: timing, and tools sharing state.
+``env_concurrency`` 0 is the batch-synchronous loop of earlier versions, draw for draw. Two ``Stepper``s:
+``HFStepper`` and ``sao.rollout.engine.EngineStepper``. Deliberately left out: per-row cache slots (a waiting row
+leaves holes in the shared columns) and CUDA-graph replay for multi-turn decoding. Notes: docs/design/episodes.md.
 """
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from sao.core import plugins
-from sao.core.plugins import PluginError, PluginTimeout
+from sao.algorithm.corrections import mix64
+from sao.core.plugins import PluginError, describe
 from sao.core.reading import preview, reward_problem
 from sao.model.forward import position_ids_from
-from sao.rollout.environment import Message, TextEnv, render_observation
-from sao.rollout.sampler import encode_prompts, gumbel_sample_
+from sao.rollout.environment import (
+    EnvCalls,
+    EnvFault,
+    Message,
+    TextEnv,
+    check_env,
+    encode_bounded,
+    render_observation,
+)
+from sao.rollout.sampler import derived_seed, encode_prompts, gumbel_sample_
 from sao.rollout.types import Decoder, Rollout, Stepper, Turns
 
-ACT, WAIT, DONE = 0, 1, 2
+ACT, WAIT, DONE = 0, 1, 2  # acting; its step in flight (or, synchronous, not yet called); over
+DEFAULT_CONCURRENCY = 16  # environment steps in flight at once per draw call (the rollout setting's default)
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # splitmix64's increment, as the int64 with its bits
+log = logging.getLogger("sao.rollout")
 
 
 @dataclass
 class _Row:
     """One trajectory's bookkeeping while it is drawn."""
 
-    env: TextEnv | None  # None: building it timed out (the row is DONE from the start)
+    env: TextEnv
     stops: tuple[str, ...]
-    budget: int  # response tokens this row may hold: max_total_tokens, or less where the context is full first
-    task: str = "a row"  # what errors name
+    budget: int  # response tokens it may hold: max_total_tokens, or less where the model's context ends first
+    task: str  # what its one-line faults call it
     state: int = ACT
     turns: int = 0  # actions taken (finished)
     turn_tokens: list[int] = field(default_factory=list)  # the current action's tokens
@@ -48,7 +68,9 @@ class _Row:
     tool_calls: int = 0
     tool_errors: int = 0
     observation_tokens: int = 0
-    timed_out: bool = False  # an environment call outlived its timeout: the trajectory ends as cut
+    faults: int = 0  # calls that raised, ran past the timeout, or answered what sao cannot use (0 or 1)
+    fault: str | None = None  # what happened: one line naming the environment and the task
+    timed_out: bool = False  # the fault was a call past the timeout
     context_cut: bool = False  # the budget is the context's (smaller than max_total_tokens)
     out_of_room: bool = False  # the budget ended the trajectory
 
@@ -85,55 +107,66 @@ def draw_episodes(
     eos_token_ids: Sequence[int],
     pad_token_id: int,
     generator: torch.Generator,
-    calls: EnvCalls | None = None,
+    env_concurrency: int = DEFAULT_CONCURRENCY,
+    env_timeout: float = 0.0,
+    close: bool = False,
+    name: str = "the environment",
+    tasks: Sequence[str] | None = None,
 ) -> Rollout:
     """One episode per environment (see docs/design/episodes.md), on the decoder's own stepper: the plain loop's
-    model with its adapter, or the engine's static cache. Every environment call goes through ``plugins.call``
-    (``calls``: its name, the task ids and the timeout): what it raises is one line naming it and the task, a
-    call past the timeout ends that trajectory as cut. A row's prompt and response never pass the decoder's
-    ``context_length``: a trajectory that fills it ends there, cut and marked (``Turns.context_cuts``)."""
+    model with its adapter, or the engine's static cache. ``env_concurrency``: steps in flight at once (0: the
+    batch-synchronous loop, one step after another); ``env_timeout``: seconds one environment call may run (0: no
+    limit); ``close``: close every environment afterwards (an async ``close`` on the loop its steps ran on);
+    ``name`` and ``tasks`` (each row's task id): what the one-line faults call the environment and the row. An
+    ``EnvFault`` in place of an environment (building it failed) ends that row before it acts, counted. A row's
+    prompt and response never pass the decoder's ``context_length``."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
-    calls = calls or EnvCalls()
-    device = generator.device
-    tasks = list(calls.tasks) if calls.tasks is not None else [f"row {i}" for i in range(len(envs))]
-    starts, texts = [], []
-    for env, messages, task in zip(envs, prompts, tasks, strict=True):
-        start, info = None, None  # an environment that could not be built in time (None) starts nowhere
-        if env is not None:
-            with contextlib.suppress(PluginTimeout):  # the row ends before it acts, cut and counted
-                start, info = _checked_init(calls.call(env.init, messages, task=task, what="init"), calls.name, task)
-        starts.append(start is not None)
-        start = start if start is not None else messages  # the prompt as given: the row ends before it acts
-        tools = (info or {}).get("tools") or None  # a tool-calling template lists the tools in the prompt
-        texts.append(tokenizer.apply_chat_template(start, tools=tools, tokenize=False, add_generation_prompt=True))
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, texts, device)  # [B, P]
-    context = getattr(decoder, "context_length", None)
-    rows = []
-    for i, (env, task) in enumerate(zip(envs, tasks, strict=True)):
-        room = max_total_tokens if context is None else min(max_total_tokens, context - int(prompt_mask[i].sum()))
-        row = _Row(env, tuple(getattr(env, "stop_strings", ()) or ()), budget=max(room, 1), task=task)
-        row.context_cut = room < max_total_tokens  # marked as such only if the row runs out of room
-        if not starts[i]:
-            row.timed_out = row.cut = row.truncated = True
-        rows.append(row)
-    B = len(rows)
-    with decoder.stepper(B, prompt_ids.shape[1] + max_total_tokens) as net:
-        return _run(net, rows, tokenizer, prompt_ids, prompt_mask, max_new_tokens, max_turns, calls,
-                    temperature, set(eos_token_ids), pad_token_id, generator)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class EnvCalls:
-    """How the episode loop calls the environments: the name errors give them, the task id of each row, and
-    the seconds one call may take (0: no limit)."""
-
-    name: str = "the environment"
-    tasks: Sequence[str] | None = None
-    timeout: float = 0.0
-
-    def call(self, fn, *args, task: str, what: str):
-        return plugins.call(fn, *args, plugin=f"{self.name} ({what})", row=task, timeout=self.timeout)
+    tasks = list(tasks) if tasks is not None else [f"row {i}" for i in range(len(envs))]
+    calls = EnvCalls(max(env_concurrency, 1), env_timeout, name)
+    try:
+        for env in {type(e): e for e in envs if not isinstance(e, EnvFault)}.values():  # a wrong mix: one line
+            check_env(env)
+        device = generator.device
+        starts: list[EnvFault | None] = []
+        texts = []
+        for env, messages, task in zip(envs, prompts, tasks, strict=True):
+            start, info, fault = messages, None, env if isinstance(env, EnvFault) else None
+            if fault is None:
+                try:
+                    start, info = _checked_init(calls.call(env.init, messages, task=task, what="init"), name, task)
+                except (EnvFault, PluginError) as error:  # the row ends before it acts, on the prompt as given
+                    start, fault = messages, error
+            starts.append(fault)
+            tools = (info or {}).get("tools") or None  # a tool-calling template lists the tools in the prompt
+            texts.append(tokenizer.apply_chat_template(start, tools=tools, tokenize=False, add_generation_prompt=True))
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, texts, device)  # [B, P]
+        context = getattr(decoder, "context_length", None)
+        rows = []
+        for i, (env, task) in enumerate(zip(envs, tasks, strict=True)):
+            room = max_total_tokens if context is None else min(max_total_tokens, context - int(prompt_mask[i].sum()))
+            row = _Row(env, tuple(getattr(env, "stop_strings", ()) or ()), budget=max(room, 1), task=task)
+            row.context_cut = room < max_total_tokens  # marked as such only if the row runs out of room
+            if starts[i] is not None:
+                _fault(row, starts[i])
+            rows.append(row)
+        limits = _Limits(max_new_tokens, max_turns, temperature, set(eos_token_ids), pad_token_id)
+        run = _run_concurrent if env_concurrency > 0 else _run
+        with decoder.stepper(len(rows), prompt_ids.shape[1] + max_total_tokens) as net:
+            rollout = run(net, rows, tokenizer, prompt_ids, prompt_mask, limits, calls, generator)
+        _tell_faults(rows, name)
+        return rollout
+    finally:
+        try:
+            if close:
+                for env, task in zip(envs, tasks, strict=True):
+                    if not isinstance(env, EnvFault):
+                        try:  # closing cannot undo the episode
+                            calls.call(env.close, task=task, what="close")
+                        except EnvFault as error:
+                            log.warning("%s", error)
+        finally:
+            calls.close()
 
 
 def _checked_init(result, name: str, task: str):
@@ -144,13 +177,36 @@ def _checked_init(result, name: str, task: str):
     return result
 
 
-def _run(net: Stepper, rows: list[_Row], tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, max_turns: int,
-         calls: EnvCalls, temperature: float, eos: set[int], pad_token_id: int, generator) -> Rollout:  # fmt: skip
-    """The episode loop itself, on one stepper."""
+def _fault(r: _Row, error: BaseException | str) -> None:
+    """Row r's trajectory ends here, truncated, counted as a fault (``error``: its one line)."""
+    r.faults, r.fault = 1, str(error)
+    r.timed_out = bool(getattr(error, "timed_out", False))
+    r.state, r.truncated = DONE, True
+
+
+def _tell_faults(rows: list[_Row], name: str) -> None:
+    """One log line per draw call for the faults it counted: how many, and the first one's own line."""
+    faulted = [r for r in rows if r.faults]
+    if faulted:
+        more = f" (and {len(faulted) - 1} more)" if len(faulted) > 1 else ""
+        log.warning("%d of %d trajectories ended by a fault of %s: %s%s", len(faulted), len(rows), name,
+                    faulted[0].fault, more)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Limits:
+    max_new_tokens: int
+    max_turns: int
+    temperature: float
+    eos: set[int]
+    pad: int
+
+
+def _run(net: Stepper, rows: list[_Row], tokenizer, prompt_ids, prompt_mask, lim: _Limits, calls: EnvCalls,
+         generator) -> Rollout:  # fmt: skip
+    """The batch-synchronous loop (``env_concurrency`` 0): every turn waits until no row is acting, then steps
+    every finished row's environment in row order; one [B, V] draw of the batch generator per decode step."""
     B, device = len(rows), generator.device
-    for r in rows:
-        if r.timed_out:
-            r.state = DONE
 
     positions = position_ids_from(prompt_mask.long())
     hidden = net.feed(prompt_ids, prompt_mask.bool(), positions)[:, -1]  # [B, H] each acting row samples from
@@ -161,26 +217,36 @@ def _run(net: Stepper, rows: list[_Row], tokenizer, prompt_ids, prompt_mask, max
     while True:
         acting = torch.tensor([r.state == ACT for r in rows], device=device)  # [B]
         if bool(acting.any()):
-            logits = net.logits(hidden, temperature)  # [B, V]
+            logits = net.logits(hidden, lim.temperature)  # [B, V]
             noise = torch.rand(logits.shape, generator=generator, device=device, dtype=torch.float32)
             token, token_logp = gumbel_sample_(logits, noise)  # [B], [B]
-            ids = torch.where(acting, token, torch.full_like(token, pad_token_id))
+            ids = torch.where(acting, token, torch.full_like(token, lim.pad))
             cols.add(ids, acting, acting, torch.where(acting, token_logp, torch.zeros_like(token_logp)))
             pending = (ids, acting)
             for i, r in enumerate(rows):
                 if r.state == ACT:
-                    _extend_action(r, int(token[i]), tokenizer, eos, max_new_tokens)
+                    _extend_action(r, int(token[i]), tokenizer, lim)
             if any(r.state == ACT for r in rows):
                 fed = net.feed(ids[:, None], acting[:, None], next_pos[:, None])[:, -1]  # [B, H]
                 hidden = torch.where(acting[:, None], fed, hidden)
                 next_pos = next_pos + acting.long()
                 pending = None
                 continue
-        # No row is acting: every finished action meets its environment.
-        observations = _observe(rows, cols, tokenizer, max_turns, calls)
+        # No row is acting: every finished action meets its environment, one after another.
+        observations = []
+        for i, r in enumerate(rows):
+            if r.state != WAIT:
+                observations.append([])
+                continue
+            try:
+                outcome = calls.call(r.env.step, tokenizer.decode(r.turn_tokens, skip_special_tokens=True),
+                                     task=r.task)  # fmt: skip
+            except EnvFault as fault:
+                outcome = fault
+            observations.append(_apply(r, i, outcome, cols, tokenizer, lim, calls.name))
         if not any(observations):
             break
-        chunk, chunk_mask = _chunk(pending, observations, B, pad_token_id, device)  # [B, L]
+        chunk, chunk_mask = _chunk(pending, observations, B, lim.pad, device)  # [B, L]
         for j in range(1 if pending is not None else 0, chunk.shape[1]):  # the observation columns
             real = chunk_mask[:, j].bool()
             cols.add(chunk[:, j], real, torch.zeros_like(real), torch.zeros(B, device=device))
@@ -193,21 +259,117 @@ def _run(net: Stepper, rows: list[_Row], tokenizer, prompt_ids, prompt_mask, max
         next_pos = next_pos + chunk_mask.sum(dim=1)
         pending = None
 
-    if not cols.ids:  # no row acted (every environment timed out before the first action): one empty column
-        nothing = torch.zeros(B, dtype=torch.bool, device=device)
-        cols.add(torch.full((B,), pad_token_id, device=device), nothing, nothing, torch.zeros(B, device=device))
-    return _compact(prompt_ids, prompt_mask, cols, rows, tokenizer, pad_token_id)
+    return _compact(prompt_ids, prompt_mask, cols, rows, tokenizer, lim.pad)
 
 
-def _extend_action(r: _Row, token: int, tokenizer, eos: set[int], max_new_tokens: int) -> None:
+def _run_concurrent(net: Stepper, rows: list[_Row], tokenizer, prompt_ids, prompt_mask, lim: _Limits,
+                    calls: EnvCalls, generator) -> Rollout:  # fmt: skip
+    """The loop that does not wait: each decode call takes the rows that are acting; a row whose action ends hands
+    it to ``calls`` and keeps its last token back; when its observation is back, [that token | the observation] is
+    fed with the next decode call's column and the row acts again."""
+    B, device = len(rows), generator.device
+    positions = position_ids_from(prompt_mask.long())
+    hidden = net.feed(prompt_ids, prompt_mask.bool(), positions)[:, -1]  # [B, H] each acting row samples from
+    next_pos = positions[:, -1] + 1  # [B]
+    cols, noise = _Columns(), _Noise(generator, B)
+    kept: dict[int, int] = {}  # row -> the last token of its finished action, not yet fed
+
+    while True:
+        acting_now = [r.state == ACT for r in rows]
+        joining: dict[int, list[int]] = {}  # row -> observation tokens to feed now
+        for i, outcome in calls.collect(block=not any(acting_now)):
+            ids = _apply(rows[i], i, outcome, cols, tokenizer, lim, calls.name)
+            if ids:
+                joining[i] = ids
+        if not any(acting_now) and not joining:
+            if not calls.in_flight:
+                break
+            continue
+        lead = torch.zeros(B, dtype=torch.long, device=device)  # [B] the column fed first (a hole: pad)
+        lead_real = torch.zeros(B, dtype=torch.bool, device=device)  # [B]
+        if any(acting_now):
+            acting = torch.tensor(acting_now, device=device)  # [B]
+            logits = net.logits(hidden, lim.temperature)  # [B, V]
+            token, token_logp = gumbel_sample_(logits, noise.draw(logits.shape, rows, acting_now))  # [B], [B]
+            ids = torch.where(acting, token, torch.full_like(token, lim.pad))
+            cols.add(ids, acting, acting, torch.where(acting, token_logp, torch.zeros_like(token_logp)))
+            for i, r in enumerate(rows):
+                if not acting_now[i]:
+                    continue
+                _extend_action(r, int(token[i]), tokenizer, lim)
+                if r.state == ACT:  # still acting: its token is fed now
+                    lead[i], lead_real[i] = token[i], True
+                else:  # the action ended: to its environment, the token kept until the observation is back
+                    kept[i] = int(token[i])
+                    calls.submit(i, r.env.step, tokenizer.decode(r.turn_tokens, skip_special_tokens=True), task=r.task)
+        for i in list(kept):
+            if rows[i].state == DONE:
+                del kept[i]
+        if not bool(lead_real.any()) and not joining:
+            continue
+        width = max([1] + [1 + len(o) for o in joining.values()])
+        chunk = torch.full((B, width), lim.pad, dtype=torch.long, device=device)  # [B, L]
+        chunk_mask = torch.zeros(B, width, dtype=torch.long, device=device)  # [B, L]
+        chunk[:, 0], chunk_mask[:, 0] = torch.where(lead_real, lead, chunk[:, 0]), lead_real.long()
+        for i, obs in joining.items():
+            chunk[i, : 1 + len(obs)] = torch.tensor([kept.pop(i), *obs], device=device)
+            chunk_mask[i, : 1 + len(obs)] = 1
+        for j in range(1, width):  # the observation columns (column 0 of a joining row was recorded when drawn)
+            real = torch.zeros(B, dtype=torch.bool, device=device)
+            for i, obs in joining.items():
+                real[i] = j <= len(obs)
+            cols.add(torch.where(real, chunk[:, j], torch.full_like(chunk[:, j], lim.pad)), real,
+                     torch.zeros_like(real), torch.zeros(B, device=device))  # fmt: skip
+        chunk_pos = next_pos[:, None] + chunk_mask.cumsum(dim=1) - 1  # [B, L]
+        out = net.feed(chunk, chunk_mask.bool(), chunk_pos.clamp(min=0))  # [B, L, H]
+        last = (chunk_mask * torch.arange(width, device=device)).argmax(dim=1)  # [B] each row's last real column
+        fed = chunk_mask.any(dim=1)  # [B]
+        hidden = torch.where(fed[:, None], out[torch.arange(B, device=device), last], hidden)
+        next_pos = next_pos + chunk_mask.sum(dim=1)
+        for i in joining:
+            rows[i].state = ACT
+
+    return _compact(prompt_ids, prompt_mask, cols, rows, tokenizer, lim.pad)
+
+
+class _Noise:
+    """Each acting row's [V] uniforms for its next token, independent of when it is drawn: a row's first action takes
+    its row of one [B, V] draw of the batch generator per decode step (the first actions run in lockstep from the
+    prompt, so that is ``sampler.draw``'s noise), a later action's token t of turn k a hash of (row key, k, t)."""
+
+    def __init__(self, generator: torch.Generator, B: int):
+        self.generator, self.device = generator, generator.device
+        state = hashlib.sha256(generator.get_state().cpu().numpy().tobytes()).hexdigest()  # not a draw: no shift
+        base = torch.tensor(derived_seed("episode-noise", state) - 2**62, dtype=torch.int64)
+        self.keys = mix64(base + torch.arange(B, dtype=torch.int64) + _GOLDEN).to(self.device)  # [B] int64
+
+    def draw(self, shape: torch.Size, rows: list[_Row], acting: list[bool]) -> torch.Tensor:
+        """[B, V] float32 in [0, 1); rows not acting get anything."""
+        first = [i for i, r in enumerate(rows) if acting[i] and r.turns == 0]
+        later = [i for i, r in enumerate(rows) if acting[i] and r.turns > 0]
+        if first:
+            noise = torch.rand(shape, generator=self.generator, device=self.device, dtype=torch.float32)
+        else:
+            noise = torch.zeros(shape, device=self.device, dtype=torch.float32)
+        if later:
+            index = torch.tensor(later, device=self.device)
+            counters = torch.tensor([(rows[i].turns << 32) + len(rows[i].turn_tokens) for i in later],
+                                    dtype=torch.int64, device=self.device)  # fmt: skip
+            state = mix64(self.keys[index] + counters + _GOLDEN)  # [b]
+            bits = mix64(state[:, None] + torch.arange(shape[1], device=self.device, dtype=torch.int64) + _GOLDEN)
+            noise[index] = ((bits >> 40) & 0xFFFFFF).to(torch.float32) / float(1 << 24)  # [b, V] top 24 bits
+        return noise
+
+
+def _extend_action(r: _Row, token: int, tokenizer, lim: _Limits) -> None:
     """Add a drawn token to row r's action; end the action at EOS, a stop string, or a limit."""
     r.turn_tokens.append(token)
     r.response_tokens += 1
-    if token in eos:
+    if token in lim.eos:
         r.state, r.ended_with = WAIT, token
     elif r.stops and any(_tail(tokenizer, r.turn_tokens).endswith(s) for s in r.stops):
         r.state, r.ended_with = WAIT, None
-    elif len(r.turn_tokens) >= max_new_tokens or r.response_tokens >= r.budget:
+    elif len(r.turn_tokens) >= lim.max_new_tokens or r.response_tokens >= r.budget:
         r.state, r.ended_with, r.cut = WAIT, None, True
         r.out_of_room = r.response_tokens >= r.budget
 
@@ -216,47 +378,49 @@ def _tail(tokenizer, tokens: list[int], n: int = 16) -> str:
     return tokenizer.decode(tokens[-n:], skip_special_tokens=False)
 
 
-def _observe(rows, cols: _Columns, tokenizer, max_turns: int, calls: EnvCalls) -> list[list[int]]:
-    """``env.step`` for every row whose action ended; the observation tokens to append (empty: none)."""
-    out: list[list[int]] = []
-    for i, r in enumerate(rows):
-        if r.state != WAIT:
-            out.append([])
-            continue
-        action = tokenizer.decode(r.turn_tokens, skip_special_tokens=True)
-        try:
-            result = _checked_step(calls.call(r.env.step, action, task=r.task, what="step"), calls.name, r.task)
-        except PluginTimeout:  # the trajectory ends here, cut, its turn scoring 0
-            r.turns += 1
-            r.turn_tokens = []
-            r.state, r.cut, r.truncated, r.timed_out = DONE, True, True, True
-            out.append([])
-            continue
-        _put_reward(cols, i, result["reward"])
+def _apply(r: _Row, i: int, outcome: Any, cols: _Columns, tokenizer, lim: _Limits, name: str) -> list[int]:
+    """Row i's step outcome (a ``StepOutput`` or an ``EnvFault``): the reward on the turn's last action token, the
+    counters, and the observation tokens to append ([]: the trajectory is over; the row is DONE)."""
+    r.turns += 1
+    r.turn_tokens = []
+    try:
+        if isinstance(outcome, EnvFault):
+            raise outcome
+        result = _checked_step(outcome, name, r.task)
         meta = result.get("metadata") or {}
-        r.tool_calls += _count(meta, "tool_calls", calls.name, r.task)
-        r.tool_errors += _count(meta, "tool_errors", calls.name, r.task)
-        r.turns += 1
-        r.turn_tokens = []
-        if r.cut or r.turns >= max_turns or r.response_tokens >= r.budget:
-            r.truncated = r.cut or not result.get("done", False)
-            r.state = DONE
-        if result.get("done", False) or r.state == DONE:
-            r.state = DONE
-            out.append([])
-            continue
-        eos_text = tokenizer.decode([r.ended_with]) if r.ended_with is not None else None
-        text = render_observation(tokenizer, list(result.get("observations") or []), eos_text)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if r.response_tokens + len(ids) >= r.budget:  # no room for the observation and another action
-            r.state, r.truncated, r.out_of_room = DONE, True, True
-            out.append([])
-            continue
-        r.response_tokens += len(ids)
-        r.observation_tokens += len(ids)
-        r.state = ACT
-        out.append(ids)
-    return out
+        calls_made = _count(meta, "tool_calls", name, r.task)
+        errors = _count(meta, "tool_errors", name, r.task)
+        done = bool(result.get("done", False))
+    except (EnvFault, PluginError) as error:  # a tool's failure is the trajectory's, not the run's
+        _fault(r, error)
+        return []
+    _put_reward(cols, i, result["reward"])
+    r.tool_calls += calls_made
+    r.tool_errors += errors
+    if r.cut or r.turns >= lim.max_turns or r.response_tokens >= r.budget:
+        r.truncated = r.cut or not done
+        r.state = DONE
+        return []
+    if done:
+        r.state = DONE
+        return []
+    room = r.budget - r.response_tokens  # the observation and at least one more action token must fit
+    eos_text = tokenizer.decode([r.ended_with]) if r.ended_with is not None else None
+    try:
+        text = render_observation(tokenizer, result["observations"], eos_text)
+        ids = encode_bounded(tokenizer, text, room)
+    except Exception as error:  # observations the template cannot render
+        _fault(r, f"{name} (step) on {r.task}: its observations could not be rendered: {describe(error)}")
+        return []
+    if ids is None or len(ids) >= room:  # no room for the observation and another action
+        r.out_of_room = True
+        _fault(r, f"{name} (step) on {r.task}: an observation of {f'over {room}' if ids is None else len(ids)} "
+                  f"tokens, {room} left")  # fmt: skip
+        return []
+    r.response_tokens += len(ids)
+    r.observation_tokens += len(ids)
+    r.state = ACT
+    return ids
 
 
 def _checked_step(result, name: str, task: str) -> dict:
@@ -313,6 +477,10 @@ def _chunk(pending, observations: list[list[int]], B: int, pad: int, device) -> 
 
 def _compact(prompt_ids, prompt_mask, cols: _Columns, rows, tokenizer, pad: int) -> Rollout:
     """Drop each row's holes and right-pad: the trajectory as the trainer sees it."""
+    if not cols.ids:  # no row acted (every environment failed before the first action): one empty column
+        B, device = prompt_ids.shape[0], prompt_ids.device
+        nothing = torch.zeros(B, dtype=torch.bool, device=device)
+        cols.add(torch.full((B,), pad, device=device), nothing, nothing, torch.zeros(B, device=device))
     fed = {name: torch.stack(getattr(cols, name), 1) for name in ("ids", "real", "action", "logprobs", "rewards")}
     real = fed["real"]  # [B, C]
     B, R = real.shape[0], max(int(real.sum(dim=1).max()), 1)
@@ -340,6 +508,7 @@ def _compact(prompt_ids, prompt_mask, cols: _Columns, rows, tokenizer, pad: int)
             tool_calls=torch.tensor([r.tool_calls for r in rows], device=dev),
             tool_errors=torch.tensor([r.tool_errors for r in rows], device=dev),
             unfinished=torch.tensor([r.truncated for r in rows], device=dev),
+            faults=torch.tensor([r.faults for r in rows], device=dev),
             timeouts=torch.tensor([r.timed_out for r in rows], device=dev),
             context_cuts=torch.tensor([r.context_cut and r.out_of_room for r in rows], device=dev),
         ),

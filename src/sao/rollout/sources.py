@@ -18,7 +18,6 @@ source returns) and the update itself.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,12 +29,11 @@ from torch import nn
 
 from sao.core.config import Config
 from sao.core.errors import ConfigError
-from sao.core.plugins import PluginError, PluginTimeout
 from sao.core.registry import SOURCES
 from sao.model.policy import Models, lora_state
 from sao.rollout.engine import Engine
-from sao.rollout.environment import EnvFactory, Message
-from sao.rollout.episodes import EnvCalls, draw_episodes
+from sao.rollout.environment import EnvCalls, EnvFactory, EnvFault, Message
+from sao.rollout.episodes import DEFAULT_CONCURRENCY, draw_episodes
 from sao.rollout.sampler import SAMPLER_ADAPTER, PlainDecoder, StaleSampler, decode, derived_seed, encode_prompts
 from sao.rollout.types import Batch, Decoder, Rollout, Sampling
 
@@ -130,8 +128,9 @@ class Episodes:
     fields: dict[str, dict[str, Any]]  # task id → what its environment is built from
     max_turns: int
     max_total_tokens: int
-    name: str = "the environment"  # what errors call it (--env as given)
-    timeout: float = 0.0  # seconds one call of it may take (--env-timeout; 0: no limit)
+    env_concurrency: int = DEFAULT_CONCURRENCY  # steps in flight at once (0: batch-synchronous, as before)
+    env_timeout: float = 0.0  # seconds one call of an environment may take (--env-timeout; 0: no limit)
+    name: str = "the environment"  # what its one-line faults call it (--env as given)
 
 
 def draw_episode_batch(
@@ -139,23 +138,21 @@ def draw_episode_batch(
 ) -> Rollout:
     """One multi-turn episode per task id, an environment each (closed afterwards), on the decoder's path: the
     plain loop over its model, or the engine's static cache."""
-    calls = EnvCalls(episodes.name, task_ids, episodes.timeout)
+    builder = EnvCalls(1, episodes.env_timeout, episodes.name)
     envs: list[Any] = []
     try:
         for i in task_ids:  # built under the same containment and timeout as every later call
             try:
-                envs.append(calls.call(episodes.env_factory, i, episodes.fields[i], task=i, what="building it"))
-            except PluginTimeout:
-                envs.append(None)  # the row ends before it acts, cut and counted
-        messages = [episodes.messages[i] for i in task_ids]
-        limits = {"max_turns": episodes.max_turns, "max_total_tokens": episodes.max_total_tokens}
-        return draw_episodes(decoder, tokenizer, envs, messages, generator=generator, calls=calls, **limits,
-                             **sampling.as_kwargs())  # fmt: skip
+                envs.append(builder.call(episodes.env_factory, i, episodes.fields[i], task=i, what="building it"))
+            except EnvFault as fault:
+                envs.append(fault)  # the row ends before it acts, counted
     finally:
-        for env, i in zip(envs, task_ids, strict=False):
-            if env is not None:
-                with contextlib.suppress(PluginTimeout, PluginError):  # closing cannot undo the episode
-                    calls.call(env.close, task=i, what="close")
+        builder.close()
+    messages = [episodes.messages[i] for i in task_ids]
+    limits = {"max_turns": episodes.max_turns, "max_total_tokens": episodes.max_total_tokens,
+              "env_concurrency": episodes.env_concurrency, "env_timeout": episodes.env_timeout}  # fmt: skip
+    return draw_episodes(decoder, tokenizer, envs, messages, generator=generator, close=True, name=episodes.name,
+                         tasks=task_ids, **limits, **sampling.as_kwargs())  # fmt: skip
 
 
 def make_decoder(model: nn.Module, adapter: str | None, kind: str) -> Decoder:

@@ -27,9 +27,13 @@ class Turns:
     count: torch.Tensor  # [B] long: actions taken
     tool_calls: torch.Tensor  # [B] long
     tool_errors: torch.Tensor  # [B] long
-    unfinished: torch.Tensor  # [B] bool: ended by a limit (turns, tokens) before the environment said done
-    # Drawn episodes only (None from a source that has no environment here, e.g. a trace log):
-    timeouts: torch.Tensor | None = None  # [B] bool: ended because an environment call outlived --env-timeout
+    unfinished: torch.Tensor  # [B] bool: ended by a limit (turns, tokens, context) or a fault before the environment
+    # said done. Drawn episodes only (None from a source that has no environment here, e.g. a trace log):
+    # [B] long: environment faults that ended the trajectory (0 or 1): a call that raised, exited, ran past
+    # --env-timeout or answered what sao cannot use (not a dict, a reward against the reward rule, an observation
+    # too long for the room left)
+    faults: torch.Tensor | None = None
+    timeouts: torch.Tensor | None = None  # [B] bool: of those, ended because a call outlived --env-timeout
     context_cuts: torch.Tensor | None = None  # [B] bool: ended because the model's context was full
 
     @property

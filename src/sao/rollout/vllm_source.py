@@ -11,14 +11,16 @@
 Token in, token out: sao renders the chat template and sends token ids; vLLM returns token ids and log-probs after
 temperature (``processed_logprobs``); nothing is re-tokenised. With an environment each action is one request
 carrying the whole token prefix, the observation tokens appended by sao, and every row runs on its own thread, so a
-slow tool holds only its own trajectory. Deliberately left out: stop strings on the server (an action is cut at its
-stop string here, so the kept tokens are a prefix of a sample) and sharing a server's adapters between runs.
+slow tool holds only its own trajectory (its steps on ``EnvCalls`` under --env-timeout, async environments awaited).
+Deliberately left out: stop strings on the server (an action is cut at its stop string here, so the kept tokens are a
+prefix of a sample) and sharing a server's adapters between runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import threading
@@ -34,8 +36,10 @@ import torch
 
 from sao.core.errors import ConfigError
 from sao.core.io import write_json
+from sao.core.plugins import PluginError, describe
 from sao.model.artifacts import save_adapter
-from sao.rollout.environment import render_observation
+from sao.rollout.environment import EnvCalls, EnvFault, check_env, encode_bounded, render_observation
+from sao.rollout.episodes import _checked_init, _checked_step, _count
 from sao.rollout.ray_workers import Admission
 from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import POLICY, SourceContext
@@ -44,6 +48,8 @@ from sao.rollout.vllm import VllmClient, VllmError, VllmServer, default_vllm_pyt
 
 ADAPTERS_DIR, SERVERS_FILE = "vllm-adapters", "vllm-servers.json"
 STOP_TAIL = 16  # tokens of an action decoded to look for a stop string (as the local episode loop does)
+
+log = logging.getLogger("sao.rollout")
 
 
 class VllmFleet:
@@ -171,6 +177,9 @@ class Drawn:
     tool_calls: int = 0
     tool_errors: int = 0
     unfinished: bool = False
+    faults: int = 0  # 1: the environment raised, ran past --env-timeout, or answered what sao cannot use or fit
+    timed_out: bool = False  # the fault was a call past --env-timeout
+    context_cut: bool = False  # ended because the server's context (max_model_len) was full
     seq: int = 0
     deadline: int = 0
 
@@ -188,6 +197,11 @@ class _Drawing:
         self.fleet = VllmFleet(context)
         self.device = m.device
         self.pool = ThreadPoolExecutor(max(1, c.rollout.vllm_concurrency * len(self.fleet.clients)))
+        # every trajectory already has its own thread here: the steps run beside them, under --env-timeout
+        e = self.episodes
+        self.env_calls = EnvCalls(self.pool._max_workers, c.data.env_timeout, e.name if e else "the environment")
+        if self.episodes is not None and self.tasks:
+            check_env(self.episodes.env_factory)  # a class with a wrong plain/async mix: one line, at start
 
     def prompt_ids(self, task_id: str) -> list[int]:
         return self.tokenizer(self.prompts[task_id], add_special_tokens=False)["input_ids"]
@@ -207,19 +221,37 @@ class _Drawing:
 
     def _episode(self, task_id: str, version: int, name: str, seed: int, server: int) -> Drawn:
         """A multi-turn episode, as ``sao.rollout.episodes`` draws one, an action per request."""
-        e, r, tok = self.episodes, self.config.rollout, self.tokenizer
-        env = e.env_factory(task_id, e.fields[task_id])
+        e, r, tok, calls = self.episodes, self.config.rollout, self.tokenizer, self.env_calls
+        env_name = calls.name
+        d = Drawn(task_id, version, [])
+
+        def fault(error: BaseException | str) -> Drawn:  # the trajectory ends here, counted
+            d.faults, d.unfinished, d.timed_out = 1, True, bool(getattr(error, "timed_out", False))
+            log.warning("%s", error)
+            return d
+
         try:
-            start, info = env.init(e.messages[task_id])
+            env = calls.call(e.env_factory, task_id, e.fields[task_id], task=task_id, what="building it")
+        except EnvFault as error:
+            d.prompt = self.prompt_ids(task_id)
+            return fault(error)
+        check_env(env)
+        try:
+            try:
+                start, info = _checked_init(calls.call(env.init, e.messages[task_id], task=task_id, what="init"),
+                                            env_name, task_id)  # fmt: skip
+            except (EnvFault, PluginError) as error:
+                d.prompt = self.prompt_ids(task_id)
+                return fault(error)
             tools = (info or {}).get("tools") or None
             text = tok.apply_chat_template(start, tools=tools, tokenize=False, add_generation_prompt=True)
-            d = Drawn(task_id, version, tok(text, add_special_tokens=False)["input_ids"])
+            d.prompt = tok(text, add_special_tokens=False)["input_ids"]
             stops = tuple(getattr(env, "stop_strings", ()) or ())
             while True:
-                room = min(r.max_new_tokens, e.max_total_tokens - len(d.response),
-                           self.fleet.max_model_len - len(d.prompt) - len(d.response))  # fmt: skip
+                context_room = self.fleet.max_model_len - len(d.prompt) - len(d.response)
+                room = min(r.max_new_tokens, e.max_total_tokens - len(d.response), context_room)
                 if room < 1:
-                    d.unfinished = True
+                    d.unfinished, d.context_cut = True, context_room < 1 and len(d.response) < e.max_total_tokens
                     return d
                 reply = self.fleet.complete(server, d.prompt + d.response, model=name, max_tokens=room,
                                             temperature=r.temperature, seed=derived_seed(seed, d.turns),
@@ -240,30 +272,48 @@ class _Drawing:
                 d.action += [True] * len(ids)
                 d.logprobs += logps
                 d.rewards += [0.0] * len(ids)
-                result = env.step(tok.decode(ids, skip_special_tokens=True))
-                d.rewards[-1] = float(result.get("reward", 0.0) or 0.0)
-                meta = result.get("metadata") or {}
-                d.tool_calls += int(meta.get("tool_calls", 0) or 0)
-                d.tool_errors += int(meta.get("tool_errors", 0) or 0)
                 d.turns += 1
-                done = bool(result.get("done", False))
+                try:  # a tool that raises, hangs or answers a malformed step ends this trajectory only
+                    result = _checked_step(calls.call(env.step, tok.decode(ids, skip_special_tokens=True),
+                                                      task=task_id), env_name, task_id)  # fmt: skip
+                    meta = result.get("metadata") or {}
+                    made = _count(meta, "tool_calls", env_name, task_id)
+                    errors = _count(meta, "tool_errors", env_name, task_id)
+                    done = bool(result.get("done", False))
+                except (EnvFault, PluginError) as error:
+                    return fault(error)
+                d.rewards[-1] = result["reward"]
+                d.tool_calls += made
+                d.tool_errors += errors
                 if d.cut or d.turns >= e.max_turns or len(d.response) >= e.max_total_tokens:
                     d.unfinished = d.cut or not done
                     return d
                 if done:
                     return d
                 eos_text = tok.decode([ended]) if ended is not None else None
-                obs = render_observation(tok, list(result.get("observations") or []), eos_text)
-                obs_ids = tok(obs, add_special_tokens=False)["input_ids"]
-                if len(d.response) + len(obs_ids) >= e.max_total_tokens:
-                    d.unfinished = True
-                    return d
+                context_room = self.fleet.max_model_len - len(d.prompt) - len(d.response)
+                room = min(e.max_total_tokens - len(d.response), context_room)
+                try:
+                    obs = render_observation(tok, result["observations"], eos_text)
+                    obs_ids = encode_bounded(tok, obs, room)
+                except Exception as error:  # observations the template cannot render
+                    return fault(f"{env_name} (step) on {task_id}: its observations could not be rendered: "
+                                 f"{describe(error)}")  # fmt: skip
+                if obs_ids is None or len(obs_ids) >= room:  # no room for the observation and another action
+                    d.context_cut = context_room < e.max_total_tokens - len(d.response)
+                    return fault(
+                        f"{env_name} (step) on {task_id}: an observation of "
+                        f"{f'over {room}' if obs_ids is None else len(obs_ids)} tokens, {room} left"
+                    )
                 d.response += obs_ids
                 d.action += [False] * len(obs_ids)
                 d.logprobs += [0.0] * len(obs_ids)
                 d.rewards += [0.0] * len(obs_ids)
         finally:
-            env.close()
+            try:  # closing cannot undo the episode
+                calls.call(env.close, task=task_id, what="close")
+            except EnvFault as error:
+                log.warning("%s", error)
 
     def rollout(self, rows: Sequence[Drawn]) -> Rollout:
         """The trajectories as the trainer's batch: prompts left-padded, responses right-padded."""
@@ -292,7 +342,10 @@ class _Drawing:
             turns = Turns(rewards=rewards, count=torch.tensor([d.turns for d in rows]),
                           tool_calls=torch.tensor([d.tool_calls for d in rows]),
                           tool_errors=torch.tensor([d.tool_errors for d in rows]),
-                          unfinished=torch.tensor([d.unfinished for d in rows]))  # fmt: skip
+                          unfinished=torch.tensor([d.unfinished for d in rows]),
+                          faults=torch.tensor([d.faults for d in rows]),
+                          timeouts=torch.tensor([d.timed_out for d in rows]),
+                          context_cuts=torch.tensor([d.context_cut for d in rows]))  # fmt: skip
         return Rollout(prompt_ids, prompt_mask, response_ids, response_mask, action_mask, logprobs,
                        torch.tensor([d.cut for d in rows]), texts, turns).to(self.device)  # fmt: skip
 
@@ -303,6 +356,7 @@ class _Drawing:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.env_calls.close()
         self.fleet.close()
 
 

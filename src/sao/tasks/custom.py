@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from sao.core.errors import ConfigError, DataError
 from sao.core.reading import Limits, parse_jsonl_line, read_bounded_line
-from sao.rollout.environment import EnvFactory
+from sao.rollout.environment import EnvFactory, check_env
 from sao.tasks.base import Task, TaskSet
 from sao.tasks.gsm8k import GOLD_MARKER, HUB_ID, decontaminate
 
@@ -587,6 +587,7 @@ def load_env_class(spec: str) -> EnvFactory:
                 f"--env {spec!r}: class {factory.__name__} has no {', '.join(missing)} method"
                 f"{'s' if len(missing) > 1 else ''}; an environment needs init, step and close"
             )
+        check_env(factory, f"--env {spec!r}:")  # plain and async def methods mixed wrongly: one line, at start
     _check_call(factory, spec, "--env", ("task-id", {}))
     return factory
 

@@ -20,6 +20,7 @@ from typing import Any
 from sao.core.errors import ConfigError
 from sao.core.registry import ENVIRONMENTS
 from sao.rollout.environment import EnvFactory
+from sao.rollout.episodes import DEFAULT_CONCURRENCY
 from sao.rollout.sources import Episodes
 from sao.tasks import calc, custom
 from sao.tasks.base import Task
@@ -50,17 +51,25 @@ def gsm8k_calc(tokenizer: Any) -> EnvFactory:
 
 
 def episodes_for(
-    factory: EnvFactory | None, tasks: list[Task], instruction: str, max_turns: int, max_total_tokens: int,
-    *, name: str | None = None, timeout: float = 0.0,
-) -> Episodes | None:  # fmt: skip
+    factory: EnvFactory | None,
+    tasks: list[Task],
+    instruction: str,
+    max_turns: int,
+    max_total_tokens: int,
+    env_concurrency: int = DEFAULT_CONCURRENCY,
+    *,
+    name: str | None = None,
+    env_timeout: float = 0.0,
+) -> Episodes | None:
     """What a source needs to draw multi-turn episodes of ``tasks`` (None without an environment); ``name`` is what
-    errors call the environment (``--env`` as given), ``timeout`` the seconds one call of it may take."""
+    its one-line faults call the environment (``--env`` as given), ``env_timeout`` the seconds one call of it may
+    take (0: no limit), ``env_concurrency`` the steps in flight at once (0: batch-synchronous)."""
     if factory is None:
         return None
     messages = {t.id: t.chat(instruction) for t in tasks}
     fields = {t.id: task_fields(t) for t in tasks}
     label = f"environment {name}" if name else f"environment {getattr(factory, '__qualname__', 'factory')}"
-    return Episodes(factory, messages, fields, max_turns, max_total_tokens, name=label, timeout=timeout)
+    return Episodes(factory, messages, fields, max_turns, max_total_tokens, env_concurrency, env_timeout, label)
 
 
 def prompt_text(tokenizer: Any, task: Task, instruction: str) -> str:

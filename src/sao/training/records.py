@@ -89,8 +89,12 @@ def step_record(
             tool_error_rate=float(turns.tool_errors.sum()) / calls if calls else 0.0,
             observation_share=1.0 - float(rollout.action_mask.sum()) / max(float(rollout.response_mask.sum()), 1.0),
         )
-        if turns.timeouts is not None and turns.context_cuts is not None:  # drawn episodes: what ended them early
-            record.update(env_timeouts=int(turns.timeouts.sum()), context_cuts=int(turns.context_cuts.sum()))
+        if turns.faults is not None and turns.timeouts is not None and turns.context_cuts is not None:
+            record.update(  # drawn episodes: what ended them early
+                env_fault_share=float((turns.faults > 0).float().mean()),  # a tool that raised, hung, overflowed...
+                env_timeouts=int(turns.timeouts.sum()),  # ... of those, past --env-timeout
+                context_cuts=int(turns.context_cuts.sum()),  # the model's context full
+            )
     return record
 
 
