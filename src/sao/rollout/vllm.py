@@ -31,7 +31,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,14 +132,23 @@ class VllmClient:
     """A client for one vLLM OpenAI-compatible server at ``url``.
 
     Every request retries connection failures until ``connect_deadline`` seconds have passed since it began, then
-    raises one ``VllmError`` naming the URL; ``timeout`` bounds each attempt. No proxy is ever used (the server is
-    local), whatever the environment says.
+    raises one ``VllmError`` naming the URL; ``timeout`` bounds each attempt. ``alive`` (a server sao started):
+    once it says the process is gone, a connection failure is raised at once instead of waited out. No proxy is ever
+    used (the server is local), whatever the environment says.
     """
 
-    def __init__(self, url: str, *, timeout: float = 300.0, connect_deadline: float = 30.0):
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 300.0,
+        connect_deadline: float = 30.0,
+        alive: Callable[[], bool] | None = None,
+    ):
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.connect_deadline = connect_deadline
+        self.alive = alive
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def _request(
@@ -161,6 +170,8 @@ class VllmClient:
                 break
             except (urllib.error.URLError, *_RETRYABLE) as error:
                 reason = getattr(error, "reason", error)
+                if self.alive is not None and not self.alive():
+                    raise VllmError(f"vLLM server at {self.url} has exited ({_one_line(reason)})") from None
                 if time.monotonic() + pause > give_up:
                     raise VllmError(
                         f"vLLM server at {self.url} unreachable for {wait:g} s ({_one_line(reason)}); is it running?"
@@ -440,8 +451,13 @@ class VllmServer:
         return args + list(self.extra_args)
 
     def client(self, **kwargs: Any) -> VllmClient:
-        """A ``VllmClient`` for this server."""
-        return VllmClient(self.url, **kwargs)
+        """A ``VllmClient`` for this server; a request to it stops waiting as soon as the process has exited."""
+        return VllmClient(self.url, alive=self.running, **kwargs)
+
+    def running(self) -> bool:
+        """Whether the server process started here is still running."""
+        process = self.process
+        return process is not None and process.poll() is None
 
     def start(self) -> VllmServer:
         """Start the server and wait until ``/health`` answers 200; a one-line ``VllmError`` with the log's last lines

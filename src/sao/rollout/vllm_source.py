@@ -82,6 +82,8 @@ class VllmFleet:
                               "(sao starts one from --vllm-python)")  # fmt: skip
         self.max_model_len = getattr(self, "max_model_len", 4096)
         self.restarts = 0
+        self.restart_lock = threading.Lock()
+        self.slots = {id(c): i for i, c in enumerate(self.clients)}  # each client's place in the fleet
 
     def _start_all(self) -> None:
         """Start every server (at once: each spends its start importing vLLM) and say which in OUT/vllm-servers.json."""
@@ -137,19 +139,29 @@ class VllmFleet:
         return self._with_restart(client, lambda cl: cl.complete(prompt, **params))
 
     def _with_restart(self, client: VllmClient, call):
+        """``call(client)``; when a server started here has died, it is restarted once (by the first request to find
+        it dead: the others in flight wait for that restart and are sent again to the new one) and its adapters
+        reloaded."""
         try:
             return call(client)
         except VllmError:
-            i = self.clients.index(client)
-            if not self.servers or self.servers[i].process is None or self.servers[i].process.poll() is None:
-                raise  # a server we did not start, or a refusal (not a death): one line, the run stops
-            self.restarts += 1
-            server = self.servers[i].restart()
-            self._record()
-            self.clients[i] = fresh = server.client(connect_deadline=client.connect_deadline)
-            for version, name in self.loaded.items():
-                fresh.load_adapter(name, Path(self.out) / ADAPTERS_DIR / f"v{version}")
-            return call(fresh)
+            if not self.servers:
+                raise  # a server we did not start: one line, the run stops
+            i = self.slots[id(client)]
+            with self.restart_lock:
+                current = self.clients[i]
+                if current is client:  # nobody restarted it since this request began
+                    if self.servers[i].running():
+                        raise  # a refusal, not a death: one line, the run stops
+                    self.restarts += 1
+                    server = self.servers[i].restart()
+                    self._record()
+                    current = server.client(connect_deadline=client.connect_deadline)
+                    for version, name in self.loaded.items():
+                        current.load_adapter(name, Path(self.out) / ADAPTERS_DIR / f"v{version}")
+                    self.clients[i] = current
+                    self.slots[id(current)] = i
+            return call(current)
 
     def close(self) -> None:
         for name in self.loaded.values():
