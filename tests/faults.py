@@ -139,6 +139,11 @@ KINDS: dict[str, tuple[str, str]] = {
         "one line naming the plug-in and the row (exit code 2, never 0); a call past --reward-timeout/--env-timeout "
         "ends its trajectory as cut and counted; the server answers an OpenAI-shaped 5xx, logs nothing, stays up",
     ),
+    "conventions": (
+        "verl and SkyRL rows read by a dotted --answer-field / --prompt-field path that is missing, goes through a "
+        "string or names a column the file lacks",
+        "one-line error naming the field path, the file and row and the flag, exit code 2",
+    ),
 }
 
 _recorded: dict[str, set[str]] = defaultdict(set)
