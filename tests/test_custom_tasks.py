@@ -713,3 +713,33 @@ def test_sao_train_refuses_a_missing_field_path_in_one_line(tmp_path, capsys, fa
             "--answer-field", "reward_model.answer", "--out", str(out)]  # fmt: skip
     refused_in_one_line(capsys, argv, out, f"{path} line 1: no 'reward_model.answer' field", "--answer-field")
     faults.record("conventions", "sao train --answer-field path missing from a verl row")
+
+
+# --- your prompts are sent as given ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["text", "messages"])
+def test_data_file_prompts_reach_the_model_as_the_chat_template_of_the_users_messages(tmp_path, layout):
+    from sao.tasks.setup import parts
+    from sao.tiny.arithmetic import build_tokenizer
+
+    rows = _skyrl_rows(8) if layout == "messages" else [{"q": _question(i), "a": str(i)} for i in range(8)]
+    path = _write_jsonl(tmp_path / "mine.jsonl", rows)
+    fields = {"messages_field": "prompt", "answer_field": "reward_spec.ground_truth"} if layout == "messages" else {
+        "prompt_field": "q", "answer_field": "a"}  # fmt: skip
+    config = Config(data=str(path), train_prompts=4, test_prompts=2, env="gsm8k", **fields)
+    tasks = task_set(config)
+    tokenizer = build_tokenizer()
+    made = parts(config, tokenizer, tasks)
+    assert tasks.instruction == ""
+    for task in tasks.train:
+        i = int(task.answer)
+        given = rows[i]["prompt"] if layout == "messages" else [{"role": "user", "content": rows[i]["q"]}]
+        expected = tokenizer.apply_chat_template(given, tokenize=False, add_generation_prompt=True)
+        assert made.prompts[task.id] == expected  # a single reply continues exactly the user's conversation
+        assert made.episodes.messages[task.id] == given  # and an environment starts from it
+
+
+def test_gsm8k_keeps_its_instruction_on_purpose(gsm8k_split):
+    assert gsm8k_split.instruction == gsm8k.DEFAULT_INSTRUCTION
+    assert gsm8k_split.train[0].chat(gsm8k_split.instruction)[0]["content"].endswith(gsm8k.DEFAULT_INSTRUCTION)
