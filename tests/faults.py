@@ -140,9 +140,10 @@ KINDS: dict[str, tuple[str, str]] = {
         "ends its trajectory as cut and counted; the server answers an OpenAI-shaped 5xx, logs nothing, stays up",
     ),
     "conventions": (
-        "verl and SkyRL rows read by a dotted --answer-field / --prompt-field path that is missing, goes through a "
-        "string or names a column the file lacks",
-        "one-line error naming the field path, the file and row and the flag, exit code 2",
+        "verl and SkyRL rows read by a dotted --answer-field path that is missing, goes through a string or names a "
+        "column the file lacks; a --model hub id not in the cache with HF_HUB_OFFLINE set or the hub unreachable",
+        "one-line error naming the field path, the file and row and the flag, or the hub id and why, exit code 2, in "
+        "seconds (no hub retries)",
     ),
 }
 

@@ -1,0 +1,53 @@
+"""The conventions a new user brings: a hub id that is not here fails in seconds, not after the hub client's
+retries; under torchrun only rank 0 prints."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _sao(args: list[str], cwd: Path, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    """``python -m sao.cli ARGS`` in ``cwd`` with an empty hub cache there, and the seconds it took."""
+    environ = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "HF_HOME": str(cwd / "hf"), **env}
+    environ.pop("HF_HUB_CACHE", None)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "sao.cli", *args], cwd=cwd, env=environ, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    return done, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"HF_HUB_OFFLINE": "1"}, "is not in the local hub cache and HF_HUB_OFFLINE is set"),
+        ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "is not in the local hub cache and the hub (127.0.0.1:9) cannot be"),
+    ],
+    ids=["offline", "unreachable"],
+)
+def test_a_hub_id_not_cached_here_fails_in_one_line_within_seconds(tmp_path, faults, env, needle):
+    for key in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        env.setdefault(key, "")
+    done, seconds = _sao(["train", "--model", "nobody/no-such-model-7f3a", "--preset", "tiny", "--out", "run"],
+                         tmp_path, **env)  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "'nobody/no-such-model-7f3a'" in lines[0] and needle in lines[0] and "--model" in lines[0]
+    assert seconds < 10, f"took {seconds:.1f} s"
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+    faults.record("conventions", f"a hub id not in the cache, hub {'off' if 'HF_HUB_OFFLINE' in env else 'down'}")
+
+
+def test_a_cached_hub_id_is_not_probed(tmp_path, monkeypatch):
+    from sao.model import policy
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda repo, name: str(tmp_path / name))
+    policy.check_hub_reachable("someone/cached-model")  # no error: the loader reads the cache
