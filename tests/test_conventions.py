@@ -51,3 +51,45 @@ def test_a_cached_hub_id_is_not_probed(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda repo, name: str(tmp_path / name))
     policy.check_hub_reachable("someone/cached-model")  # no error: the loader reads the cache
+
+
+def _fake_trainer(rank: int) -> object:
+    """What ``sao train``'s start and summary lines read from a trainer, on one rank of two."""
+    from types import SimpleNamespace
+
+    from sao.training.distributed import World
+
+    source = SimpleNamespace(max_staleness=2, summary=lambda: {})
+    return SimpleNamespace(world=World(size=2, rank=rank), describe=lambda: "4 steps", source=source,
+                           run_record={"source": "tiny", "data": {"train": 4}}, ended_early="",
+                           total_steps=4, warnings=["the reward never varied"])  # fmt: skip
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_rank_0_prints_the_train_summary(capsys, tmp_path, faults, rank):
+    from sao.cli import print_start, print_summary
+    from sao.core.config import Config
+
+    trainer, config = _fake_trainer(rank), Config.preset("tiny")
+    print_start(trainer, config)
+    print_summary(trainer, config, tmp_path, [])
+    out = capsys.readouterr()
+    if rank == 0:
+        assert "sao train:" in out.out and "warning: the reward never varied" in out.out
+    else:
+        assert out.out == "" and out.err == ""
+        faults.record("conventions", "the train summary on rank 1 of 2")
+
+
+def test_only_rank_0_says_and_warns(capsys, caplog):
+    from sao.training.distributed import World
+    from sao.training.trainer import Trainer
+
+    for progress in (True, False):
+        trainer = object.__new__(Trainer)
+        trainer.world, trainer.progress, trainer.warnings = World(size=2, rank=1), progress, []
+        trainer.say("step 1", always=True)
+        trainer.warn("a warning")
+        assert trainer.warnings == ["a warning"]  # kept for results.json, shown by rank 0 alone
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == "" and caplog.records == []
