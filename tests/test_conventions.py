@@ -93,3 +93,24 @@ def test_only_rank_0_says_and_warns(capsys, caplog):
         assert trainer.warnings == ["a warning"]  # kept for results.json, shown by rank 0 alone
     out = capsys.readouterr()
     assert out.out == "" and out.err == "" and caplog.records == []
+
+
+def test_a_skyrl_style_environment_class_plugs_in_unchanged(user_module):
+    """A class written for SkyRL-Gym, ``Class(env_config, extras)``, reads the task's answer from reward_spec."""
+    from sao.tasks.environments import env_factory
+
+    name = user_module(
+        "class MathEnv:\n"
+        "    def __init__(self, env_config, extras={}):\n"
+        "        self.truth = extras['reward_spec']['ground_truth']\n"
+        "        self.max_turns = extras['max_turns']\n"
+        "    def init(self, prompt):\n"
+        "        return prompt, {}\n"
+        "    def step(self, action):\n"
+        "        return {'observations': [], 'reward': float(action == self.truth), 'done': True, 'metadata': {}}\n"
+        "    def close(self):\n"
+        "        pass\n"
+    )
+    factory = env_factory(f"{name}:MathEnv", tokenizer=None, max_turns=3)
+    env = factory("task-1", {"question": "1+1?", "answer": "2"})
+    assert env.max_turns == 3 and env.step("2")["reward"] == 1.0 and env.step("3")["reward"] == 0.0

@@ -601,12 +601,37 @@ def load_reward(spec: str) -> Callable[..., Any]:
     return function
 
 
-def load_env_class(spec: str) -> EnvFactory:
+def skyrl_extras(fields: Mapping[str, Any], max_turns: int) -> dict[str, Any]:
+    """What a SkyRL-style environment is built with besides its config: the task's answer as the rule reward's
+    ground truth, the turn limit, and the other fields as ``extra_info``."""
+    return {"reward_spec": {"method": "rule", "ground_truth": fields["answer"]}, "max_turns": max_turns,
+            "extra_info": {k: v for k, v in fields.items() if k != "answer"}}  # fmt: skip
+
+
+def _is_skyrl_class(factory: Any) -> bool:
+    """A class built SkyRL's way, ``Class(env_config, extras)`` (SkyRL-Gym's ``BaseTextEnv``)."""
+    try:
+        names = list(inspect.signature(factory).parameters)[:2]
+    except (TypeError, ValueError):
+        return False
+    return isinstance(factory, type) and names == ["env_config", "extras"]
+
+
+def load_env_class(spec: str, max_turns: int = 1) -> EnvFactory:
     """The environment factory ``--env module:Class`` names: ``Class`` itself, called as
-    ``Class(task_id, fields)`` for each trajectory. A class must have ``init``, ``step`` and ``close``
+    ``Class(task_id, fields)`` for each trajectory, or, for a SkyRL-style class taking ``(env_config, extras)``,
+    ``Class({}, skyrl_extras(fields, max_turns))``. A class must have ``init``, ``step`` and ``close``
     (:class:`sao.rollout.environment.TextEnv`); any other callable taking ``(task_id, fields)`` is accepted as a
     factory."""
     factory = _resolve(spec, "--env", "Class")
+    if _is_skyrl_class(factory):
+        skyrl_class = factory
+
+        def factory(task_id: str, fields: dict[str, Any]) -> Any:
+            return skyrl_class({}, skyrl_extras(fields, max_turns))
+
+        factory.__qualname__ = skyrl_class.__qualname__
+        return factory
     if isinstance(factory, type):
         missing = [name for name in _ENV_METHODS if not callable(getattr(factory, name, None))]
         if missing:
