@@ -141,6 +141,13 @@ KINDS: dict[str, tuple[str, str]] = {
         "--reward-timeout/--env-timeout ends its trajectory as cut and counted; the server answers an OpenAI-shaped "
         "5xx, logs nothing, stays up",
     ),
+    "conventions": (
+        "verl and SkyRL rows read by a dotted --answer-field path that is missing, goes through a string or names a "
+        "column the file lacks; a --model hub id not in the cache with HF_HUB_OFFLINE set or the hub unreachable; "
+        "the train summary on rank 1 of a torchrun",
+        "one-line error naming the field path, the file and row and the flag, or the hub id and why, exit code 2, in "
+        "seconds (no hub retries); nothing printed by any rank but 0",
+    ),
 }
 
 _recorded: dict[str, set[str]] = defaultdict(set)

@@ -624,3 +624,135 @@ def test_current_directory_is_appended_only_when_needed(tmp_path, monkeypatch):
         assert sys.path.count(cwd) == 1
     finally:
         sys.modules.pop(name, None)
+
+
+# --- nested field paths: verl- and SkyRL-style rows read as they are ---------------------------------------
+
+
+def _verl_rows(n: int) -> list[dict]:
+    """Rows laid out as verl's preprocessed parquet: chat messages, the answer under reward_model, extra_info."""
+    return [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": _question(i)}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(i)},
+            "extra_info": {"split": "train", "index": i, "question": _question(i)},
+        }
+        for i in range(n)
+    ]
+
+
+def _skyrl_rows(n: int) -> list[dict]:
+    """Rows laid out as SkyRL's datasets: chat messages, env_class, the answer under reward_spec."""
+    return [
+        {
+            "data_source": "gsm8k",
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": _question(i)}],
+            "env_class": "gsm8k",
+            "reward_spec": {"method": "rule", "ground_truth": str(i)},
+            "extra_info": {"index": i},
+        }
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_verl_rows_read_with_dotted_field_paths(tmp_path, suffix):
+    rows = _verl_rows(12)
+    write = _write_jsonl if suffix == ".jsonl" else _write_parquet
+    path = write(tmp_path / f"verl{suffix}", rows)
+    split = load_custom(path, messages_field="prompt", answer_field="reward_model.ground_truth", n_train=4, n_test=3)
+    for task in [*split.train, *split.test]:
+        i = int(task.answer)
+        assert task.question == _question(i) and task.messages == rows[i]["prompt"]
+        assert task.fields["reward_model"]["ground_truth"] == str(i)  # the whole row reaches the reward
+    by_text = load_custom(path, prompt_field="extra_info.question", answer_field="reward_model.ground_truth",
+                          n_train=4, n_test=3)  # fmt: skip
+    assert [t.question for t in by_text.test] == [t.question for t in split.test] and by_text.test[0].messages is None
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_skyrl_rows_read_with_dotted_field_paths(tmp_path, suffix):
+    rows = _skyrl_rows(10)
+    write = _write_jsonl if suffix == ".jsonl" else _write_parquet
+    path = write(tmp_path / f"skyrl{suffix}", rows)
+    split = task_set(Config(data=str(path), messages_field="prompt", answer_field="reward_spec.ground_truth",
+                            train_prompts=3, test_prompts=2))  # fmt: skip
+    for task in [*split.train, *split.test]:
+        assert task.messages[0] == {"role": "system", "content": "Be brief."} and task.question == _question(
+            int(task.answer)
+        )
+
+
+def test_a_key_spelled_with_dots_wins_over_the_path(tmp_path):
+    rows = [{"question": _question(i), "a.b": f"flat {i}", "a": {"b": f"nested {i}"}} for i in range(4)]
+    path = _write_jsonl(tmp_path / "dots.jsonl", rows)
+    split = load_custom(path, answer_field="a.b", n_train=1, n_test=1)
+    assert split.test[0].answer.startswith("flat ")
+
+
+@pytest.mark.parametrize(
+    ("answer_field", "needle"),
+    [
+        ("reward_model.answer", "no 'reward_model.answer' field ('reward_model' has: style, ground_truth)"),
+        ("reward.ground_truth", "no 'reward.ground_truth' field (the record has: data_source, prompt,"),
+        ("ability.level", "no 'ability.level' field ('ability' is a str, not an object)"),
+    ],
+)
+def test_a_missing_field_path_is_one_line_naming_the_path_and_row(tmp_path, faults, answer_field, needle):
+    path = _write_jsonl(tmp_path / "verl.jsonl", _verl_rows(4))
+    with pytest.raises(DataError) as err:
+        load_custom(path, messages_field="prompt", answer_field=answer_field, n_train=1, n_test=1)
+    text = _one_line(err)
+    assert f"{path} line 1: {needle}" in text and text.endswith("name it with --answer-field")
+    faults.record("conventions", f"--answer-field {answer_field} missing from a verl row")
+
+
+def test_a_missing_parquet_column_of_a_path_names_both(tmp_path, faults):
+    path = _write_parquet(tmp_path / "verl.parquet", _verl_rows(4))
+    with pytest.raises(DataError) as err:
+        load_custom(path, messages_field="prompt", answer_field="reward_spec.ground_truth", n_train=1, n_test=1)
+    assert "no column 'reward_spec' for 'reward_spec.ground_truth' (columns: data_source," in _one_line(err)
+    faults.record("conventions", "--answer-field path whose column a parquet file lacks")
+
+
+def test_sao_train_refuses_a_missing_field_path_in_one_line(tmp_path, capsys, faults):
+    from helpers import refused_in_one_line
+
+    path = _write_jsonl(tmp_path / "verl.jsonl", _verl_rows(4))
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "tiny", "--data", str(path), "--messages-field", "prompt",
+            "--answer-field", "reward_model.answer", "--out", str(out)]  # fmt: skip
+    refused_in_one_line(capsys, argv, out, f"{path} line 1: no 'reward_model.answer' field", "--answer-field")
+    faults.record("conventions", "sao train --answer-field path missing from a verl row")
+
+
+# --- your prompts are sent as given ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["text", "messages"])
+def test_data_file_prompts_reach_the_model_as_the_chat_template_of_the_users_messages(tmp_path, layout):
+    from sao.tasks.setup import parts
+    from sao.tiny.arithmetic import build_tokenizer
+
+    rows = _skyrl_rows(8) if layout == "messages" else [{"q": _question(i), "a": str(i)} for i in range(8)]
+    path = _write_jsonl(tmp_path / "mine.jsonl", rows)
+    fields = {"messages_field": "prompt", "answer_field": "reward_spec.ground_truth"} if layout == "messages" else {
+        "prompt_field": "q", "answer_field": "a"}  # fmt: skip
+    config = Config(data=str(path), train_prompts=4, test_prompts=2, env="gsm8k", **fields)
+    tasks = task_set(config)
+    tokenizer = build_tokenizer()
+    made = parts(config, tokenizer, tasks)
+    assert tasks.instruction == ""
+    for task in tasks.train:
+        i = int(task.answer)
+        given = rows[i]["prompt"] if layout == "messages" else [{"role": "user", "content": rows[i]["q"]}]
+        expected = tokenizer.apply_chat_template(given, tokenize=False, add_generation_prompt=True)
+        assert made.prompts[task.id] == expected  # a single reply continues exactly the user's conversation
+        assert made.episodes.messages[task.id] == given  # and an environment starts from it
+
+
+def test_gsm8k_keeps_its_instruction_on_purpose(gsm8k_split):
+    assert gsm8k_split.instruction == gsm8k.DEFAULT_INSTRUCTION
+    assert gsm8k_split.train[0].chat(gsm8k_split.instruction)[0]["content"].endswith(gsm8k.DEFAULT_INSTRUCTION)

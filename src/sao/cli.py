@@ -152,22 +152,36 @@ def _train(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     trainer = api.trainer(config, args.out, resume=args.resume, progress=not args.quiet)
+    print_start(trainer, config)
+    records = trainer.run()
+    print_summary(trainer, config, Path(args.out), records)
+    return 0
+
+
+def print_start(trainer: Any, config: Any) -> None:
+    """What ``sao train`` is about to run, on rank 0 only (under torchrun every rank runs this command)."""
+    if not trainer.world.is_main:
+        return
     c = config
     print(f"sao train: {c.algorithm.correction} arm, seed {c.training.seed}, model {c.model.name}: "
           f"{trainer.describe()}")  # fmt: skip
     record = trainer.run_record
     counts = record.get("data") or {}
     print(f"  data {record.get('source')}" + (f": {_counts(counts)}" if counts else ""))
-    records = trainer.run()
+
+
+def print_summary(trainer: Any, config: Any, out: Path, records: list[dict[str, Any]]) -> None:
+    """What ``sao train`` did, on rank 0 only: the step summary, traces, an early stop, the files, warnings."""
+    if not trainer.world.is_main:
+        return
     print(summarize_training(records, trainer.source.max_staleness))
-    if c.rollout.source == "traces":
+    if config.rollout.source == "traces":
         print(summarize_traces(trainer.source.summary()))
     if trainer.ended_early:
         print(f"  stopped after {len(records)} of {trainer.total_steps} steps: {trainer.ended_early}")
-    print(f"  wrote {Path(args.out) / 'train_log.jsonl'} and the adapter in {Path(args.out) / 'adapter'}")
+    print(f"  wrote {out / 'train_log.jsonl'} and the adapter in {out / 'adapter'}")
     for message in trainer.warnings:
         print("  warning: " + message)
-    return 0
 
 
 def summarize_traces(summary: dict[str, Any]) -> str:

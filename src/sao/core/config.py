@@ -133,13 +133,19 @@ class DataSettings(Section):
         check=_seed,
     )  # fmt: skip
     prompt_field: str | None = option(
-        None, 'With --data FILE or a hub dataset: the field holding the prompt text (default "question").'
+        None,
+        'With --data FILE or a hub dataset: the field holding the prompt text (default "question"); a dotted path '
+        "(extra_info.question) reads a nested object.",
     )
     answer_field: str | None = option(
-        None, 'With --data FILE or a hub dataset: the field holding the gold answer (default "answer").'
+        None,
+        'With --data FILE or a hub dataset: the field holding the gold answer (default "answer"); a dotted path '
+        "(reward_model.ground_truth, verl's layout) reads a nested object.",
     )
     messages_field: str | None = option(
-        None, "With --data: a field holding the prompt as chat messages instead of --prompt-field."
+        None,
+        "With --data: a field holding the prompt as chat messages instead of --prompt-field (verl's and SkyRL's "
+        '"prompt"); a dotted path reads a nested object.',
     )
     reward: str | None = option(
         None,

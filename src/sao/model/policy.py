@@ -15,6 +15,7 @@ sharding; the fast GPU decoder lives in ``sao.rollout.engine``.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch import nn
 from sao.core.errors import ConfigError
 from sao.core.registry import MODELS
 
+HUB_PROBE_SECONDS = 3.0  # how long an uncached hub id waits to learn whether the hub can be reached at all
 DEFAULT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
 # Every linear layer of a Qwen2/Llama-style block; the ones a model lacks are skipped.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -65,6 +67,8 @@ def load_base(model: str | os.PathLike[str], device: torch.device, dtype: torch.
     path = os.path.expanduser(name)
     if not os.path.isdir(path) and (name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.path.exists(path)):
         raise ConfigError(f"model path {name!r} is not a directory; pass a hub id or a save_pretrained directory")
+    if not os.path.isdir(path):
+        check_hub_reachable(name)
     dtype = dtype or default_dtype(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -81,6 +85,43 @@ def load_base(model: str | os.PathLike[str], device: torch.device, dtype: torch.
     lm.eval()  # no dropout anywhere: the sampler and the teacher-forced pass must see the same function
     lm.generation_config.pad_token_id = tokenizer.pad_token_id
     return lm, tokenizer
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def check_hub_reachable(hub_id: str) -> None:
+    """Nothing when ``hub_id`` is in the local hub cache or the hub answers a connection within
+    ``HUB_PROBE_SECONDS``; otherwise a one-line ConfigError now, instead of the hub client's retries (tens of
+    seconds) when ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` is set or the hub cannot be reached. Behind a proxy
+    (``HTTPS_PROXY``) the hub client is trusted to find its way."""
+    from urllib.parse import urlsplit
+
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+    except ImportError:  # transformers brings huggingface_hub; without it there is nothing to probe
+        return
+    try:
+        if isinstance(try_to_load_from_cache(hub_id, "config.json"), str):
+            return
+    except Exception:  # not a valid repo id: the loader's own error says so
+        return
+    fix = "pass a local directory with --model, or --preset tiny for the CPU stand-in"
+    if _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(os.environ.get("TRANSFORMERS_OFFLINE")):
+        raise ConfigError(f"model {hub_id!r} is not in the local hub cache and HF_HUB_OFFLINE is set; {fix}")
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return
+    endpoint = urlsplit(constants.ENDPOINT)
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_SECONDS).close()
+    except OSError as error:
+        reason = getattr(error, "strerror", None) or type(error).__name__
+        raise ConfigError(
+            f"model {hub_id!r} is not in the local hub cache and the hub ({host}:{port}) cannot be reached "
+            f"({reason}); {fix}"
+        ) from None
 
 
 def add_lora(model: nn.Module, rank: int = 16, alpha: int = 32, seed: int = 17, dropout: float = 0.0):

@@ -3,8 +3,10 @@ reward function and your own environment class.
 
 ``--data`` keeps its GSM8K and ``tiny`` meanings and gains a ``.jsonl``/``.parquet`` file (one pool, split and
 decontaminated as GSM8K is) and a hub dataset name (its ``train``/``test`` splits); :func:`source_kind` decides.
-``--prompt-field``/``--messages-field`` and ``--answer-field`` pick the fields, every record's raw fields stay on
-``Task.fields``, files are streamed, and every problem is a one-line ``DataError`` naming file, line and field.
+``--prompt-field``/``--messages-field`` and ``--answer-field`` pick the fields (a dotted path such as
+``reward_model.ground_truth`` reads nested objects, so verl- and SkyRL-style rows read as they are), every record's
+raw fields stay on ``Task.fields``, files are streamed, and every problem is a one-line ``DataError`` naming
+file, line and field.
 ``--reward module:function`` and ``--env module:Class`` are loaded by :func:`load_reward` and
 :func:`load_env_class` (the current directory is appended to ``sys.path`` only as a last resort).
 
@@ -197,13 +199,14 @@ class _ParquetTable:
 
     def scan(self, columns: dict[str, str]) -> Iterator[tuple[int, str, Any]]:
         names = self.file.schema_arrow.names
-        for column, flag in columns.items():
-            if column not in names:
-                raise DataError(f"{self.path}: no column {column!r} (columns: {_listing(names)}); name it with {flag}")
+        for field, flag in columns.items():
+            if _column(field, names) not in names:
+                raise _missing_column(field, names, str(self.path), flag)
         if self.file.metadata.num_rows == 0:
             raise DataError(f"{self.path}: file is empty (no rows)")
         row = 0
-        for batch in self.file.iter_batches(columns=list(columns), batch_size=1024):
+        read = list(dict.fromkeys(_column(field, names) for field in columns))
+        for batch in self.file.iter_batches(columns=read, batch_size=1024):
             for record in batch.to_pylist():
                 yield row, f"{self.path} row {row}", record
                 row += 1
@@ -237,13 +240,11 @@ class _HubTable:
         rows = self.rows
         names = getattr(rows, "column_names", None)
         if names is not None:
-            for column, flag in columns.items():
-                if column not in names:
-                    raise DataError(
-                        f"{self.name}: no column {column!r} (columns: {_listing(names)}); name it with {flag}"
-                    )
+            for field, flag in columns.items():
+                if _column(field, names) not in names:
+                    raise _missing_column(field, names, self.name, flag)
             if hasattr(rows, "select_columns"):  # Arrow-backed: decode only the columns the scan needs
-                rows = rows.select_columns(list(columns))
+                rows = rows.select_columns(list(dict.fromkeys(_column(field, names) for field in columns)))
         count = 0
         for count, record in enumerate(rows, start=1):
             yield count - 1, f"{self.name} row {count - 1}", record
@@ -299,12 +300,37 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
 
 
+def _column(name: str, names: Any) -> str:
+    """The top-level column a field path reads: the whole name if a column has it, else its first part."""
+    return name if name in names else name.split(".", 1)[0]
+
+
+def _missing_column(field: str, names: Any, source: str, flag: str) -> DataError:
+    column = _column(field, names)
+    path = f" for {field!r}" if column != field else ""
+    return DataError(f"{source}: no column {column!r}{path} (columns: {_listing(names)}); name it with {flag}")
+
+
 def _get(record: Any, name: str, where: str, flag: str) -> Any:
+    """The field ``name`` of ``record``: a key, or a dotted path into nested objects (``reward_model.ground_truth``)
+    when no key is spelled with the dots."""
     if not isinstance(record, Mapping):
         raise DataError(f"{where}: expected an object with fields, got {type(record).__name__}")
-    if name not in record:
-        raise DataError(f"{where}: no {name!r} field (the record has: {_listing(record)}); name it with {flag}")
-    value = record[name]
+    if name in record or "." not in name:
+        if name not in record:
+            raise DataError(f"{where}: no {name!r} field (the record has: {_listing(record)}); name it with {flag}")
+        value = record[name]
+    else:
+        value, parts = record, name.split(".")
+        for depth, part in enumerate(parts):
+            inside = ".".join(parts[:depth]) or "the record"
+            if not isinstance(value, Mapping):
+                raise DataError(f"{where}: no {name!r} field ({inside!r} is a {type(value).__name__}, not an object); "
+                                f"name it with {flag}")  # fmt: skip
+            if part not in value:
+                raise DataError(f"{where}: no {name!r} field ({inside if depth == 0 else repr(inside)} has: "
+                                f"{_listing(value)}); name it with {flag}")  # fmt: skip
+            value = value[part]
     if value is None:
         raise DataError(f"{where}: field {name!r} is empty (null)")
     return value
@@ -383,7 +409,8 @@ def _complete(table: _Table, tasks: list[Task], fields: _Fields) -> list[Task]:
         record = dict(records[rows[task.id]])
         messages = None
         if fields.messages:
-            messages, _ = _messages(record[fields.messages], f"{table.name} row {rows[task.id]}", fields.messages)
+            where = f"{table.name} row {rows[task.id]}"
+            messages, _ = _messages(_get(record, fields.messages, where, "--messages-field"), where, fields.messages)
         complete.append(dataclasses.replace(task, fields=record, messages=messages))
     return complete
 
@@ -574,12 +601,37 @@ def load_reward(spec: str) -> Callable[..., Any]:
     return function
 
 
-def load_env_class(spec: str) -> EnvFactory:
+def skyrl_extras(fields: Mapping[str, Any], max_turns: int) -> dict[str, Any]:
+    """What a SkyRL-style environment is built with besides its config: the task's answer as the rule reward's
+    ground truth, the turn limit, and the other fields as ``extra_info``."""
+    return {"reward_spec": {"method": "rule", "ground_truth": fields["answer"]}, "max_turns": max_turns,
+            "extra_info": {k: v for k, v in fields.items() if k != "answer"}}  # fmt: skip
+
+
+def _is_skyrl_class(factory: Any) -> bool:
+    """A class built SkyRL's way, ``Class(env_config, extras)`` (SkyRL-Gym's ``BaseTextEnv``)."""
+    try:
+        names = list(inspect.signature(factory).parameters)[:2]
+    except (TypeError, ValueError):
+        return False
+    return isinstance(factory, type) and names == ["env_config", "extras"]
+
+
+def load_env_class(spec: str, max_turns: int = 1) -> EnvFactory:
     """The environment factory ``--env module:Class`` names: ``Class`` itself, called as
-    ``Class(task_id, fields)`` for each trajectory. A class must have ``init``, ``step`` and ``close``
+    ``Class(task_id, fields)`` for each trajectory, or, for a SkyRL-style class taking ``(env_config, extras)``,
+    ``Class({}, skyrl_extras(fields, max_turns))``. A class must have ``init``, ``step`` and ``close``
     (:class:`sao.rollout.environment.TextEnv`); any other callable taking ``(task_id, fields)`` is accepted as a
     factory."""
     factory = _resolve(spec, "--env", "Class")
+    if _is_skyrl_class(factory):
+        skyrl_class = factory
+
+        def factory(task_id: str, fields: dict[str, Any]) -> Any:
+            return skyrl_class({}, skyrl_extras(fields, max_turns))
+
+        factory.__qualname__ = skyrl_class.__qualname__
+        return factory
     if isinstance(factory, type):
         missing = [name for name in _ENV_METHODS if not callable(getattr(factory, name, None))]
         if missing:

@@ -6,7 +6,8 @@
                     tools), "tiny-calc" (the CPU preset's calculator task); each ``factory(tokenizer)``
     "skyrl:<id>"    a SkyRL-Gym environment, unchanged (``pip install 'sao[agents]'``), built with the task's
                     answer as its ``reward_spec`` ground truth
-    "module:Class"  your own, ``Class(task_id, fields)`` (``custom.load_env_class``)
+    "module:Class"  your own, ``Class(task_id, fields)``, or a SkyRL-style ``Class(env_config, extras)`` built as
+                    ``skyrl:<id>`` is (``custom.load_env_class``)
 
 ``episodes_for`` turns a factory and the tasks into what a source needs to draw multi-turn episodes;
 ``prompt_text`` renders a task's chat prompt for a single reply. Deliberately left out: environment-specific
@@ -36,7 +37,7 @@ def env_factory(name: str | None, tokenizer: Any, max_turns: int) -> EnvFactory 
     if name.startswith("skyrl:"):
         return _skyrl_factory(name.removeprefix("skyrl:"), max_turns)
     if ":" in name:
-        return custom.load_env_class(name)
+        return custom.load_env_class(name, max_turns)
     raise ConfigError(f"--env {name!r}: choose {', '.join(ENVIRONMENTS.names())}, skyrl:<id> or module:Class")
 
 
@@ -94,8 +95,6 @@ def _skyrl_factory(env_id: str, max_turns: int) -> EnvFactory:
         raise ConfigError(f"--env skyrl:{env_id}: SkyRL-Gym has no such environment (it has {known}, ...)")
 
     def build(task_id: str, fields: dict[str, Any]):
-        extras = {"reward_spec": {"method": "rule", "ground_truth": fields["answer"]}, "max_turns": max_turns,
-                  "extra_info": {k: v for k, v in fields.items() if k != "answer"}}  # fmt: skip
-        return skyrl_gym.make(env_id, env_config={}, extras=extras)
+        return skyrl_gym.make(env_id, env_config={}, extras=custom.skyrl_extras(fields, max_turns))
 
     return build

@@ -291,15 +291,20 @@ class Trainer:
         return self.records
 
     def warn(self, message: str) -> None:
-        """A warning for the run's summary and results, shown now."""
+        """A warning for the run's summary and results, shown now (by rank 0 alone)."""
         self.warnings.append(message)
+        if not self.world.is_main:
+            return
         if self.progress:
             tqdm.write("warning: " + message, file=sys.stderr)
         else:
             log.warning(message)
 
     def say(self, line: str, *, always: bool = False) -> None:
-        """A line of progress; ``always`` shows it even on a quiet run (a repair the user should know of)."""
+        """A line of progress, by rank 0 alone; ``always`` shows it even on a quiet run (a repair the user should
+        know of)."""
+        if not self.world.is_main:
+            return
         if self.progress:
             tqdm.write(line, file=sys.stderr)
         else:
