@@ -5,7 +5,9 @@ answers after sleeping a seeded random 0–1 s (``--max-sleep``) per call, and a
 is answered "again?" so that every row makes every call. The same sleeps, seed and tasks go through
 
     synchronous   --env-concurrency 0: every turn waits for the slowest step, the steps one after another
-    concurrent    --env-concurrency 16 (``--concurrency``): a row whose observation is back decodes on
+    turn          --env-concurrency 16 (``--concurrency``), --env-rejoin turn (the default): a turn's steps at
+                  once, the batch decoding on when the last is back (the same numbers whatever finishes first)
+    row           --env-rejoin row: a row whose observation is back decodes on without waiting for the rest
 
 and the table puts their draw times beside what they are measured against: the sum over turns of each turn's
 slowest call (a batch-synchronous loop with concurrent calls could not do better), the slowest row's own sleeps
@@ -63,14 +65,15 @@ def sleeps_for(seed: int, rows: int, turns: int, max_sleep: float) -> list[list[
             for i in range(rows)]  # fmt: skip
 
 
-def draw(model, tokenizer, tasks, sleeps, concurrency: int, seed: int, turns: int) -> tuple[float, object]:
+def draw(model, tokenizer, tasks, sleeps, concurrency: int, seed: int, turns: int,
+         rejoin: str = "row") -> tuple[float, object]:  # fmt: skip
     envs = [SleepyCalc(task, s) for task, s in zip(tasks, sleeps, strict=True)]
     prompts = [build_messages(t.question, calculator.TINY_CALC_INSTRUCTION) for t in tasks]
     started = time.perf_counter()
     rollout = draw_episodes(
         PlainDecoder(model), tokenizer, envs, prompts, max_new_tokens=24, max_turns=turns, max_total_tokens=256,
         temperature=1.0, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
-        generator=torch.Generator().manual_seed(seed), env_concurrency=concurrency, close=True,
+        generator=torch.Generator().manual_seed(seed), env_concurrency=concurrency, rejoin=rejoin, close=True,
     )  # fmt: skip
     return time.perf_counter() - started, rollout
 
@@ -94,13 +97,15 @@ def table(f: dict) -> str:
         "| what | seconds |",
         "| --- | ---: |",
         f"| synchronous draw (--env-concurrency 0, today's loop) | {f['synchronous_s']:.2f} |",
-        f"| concurrent draw (--env-concurrency {f['concurrency']}) | {f['concurrent_s']:.2f} |",
-        f"| speed-up | {f['synchronous_s'] / f['concurrent_s']:.1f}x |",
+        f"| concurrent steps, --env-rejoin turn (the default) | {f['turn_s']:.2f} |",
+        f"| concurrent steps, --env-rejoin row | {f['concurrent_s']:.2f} |",
+        f"| speed-up, turn / row | {f['synchronous_s'] / f['turn_s']:.1f}x / "
+        f"{f['synchronous_s'] / f['concurrent_s']:.1f}x |",
         f"| each turn's slowest call, summed over turns | {f['turn_max_sum_s']:.2f} |",
         f"| every call the synchronous draw made, summed (its tool time) | {f['all_calls_s']:.2f} |",
         f"| slowest row's own sleeps (the target) | {f['slowest_row_s']:.2f} |",
         f"| draw with no sleeps (decoding alone) | {f['no_sleep_s']:.2f} |",
-        f"| concurrent − target − decoding (the overhead) | {overhead:.2f} |",
+        f"| row − target − decoding (the overhead) | {overhead:.2f} |",
         f"| calls made per row, concurrent / synchronous | {f['calls_per_row']} / {f['calls_per_row_sync']} |",
     ]
     return "\n".join(lines)
@@ -125,11 +130,12 @@ def main() -> int:
     draw(model, tokenizer, tasks, none, args.concurrency, args.seed, args.turns)  # warm-up
     no_sleep_s, _ = draw(model, tokenizer, tasks, none, args.concurrency, args.seed, args.turns)
     concurrent_s, concurrent = draw(model, tokenizer, tasks, sleeps, args.concurrency, args.seed, args.turns)
-    synchronous_s, synchronous = draw(model, tokenizer, tasks, sleeps, 0, args.seed, args.turns)
+    synchronous_s, synchronous = draw(model, tokenizer, tasks, sleeps, 0, args.seed, args.turns, "turn")
+    turn_s, _ = draw(model, tokenizer, tasks, sleeps, args.concurrency, args.seed, args.turns, "turn")
     made = _made(sleeps, concurrent)
     figures = {
         "threads": args.threads, "batch": args.batch, "turns": args.turns, "max_sleep": args.max_sleep,
-        "concurrency": args.concurrency, "synchronous_s": synchronous_s, "concurrent_s": concurrent_s,
+        "concurrency": args.concurrency, "synchronous_s": synchronous_s, "concurrent_s": concurrent_s, "turn_s": turn_s,
         "no_sleep_s": no_sleep_s, "slowest_row_s": max(sum(s) for s in made),
         "all_calls_s": sum(sum(s) for s in _made(sleeps, synchronous)),
         "turn_max_sum_s": sum(max((s[t] for s in made if t < len(s)), default=0.0) for t in range(args.turns)),

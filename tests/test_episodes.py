@@ -95,13 +95,14 @@ def test_one_turn_draws_exactly_what_the_single_turn_loop_draws(model):
 
 # The concurrent loop feeds [kept token | observation] chunks at other columns than the synchronous one: its lag-0
 # gap is float32 rounding too (mean 2e-7 either way), with a max measured at 1.8e-5 against 7.6e-6.
-@pytest.mark.parametrize("concurrency, bound", [(0, 1e-5), (16, 5e-5)], ids=["synchronous", "concurrent"])
-def test_observations_continue_from_the_cache_and_lag_zero_matches_at_every_action(model, concurrency, bound):
+@pytest.mark.parametrize("concurrency, rejoin, bound", [(0, "turn", 1e-5), (16, "turn", 1e-5), (16, "row", 5e-5)],
+                         ids=["synchronous", "turn", "row"])  # fmt: skip
+def test_observations_continue_from_the_cache_and_lag_zero_matches_at_every_action(model, concurrency, rejoin, bound):
     lm, tokenizer = model
     envs = [Nudge(turns=3) for _ in QUESTIONS]
     settings = _settings(tokenizer, max_new_tokens=32)
     rollout = draw_episodes(PlainDecoder(lm), tokenizer,
-                  envs, _prompts(), max_turns=5, max_total_tokens=300, env_concurrency=concurrency,
+                  envs, _prompts(), max_turns=5, max_total_tokens=300, env_concurrency=concurrency, rejoin=rejoin,
                             generator=torch.Generator().manual_seed(0), **settings)  # fmt: skip
     actions, real = rollout.action_mask, rollout.response_mask
     assert rollout.turns.count.tolist() == [3] * 6 and rollout.turns.tool_calls.tolist() == [3] * 6
@@ -244,15 +245,20 @@ def _timed(fn):
 def test_concurrent_steps_take_about_the_slowest_rows_time_not_the_sum_of_each_turns_slowest(model):
     """Row i sleeps 0.3 s on turn i mod 3 only: each row's own tool time is 0.3 s, each turn's slowest call 0.3 s
     (0.9 s summed over 3 turns), and called one after another 0.6 s a turn. The concurrent loop must finish within
-    a no-sleep draw + 0.3 s + a generous margin; the synchronous one takes at least the serial 1.8 s."""
+    a no-sleep draw + 0.3 s + a generous margin with ``rejoin="row"``, and about the 0.9 s of each turn's slowest
+    call with ``rejoin="turn"``; the synchronous one takes at least the serial 1.8 s."""
     lm, tokenizer = model
 
     def envs(nap: float):
         return [Sleepy(3, [nap if t == i % 3 else 0.0 for t in range(3)]) for i in range(6)]
 
     _, t_instant = _timed(lambda: _episodes(lm, tokenizer, envs(0.0)))
-    concurrent, t_concurrent = _timed(lambda: _episodes(lm, tokenizer, envs(0.3)))
+    concurrent, t_concurrent = _timed(lambda: _episodes(lm, tokenizer, envs(0.3), rejoin="row"))
+    by_turn, t_turn = _timed(lambda: _episodes(lm, tokenizer, envs(0.3)))
     synchronous, t_sync = _timed(lambda: _episodes(lm, tokenizer, envs(0.3), env_concurrency=0))
+    assert t_instant + 0.9 <= t_turn + 0.05 and t_turn < t_sync - 0.6, (t_turn, t_sync)
+    assert torch.equal(by_turn.response_ids, synchronous.response_ids), "turn: the synchronous loop's draws"
+    assert torch.equal(by_turn.sampler_logprobs, synchronous.sampler_logprobs), "bit for bit"
     assert concurrent.turns.count.tolist() == [3] * 6 and synchronous.turns.count.tolist() == [3] * 6
     assert t_sync >= 1.8, f"the synchronous loop calls the steps one after another: {t_sync:.2f} s"
     assert t_concurrent < t_instant + 0.3 + 0.45, f"{t_concurrent:.2f} s against {t_instant:.2f} s without sleeps"
@@ -264,10 +270,14 @@ def test_the_same_seed_draws_the_same_trajectories_whichever_tool_finishes_first
     the tokens, masks, rewards and turns are the same (log-probs to float32 rounding of the batch's layout)."""
     lm, tokenizer = model
     runs = [
-        _episodes(lm, tokenizer, [Sleepy(3, [0.03 * i]) for i in range(6)]),
-        _episodes(lm, tokenizer, [Sleepy(3, [0.03 * (5 - i)]) for i in range(6)]),
-        _episodes(lm, tokenizer, [Sleepy(3, [0.01]) for _ in range(6)], env_concurrency=1),
+        _episodes(lm, tokenizer, [Sleepy(3, [0.03 * i]) for i in range(6)], rejoin="row"),
+        _episodes(lm, tokenizer, [Sleepy(3, [0.03 * (5 - i)]) for i in range(6)], rejoin="row"),
+        _episodes(lm, tokenizer, [Sleepy(3, [0.01]) for _ in range(6)], env_concurrency=1, rejoin="row"),
     ]
+    by_turn = [_episodes(lm, tokenizer, [Sleepy(3, [0.03 * i]) for i in range(6)]),
+               _episodes(lm, tokenizer, [Sleepy(3, [0.03 * (5 - i)]) for i in range(6)])]  # fmt: skip
+    assert torch.equal(by_turn[0].response_ids, by_turn[1].response_ids)
+    assert torch.equal(by_turn[0].sampler_logprobs, by_turn[1].sampler_logprobs), "turn: bit for bit, any order"
     first = runs[0]
     assert first.turns.count.max() > 1
     for other in runs[1:]:
@@ -326,11 +336,15 @@ class NotADict(Nudge):
         return "ok"
 
 
-@pytest.mark.parametrize("concurrency", [0, 16], ids=["synchronous", "concurrent"])
-def test_a_tool_that_raises_hangs_or_floods_ends_its_trajectory_counted_and_the_batch_goes_on(model, concurrency):
+@pytest.mark.parametrize(
+    "concurrency, rejoin", [(0, "turn"), (16, "turn"), (16, "row")], ids=["synchronous", "turn", "row"]
+)
+def test_a_tool_that_raises_hangs_or_floods_ends_its_trajectory_counted_and_the_batch_goes_on(model, concurrency,
+                                                                                               rejoin):  # fmt: skip
     lm, tokenizer = model
     envs = [Raises(3), Hangs(3), Floods(3), NotADict(3), Nudge(2), Nudge(2)]
-    rollout, seconds = _timed(lambda: _episodes(lm, tokenizer, envs, env_timeout=0.5, env_concurrency=concurrency))
+    rollout, seconds = _timed(lambda: _episodes(lm, tokenizer, envs, env_timeout=0.5, env_concurrency=concurrency,
+                                                rejoin=rejoin))  # fmt: skip
     assert rollout.turns.faults.tolist() == [1, 1, 1, 1, 0, 0]
     assert rollout.truncated.tolist() == [True] * 4 + [False] * 2
     assert rollout.turns.count.tolist() == [1, 1, 1, 1, 2, 2], "the batch went on past the faults"

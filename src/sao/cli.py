@@ -40,6 +40,7 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
         "rollout.max_turns",
         "rollout.max_total_tokens",
         "rollout.env_concurrency",
+        "rollout.env_rejoin",
         "training.seed",
     ),
     "recipe": ("model", "data", "algorithm", "rollout", "training", "eval"),

@@ -304,6 +304,17 @@ class RolloutSettings(Section):
         "one after another, drawn exactly as those versions drew.",
         check=at_least(0, " (0 = batch-synchronous)"),
     )
+    env_rejoin: str = option(
+        "turn",
+        'When a row whose observation is back decodes on. "turn": once every step of the turn is back (the steps '
+        "still run at once, so a turn costs its slowest call, not their sum): which rows share a decode call never "
+        'depends on timing, so a run and its resume draw the same numbers. "row": at once, without waiting for '
+        "the rest of its batch (a turn costs that row's own calls): faster with uneven tools, but the batch layout "
+        "follows the order tools finish in, so log-probs can differ in their last bits from run to run and a "
+        "resumed run is not bit-identical. The local decoder only (through vLLM every trajectory has its own "
+        "thread).",
+        check=lambda v: None if v in ("turn", "row") else 'must be "turn" or "row"',
+    )
     max_staleness: int = option(
         4,
         "--rollout ray: the oldest a trajectory may be when it is put in a batch (policy updates since the adapter "

@@ -137,7 +137,8 @@ def pass_at_1(config: Config, model, tokenizer, tasks: list, label: str, *, seed
     factory = parts.env_factory or environments.env_factory(config.data.env, tokenizer, config.rollout.max_turns)
     r = config.rollout
     episodes = episodes_for(factory, tasks, parts.tasks.instruction, r.max_turns, r.max_total_tokens, r.env_concurrency,
-                            name=config.data.env, env_timeout=config.data.env_timeout)  # fmt: skip
+                            name=config.data.env, env_timeout=config.data.env_timeout,
+                            env_rejoin=r.env_rejoin)  # fmt: skip
     e = config.eval
     return evaluate(
         make_decoder(model, adapter, r.decoder), tokenizer, tasks, instruction=parts.tasks.instruction,

@@ -2,20 +2,17 @@
 
 Rows act token by token until EOS, a stop string or ``max_new_tokens``; the finished action goes to ``env.step`` on
 ``EnvCalls`` (a bounded thread pool; ``async def`` environments on an event loop), its reward lands on the turn's
-last action token, and the observation is appended to the cache in one chunk (no re-encoding). With
-``env_concurrency`` > 0 the batch does not wait: rows whose observation is back join the next decode call while slow
-tools run on. Every environment call (init, step, close) is contained: one that raises, exits, runs past
-``env_timeout``, answers what sao cannot use (a reward against ``sao.core.reading.reward_problem``, malformed
-observations or metadata) or an observation too long for the room left ends that trajectory only, as truncated,
-counted in ``Turns.faults`` (past the timeout: ``Turns.timeouts`` too), its one line naming the environment and the
-task logged. ``max_turns``/``max_total_tokens`` truncate too, and so does the decoder's ``context_length``: a row's
-prompt and response never pass it, a trajectory that fills it ends cut (``Turns.context_cuts``).
-Deterministic under concurrency: each row's noise (its first action from the batch generator exactly as
-``sampler.draw``, later ones a counter hash of (row, turn, token)), so deterministic tools give the same tokens
-whichever finishes first, up to float rounding of the batch's hole layout. Not: timing, and tools sharing state.
-``env_concurrency`` 0 is the batch-synchronous loop of earlier versions, draw for draw. Two ``Stepper``s:
-``HFStepper`` and ``sao.rollout.engine.EngineStepper``. Deliberately left out: per-row cache slots (a waiting row
-leaves holes in the shared columns) and CUDA-graph replay for multi-turn decoding. Notes: docs/design/episodes.md.
+last action token, and the observation is appended to the cache in one chunk (no re-encoding). A turn's steps run
+at once; with ``rejoin="row"`` the batch does not wait either: rows whose observation is back join the next decode
+call while slow tools run on. Every environment call (init, step, close) is contained: one that raises, exits, runs
+past ``env_timeout``, answers what sao cannot use, or returns an observation too long for the room left ends that
+trajectory only, as truncated, counted in ``Turns.faults`` (``Turns.timeouts`` too), one line naming the
+environment and the task logged. ``max_turns``, ``max_total_tokens`` and the decoder's ``context_length`` truncate
+too (``Turns.context_cuts``). ``rejoin="turn"`` (the default) draws exactly as the batch-synchronous loop of
+earlier versions whatever order the tools finish in; ``rejoin="row"`` keys each row's later noise on (row, turn,
+token), so the tokens do not depend on that order, but the batch layout does (log-probs in their last bits).
+Two ``Stepper``s: ``HFStepper`` and ``sao.rollout.engine.EngineStepper``. Deliberately left out: per-row cache
+slots and CUDA-graph replay for multi-turn decoding. Notes: docs/design/episodes.md.
 """
 
 from __future__ import annotations
@@ -109,14 +106,17 @@ def draw_episodes(
     generator: torch.Generator,
     env_concurrency: int = DEFAULT_CONCURRENCY,
     env_timeout: float = 0.0,
+    rejoin: str = "turn",
     close: bool = False,
     name: str = "the environment",
     tasks: Sequence[str] | None = None,
 ) -> Rollout:
     """One episode per environment (see docs/design/episodes.md), on the decoder's own stepper: the plain loop's
-    model with its adapter, or the engine's static cache. ``env_concurrency``: steps in flight at once (0: the
-    batch-synchronous loop, one step after another); ``env_timeout``: seconds one environment call may run (0: no
-    limit); ``close``: close every environment afterwards (an async ``close`` on the loop its steps ran on);
+    model with its adapter, or the engine's static cache. ``env_concurrency``: steps in flight at once (0: one
+    after another); ``rejoin``: "turn" (the batch decodes on when every step of the turn is back: the layout never
+    depends on timing) or "row" (a row decodes on as soon as its own observation is back); ``env_timeout``:
+    seconds one environment call may run (0: no limit); ``close``: close every environment afterwards (an async
+    ``close`` on the loop its steps ran on);
     ``name`` and ``tasks`` (each row's task id): what the one-line faults call the environment and the row. An
     ``EnvFault`` in place of an environment (building it failed) ends that row before it acts, counted. A row's
     prompt and response never pass the decoder's ``context_length``."""
@@ -151,7 +151,7 @@ def draw_episodes(
                 _fault(row, starts[i])
             rows.append(row)
         limits = _Limits(max_new_tokens, max_turns, temperature, set(eos_token_ids), pad_token_id)
-        run = _run_concurrent if env_concurrency > 0 else _run
+        run = _run_concurrent if rejoin == "row" else _run
         with decoder.stepper(len(rows), prompt_ids.shape[1] + max_total_tokens) as net:
             rollout = run(net, rows, tokenizer, prompt_ids, prompt_mask, limits, calls, generator)
         _tell_faults(rows, name)
@@ -232,18 +232,17 @@ def _run(net: Stepper, rows: list[_Row], tokenizer, prompt_ids, prompt_mask, lim
                 next_pos = next_pos + acting.long()
                 pending = None
                 continue
-        # No row is acting: every finished action meets its environment, one after another.
-        observations = []
-        for i, r in enumerate(rows):
-            if r.state != WAIT:
-                observations.append([])
-                continue
-            try:
-                outcome = calls.call(r.env.step, tokenizer.decode(r.turn_tokens, skip_special_tokens=True),
-                                     task=r.task)  # fmt: skip
-            except EnvFault as fault:
-                outcome = fault
-            observations.append(_apply(r, i, outcome, cols, tokenizer, lim, calls.name))
+        # No row is acting: every finished action meets its environment, the steps in flight together (on the
+        # pool's workers), their outcomes applied in row order once the last is back.
+        waiting = [i for i, r in enumerate(rows) if r.state == WAIT]
+        for i in waiting:
+            calls.submit(i, rows[i].env.step, tokenizer.decode(rows[i].turn_tokens, skip_special_tokens=True),
+                         task=rows[i].task)  # fmt: skip
+        outcomes: dict[int, Any] = {}
+        while len(outcomes) < len(waiting):
+            outcomes.update(calls.collect(block=True))
+        observations = [_apply(r, i, outcomes[i], cols, tokenizer, lim, calls.name) if i in outcomes else []
+                        for i, r in enumerate(rows)]  # fmt: skip
         if not any(observations):
             break
         chunk, chunk_mask = _chunk(pending, observations, B, lim.pad, device)  # [B, L]

@@ -129,6 +129,7 @@ class Episodes:
     max_turns: int
     max_total_tokens: int
     env_concurrency: int = DEFAULT_CONCURRENCY  # steps in flight at once (0: batch-synchronous, as before)
+    env_rejoin: str = "turn"  # when a row decodes on: once its turn is all back ("turn") or at once ("row")
     env_timeout: float = 0.0  # seconds one call of an environment may take (--env-timeout; 0: no limit)
     name: str = "the environment"  # what its one-line faults call it (--env as given)
 
@@ -150,7 +151,8 @@ def draw_episode_batch(
         builder.close()
     messages = [episodes.messages[i] for i in task_ids]
     limits = {"max_turns": episodes.max_turns, "max_total_tokens": episodes.max_total_tokens,
-              "env_concurrency": episodes.env_concurrency, "env_timeout": episodes.env_timeout}  # fmt: skip
+              "env_concurrency": episodes.env_concurrency, "env_timeout": episodes.env_timeout,
+              "rejoin": episodes.env_rejoin}  # fmt: skip
     return draw_episodes(decoder, tokenizer, envs, messages, generator=generator, close=True, name=episodes.name,
                          tasks=task_ids, **limits, **sampling.as_kwargs())  # fmt: skip
 

@@ -61,6 +61,7 @@ def episodes_for(
     *,
     name: str | None = None,
     env_timeout: float = 0.0,
+    env_rejoin: str = "turn",
 ) -> Episodes | None:
     """What a source needs to draw multi-turn episodes of ``tasks`` (None without an environment); ``name`` is what
     its one-line faults call the environment (``--env`` as given), ``env_timeout`` the seconds one call of it may
@@ -70,7 +71,8 @@ def episodes_for(
     messages = {t.id: t.chat(instruction) for t in tasks}
     fields = {t.id: task_fields(t) for t in tasks}
     label = f"environment {name}" if name else f"environment {getattr(factory, '__qualname__', 'factory')}"
-    return Episodes(factory, messages, fields, max_turns, max_total_tokens, env_concurrency, env_timeout, label)
+    return Episodes(factory, messages, fields, max_turns, max_total_tokens, env_concurrency, env_rejoin, env_timeout,
+                    label)  # fmt: skip
 
 
 def prompt_text(tokenizer: Any, task: Task, instruction: str) -> str:

@@ -80,7 +80,8 @@ def parts(
     factory = env_factory if env_factory is not None else environments.env_factory(config.data.env, tokenizer,
                                                                                     r.max_turns)  # fmt: skip
     episodes = episodes_for(factory, tasks.train, tasks.instruction, r.max_turns, r.max_total_tokens,
-                            r.env_concurrency, name=config.data.env, env_timeout=config.data.env_timeout)  # fmt: skip
+                            r.env_concurrency, name=config.data.env, env_timeout=config.data.env_timeout,
+                            env_rejoin=r.env_rejoin)  # fmt: skip
     return TaskParts(
         tasks=tasks,
         scorer=scorer(config, tasks, reward_fn),
