@@ -11,8 +11,8 @@ Rows, each beside its baseline:
                       batch: ``--rollout vllm`` (vLLM the stale sampler) against ``--rollout local``
     serving           replies/s and median latency at 1, 8 and 32 concurrent clients: ``sao serve`` (sao's
                       own sampler), ``sao serve --upstream`` (the front forwarding to vLLM), and vLLM itself
-                      (its own /v1/chat/completions), measured in turn three times (medians); the front's cost
-                      is upstream against raw at 32 clients
+                      (sent the token-id completion the front would send it), measured in turn three times
+                      (medians); the front's cost is upstream against raw at 32 clients
 
 Every figure is measured here on this machine's CPU, torch on ``--threads`` threads in this process; vLLM runs
 in its own processes, so on a 2-core machine the serving rows compete for the same cores and are a floor on
@@ -97,24 +97,30 @@ def train_rows(url: str, scratch: Path, steps: int) -> dict[str, dict[str, float
     return rows
 
 
-def chat_body(task: dict[str, Any], seed: int, model: str | None) -> dict[str, Any]:
-    body = {"messages": task["messages"], "max_tokens": NEW_TOKENS, "seed": seed, "logprobs": True}
-    if model is None:  # a sao server: the task's metadata is graded
-        body["metadata"] = {"answer": task["answer"]}
-    else:
-        body["model"] = model
-    return body
+def request_for(task: dict[str, Any], seed: int, model: str | None, tokenizer: Any) -> tuple[str, dict[str, Any]]:
+    """(path, body) of one request. To a sao server: the chat request a client sends (its metadata graded). To vLLM
+    itself: the token-id completion the front sends upstream for that chat, so that the two rows differ by what
+    the front adds (rendering, logging, grading), not by what is asked of vLLM."""
+    if model is None:
+        return "/v1/chat/completions", {"messages": task["messages"], "max_tokens": NEW_TOKENS, "seed": seed,
+                                        "logprobs": True, "metadata": {"answer": task["answer"]}}  # fmt: skip
+    text = tokenizer.apply_chat_template(task["messages"], add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "seed": seed,
+                               "temperature": 1.0, "top_p": 1.0, "top_k": 0, "logprobs": 0,
+                               "return_token_ids": True}  # fmt: skip
 
 
-def serve_rate(url: str, model: str | None, clients: int, requests: int) -> dict[str, float]:
-    """``requests`` chat completions from ``clients`` threads: replies per second and the median latency."""
+def serve_rate(url: str, model: str | None, clients: int, requests: int, tokenizer: Any = None) -> dict[str, float]:
+    """``requests`` requests from ``clients`` threads: replies per second and the median latency."""
     tasks = tiny_tasks(1)
+    bodies = [request_for(tasks[i % len(tasks)], i, model, tokenizer) for i in range(requests)]
     latencies: list[float] = []
     lock = threading.Lock()
 
     def one(i: int) -> None:
-        body = json.dumps(chat_body(tasks[i % len(tasks)], i, model)).encode()
-        request = urllib.request.Request(url + "/v1/chat/completions", data=body,
+        path, body = bodies[i]
+        request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})  # fmt: skip
         started = time.perf_counter()
         with urllib.request.urlopen(request, timeout=300) as response:
@@ -136,8 +142,11 @@ def serve_rows(
 ) -> dict[str, dict[int, dict]]:
     """Every front up at once; at each client count the three are measured in turn, ``rounds`` times (the median
     kept), so that a busy moment of the machine falls on all three rather than on one."""
+    from transformers import AutoTokenizer
+
     from sao.serve.server import Server
 
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     fronts = {}
     for name, upstream in {"sao serve": None, "sao serve --upstream": server.url}.items():
         config = Config.preset("tiny", upstream=upstream) if upstream else Config.preset("tiny")
@@ -150,7 +159,7 @@ def serve_rows(
             runs: dict[str, list[dict]] = {name: [] for name in fronts}
             for _ in range(rounds):
                 for name, (front, model) in fronts.items():
-                    runs[name].append(serve_rate(front.url, model, c, max(requests, c)))
+                    runs[name].append(serve_rate(front.url, model, c, max(requests, c), tokenizer))
             for name, measured in runs.items():
                 rows[name][c] = {key: statistics.median(m[key] for m in measured) for key in measured[0]}
             print(f"serve, {c} clients:", {n: round(r[c]["replies_s"], 1) for n, r in rows.items()}, flush=True)
