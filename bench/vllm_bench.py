@@ -137,6 +137,27 @@ def serve_rate(url: str, model: str | None, clients: int, requests: int, tokeniz
     return {"replies_s": requests / seconds, "p50_s": statistics.median(latencies)}
 
 
+def front_alone(scratch: Path, requests: int) -> dict[int, dict[str, float]]:
+    """``sao serve`` with its generation replaced by a canned reply: what the front itself can carry (parsing,
+    rendering, tokenising, grading, the fsynced trace log, the response), the ceiling it puts on any engine."""
+    from sao.serve.served import Completion
+    from sao.serve.server import Server
+
+    front = Server(Config.preset("tiny"), scratch / "alone-traces.jsonl", port=0, say=lambda line: None).start()
+    reply = front.service.policy.tokenizer("#### 7", add_special_tokens=False)["input_ids"]
+
+    def canned(prompt_ids, *, max_tokens, temperature, seed):
+        return Completion(prompt_token_ids=list(prompt_ids), completion_token_ids=list(reply),
+                          logprobs=[-0.1] * len(reply), text="#### 7", finish_reason="stop", policy_version=0,
+                          adapter="initial")  # fmt: skip
+
+    front.service.policy.generate = canned
+    try:
+        return {c: serve_rate(front.url, None, c, max(requests, 4 * c)) for c in CLIENTS}
+    finally:
+        front.stop()
+
+
 def serve_rows(
     server: VllmServer, model_dir: Path, scratch: Path, requests: int, rounds: int = 3
 ) -> dict[str, dict[int, dict]]:
@@ -199,6 +220,9 @@ def table(f: dict[str, Any]) -> str:
         cost = 1 - up["replies_s"] / raw["replies_s"]
         lines.append(f"| {c} | {own['replies_s']:.1f} | {up['replies_s']:.1f} | {raw['replies_s']:.1f} | "
                      f"{100 * cost:+.0f}% | {own['p50_s']:.3f} / {up['p50_s']:.3f} / {raw['p50_s']:.3f} |")  # fmt: skip
+    if "front_alone" in f:
+        alone = ", ".join(f"{c} clients {f['front_alone'][c]['replies_s']:.0f}" for c in CLIENTS)
+        lines += ["", f"sao serve with generation stubbed out (what the front alone carries), replies/s: {alone}"]
     return "\n".join(lines)
 
 
@@ -236,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("train:", figures["train"], flush=True)
             if "serve" in rows:
                 figures["serve"] = serve_rows(server, model_dir, scratch, args.requests)
+                figures["front_alone"] = front_alone(scratch, args.requests)
     text = table(figures)
     print(text)
     if args.out:
