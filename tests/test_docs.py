@@ -70,3 +70,25 @@ def test_docs_link_to_files_that_exist(doc):
     text = (ROOT / "docs" / doc).read_text()
     for target in re.findall(r"\]\(([^)#:]+)\)", text):
         assert (ROOT / "docs" / target).exists(), f"docs/{doc} links to {target}, which does not exist"
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/vllm.md", "docs/agents.md", "docs/traces-and-serving.md",
+                                 "docs/experiments.md", "docs/scale-out.md"])  # fmt: skip
+def test_every_sao_command_in_the_docs_parses_as_printed(doc):
+    """Each ``sao ...`` line of a bash block is a command the CLI accepts: its command and every flag exist and
+    take the values shown (running them is the recipe's and the tests' business)."""
+    import shlex
+
+    from sao.cli import build_parser
+
+    text = (ROOT / doc).read_text()
+    blocks = [block.replace("\\\n", " ") for block in re.findall(r"```bash\n(.*?)```", text, re.S)]  # continuations
+    lines = [line.strip() for block in blocks for line in block.splitlines()]
+    lines = [line for line in lines if line.startswith("sao ") and "<" not in line and "..." not in line]
+    parser = build_parser()
+    for line in lines:
+        argv = shlex.split(line, comments=True)[1:]
+        try:
+            parser.parse_args(argv)
+        except SystemExit as refused:
+            raise AssertionError(f"{doc}: `{line}` is refused by the CLI") from refused
