@@ -4,6 +4,7 @@ environment runs through sao's sampler unchanged, and training follows multi-tur
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -135,3 +136,38 @@ def test_recipe_on_tiny_calc_runs_both_arms_evals_and_verdict(tmp_path):
     log = run_log(out)
     assert {r["arm"] for r in log} == {"dis", "none"}
     assert all(r["turns_mean"] >= 1.0 for r in log) and any(r["tool_calls_mean"] > 0 for r in log)
+
+
+def test_an_id_a_users_module_registers_with_skyrl_gym_is_found_as_it_is(user_module):
+    """``--env skyrl:<module>:<id>``: the module is imported first, so the ids it registers with SkyRL-Gym's own
+    ``register`` are built as SkyRL builds them (the task's answer as the reward_spec ground truth); a module that
+    cannot be imported is one line."""
+    pytest.importorskip("skyrl_gym")
+    from sao.core.errors import ConfigError
+    from sao.tasks.environments import env_factory
+
+    name = user_module("""
+        from skyrl_gym.envs.base_text_env import BaseTextEnv
+        from skyrl_gym.envs.registration import register
+
+        class Echo(BaseTextEnv):
+            def __init__(self, env_config=None, extras=None):
+                super().__init__()
+                self.answer = extras["reward_spec"]["ground_truth"]
+
+            def init(self, prompt):
+                return prompt, {}
+
+            def step(self, action):
+                reward = float(action.strip().endswith(self.answer))
+                return {"observations": [], "reward": reward, "done": True, "metadata": {}}
+
+        register(id=__name__ + "-echo", entry_point=Echo)
+    """)
+    assert name not in sys.modules, "not imported yet: sao imports it"
+    factory = env_factory(f"skyrl:{name}:{name}-echo", None, max_turns=2)
+    env = factory("task/1", {"question": "What is 3+4?", "answer": "7"})
+    assert env.answer == "7" and env.step("#### 7")["reward"] == 1.0 and env.step("#### 8")["reward"] == 0.0
+    with pytest.raises(ConfigError, match="importing 'no_such_module_here' failed") as refused:
+        env_factory("skyrl:no_such_module_here:x", None, max_turns=2)
+    assert "\n" not in str(refused.value)

@@ -5,7 +5,8 @@
     name            "gsm8k-calc" (a calculator tool, in the tokenizer's own tool-call format when its template has
                     tools), "tiny-calc" (the CPU preset's calculator task); each ``factory(tokenizer)``
     "skyrl:<id>"    a SkyRL-Gym environment, unchanged (``pip install 'sao[agents]'``), built with the task's
-                    answer as its ``reward_spec`` ground truth
+                    answer as its ``reward_spec`` ground truth; ``skyrl:<module>:<id>`` imports your module first,
+                    so the ids it registers with ``skyrl_gym.register`` are found
     "module:Class"  your own, ``Class(task_id, fields)``, or a SkyRL-style ``Class(env_config, extras)`` built as
                     ``skyrl:<id>`` is (``custom.load_env_class``)
 
@@ -16,6 +17,7 @@ configuration files (an environment reads what it needs from the task's fields).
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from sao.core.errors import ConfigError
@@ -87,11 +89,22 @@ def task_fields(task: Task) -> dict[str, Any]:
 
 
 def _skyrl_factory(env_id: str, max_turns: int) -> EnvFactory:
+    """``skyrl:<id>`` (SkyRL-Gym's own registry) or ``skyrl:<module>:<id>``: the module is imported first, so the
+    environments it registers with ``skyrl_gym.register`` are found as they are."""
+    given = env_id
     try:
         import skyrl_gym
         from skyrl_gym.envs.registration import registry
     except ImportError:
-        raise ConfigError(f"--env skyrl:{env_id} needs SkyRL-Gym: pip install 'sao[agents]'") from None
+        raise ConfigError(f"--env skyrl:{given} needs SkyRL-Gym: pip install 'sao[agents]'") from None
+    if ":" in env_id:
+        module, env_id = env_id.rsplit(":", 1)
+        try:
+            importlib.import_module(module)
+        except Exception as error:  # its import failing is the user's module's error, said in one line
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+            raise ConfigError(f"--env skyrl:{given}: importing {module!r} failed ({type(error).__name__}: {first})"
+                              ) from None  # fmt: skip
     if env_id not in registry:
         known = ", ".join(sorted(registry)[:12])
         raise ConfigError(f"--env skyrl:{env_id}: SkyRL-Gym has no such environment (it has {known}, ...)")
