@@ -267,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(figures, indent=2))
     if args.record:
         stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-        command = "python bench/vllm_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        given = argv if argv is not None else sys.argv[1:]
+        paths = {"--out", "--work", "--record"}  # this machine's paths: their names only
+        shown = [Path(a).name if i and given[i - 1] in paths else a for i, a in enumerate(given)]
+        command = "python bench/vllm_bench.py " + " ".join(shown)
         took = f"device: cpu, torch threads {args.threads}; model: tiny preset; bench took {time.time() - started:.0f}s"
         with args.record.open("a") as f:
             f.write(f"\n## {stamp} — vLLM beside sao, cpu\n\n`{command}`\n\n{took}\n\n{text}\n")
