@@ -88,6 +88,9 @@ def test_checks_group_the_mask_by_staleness_and_count_faults():
     assert c["skipped_steps"] == 1 and c["nonfinite_tokens"] == 3
     assert c["critic_ev_warmup_end"] == 0.05 and c["lag0_abs_log_ratio_max"] == 2e-6
     assert c["grad_norm_mean"] == pytest.approx(1.0)
+    for r in rows:  # beside a fixed baseline the log carries the critic's own EV: that one is the critic's
+        r["critic_explained_variance"] = -0.2
+    assert checks(rows, grad_clip=1.0)["critic_ev_last10"] == pytest.approx(-0.2)
 
 
 SMALL = [

@@ -91,9 +91,11 @@ def checks(records: list[dict[str, Any]], grad_clip: float) -> dict[str, Any]:
             "ratio_max_median": statistics.median(r["ratio_max"] for r in rows),
         }
     fresh = [r for r in records if r["staleness"] == 0]
+    # the critic's own EV: beside a fixed baseline (--baseline batch-mean) the update's EV is the baseline's
+    ev = "critic_explained_variance" if any("critic_explained_variance" in r for r in records) else "explained_variance"
     return {
-        "critic_ev_warmup_end": warm[-1]["explained_variance"] if warm else None,
-        "critic_ev_last10": _mean(last10, "explained_variance"),
+        "critic_ev_warmup_end": warm[-1][ev] if warm else None,
+        "critic_ev_last10": _mean(last10, ev),
         "critic_loss_warmup_end": warm[-1]["critic_loss"] if warm else None,
         "critic_loss_last10": _mean(last10, "critic_loss"),
         "grad_norm_mean": statistics.fmean(grad) if grad else None,
