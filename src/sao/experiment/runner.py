@@ -263,10 +263,19 @@ class Experiment:
                     run_dir, eval_file, redo = self._paths(cell, arm, seed)
                     if eval_file.exists():
                         self._finished(cell, arm, seed)
-                        checkpoint.load(run_dir, redo)
+                        self._finished_state(run_dir, redo)
         for path in self._base_paths():
             if path.exists():
                 read_eval(path, BASE_REDO)
+
+    @staticmethod
+    def _finished_state(run_dir: Path, redo: str) -> dict[str, Any] | None:
+        """A finished run's checkpoint state (for its warnings), or None when its checkpoints were pruned: a finished
+        run needs only its eval and its log, which is what a partial experiment carried to another machine keeps."""
+        kept = (run_dir / checkpoint.CHECKPOINTS_DIR, run_dir / checkpoint.LEGACY_CHECKPOINT)
+        if not any(path.exists() for path in kept):
+            return None
+        return checkpoint.load(run_dir, redo)
 
     def _paths(self, cell: dict[str, Any], arm: str, seed: int) -> tuple[Path, Path, str]:
         """(run folder, eval file, what to do when either is damaged) of one run."""
@@ -479,7 +488,7 @@ class Experiment:
                     key = f"{cell['name']} {run_label(arm, seed)}"
                     train_s[key], eval_s[key] = sum(r["time"] for r in log), result.seconds
                     run_dir, _, redo = self._paths(cell, arm, seed)
-                    state = checkpoint.load(run_dir, redo)
+                    state = self._finished_state(run_dir, redo)
                     warnings += (state or {}).get("warnings", [])
         # each record under the arm's name as the grid gives it (a run's own log says only its rule)
         records = [{"cell": name, **r, "arm": arm} for name, arms in trained.items() for arm, runs in arms.items()
