@@ -383,7 +383,7 @@ def test_async_run_drops_nothing_and_replaced_workers_deliver(ray_module, tiny_m
 def test_synchronous_run_drops_nothing_and_a_resumed_run_uses_no_draw_twice(ray_module, tiny_model_dir, tmp_path):
     """max_staleness 0: synchronous training. The fleet draws one batch with the newest adapter and waits for
     the next update, so even a slow trainer wastes nothing: every batch is fresh, nothing is dropped, and
-    every policy step waits for its draw. The run then dies after two steps and is resumed in a second
+    every step after an update waits for its draw. The run then dies after two steps and is resumed in a second
     local cluster (started in the same process): the draws pending at the checkpoint are drawn again, and
     no draw is used twice across the two halves."""
     from sao.training import build
@@ -413,7 +413,12 @@ def test_synchronous_run_drops_nothing_and_a_resumed_run_uses_no_draw_twice(ray_
     _, dropped = _check_ledger(source, first.records, config.training.batch_size)
     assert not dropped, "nothing drawn with a stale adapter"
     assert all(r["staleness_hist"] == {"0": config.training.batch_size} for r in first.records)
-    assert all(r["waited_for"] > 0 for r in first.records[1:]), "synchronous: every policy step waits for its draw"
+    # the critic warmup's batch and the first policy step's train at version 0, so the fleet may draw the second
+    # while the first trains (whether it finishes first is timing); every batch after an update must wait for it
+    after_update = [r for r in first.records if r["policy_version"] > 0]
+    assert after_update and all(r["waited_for"] > 0 for r in after_update), (
+        "synchronous: a published version is waited for"
+    )
     assert source.counts["received"] <= (len(first.records) + 1) * config.training.batch_size, "never drawn ahead"
     saved = checkpoint.load(tmp_path / "run")["source"]  # after step 2
 
