@@ -250,3 +250,46 @@ def test_critic_warmup_takes_a_count_or_auto_from_flags_and_files(tmp_path):
         Config(baseline="group")
     with pytest.raises(ConfigError, match="critic-warmup-limit must be >= 2"):
         Config(critic_warmup_limit=1)
+
+
+# --- a config.json written before the settings had sections ------------------------------------------------------
+
+# tests/fixtures/config-before-sections.json is the config.json that `sao train --preset tiny --steps 2
+# --critic-warmup 1 --batch-size 8 --train-prompts 32 --test-prompts 8` wrote before settings had sections: one flat
+# object, the correction rule called "arm", the band "band" and the rollout source "engine".
+BEFORE_SECTIONS = Path(__file__).parent / "fixtures" / "config-before-sections.json"
+RENAMED = {"arm": "correction", "band": "ratio", "engine": "rollout"}
+
+
+def test_a_config_json_from_before_sections_keeps_every_value_under_its_new_name(capsys):
+    old = json.loads(BEFORE_SECTIONS.read_text())["config"]
+    replayed = config_from_args(_args("--config", str(BEFORE_SECTIONS))).flat()
+    for name, value in old.items():
+        got = replayed[RENAMED.get(name, name)]
+        assert (list(got) if isinstance(got, tuple) else got) == value, name
+    # the settings added since take the defaults of a file that names no preset, i.e. what the old code did
+    # (one learning rate for the whole critic, no schedule, no KL or entropy term, the critic as the baseline)
+    assert replayed["critic_bias_lr"] is None and replayed["lr_schedule"] == "constant"
+    assert replayed["kl_coef"] == replayed["entropy_coef"] == replayed["weight_decay"] == 0
+    assert replayed["baseline"] == "critic"
+
+
+@pytest.mark.slow
+def test_a_config_json_from_before_sections_replays_and_its_rewrite_replays_bit_for_bit(tiny_model_dir, tmp_path):
+    """The old file runs as it is and is written back in sections; that file replays the run bit for bit. (The
+    old run's own log is not reproduced: the tiny model's weights and its held-out split changed since.)"""
+    import torch
+
+    torch.set_num_threads(1)
+    first, second = tmp_path / "old", tmp_path / "replay"
+    assert main(["train", "--quiet", "--config", str(BEFORE_SECTIONS), "--out", str(first)]) == 0
+    written = json.loads((first / "config.json").read_text())["config"]
+    assert {"model", "data", "algorithm", "rollout", "training"} <= set(written)
+    assert written["algorithm"]["correction"] == "dis" and written["algorithm"]["ratio"] == [0.7, 6.0]
+    assert main(["train", "--quiet", "--config", str(first / "config.json"), "--out", str(second)]) == 0
+    original, replayed = run_log(first), run_log(second)
+    assert len(original) == len(replayed) == 3
+    for a, b in zip(original, replayed, strict=True):
+        assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == {
+            k: v for k, v in b.items() if k not in TIMING_KEYS
+        }
