@@ -11,19 +11,25 @@ Rows, each beside its baseline:
                       batch: ``--rollout vllm`` (vLLM the stale sampler) against ``--rollout local``
     serving           replies/s and median latency at 1, 8 and 32 concurrent clients: ``sao serve`` (sao's
                       own sampler), ``sao serve --upstream`` (the front forwarding to vLLM), and vLLM itself
-                      (sent the token-id completion the front would send it), measured in turn three times
-                      (medians); the front's cost is upstream against raw at 32 clients
+                      (sent the token-id completion the front would send it), measured in turn five times
+                      (medians); the front's cost is upstream against raw; each front runs in a process of
+                      its own, as deployed, and its CPU per reply is measured; a front with canned replies
+                      gives what the front alone can carry
 
 Every figure is measured here on this machine's CPU, torch on ``--threads`` threads in this process; vLLM runs
-in its own processes, so on a 2-core machine the serving rows compete for the same cores and are a floor on
-what a GPU node would show. Left out: a GPU (the H200 bench is ``bench/bench.py``).
+in its own processes, pinned by its CPU worker to some cores; the client and the fronts are kept to the others,
+where vLLM's own API server runs too. On a 2-core machine that is one core for the client, the front and vLLM's
+API server, so the front's CPU is taken from vLLM's: a floor on what a node with cores to spare would show.
+Left out: a GPU (the H200 bench is ``bench/bench.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -41,7 +47,7 @@ from sao.core.config import Config
 from sao.model.policy import add_lora, load_base
 from sao.rollout.engine import Engine
 from sao.rollout.sampler import draw
-from sao.rollout.vllm import VllmServer, complete_many, default_vllm_python
+from sao.rollout.vllm import VllmServer, complete_many, default_vllm_python, free_port
 from sao.serve.client import tiny_tasks
 from sao.tiny import arithmetic
 
@@ -137,13 +143,55 @@ def serve_rate(url: str, model: str | None, clients: int, requests: int, tokeniz
     return {"replies_s": requests / seconds, "p50_s": statistics.median(latencies)}
 
 
-def front_alone(scratch: Path, requests: int) -> dict[int, dict[str, float]]:
-    """``sao serve`` with its generation replaced by a canned reply: what the front itself can carry (parsing,
-    rendering, tokenising, grading, the fsynced trace log, the response), the ceiling it puts on any engine."""
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` has used so far (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Front:
+    """``sao serve`` in a process of its own, as it is deployed (``--upstream URL`` in front of vLLM, or sao's own
+    sampler), or with ``canned`` replies instead of any generation: what the front alone carries."""
+
+    def __init__(self, scratch: Path, name: str, *, upstream: str | None = None, canned: bool = False):
+        port = free_port()
+        traces = scratch / f"{name.replace(' ', '-')}-traces.jsonl"
+        if canned:
+            command = [sys.executable, str(Path(__file__).resolve()), "--canned-front", str(port), str(traces)]
+        else:
+            command = [sys.executable, "-m", "sao.cli", "serve", "--preset", "tiny", "--traces", str(traces),
+                       "--port", str(port), *(["--upstream", upstream] if upstream else [])]  # fmt: skip
+        self.url = f"http://127.0.0.1:{port}"
+        with open(scratch / f"{name}.log", "w") as log:  # the child keeps its own copy of the descriptor
+            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2).read()
+                break
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"bench/vllm_bench.py: {name} did not start; see {scratch / name}.log") from None
+                time.sleep(0.3)
+
+    def cpu(self) -> float | None:
+        return cpu_seconds(self.process.pid)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+def canned_front(port: int, traces: Path) -> None:
+    """``--canned-front PORT TRACES``: ``sao serve`` on the tiny preset with every reply "#### 7" at once, so its
+    figures are the front's own work (parsing, rendering, tokenising, grading, the fsynced log, the response)."""
     from sao.serve.served import Completion
     from sao.serve.server import Server
 
-    front = Server(Config.preset("tiny"), scratch / "alone-traces.jsonl", port=0, say=lambda line: None).start()
+    front = Server(Config.preset("tiny"), traces, port=port, say=lambda line: None)
     reply = front.service.policy.tokenizer("#### 7", add_special_tokens=False)["input_ids"]
 
     def canned(prompt_ids, *, max_tokens, temperature, seed):
@@ -152,43 +200,69 @@ def front_alone(scratch: Path, requests: int) -> dict[int, dict[str, float]]:
                           adapter="initial")  # fmt: skip
 
     front.service.policy.generate = canned
-    try:
-        return {c: serve_rate(front.url, None, c, max(requests, 4 * c)) for c in CLIENTS}
-    finally:
-        front.stop()
+    front.run()
+
+
+def off_the_workers_cores(log: Path) -> set[int] | None:
+    """The cores vLLM's CPU worker did not bind (its log names them), for the client and the fronts, so that they
+    share the cores vLLM leaves to its own API server rather than preempt its model; None when unknown."""
+    import re
+
+    found = re.findall(r"core ids=\[([0-9, ]+)\]", log.read_text(errors="replace")) if log.exists() else []
+    bound = {int(c) for c in found[-1].split(",")} if found else set()
+    rest = set(range(os.cpu_count() or 1)) - bound
+    return rest if bound and rest else None
 
 
 def serve_rows(
-    server: VllmServer, model_dir: Path, scratch: Path, requests: int, rounds: int = 3
+    server: VllmServer, model_dir: Path, scratch: Path, requests: int, rounds: int = 5
 ) -> dict[str, dict[int, dict]]:
-    """Every front up at once; at each client count the three are measured in turn, ``rounds`` times (the median
-    kept), so that a busy moment of the machine falls on all three rather than on one."""
+    """Every front up at once, each in its own process; at each client count the three are measured in turn,
+    ``rounds`` times (medians kept), so that a busy moment of the machine falls on all three rather than on one.
+    Each front's CPU per reply is measured too (vLLM's own processes are not counted in it)."""
     from transformers import AutoTokenizer
 
-    from sao.serve.server import Server
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    fronts = {}
-    for name, upstream in {"sao serve": None, "sao serve --upstream": server.url}.items():
-        config = Config.preset("tiny", upstream=upstream) if upstream else Config.preset("tiny")
-        fronts[name] = (Server(config, scratch / f"{len(fronts)}-traces.jsonl", port=0, say=lambda line: None)
-                        .start(), None)  # fmt: skip
-    fronts["vLLM"] = (server, str(model_dir))
+    fronts: dict[str, tuple[Any, str | None]] = {}
     try:
+        fronts["sao serve"] = (Front(scratch, "sao-serve"), None)
+        fronts["sao serve --upstream"] = (Front(scratch, "sao-serve-upstream", upstream=server.url), None)
+        fronts["vLLM"] = (server, str(model_dir))
         rows: dict[str, dict[int, dict]] = {name: {} for name in fronts}
         for c in CLIENTS:
             runs: dict[str, list[dict]] = {name: [] for name in fronts}
             for _ in range(rounds):
                 for name, (front, model) in fronts.items():
-                    runs[name].append(serve_rate(front.url, model, c, max(requests, c), tokenizer))
+                    before = front.cpu() if isinstance(front, Front) else None
+                    n = max(requests, c)
+                    measured = serve_rate(front.url, model, c, n, tokenizer)
+                    if before is not None:
+                        measured["front_cpu_ms"] = 1e3 * (front.cpu() - before) / (n + min(c, n))  # warm-up too
+                    runs[name].append(measured)
             for name, measured in runs.items():
                 rows[name][c] = {key: statistics.median(m[key] for m in measured) for key in measured[0]}
             print(f"serve, {c} clients:", {n: round(r[c]["replies_s"], 1) for n, r in rows.items()}, flush=True)
         return rows
     finally:
-        for name, (front, _) in fronts.items():
-            if name != "vLLM":
+        for front, _ in fronts.values():
+            if isinstance(front, Front):
                 front.stop()
+
+
+def front_alone(scratch: Path, requests: int) -> dict[int, dict[str, float]]:
+    """``sao serve`` with canned replies, in its own process: the replies/s the front itself can carry, the ceiling
+    it puts on any engine behind it, and its CPU per reply."""
+    front = Front(scratch, "canned-front", canned=True)
+    try:
+        out = {}
+        for c in CLIENTS:
+            before, n = front.cpu(), max(requests, 4 * c)
+            out[c] = serve_rate(front.url, None, c, n)
+            if before is not None:
+                out[c]["front_cpu_ms"] = 1e3 * (front.cpu() - before) / (n + min(c, n))
+        return out
+    finally:
+        front.stop()
 
 
 def table(f: dict[str, Any]) -> str:
@@ -212,17 +286,21 @@ def table(f: dict[str, Any]) -> str:
     lines += [
         "",
         "| clients | sao serve, replies/s | sao serve --upstream, replies/s | vLLM, replies/s | front's cost | "
-        "p50 latency, s (serve / upstream / vLLM) |",
-        "| ---: | ---: | ---: | ---: | ---: | --- |",
+        "p50 latency, s (serve / upstream / vLLM) | the front's CPU per reply, ms |",
+        "| ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     for c in CLIENTS:
         own, up, raw = (s[name][c] for name in ("sao serve", "sao serve --upstream", "vLLM"))
         cost = 1 - up["replies_s"] / raw["replies_s"]
+        front_cpu = f"{up['front_cpu_ms']:.2f}" if "front_cpu_ms" in up else "—"
         lines.append(f"| {c} | {own['replies_s']:.1f} | {up['replies_s']:.1f} | {raw['replies_s']:.1f} | "
-                     f"{100 * cost:+.0f}% | {own['p50_s']:.3f} / {up['p50_s']:.3f} / {raw['p50_s']:.3f} |")  # fmt: skip
+                     f"{100 * cost:+.0f}% | {own['p50_s']:.3f} / {up['p50_s']:.3f} / {raw['p50_s']:.3f} | "
+                     f"{front_cpu} |")  # fmt: skip
     if "front_alone" in f:
         alone = ", ".join(f"{c} clients {f['front_alone'][c]['replies_s']:.0f}" for c in CLIENTS)
-        lines += ["", f"sao serve with generation stubbed out (what the front alone carries), replies/s: {alone}"]
+        cpu = [f["front_alone"][c].get("front_cpu_ms") for c in CLIENTS]
+        per = f"; its CPU per reply {min(cpu):.2f}-{max(cpu):.2f} ms" if None not in cpu else ""
+        lines += ["", f"sao serve with generation stubbed out (what the front alone carries), replies/s: {alone}{per}"]
     return "\n".join(lines)
 
 
@@ -236,7 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="decode,train,serve", help="which rows to measure (comma-separated)")
     parser.add_argument("--work", type=Path, help="keep the runs and the vLLM log here (default: a temporary folder)")
     parser.add_argument("--record", type=Path, help="append the table to this markdown file")
+    parser.add_argument("--canned-front", nargs=2, metavar=("PORT", "TRACES"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.canned_front:
+        torch.set_num_threads(1)
+        canned_front(int(args.canned_front[0]), Path(args.canned_front[1]))
+        return 0
     python = default_vllm_python()
     if python is None:
         raise SystemExit("bench/vllm_bench.py: .venv-vllm is absent; `make install-vllm` builds it")
@@ -251,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         with server.start():
             print(f"vLLM up in {time.time() - t0:.0f}s at {server.url}", flush=True)
+            cores = off_the_workers_cores(scratch / "vllm.log")
+            if cores is not None:  # this process and the fronts it starts from here on
+                os.sched_setaffinity(0, cores)
+                print(f"client and fronts on cores {sorted(cores)}, off vLLM's worker", flush=True)
             rows, figures = args.rows.split(","), {}
             if "decode" in rows:
                 figures["decode"] = decode_rows(server, model_dir, args.repeat)

@@ -310,7 +310,7 @@ def test_overload_is_an_openai_shaped_503_once_the_queue_bound_is_reached(small_
     from concurrent.futures import ThreadPoolExecutor
 
     service = small_server.service
-    monkeypatch.setattr(service, "_waiting", threading.BoundedSemaphore(3))  # the bound, made small to reach
+    monkeypatch.setattr(service.settings, "max_waiting", 3)  # the bound, made small to reach
     release, real = threading.Event(), service.policy.generate
 
     def slow(*args, **kwargs):

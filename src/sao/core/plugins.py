@@ -2,7 +2,8 @@
 ``SystemExit``, becomes one ``PluginError`` line naming the plug-in and the row, and a call that outlives its
 timeout raises ``PluginTimeout`` for the caller to end that trajectory as cut and count it.
 
-A call with a timeout runs on a daemon thread of its own; one that never returns is abandoned there (Python
+A call with a timeout runs on a daemon thread that no other call is using (idle ones are kept for the next call,
+so a server grading every reply starts no thread per reply); one that never returns is abandoned there (Python
 cannot stop a thread), so a plug-in that hangs costs a thread, not the run. ``KeyboardInterrupt`` is not
 contained: Ctrl-C stops sao as it would without plug-ins.
 
@@ -11,6 +12,7 @@ Deliberately left out: processes (a plug-in that corrupts the interpreter is bey
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -36,23 +38,52 @@ def call(fn: Callable[..., Any], *args: Any, plugin: str, row: str, timeout: flo
     and with ``timeout`` > 0 a call still running after ``timeout`` seconds is a ``PluginTimeout``."""
     if timeout <= 0:
         return _contained(fn, args, plugin, row)
-    outcome: list[Any] = []
+    outcome: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
 
-    def target() -> None:
+    def job() -> None:
         try:
-            outcome.append((True, _contained(fn, args, plugin, row)))
+            outcome.put((True, _contained(fn, args, plugin, row)))
         except BaseException as error:  # PluginError, or KeyboardInterrupt: handed to the caller's thread
-            outcome.append((False, error))
+            outcome.put((False, error))
 
-    thread = threading.Thread(target=target, name=f"sao-plugin {plugin}", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if not outcome:
-        raise PluginTimeout(plugin, row, timeout)
-    ok, value = outcome[0]
+    _WORKERS.run(job)
+    try:
+        ok, value = outcome.get(timeout=timeout)
+    except queue.Empty:
+        raise PluginTimeout(plugin, row, timeout) from None
     if not ok:
         raise value
     return value
+
+
+class _Workers:
+    """Daemon threads that run one job at a time. A job goes to an idle thread, or to a new one when none is idle;
+    a thread whose job outlived its caller's timeout is busy until that job returns, so it is never handed a
+    second one meanwhile. At most ``keep`` idle threads are kept; the rest end."""
+
+    def __init__(self, keep: int = 32):
+        self.keep = keep
+        self._idle: list[queue.SimpleQueue[Callable[[], None]]] = []
+        self._lock = threading.Lock()
+
+    def run(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name="sao-plugin", daemon=True).start()
+        inbox.put(job)
+
+    def _serve(self, inbox: queue.SimpleQueue[Callable[[], None]]) -> None:
+        while True:
+            inbox.get()()
+            with self._lock:
+                if len(self._idle) >= self.keep:
+                    return
+                self._idle.append(inbox)
+
+
+_WORKERS = _Workers()
 
 
 def _contained(fn: Callable[..., Any], args: tuple[Any, ...], plugin: str, row: str) -> Any:

@@ -29,8 +29,7 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,8 +47,6 @@ COMPILE_MODES: dict[str, tuple[str, ...]] = {
     "default": (),  # vLLM's -O2: torch.compile warm-up on the first start, a compile cache after that
 }
 FINISH_REASONS = ("stop", "length")
-# Connection failures worth another try: the server is starting, restarting or briefly overloaded.
-_RETRYABLE = (ConnectionError, http.client.RemoteDisconnected, TimeoutError, socket.timeout)
 REPLY_LIMITS = Limits(max_bytes=256 << 20)  # a reply of the vLLM server: token ids and log-probs of a batch
 
 
@@ -133,8 +130,9 @@ class VllmClient:
 
     Every request retries connection failures until ``connect_deadline`` seconds have passed since it began, then
     raises one ``VllmError`` naming the URL; ``timeout`` bounds each attempt. ``alive`` (a server sao started):
-    once it says the process is gone, a connection failure is raised at once instead of waited out. No proxy is ever
-    used (the server is local), whatever the environment says.
+    once it says the process is gone, a connection failure is raised at once instead of waited out. Each thread keeps
+    its connection open between requests (HTTP keep-alive: no connect per completion). No proxy is ever used (the
+    server is local), whatever the environment says.
     """
 
     def __init__(
@@ -149,7 +147,47 @@ class VllmClient:
         self.timeout = timeout
         self.connect_deadline = connect_deadline
         self.alive = alive
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"vLLM address {url!r} is not an http:// or https:// URL")
+        self._https, self._host, self._port, self._prefix = (parts.scheme == "https", parts.hostname, parts.port,
+                                                             parts.path.rstrip("/"))  # fmt: skip
+        self._local = threading.local()  # each thread keeps one connection open to the server (HTTP keep-alive)
+
+    def _connection(self) -> http.client.HTTPConnection:
+        connection = getattr(self._local, "connection", None)
+        if connection is None:
+            kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            connection = self._local.connection = kind(self._host, self._port, timeout=self.timeout)
+        return connection
+
+    def _drop_connection(self) -> None:
+        connection, self._local.connection = getattr(self._local, "connection", None), None
+        if connection is not None:
+            connection.close()
+
+    def _exchange(self, method: str, path: str, data: bytes | None, headers: dict[str, str]) -> tuple[int, bytes]:
+        """One request on this thread's connection. A connection the server closed while it lay idle (its
+        keep-alive ran out) fails before any reply: that is tried once more on a new connection."""
+        for attempt in (0, 1):
+            connection = self._connection()
+            reused = connection.sock is not None
+            try:
+                connection.request(method, self._prefix + path, body=data, headers=headers)
+                response = connection.getresponse()
+                status, raw = response.status, response.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self._drop_connection()
+                if reused and attempt == 0:
+                    continue
+                raise
+            except BaseException:
+                self._drop_connection()
+                raise
+            if response.will_close:
+                self._drop_connection()
+            return status, raw
+        raise AssertionError("unreachable")
 
     def _request(
         self, method: str, path: str, body: Mapping[str, Any] | None = None, *, deadline: float | None = None
@@ -160,16 +198,11 @@ class VllmClient:
         wait = self.connect_deadline if deadline is None else deadline
         give_up, pause = time.monotonic() + wait, 0.1
         while True:
-            request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
             try:
-                with self._opener.open(request, timeout=self.timeout) as response:
-                    status, raw = response.status, response.read()
+                status, raw = self._exchange(method, path, data, headers)
                 break
-            except urllib.error.HTTPError as error:
-                status, raw = error.code, error.read()
-                break
-            except (urllib.error.URLError, *_RETRYABLE) as error:
-                reason = getattr(error, "reason", error)
+            except OSError as error:  # refused, reset, timed out, unresolvable: the server is not (yet) there
+                reason = error
                 if self.alive is not None and not self.alive():
                     raise VllmError(f"vLLM server at {self.url} has exited ({_one_line(reason)})") from None
                 if time.monotonic() + pause > give_up:

@@ -80,7 +80,7 @@ class Service:
         self.policy, self.log, self.settings, self.scorer = policy, log, settings, scorer
         self.started = time.time()
         self.served = self.refused = 0
-        self._waiting = threading.BoundedSemaphore(settings.max_waiting)
+        self.in_flight = 0  # chat requests admitted and not yet answered (counted on the event loop only)
         self._log_lock = threading.Lock()
 
     # -- the request ----------------------------------------------------------------------------------------
@@ -182,14 +182,20 @@ class Service:
     # -- serving ----------------------------------------------------------------------------------------------
 
     def admit(self) -> None:
-        """Take a place among the requests in flight (the event loop calls this before any thread is used, so
-        the bound is reachable whatever the thread pool's size), or a 503 in OpenAI's shape; ``leave`` after."""
-        if not self._waiting.acquire(blocking=False):
+        """Take a place among the requests in flight, or a 503 in OpenAI's shape; ``leave`` after. Both run on the
+        event loop before and after any thread is used, so a plain count is exact and the bound is reachable
+        whatever the thread pool's size."""
+        if self.in_flight >= self.settings.max_waiting:
             raise HTTPProblem(503, f"more than {self.settings.max_waiting} requests are waiting; retry later",
                               "overloaded", "server_error")  # fmt: skip
+        self.in_flight += 1
 
     def leave(self) -> None:
-        self._waiting.release()
+        self.in_flight -= 1
+
+    def answer(self, body: Any) -> dict[str, Any]:
+        """The response to one chat-completions body: ``parse``, then ``complete``."""
+        return self.complete(self.parse(body))
 
     def complete(self, request: dict[str, Any]) -> dict[str, Any]:
         """Draw the reply, grade it when the request carried task fields, log it, and build the response."""
@@ -423,8 +429,7 @@ def create_app(service: Service) -> FastAPI:
         service.admit()
         try:
             body = await _json_body(request)
-            parsed = await run_in_threadpool(service.parse, body)
-            return JSONResponse(await _guarded(service.complete, parsed))
+            return JSONResponse(await _guarded(service.answer, body))  # one trip to the thread pool
         finally:
             service.leave()
 
