@@ -236,6 +236,37 @@ def test_multi_turn_segments_mask_observations_and_put_each_turns_reward_on_its_
     assert r.turns.count.tolist() == [2, 1] and r.turns.total.tolist() == [1.5, 1.0]
 
 
+def spanning_record(i, versions, **changes):
+    """A two-action agent trajectory whose assistant segments ``versions`` (two) served."""
+    rec = segments_record(i, policy_version=versions[0], **changes)
+    rec["segments"][2]["policy_version"] = versions[1]
+    return rec
+
+
+def test_a_trajectory_served_by_several_versions_has_each_tokens_staleness_and_its_oldest_bounds_it(
+    tmp_path, tokenizer
+):
+    lines = [spanning_record(0, (1, 3)), record(1, policy_version=2), spanning_record(2, (0, 3)),
+             spanning_record(3, (2, 5))]  # fmt: skip
+    source = make_source(write_log(tmp_path / "log.jsonl", lines), tokenizer, max_staleness=2)
+    (batch,) = drain(source, policy_version=3)
+    assert batch.task_ids == ["r0", "r1"] and batch.staleness == [2, 1]  # a row's staleness: its oldest token's
+    token = batch.token_staleness()
+    assert token[0].tolist() == [2, 2, 2, 2, 0, 0]  # actions by v1, the tool's reply, actions by v3
+    assert token[1, :3].tolist() == [1, 1, 1]
+    assert batch.rollout.versions[0].tolist() == [1, 1, 1, 1, 3, 3]
+    # r2's first action (v0) is 3 versions old, past the bound, though its second is fresh; r3's second is from v5
+    assert source.counts["dropped_too_stale"] == 1 and source.counts["dropped_future_version"] == 1
+
+
+def test_a_segments_policy_version_that_is_not_a_version_is_one_line(tmp_path, tokenizer):
+    bad = segments_record(1)
+    bad["segments"][2]["policy_version"] = -2
+    path = write_log(tmp_path / "log.jsonl", [record(0), bad])
+    with pytest.raises(DataError, match=r"log.jsonl:2: field 'segments\[2\].policy_version'"):
+        drain(make_source(path, tokenizer))
+
+
 def test_a_trace_at_another_temperature_is_dropped_and_counted(tmp_path, tokenizer):
     path = write_log(tmp_path / "log.jsonl", [record(0, temperature=0.7), record(1), record(2)])
     said = []

@@ -69,7 +69,7 @@ class Trace:
     """One usable trajectory, as lists (it lives in the source's state until it is batched)."""
 
     id: str
-    version: int
+    version: int  # the oldest action token's version (the record's policy_version unless a segment is older)
     temperature: float
     prompt: list[int]
     response: list[int]
@@ -81,6 +81,15 @@ class Trace:
     task: dict[str, Any] | None = None
     cut: bool = False  # finish_reason "length": the last action hit the token limit
     where: str = ""
+    # per response token: the version that sampled it, when assistant segments carry their own policy_version (an
+    # agent whose later actions a newer adapter served); None: every token is ``version``'s
+    versions: list[int] | None = None
+
+    @property
+    def newest(self) -> int:
+        """The newest version among the action tokens."""
+        return self.version if self.versions is None else max(v for v, a in zip(self.versions, self.action,
+                                                                                 strict=True) if a)  # fmt: skip
 
     @property
     def rewarded(self) -> bool:
@@ -316,22 +325,27 @@ def parse_trace(record: dict[str, Any], tokens: Tokens, where: str) -> Trace:
         segments = record["segments"]
         if not isinstance(segments, list) or not segments:
             raise _Bad("segments", "must be a non-empty list of {role, token_ids[, logprobs]}")
-        ids, values, action, turn_ends = [], [], [], []
+        ids, values, action, turn_ends, versions = [], [], [], [], []
         for j, segment in enumerate(segments):
             name = f"segments[{j}]"
             if not isinstance(segment, dict) or not isinstance(segment.get("role"), str):
                 raise _Bad(name, "must be an object with a role")
             role = segment["role"]
             seg_ids = _token_ids(segment.get("token_ids"), name + ".token_ids", tokens.vocab_size)
+            seg_version = segment.get("policy_version", record["policy_version"])
+            if not _integer(seg_version) or not 0 <= seg_version < 1 << 63:
+                raise _Bad(name + ".policy_version", f"must be a whole number >= 0, got {seg_version!r}")
             if role == "assistant":
                 values += _logprobs(segment.get("logprobs"), name + ".logprobs", len(seg_ids))
                 action += [True] * len(seg_ids)
                 ids += seg_ids
+                versions += [seg_version] * len(seg_ids)
                 turn_ends.append(len(ids) - 1)
             elif role in OBSERVATION_ROLES:
                 values += [0.0] * len(seg_ids)
                 action += [False] * len(seg_ids)
                 ids += seg_ids
+                versions += [versions[-1] if versions else record["policy_version"]] * len(seg_ids)
             else:
                 raise _Bad(name + ".role", f"must be assistant or one of {', '.join(OBSERVATION_ROLES)}, got {role!r}")
         if not turn_ends:
@@ -345,10 +359,13 @@ def parse_trace(record: dict[str, Any], tokens: Tokens, where: str) -> Trace:
                 raise _Bad("turn_rewards", problem)
             turn_rewards = [float(x) for x in given]
     reward = record.get("reward")
+    version = int(record["policy_version"])
+    spans = "segments" in record and any(v != version for v in versions)  # a segment of another version
     return Trace(
-        id=record["id"], version=int(record["policy_version"]), temperature=float(record["temperature"]),
-        prompt=prompt, response=ids, logprobs=values, action=action, turn_ends=turn_ends, turn_rewards=turn_rewards,
-        reward=None if reward is None else float(reward), task=record.get("task"), cut=finish == "length", where=where,
+        id=record["id"], version=min(v for v, a in zip(versions, action, strict=True) if a) if spans else version,
+        temperature=float(record["temperature"]), prompt=prompt, response=ids, logprobs=values, action=action,
+        turn_ends=turn_ends, turn_rewards=turn_rewards, reward=None if reward is None else float(reward),
+        task=record.get("task"), cut=finish == "length", where=where, versions=versions if spans else None,
     )  # fmt: skip
 
 
@@ -552,9 +569,9 @@ class TraceSource:
     def _admit(self, policy_version: int) -> None:
         """Drop the waiting trajectories that are too stale or from a future version, counting each."""
         kept = []
-        for trace in self.ready:
+        for trace in self.ready:  # the bound holds for every action token: the oldest is the row's staleness
             staleness = policy_version - trace.version
-            if staleness < 0:
+            if policy_version - trace.newest < 0:
                 self.counts["dropped_future_version"] += 1
             elif staleness > self.max_staleness:
                 self.counts["dropped_too_stale"] += 1
@@ -623,6 +640,10 @@ class TraceSource:
                 turn_rewards[i, t.turn_ends[-1]] = t.reward
         texts = self.tokenizer.batch_decode([t.response for t in rows], skip_special_tokens=True)
         d = self.device
+        versions = None
+        if any(t.versions is not None for t in rows):  # [B, R] each token's version (a row of one: that one)
+            versions = torch.tensor([(t.versions or [t.version] * len(t.response)) + [t.version] * (R - len(t.response))
+                                     for t in rows], dtype=torch.long, device=d)  # fmt: skip
         return Rollout(
             prompt_ids=prompt_ids.to(d), prompt_mask=prompt_mask.to(d), response_ids=response_ids.to(d),
             response_mask=response_mask.to(d), action_mask=action_mask.to(d), sampler_logprobs=logprobs.to(d),
@@ -631,6 +652,7 @@ class TraceSource:
                         tool_calls=torch.zeros(B, dtype=torch.long, device=d),
                         tool_errors=torch.zeros(B, dtype=torch.long, device=d),
                         unfinished=torch.zeros(B, dtype=torch.bool, device=d)),
+            versions=versions,
         )  # fmt: skip
 
     def info(self) -> dict[str, Any]:

@@ -42,7 +42,7 @@ class Turns:
         return self.rewards.sum(dim=1)
 
 
-PER_TOKEN = ("response_ids", "response_mask", "action_mask", "sampler_logprobs")  # [B, R]
+PER_TOKEN = ("response_ids", "response_mask", "action_mask", "sampler_logprobs", "versions")  # [B, R]
 
 
 @dataclass
@@ -58,6 +58,9 @@ class Rollout:
     cut: torch.Tensor  # [B] bool: the last action hit a token limit before it finished
     texts: list[str] = field(default_factory=list)  # decoded responses, special tokens dropped
     turns: Turns | None = None  # multi-turn trajectories only
+    # [B, R] long: the adapter version that sampled each action token, where one trajectory spans versions (a
+    # multi-turn episode whose later actions a newer adapter drew); None: each row's tokens share one version
+    versions: torch.Tensor | None = None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -134,8 +137,10 @@ class Rollout:
                 return torch.cat([pad(t, R, False if t.dtype == torch.bool else filler, False) for t in parts])
             return torch.cat([t.to(device) for t in parts])
 
+        if len({r.versions is None for r in rollouts}) > 1:  # rows of one version each: that version per token
+            raise ValueError("Rollout.concat: mixing rollouts with and without per-token versions")
         values = {f.name: stack(f.name, lambda r, n=f.name: getattr(r, n)) for f in dataclasses.fields(Rollout)
-                  if f.name not in ("texts", "turns")}  # fmt: skip
+                  if f.name not in ("texts", "turns") and getattr(rollouts[0], f.name) is not None}  # fmt: skip
         turns = None
         if rollouts[0].turns is not None:
             turns = Turns(**{f.name: stack("turns." + f.name, lambda r, n=f.name: getattr(r.turns, n))
@@ -151,11 +156,25 @@ class Batch:
 
     task_ids: list[str]
     rollout: Rollout
-    staleness: list[int]
+    staleness: list[int]  # [B] each row's staleness: that of its oldest action token
     info: dict[str, Any] = field(default_factory=dict)  # the source's counters, logged with the step
     # Rows that carry their own task (logged traces): row i's task fields, to be graded by the task's reward, or
     # None where the row's reward is already in ``rollout.turns``. None: every task id names a training task.
     tasks: list[dict[str, Any] | None] | None = None
+
+    def token_staleness(self) -> torch.Tensor:
+        """[B, R] long: the staleness of each response token, from ``rollout.versions`` where a row spans versions
+        (token staleness = the row's − (the token's version − the row's oldest action version)), else the row's
+        own for every token. Off the action tokens it is the row's."""
+        r = self.rollout
+        row = torch.tensor(self.staleness, dtype=torch.long, device=r.action_mask.device)[:, None]  # [B, 1]
+        if r.versions is None:
+            return row.expand_as(r.action_mask).clone()
+        versions = r.versions.to(torch.long)  # [B, R]
+        top = torch.iinfo(torch.long).max
+        oldest = versions.masked_fill(~r.action_mask, top).min(dim=1, keepdim=True).values  # [B, 1]
+        oldest = torch.where(oldest == top, versions[:, :1], oldest)  # a row with no action token
+        return torch.where(r.action_mask, row - (versions - oldest), row)
 
 
 @dataclass(frozen=True)

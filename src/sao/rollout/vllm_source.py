@@ -6,7 +6,9 @@
     VllmSource      the recipe's stale sampler with vLLM as the sampler: its adapter is refreshed every LAG policy
                     steps (LAG 0: before every draw), each batch drawn at once, one seeded request per prompt
     VllmAsyncSource requests stay in flight while the trainer steps, admitted under ``--max-staleness`` K by the
-                    version-tied rule the Ray workers use (nothing dropped), spread over every server
+                    version-tied rule the Ray workers use (nothing dropped), spread over every server; an
+                    episode's later actions are drawn by the adapter published by then, each token keeping its
+                    version (a row is as stale as its oldest token)
 
 Token in, token out: sao renders the chat template and sends token ids; vLLM returns token ids and log-probs after
 temperature (``processed_logprobs``); nothing is re-tokenised. With an environment each action is one request
@@ -26,7 +28,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,9 +180,10 @@ class Drawn:
     """One trajectory as vLLM drew it, as lists, with the adapter version that wrote it."""
 
     task_id: str
-    version: int
+    version: int  # the version of its first action: the oldest of its tokens (admission goes by it)
     prompt: list[int]
     response: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per response token: the version that sampled it
     action: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)  # per token: a turn's reward on its last action token
@@ -218,8 +221,11 @@ class _Drawing:
     def prompt_ids(self, task_id: str) -> list[int]:
         return self.tokenizer(self.prompts[task_id], add_special_tokens=False)["input_ids"]
 
-    def draw(self, task_id: str, version: int, name: str, seed: int, server: int) -> Drawn:
-        """One trajectory of ``task_id`` by adapter ``name`` (version ``version``)."""
+    def draw(self, task_id: str, version: int, name: str, seed: int, server: int,
+             newest: Callable[[], tuple[int, str]] | None = None) -> Drawn:  # fmt: skip
+        """One trajectory of ``task_id`` by adapter ``name`` (version ``version``). With ``newest`` (the asynchronous
+        source), each later action of an episode is drawn by the adapter ``newest()`` names then: a trajectory in
+        flight when a new adapter is published goes on under it, every token recording its version."""
         r = self.config.rollout
         if self.episodes is None:
             prompt = self.prompt_ids(task_id)
@@ -227,11 +233,13 @@ class _Drawing:
             reply = self.fleet.complete(server, prompt, model=name, max_tokens=max(1, min(r.max_new_tokens, room)),
                                         temperature=r.temperature, seed=seed, stop_token_ids=self.eos)  # fmt: skip
             ids = reply.completion_token_ids
-            return Drawn(task_id, version, prompt, list(ids), [True] * len(ids), list(reply.sampler_logprobs),
+            return Drawn(task_id, version, prompt, list(ids), [version] * len(ids), [True] * len(ids),
+                         list(reply.sampler_logprobs),
                          cut=reply.finish_reason == "length" and ids[-1] not in self.eos)  # fmt: skip
-        return self._episode(task_id, version, name, seed, server)
+        return self._episode(task_id, version, name, seed, server, newest)
 
-    def _episode(self, task_id: str, version: int, name: str, seed: int, server: int) -> Drawn:
+    def _episode(self, task_id: str, version: int, name: str, seed: int, server: int,
+                 newest: Callable[[], tuple[int, str]] | None) -> Drawn:  # fmt: skip
         """A multi-turn episode, as ``sao.rollout.episodes`` draws one, an action per request."""
         e, r, tok, calls = self.episodes, self.config.rollout, self.tokenizer, self.env_calls
         env_name = calls.name
@@ -265,6 +273,8 @@ class _Drawing:
                 if room < 1:
                     d.unfinished, d.context_cut = True, context_room < 1 and len(d.response) < e.max_total_tokens
                     return d
+                if newest is not None and d.turns > 0:  # a later action: the adapter published by now draws it
+                    version, name = newest()
                 reply = self.fleet.complete(server, d.prompt + d.response, model=name, max_tokens=room,
                                             temperature=r.temperature, seed=derived_seed(seed, d.turns),
                                             stop_token_ids=self.eos)  # fmt: skip
@@ -281,6 +291,7 @@ class _Drawing:
                 else:
                     d.cut = ended is None and len(ids) >= room
                 d.response += ids
+                d.versions += [version] * len(ids)
                 d.action += [True] * len(ids)
                 d.logprobs += logps
                 d.rewards += [0.0] * len(ids)
@@ -318,6 +329,7 @@ class _Drawing:
                         f"{f'over {room}' if obs_ids is None else len(obs_ids)} tokens, {room} left"
                     )
                 d.response += obs_ids
+                d.versions += [version] * len(obs_ids)
                 d.action += [False] * len(obs_ids)
                 d.logprobs += [0.0] * len(obs_ids)
                 d.rewards += [0.0] * len(obs_ids)
@@ -348,6 +360,10 @@ class _Drawing:
                 logprobs[i, :n] = torch.tensor(d.logprobs, dtype=torch.float32)
                 if d.rewards:
                     rewards[i, :n] = torch.tensor(d.rewards, dtype=torch.float32)
+        spans = any(len(set(d.versions)) > 1 for d in rows)
+        versions = None
+        if spans:  # [B, R] each token's version (padding: the row's first)
+            versions = torch.tensor([d.versions + [d.version] * (R - len(d.versions)) for d in rows], dtype=torch.long)
         texts = self.tokenizer.batch_decode([d.response for d in rows], skip_special_tokens=True)
         turns = None
         if self.episodes is not None:
@@ -359,7 +375,7 @@ class _Drawing:
                           timeouts=torch.tensor([d.timed_out for d in rows]),
                           context_cuts=torch.tensor([d.context_cut for d in rows]))  # fmt: skip
         return Rollout(prompt_ids, prompt_mask, response_ids, response_mask, action_mask, logprobs,
-                       torch.tensor([d.cut for d in rows]), texts, turns).to(self.device)  # fmt: skip
+                       torch.tensor([d.cut for d in rows]), texts, turns, versions).to(self.device)  # fmt: skip
 
     def adapter(self, version: int) -> Path | None:
         """The folder of the adapter version ``version`` drew with (for re-scoring under it), while it exists."""
@@ -445,6 +461,7 @@ class VllmAsyncSource(_Drawing):
         self.cond = threading.Condition()
         self.buffer: list[Drawn] = []
         self.in_flight: dict[int, Drawn] = {}
+        self.using: dict[int, int] = {}  # trajectory in flight → the version its current action is drawn by
         self.next_seq, self.version, self.name = 0, 0, None
         self.retry: list[int] = []  # sequence numbers pending at a checkpoint: drawn again first
         self.error: BaseException | None = None
@@ -468,12 +485,19 @@ class VllmAsyncSource(_Drawing):
                 self.next_seq += 1
             d = Drawn(self.order.id_at(seq), self.version, [], seq=seq, deadline=self.admission.deadline)
             self.in_flight[seq] = d
+            self.using[seq] = self.version
             self.pool.submit(self._run, d, self.name)
+
+    def _newest(self, seq: int) -> tuple[int, str]:
+        """The adapter published last, for the next action of trajectory ``seq`` (kept loaded while it may use it)."""
+        with self.cond:
+            self.using[seq] = self.version
+            return self.version, self.name
 
     def _run(self, slot: Drawn, name: str) -> None:
         try:
             drawn = self.draw(slot.task_id, slot.version, name, derived_seed(self.seed, slot.seq, "vllm-async"),
-                              slot.seq)  # fmt: skip
+                              slot.seq, newest=lambda: self._newest(slot.seq))  # fmt: skip
             drawn.seq, drawn.deadline = slot.seq, slot.deadline
         except BaseException as error:  # the trainer's next_batch raises it
             with self.cond:
@@ -482,6 +506,7 @@ class VllmAsyncSource(_Drawing):
             return
         with self.cond:
             self.in_flight.pop(slot.seq, None)
+            self.using.pop(slot.seq, None)
             self.buffer.append(drawn)
             self.counts["received"] += 1
             self._issue()
@@ -506,12 +531,15 @@ class VllmAsyncSource(_Drawing):
             self.buffer = [d for d in self.buffer if id(d) not in taken]
             self.admission.formed_batch(step)
             self.counts["admitted"] += len(chosen)
-            versions = [d.version for d in chosen]
+            versions = [d.version for d in chosen]  # each row's oldest
             needed = {d.version for d in self.buffer} | {d.version for d in self.in_flight.values()} | {self.version}
-            needed |= set(versions)  # the trainer may re-score this batch under its versions
+            needed |= set(self.using.values())  # the versions in-flight actions are drawn by
+            needed |= {v for d in chosen for v in d.versions} | set(versions)  # the trainer may re-score under them
         self.fleet.release(needed)
         info = {"admitted_total": self.counts["admitted"], "received_total": self.counts["received"],
-                "waited_s": time.perf_counter() - started, "vllm_versions": sorted(set(versions)),
+                "waited_s": time.perf_counter() - started, "vllm_versions": sorted({v for d in chosen
+                                                                                   for v in d.versions or versions}),
+                "spanning_rows": sum(len(set(d.versions)) > 1 for d in chosen),
                 "staleness_max": max(policy_version - v for v in versions),
                 "vllm_restarts_total": self.fleet.restarts}  # fmt: skip
         return Batch(task_ids=[d.task_id for d in chosen], rollout=self.rollout(chosen),

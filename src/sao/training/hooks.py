@@ -132,8 +132,7 @@ class FootingAudit(Hook):
         if self.footing is not None or self.temperature == 1.0:
             return {}
         rollout = batch.rollout
-        fresh = torch.tensor([s == 0 for s in batch.staleness], device=rollout.action_mask.device)  # [B]
-        mask = rollout.action_mask & fresh[:, None]  # [B, R] action tokens of staleness-0 rows
+        mask = rollout.action_mask & (batch.token_staleness() == 0)  # [B, R] action tokens at staleness 0
         if not bool(mask.any()):
             return {}
         recorded = rollout.sampler_logprobs[mask]  # [N]
@@ -199,12 +198,10 @@ class Mismatch(Hook):
 
     def on_pass(self, trainer: Trainer, batch: Batch, forward: TeacherForced) -> dict[str, Any]:
         rollout = batch.rollout
-        staleness = torch.tensor(batch.staleness, device=rollout.action_mask.device)  # [B]
+        staleness = batch.token_staleness()  # [B, R] each token's
         recorded = rollout.sampler_logprobs  # [B, R]
         now = trainer.world.gather_rows(forward.logprobs.detach())  # [B, R] every rank's rows (as is on one)
-        out: dict[str, Any] = {
-            "mismatch_fresh": _mean_abs(now - recorded, rollout.action_mask & (staleness == 0)[:, None])
-        }
+        out: dict[str, Any] = {"mismatch_fresh": _mean_abs(now - recorded, rollout.action_mask & (staleness == 0))}
         fresh = out["mismatch_fresh"]
         if self.tolerance is not None and fresh == fresh and fresh > self.tolerance:
             raise DataError(
@@ -213,16 +210,17 @@ class Mismatch(Hook):
                 "published (or another model, or other numerics: raise --sampler-tolerance for a bf16 engine)"
             )
         adapter = getattr(trainer.source, "adapter", None)
-        stale = [i for i, s in enumerate(batch.staleness) if s > 0]
-        if adapter is None or not stale:
+        stale = rollout.action_mask & (staleness > 0)  # [B, R]
+        if adapter is None or not bool(stale.any()):
             return out
-        version = trainer.policy_version - batch.staleness[stale[0]]
-        rows = [i for i in stale if trainer.policy_version - batch.staleness[i] == version][: self.rows]
-        weights = adapter(version)
+        level = int(staleness[stale][0])  # the first stale token's staleness: its version is re-scored
+        at_level = rollout.action_mask & (staleness == level)  # [B, R]
+        rows = [i for i in range(len(batch.staleness)) if bool(at_level[i].any())][: self.rows]
+        weights = adapter(trainer.policy_version - level)
         if weights is None:
             return out
         then = self._rescore(trainer, rollout, rows, weights)  # [n, R] under the version that drew them
-        mask = rollout.action_mask[rows]
+        mask = at_level[rows]  # the tokens that version drew (a row may span versions)
         out["mismatch_rescored"] = _mean_abs(then - recorded[rows], mask)
         out["staleness_drift"] = _mean_abs(now[rows] - then, mask)
         return out

@@ -24,16 +24,17 @@ from sao.rollout.sources import POLICY
 from sao.rollout.types import Rollout
 
 
-def masked_by_staleness(update: Update, action_mask: torch.Tensor, staleness: list[int]) -> dict[str, float]:
-    """The masked share among the action tokens of the rows at each staleness level ({"4": 0.12, ...}; a masked
-    token is an action token with a finite ratio that carries no gradient), what the random control matches."""
-    level = torch.tensor(staleness, device=action_mask.device)  # [B]
+def masked_by_staleness(update: Update, action_mask: torch.Tensor, token_staleness: torch.Tensor) -> dict[str, float]:
+    """The masked share among the action tokens at each staleness level ({"4": 0.12, ...}; a masked token is an
+    action token with a finite ratio that carries no gradient), what the random control matches. Levels are each
+    token's own (``token_staleness`` [B, T]): a row that spans versions counts at several levels."""
+    level = token_staleness.to(action_mask.device)  # [B, T]
     masked = action_mask & ~update.mask & torch.isfinite(update.ratio)  # [B, T]
     out = {}
-    for value in sorted(set(staleness)):
-        rows = level == value  # [B]
-        tokens = float(action_mask[rows].sum())
-        out[str(value)] = float(masked[rows].sum()) / tokens if tokens else 0.0
+    for value in sorted(set(level.flatten().tolist())):  # every row's level (off its actions) and every token's
+        tokens = action_mask & (level == value)  # [B, T]
+        count = float(tokens.sum())
+        out[str(value)] = float((masked & tokens).sum()) / count if count else 0.0
     return out
 
 
@@ -44,6 +45,7 @@ def step_record(
     policy_step: int | None,
     policy_version: int,
     staleness: list[int],
+    token_staleness: torch.Tensor,
     rollout: Rollout,
     rewards: torch.Tensor,
     update: Update,
@@ -51,7 +53,8 @@ def step_record(
     grad_norm: float,
     skipped: bool,
 ) -> dict[str, Any]:
-    """The log record of one step (before the caller adds arm, seed, timings and the source's counters)."""
+    """The log record of one step (before the caller adds arm, seed, timings and the source's counters).
+    ``staleness`` [B] is each row's (its oldest action token's), ``token_staleness`` [B, T] each token's."""
     s = update.stats
     ratio = update.ratio[rollout.action_mask]  # [N]
     log_ratio = ratio.log()
@@ -77,8 +80,11 @@ def step_record(
         "skipped": skipped,
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_hist": histogram,
-        "masked_share_by_staleness": masked_by_staleness(update, rollout.action_mask, staleness),
+        "masked_share_by_staleness": masked_by_staleness(update, rollout.action_mask, token_staleness),
     }
+    if rollout.versions is not None:  # trajectories that span versions: action tokens at each staleness
+        levels = token_staleness.to(rollout.action_mask.device)[rollout.action_mask].tolist()
+        record["token_staleness_hist"] = {str(v): levels.count(v) for v in sorted(set(levels))}
     if rollout.turns is not None:  # multi-turn trajectories: how the agent used its environment
         turns = rollout.turns
         calls = float(turns.tool_calls.sum())

@@ -203,7 +203,8 @@ class Trainer:
                                    rollout.action_mask[own], self.sao.critic_steps, world=self.world)  # fmt: skip
         record = step_record(
             step=g, phase=phase, policy_step=g - self.warmup_length if policy_step else None,
-            policy_version=self.policy_version, staleness=batch.staleness, rollout=rollout, rewards=rewards,
+            policy_version=self.policy_version, staleness=batch.staleness, token_staleness=batch.token_staleness(),
+            rollout=rollout, rewards=rewards,
             update=result.update, critic_loss=critic_loss, grad_norm=grad_norm, skipped=skipped,
         )  # fmt: skip
         if self.sao.baseline != "critic":  # the update's EV is the fixed baseline's: the critic's, beside it
