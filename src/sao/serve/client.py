@@ -10,19 +10,28 @@ the client waits ``--retry-wait`` and tries again). Standard library only.
 
 Prints one line every ``--every`` replies: the mean reward of those replies and the adapter versions that
 wrote them, so a reward that rises as the trainer publishes is visible here.
+
+``run_agents`` plays the tiny-calc agent through the same endpoint the way an agent harness does: a request per
+action, the tool run here (sleeping a seeded random time, as a slow tool would), and each whole episode appended to
+an agent trace log of its own as one ``segments`` record, every assistant segment with the adapter version that
+served it (so an episode that spans a published update is trained token by token on the right versions).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from sao.core.errors import DataError
@@ -132,6 +141,151 @@ def run(
             window = []
     mean = sum(rewards) / len(rewards) if rewards else float("nan")
     return {"sent": sent, "ok": ok, "failed": failed, "reward_mean": mean, "versions": dict(sorted(versions.items()))}
+
+
+def calc_tasks(seed: int) -> list[Any]:
+    """The tiny-calc training tasks (``Task``s: messages, gold answer), in a seeded order."""
+    from sao.core.config import Config
+    from sao.tasks.setup import task_set
+
+    split = task_set(Config.preset("tiny", env="tiny-calc"))
+    tasks = list(split.train)
+    random.Random(seed).shuffle(tasks)
+    return tasks
+
+
+class AgentLog:
+    """An agent harness's trace log: whole episodes, one JSON line each, appended and fsynced under a lock."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self.lock = threading.Lock()
+
+    def append(self, record: dict[str, Any]) -> None:
+        line = (json.dumps(record) + "\n").encode()
+        with self.lock, open(self.path, "ab") as handle:
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def run_agents(
+    url: str,
+    log: str | os.PathLike[str],
+    *,
+    count: int,
+    max_seconds: float,
+    concurrency: int = 8,
+    tool_seconds: float = 0.5,
+    max_turns: int = 3,
+    timeout: float = 30.0,
+    seed: int = 0,
+    max_errors: int = 30,
+    retry_wait: float = 0.5,
+    wrong_while_serving: int | None = None,
+    wrong_from: int | None = None,
+    say=print,
+) -> dict[str, Any]:
+    """Play up to ``count`` tiny-calc episodes against the chat endpoint at ``url``, ``concurrency`` at once, and
+    append each finished one to ``log``. The tool sleeps up to ``tool_seconds`` (seeded) before it answers.
+
+    An action is the reply cut after the calculator's stop string (the tokens kept are a prefix of the sample); the
+    next request renders the conversation again, and its prompt must start with every token so far (else the episode
+    is not logged: counted ``misaligned``); what follows them is the tool's segment. ``wrong_while_serving`` V: an
+    episode whose last action V served earns 0 (a simulated regression of V on live traffic); ``wrong_from`` V: so
+    does one whose last action any version from V on served (a regression that every later version carries)."""
+    from sao.tasks.calc import TAG_CLOSE
+    from sao.tiny.calculator import make_env
+
+    if urllib.parse.urlsplit(url).hostname not in LOOPBACK:
+        raise SystemExit(f"sao.serve.client: {url} is not a loopback address; this client only talks to this machine")
+    endpoint, agent_log = url.rstrip("/") + "/v1/chat/completions", AgentLog(log)
+    tasks, deadline = calc_tasks(seed), time.monotonic() + max_seconds
+    counts: Counter[str] = Counter()
+    versions: Counter[str] = Counter()
+    rewards: list[float] = []
+    lock, errors = threading.Lock(), [0]
+
+    def request(body: dict[str, Any]) -> dict[str, Any] | None:
+        while time.monotonic() < deadline:
+            try:
+                status, reply = post(endpoint, body, timeout)
+            except OSError:  # refused while the server restarts: wait and send again
+                status, reply = 0, {}
+            if status == 200:
+                with lock:
+                    errors[0] = 0
+                return reply
+            with lock:
+                errors[0] += 1
+                if errors[0] >= max_errors:
+                    return None
+            time.sleep(retry_wait)
+        return None
+
+    def episode(i: int) -> None:
+        task, rng = tasks[i % len(tasks)], random.Random(f"{seed}:{i}")
+        env = make_env(task)
+        messages, _ = env.init(task.chat())
+        prompt: list[int] = []  # the first request's prompt
+        tokens: list[int] = []  # the prompt, then every segment so far
+        segments: list[dict[str, Any]] = []
+        turn_rewards: list[float] = []
+        finish, served = "stop", None
+        for turn in range(max_turns):
+            reply = request({"messages": messages, "logprobs": True, "seed": seed * 1_000_003 + i * 16 + turn})
+            if reply is None:
+                with lock:
+                    counts["failed"] += 1
+                return
+            asked = reply["sao"]["prompt_token_ids"]
+            if turn == 0:
+                prompt = tokens = list(asked)
+            elif asked[: len(tokens)] != tokens:
+                with lock:
+                    counts["misaligned"] += 1
+                return
+            else:
+                segments.append({"role": "tool", "token_ids": asked[len(tokens) :]})
+                tokens = list(asked)
+            choice = reply["choices"][0]
+            ids, entries = reply["sao"]["completion_token_ids"], choice["logprobs"]["content"]
+            logprobs = [entry["logprob"] for entry in entries]
+            text, finish = choice["message"]["content"], choice["finish_reason"]
+            for k in range(len(ids)):  # cut after the stop string: the rest of the sample is not an action
+                piece = bytes(b for entry in entries[: k + 1] for b in entry["bytes"]).decode(errors="replace")
+                if piece.endswith(TAG_CLOSE):
+                    ids, logprobs, text, finish = ids[: k + 1], logprobs[: k + 1], piece, "stop"
+                    break
+            served = int(reply["sao"]["policy_version"])
+            segments.append({"role": "assistant", "token_ids": ids, "logprobs": logprobs, "policy_version": served})
+            tokens = tokens + ids
+            time.sleep(rng.uniform(0.0, tool_seconds))  # the tool's own time
+            result = env.step(text)
+            turn_rewards.append(float(result["reward"]))
+            if result["done"] or finish == "length":
+                break
+            messages = [*messages, {"role": "assistant", "content": text}, *result["observations"]]
+        if served == wrong_while_serving or (wrong_from is not None and served is not None and served >= wrong_from):
+            turn_rewards = [0.0] * len(turn_rewards)
+        record = {"id": f"agent-{seed}-{i}", "policy_version": segments[0]["policy_version"], "temperature": 1.0,
+                  "prompt_token_ids": prompt, "segments": segments, "turn_rewards": turn_rewards,
+                  "finish_reason": finish}  # fmt: skip
+        agent_log.append(record)
+        with lock:
+            counts["logged"] += 1
+            counts["spanning"] += len({s["policy_version"] for s in segments if s["role"] == "assistant"}) > 1
+            versions[str(served)] += 1
+            rewards.append(sum(turn_rewards))
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(episode, range(count)))
+    mean = sum(rewards) / len(rewards) if rewards else float("nan")
+    say(
+        f"agents: {counts['logged']} episodes logged ({counts['spanning']} spanning versions), {counts['misaligned']} "
+        f"misaligned, {counts['failed']} failed; mean reward {mean:.3f}; last action by version {dict(versions)}"
+    )
+    return {**dict(counts), "reward_mean": mean, "versions": dict(versions)}
 
 
 def main(argv: list[str] | None = None) -> int:

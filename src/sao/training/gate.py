@@ -128,6 +128,11 @@ class LiveRewards:
             version = self.pending.pop(record["id"], None)
             return 0 if version is None else self._add(version, record.get("reward"))
         version = record.get("policy_version")
+        segments = record.get("segments")
+        if isinstance(segments, list):  # an agent served by several versions: its outcome is its last action's
+            served = [s.get("policy_version", version) for s in segments
+                      if isinstance(s, dict) and s.get("role") == "assistant"]  # fmt: skip
+            version = served[-1] if served else version
         if not isinstance(version, int) or isinstance(version, bool):
             return 0
         reward = record.get("reward")
