@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU engine's first run on one lent H200, as one script (about 6 minutes, 9 at most):
-#   1. the GPU tests: pytest -m gpu tests/test_engine.py  (CUDA graph = eager step, lag-0 agreement on CUDA,
+#   1. the GPU tests: pytest -m gpu tests/rollout/test_engine.py  (CUDA graph = eager step, lag-0 agreement on CUDA,
 #      the SDPA backend the decode step takes, a failed capture that frees its memory, the shared pool)
 #   2. the bench: python bench/bench.py --record BENCHMARKS.md --out bench.json
 # Why a script: device time is short and counted from the machine's start, so everything that belongs to the
@@ -37,8 +37,8 @@ echo "outputs: $out"
 } | tee "$out/env.txt"
 
 status=0
-echo "== 1/2 pytest -m gpu tests/test_engine.py"
-timeout 150 "$PYTHON" -m pytest -m gpu tests/test_engine.py -p no:cacheprovider -rA \
+echo "== 1/2 pytest -m gpu tests/rollout/test_engine.py"
+timeout 150 "$PYTHON" -m pytest -m gpu tests/rollout/test_engine.py -p no:cacheprovider -rA \
     --junitxml="$out/pytest-gpu.xml" 2>&1 | tee "$out/pytest-gpu.log" || status=1
 
 echo "== 2/2 python bench/bench.py --record BENCHMARKS.md --out bench.json ${BENCH_ARGS:-}"

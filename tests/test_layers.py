@@ -54,6 +54,18 @@ def test_the_layers_are_the_folders():
     assert {p.name for p in PACKAGE.glob("*.py")} == {"__init__.py", "__main__.py", "api.py", "cli.py"}
 
 
+def test_the_tests_mirror_the_layers():
+    """tests/<layer>/ for each layer's modules (tests/cli/ for the command line and sao.api); at the top only the
+    checks of the package as a whole: its layers, its docs, its bench and its minimal example."""
+    tests = Path(__file__).resolve().parent
+    folders = {
+        p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__")) and p.name != "fixtures"
+    }
+    assert folders <= set(LAYERS) - {"api"}, sorted(folders - set(LAYERS))
+    assert {p.name for p in tests.glob("test_*.py")} == {"test_layers.py", "test_docs.py", "test_bench.py",
+                                                          "test_minimal_example.py"}  # fmt: skip
+
+
 def test_no_module_imports_a_higher_layer():
     upward = [f"{m} -> {dep}" for m, deps in graph().items() for dep in deps if layer(dep) > layer(m)]
     assert upward == [], "imports must go down the layers:\n" + "\n".join(sorted(upward))

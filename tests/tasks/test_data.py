@@ -22,7 +22,7 @@ from sao.tasks.gsm8k import (
     word_ngrams,
 )
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "gsm8k"
+DATA = Path(__file__).resolve().parents[2] / "data" / "gsm8k"
 
 
 # --- the real local data --------------------------------------------------------------------------------

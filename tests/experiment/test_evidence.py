@@ -11,7 +11,7 @@ import pytest
 
 from sao.experiment import evidence
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def test_the_results_page_block_is_the_one_the_committed_json_gives():

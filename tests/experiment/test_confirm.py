@@ -202,7 +202,7 @@ def test_seeds_of_reads_every_kind_of_exploratory_file():
     assert confirm.seeds_of({"cells": [{"arms": {"dis": {"runs": {"dis-s4": {"seed": 4}}}}}]}) == {4}
     # the committed sweeps' format: "seeds" counts the seeds, which start at the config's seed
     assert confirm.seeds_of({"seeds": 4, "config": {"seed": 17}}) == {17, 18, 19, 20}
-    committed = Path(__file__).resolve().parents[1] / "docs" / "sweep-tiny-lr2e-3" / "sweep.json"
+    committed = Path(__file__).resolve().parents[2] / "docs" / "sweep-tiny-lr2e-3" / "sweep.json"
     assert confirm.seeds_of(json.loads(committed.read_text())) == {17, 18, 19, 20}
 
 
@@ -303,7 +303,7 @@ def test_confirm_prints_the_power_before_it_trains(tmp_path, monkeypatch, capsys
     assert "warning: the plan's power is 0.00, below 0.8" in err
 
 
-COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "confirm-tiny"
+COMMITTED = Path(__file__).resolve().parents[2] / "docs" / "confirm-tiny"
 
 
 def test_the_committed_plan_still_parses_and_keeps_holm_over_everything():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def _sao(args: list[str], cwd: Path, **env: str) -> tuple[subprocess.CompletedProcess, float]:

@@ -24,7 +24,7 @@ from sao.tasks.custom import load_custom, source_kind
 from sao.tasks.gsm8k import build_messages, decontaminate, load_gsm8k
 from sao.tasks.setup import task_set
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "gsm8k"
+DATA = Path(__file__).resolve().parents[2] / "data" / "gsm8k"
 NOUNS = ["apples", "pencils", "marbles", "tickets", "stamps", "books", "shells", "coins"]
 
 

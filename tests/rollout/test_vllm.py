@@ -5,7 +5,7 @@ The server is the session's one on the shipped tiny model (``tiny_vllm``; its st
 cores, nearly all of it importing vLLM in its processes), here with random PEFT LoRA adapters. The reference for
 every log-prob is a teacher-forced pass of the same weights in HF transformers + PEFT (sao's venv):
 log_softmax(logits / T) at each sampled token. The process tree gone after stop is checked where a run launches
-its own server (tests/test_vllm_source.py).
+its own server (tests/rollout/test_vllm_source.py).
 
 Skipped when ``.venv-vllm`` is absent (``make install-vllm`` builds it). The server tests are marked ``slow``; the
 reply checks and the unreachable-URL case need no server. Deliberately left out: throughput numbers (see

@@ -53,6 +53,7 @@ def test_gae_over_real_multi_turn_rollouts_matches_the_slow_reference(tiny_model
     """Per-turn rewards and observation gaps from real episodes, through SAO.update, against the per-token
     reference loop: the advantages and the return-to-go targets agree to float64 precision."""
     pytest.importorskip("skyrl_gym")
+    from helpers import reference_per_turn
     from sao.algorithm.update import SAO
     from sao.model.policy import load_base
     from sao.rollout.episodes import draw_episodes
@@ -60,7 +61,6 @@ def test_gae_over_real_multi_turn_rollouts_matches_the_slow_reference(tiny_model
     from sao.tasks.environments import env_factory
     from sao.tasks.gsm8k import build_messages
     from sao.tiny import arithmetic as tiny
-    from test_algorithm import reference_per_turn
 
     lm, tokenizer = load_base(tiny_model_dir, torch.device("cpu"))
     split = tiny.make_split(16, 8)

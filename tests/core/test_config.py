@@ -257,7 +257,7 @@ def test_critic_warmup_takes_a_count_or_auto_from_flags_and_files(tmp_path):
 # tests/fixtures/config-before-sections.json is the config.json that `sao train --preset tiny --steps 2
 # --critic-warmup 1 --batch-size 8 --train-prompts 32 --test-prompts 8` wrote before settings had sections: one flat
 # object, the correction rule called "arm", the band "band" and the rollout source "engine".
-BEFORE_SECTIONS = Path(__file__).parent / "fixtures" / "config-before-sections.json"
+BEFORE_SECTIONS = Path(__file__).resolve().parents[1] / "fixtures" / "config-before-sections.json"
 RENAMED = {"arm": "correction", "band": "ratio", "engine": "rollout"}
 
 

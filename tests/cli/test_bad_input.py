@@ -13,7 +13,7 @@ import pytest
 
 from sao.cli import main
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "gsm8k"
+DATA = Path(__file__).resolve().parents[2] / "data" / "gsm8k"
 GOOD = '{"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = 7\\n#### 7"}\n'
 
 

@@ -11,14 +11,14 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from grading_corpus import LABELLED, NASTY
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sao.tasks.gsm8k.grading as grading
-from grading_corpus import LABELLED, NASTY
 from sao.tasks.gsm8k.grading import MAX_DIGITS, WINDOW, extract_answer, math_equal, reward
 
-GSM8K_TEST = Path(__file__).resolve().parents[1] / "data" / "gsm8k" / "test.jsonl"
+GSM8K_TEST = Path(__file__).resolve().parents[2] / "data" / "gsm8k" / "test.jsonl"
 TIME_BOUND_S = 0.05  # the bound the module docstring states, per call
 
 
@@ -686,7 +686,7 @@ def test_rule_tables_hold_several_cases_and_near_misses():
         assert len({expected for _, expected in table}) >= 2  # replies the rule changes and ones it leaves
 
 
-# Replies labelled by hand (tests/grading_corpus.py): the grader must agree on all but the known misses,
+# Replies labelled by hand (tests/tasks/grading_corpus.py): the grader must agree on all but the known misses,
 # each a case the rules decide on purpose or cannot see.
 KNOWN_MISSES = {
     "20 - 5 = 15 apples.": "a restatement in a later sentence (an echoed question) is taken for a choice",

@@ -103,7 +103,7 @@ def test_report_on_a_hostile_results_json_is_one_line(tmp_path, capsys, case, fa
 
 
 def test_a_plan_citing_a_hostile_run_is_one_line(tmp_path, capsys, faults):
-    plan = (Path(__file__).resolve().parents[1] / "docs" / "confirm-tiny" / "plan.yaml").read_text()
+    plan = (Path(__file__).resolve().parents[2] / "docs" / "confirm-tiny" / "plan.yaml").read_text()
     plan = plan.replace("exploratory: [../sweep-tiny/sweep.json, ../sweep-tiny-lr2e-3/sweep.json]",
                         "exploratory: [cited.json]")  # fmt: skip
     (tmp_path / "plan.yaml").write_text(plan)
@@ -191,7 +191,7 @@ def test_a_hostile_trace_line_stops_in_one_line_or_is_skipped_and_resumed_past(t
 
 
 def test_a_plan_asking_for_a_trillion_seeds_is_one_line(tmp_path, capsys, faults):
-    plan = (Path(__file__).resolve().parents[1] / "docs" / "confirm-tiny" / "plan.yaml").read_text()
+    plan = (Path(__file__).resolve().parents[2] / "docs" / "confirm-tiny" / "plan.yaml").read_text()
     for seeds, needle in (("{first: 1001, count: 1000000000000}", "1 <= count <= 10000"),
                           ("[1, 99999999999999999999]", "from 0 to 2**63 - 1")):  # fmt: skip
         text = plan.replace("seeds: {first: 1001, count: 16}", f"seeds: {seeds}")

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import reference_per_turn
 from sao.algorithm.update import CORRECTIONS, SAO, gae, monte_carlo_returns
 from sao.core.errors import ConfigError
 
@@ -352,29 +353,6 @@ def test_invalid_batches_name_the_field():
 
 # ------------------------------------------------------------------------------------------------------
 # Per-turn rewards: `rewards` [B, T], each turn's reward on its last action token.
-
-
-def reference_per_turn(values, rewards, action_mask, alpha):
-    """Per row: list the action positions, then δ_k, A_k and G_t straight from their definitions, one token
-    at a time. Returns (advantages, value targets, λ per row)."""
-    B, T = len(values), len(values[0])
-    adv = [[0.0] * T for _ in range(B)]
-    targets = [[0.0] * T for _ in range(B)]
-    lams = []
-    for i in range(B):
-        pos = [t for t in range(T) if action_mask[i][t]]
-        L = len(pos)
-        lam = max(0.0, 1.0 - 1.0 / (alpha * L)) if L else 0.0
-        lams.append(lam)
-        a_next = 0.0
-        for k in reversed(range(L)):
-            v_next = values[i][pos[k + 1]] if k + 1 < L else 0.0
-            delta = rewards[i][pos[k]] + v_next - values[i][pos[k]]
-            a_next = delta + lam * a_next
-            adv[i][pos[k]] = a_next
-        for t in range(T):
-            targets[i][t] = sum(rewards[i][p] for p in pos if p >= t)  # G_t: rewards at or after t
-    return adv, targets, lams
 
 
 def multi_turn_batch(B, T, seed, dtype=torch.float64, spread=0.3, p_zero_reward=0.3):

@@ -377,7 +377,7 @@ def test_the_agent_loop_survives_kills_spans_versions_holds_back_a_broken_adapte
     flight across a reload span versions; every logged episode is accounted for once."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "serve_loop.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "serve_loop.py"
     spec = importlib.util.spec_from_file_location("sao_serve_loop", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
