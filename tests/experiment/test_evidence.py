@@ -45,3 +45,21 @@ def test_the_whole_grid_estimand_takes_one_value_per_seed_over_the_cells():
     half = 4.302652729911275 * statistics.stdev(per_seed) / 3**0.5  # t(0.975, 2)
     assert grid["delta"] == pytest.approx(statistics.fmean(per_seed)) and grid["n"] == 3 and grid["cells"] == 2
     assert (grid["ci_low"], grid["ci_high"]) == pytest.approx((grid["delta"] - half, grid["delta"] + half))
+
+
+def test_the_critics_explained_variance_is_summarised_per_arm_over_every_cell_and_seed():
+    results = _results()
+    given = {  # (cell, arm): each seed's (EV at the warmup's end, EV over the last 10 steps)
+        ("a", "dis"): [(-0.1, 0.02), (0.0, -0.01), (0.1, 0.03)],
+        ("b", "dis"): [(0.2, 0.05), (0.0, 0.01), (-0.2, -0.04)],
+        ("a", "none"): [(0.0, 0.0), (0.0, 0.1), (0.3, 0.2)],
+        ("b", "none"): [(0.1, 0.1), (-0.1, 0.1), (0.0, 0.1)],
+    }
+    for cell in results["cells"]:
+        for name, block in cell["arms"].items():
+            for run, (warmup, last) in zip(block["runs"].values(), given[cell["name"], name], strict=True):
+                run["checks"] = {"critic_ev_warmup_end": warmup, "critic_ev_last10": last}
+    ev = evidence.critic_ev(results)
+    assert ev["dis"]["runs"] == 6 and ev["dis"]["above_0"] == 4
+    assert ev["dis"]["last10_min"] == -0.04 and ev["dis"]["last10_median"] == pytest.approx(0.015)
+    assert ev["none"]["above_0"] == 5 and ev["none"]["warmup_median"] == pytest.approx(0.0)
