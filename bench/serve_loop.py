@@ -235,7 +235,8 @@ class Loop:
         if python is None:
             raise SystemExit("serve_loop: --vllm needs .venv-vllm (make install-vllm)")
         started = time.monotonic()
-        model = (calculator if self.args.agent else arithmetic).ensure_model(progress=False)
+        agent = self.args.agent  # the calculator agent's model, or the arithmetic one
+        model = calculator.ensure_calc_model(progress=False) if agent else arithmetic.ensure_model(progress=False)
         server = VllmServer(model, python=python, max_model_len=256, max_lora_rank=16,
                             max_loras=4, seed=0, log_path=self.out / "vllm.log",
                             env={"VLLM_CACHE_ROOT": str(self.out / "vllm-cache")})  # fmt: skip
