@@ -195,6 +195,22 @@ def log_rewards(path: Path, version: int, rewards: list[float], start: int = 0) 
                                      "reward": r}) + "\n")  # fmt: skip
 
 
+def test_a_candidate_within_the_margin_of_the_served_version_but_not_of_the_best_one_is_held_back(tmp_path):
+    """Candidates each within the margin of the last cannot walk the served quality down: v0 scored 0.80 on the
+    held-aside tasks and v1 0.70 (within 0.1 of it); a candidate at 0.66 is within 0.1 of v1, not of v0."""
+    trainer, gate = fake_trainer(tmp_path), served_chain(tmp_path, [0, 1])
+    ones = lambda k: [1.0] * k + [0.0] * (200 - k)  # noqa: E731 (200 held-aside tasks, the first k right)
+    gate.chain[0]["scores"], gate.chain[1]["scores"] = ones(160), ones(140)
+    gate.held = SimpleNamespace(scores=lambda model: ones(132))
+    trainer.models = SimpleNamespace(policy=None)
+    gate.on_update(trainer, 2)
+    (decision,) = gate.decisions
+    assert decision["decision"] == "held_back" and decision["served"] == 1 and decision["best"] == 0
+    assert decision["lower"] > -0.1 >= decision["best_lower"], decision
+    assert gate.served == 1 and not (tmp_path / "published" / "v2").exists()
+    assert "against the best served v0" in trainer.said[-1]
+
+
 def test_a_version_that_regresses_on_live_traffic_is_rolled_back(tmp_path):
     rng = np.random.default_rng(1)
     trainer, gate = fake_trainer(tmp_path), served_chain(tmp_path, [0, 2])

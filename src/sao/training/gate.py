@@ -5,7 +5,8 @@ being served, and a served one that does worse on live traffic than its predeces
                  for the run: every version answers the same tasks with the same seeds (paired task by task)
     publish      after each policy update, ``stats.noninferior`` of the candidate against the served version:
                  published when the one-sided (1 − alpha) lower bound of candidate − served is above −margin,
-                 else held back (the trainer trains on from the candidate)
+                 and likewise against the best held-aside mean served so far (so candidates each within the
+                 margin of the last cannot walk down), else held back (the trainer trains on from the candidate)
     rollback     with ``--traces``, each version's live rewards (a trace's ``reward``/``turn_rewards`` or its
                  feedback) are tested after every step against the version served before (``stats.regression``:
                  always-valid confidence sequences); when the whole interval lies below −margin, LATEST.json names
@@ -214,11 +215,17 @@ class Gate(Hook):
         if not trainer.world.is_main:
             return
         served = self.chain[-1]
+        best = max(self.chain, key=lambda c: _mean(c["scores"]))  # the best held-aside mean served so far
         candidate = self.held.scores(trainer.models.policy)
         self._check_range(trainer, candidate)
         test = stats.noninferior(served["scores"], candidate, self.margin, self.alpha)
         interval = {"delta": test.delta, "lower": test.lower, "p_value": test.p_value, "n": test.n,
                     "candidate_mean": test.candidate_mean, "served_mean": test.served_mean}  # fmt: skip
+        if best is not served:  # and against the best: candidates each within the margin of the last cannot walk down
+            anchor = stats.noninferior(best["scores"], candidate, self.margin, self.alpha)
+            interval |= {"best": best["version"], "best_delta": anchor.delta, "best_lower": anchor.lower,
+                         "best_mean": anchor.served_mean}  # fmt: skip
+            test = test if not test.passed else anchor
         if test.passed:
             self._publish(trainer, version)
             self.chain.append({"version": version, "scores": candidate})
@@ -335,9 +342,15 @@ def describe(d: dict[str, Any]) -> str:
         return f"published v{v} (the first version; held-aside mean {d.get('held_aside_mean', float('nan')):.3f})"
     if kind in ("published", "held_back"):
         word = "published" if kind == "published" else "held back"
-        return (f"{word} v{v} against the served v{d['served']}: candidate − served {d['delta']:+.3f} over "
+        served_fails = kind == "held_back" and not (d["lower"] is not None and d["lower"] > -d["margin"])
+        text = (f"{word} v{v} against the served v{d['served']}: candidate − served {d['delta']:+.3f} over "
                 f"{d['n']} held-aside tasks, one-sided {1 - d['alpha']:.0%} lower bound {d['lower']:+.3f} "
-                f"{'>' if kind == 'published' else '<='} −{d['margin']:g}")  # fmt: skip
+                f"{'<=' if served_fails else '>'} −{d['margin']:g}")  # fmt: skip
+        if d.get("best") is not None:
+            best_fails = kind == "held_back" and not served_fails
+            text += (f"; against the best served v{d['best']}: {d['best_delta']:+.3f}, lower bound "
+                     f"{d['best_lower']:+.3f} {'<=' if best_fails else '>'} −{d['margin']:g}")  # fmt: skip
+        return text
     target = d["served"] if kind == "rolled_back" else d.get("to")
     word = "rolled back" if kind == "rolled_back" else "could not roll back"
     return (f"{word} v{v} to v{target}: "
