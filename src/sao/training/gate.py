@@ -215,7 +215,7 @@ class Gate(Hook):
         if not trainer.world.is_main:
             return
         served = self.chain[-1]
-        best = max(self.chain, key=lambda c: _mean(c["scores"]))  # the best held-aside mean served so far
+        best = max(reversed(self.chain), key=lambda c: _mean(c["scores"]))  # the best served so far (ties: newest)
         candidate = self.held.scores(trainer.models.policy)
         self._check_range(trainer, candidate)
         test = stats.noninferior(served["scores"], candidate, self.margin, self.alpha)
