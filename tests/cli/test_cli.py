@@ -53,3 +53,12 @@ def test_a_failed_start_leaves_the_output_folder_empty(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--preset", "tiny", "--quiet", "--model", "./no/such/model", "--out", str(out)]) == 2
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_serve_help_lists_the_settings_serving_reads_and_no_training_one(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    flags = {word for word in capsys.readouterr().out.split() if word.startswith("--")}
+    read = {"--model", "--lora-rank", "--reward", "--reward-timeout", "--temperature", "--traces", "--upstream"}
+    assert read <= flags
+    assert not flags & {"--grad-checkpoint", "--logprob-chunk", "--lr", "--lag", "--steps", "--critic-warmup"}
