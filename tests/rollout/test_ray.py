@@ -336,6 +336,8 @@ def test_async_run_drops_nothing_and_replaced_workers_deliver(ray_module, tiny_m
     def after_update_with_faults(version: int) -> None:
         publish(version)
         if version == 2:
+            # one worker can draw the first batches alone while the other still starts: both must be up to be hit
+            _wait_until(lambda: all(s.pid is not None and s.ready for s in source.slots), 300, "both workers start")
             killed, frozen = source.slots
             seen["originals"] = (killed.actor, frozen.actor)
             seen["stopped"] = psutil.Process(frozen.pid)
