@@ -9,8 +9,8 @@ nothing was lost or used twice.
     python bench/serve_loop.py --out runs/loop-gate --gate-margin 0.12 --gate-alpha 0.1 --regress-version 6 \
         --break-versions 7,8,9 --max-staleness 8          # the gate: published, held back, rolled back
     python bench/serve_loop.py --out runs/loop-agent --agent --vllm --requests 192 --gate-margin 0.2 \
-        --gate-alpha 0.2 --gate-tasks 24 --break-versions 5-14 --break-after 15 --regress-from 15 \
-        --max-staleness 300 --until-rollback 640            # the tiny-calc agent with a slow tool, gated
+        --gate-alpha 0.2 --gate-tasks 24 --break-versions 5-14 --clone-served 15 --break-after 15 \
+        --regress-version 15 --max-staleness 300 --until-rollback 640   # the tiny-calc agent with a slow tool, gated
 
 With ``--agent`` the client is an agent harness (``sao.serve.client.run_agents``): the tiny-calc agent, a request
 per action, a calculator that sleeps up to ``--tool-seconds``, ``--agent-concurrency`` episodes at once; it appends
@@ -25,10 +25,11 @@ as it would behind a load balancer).
 With ``--gate-margin`` the trainer runs ``--gate held-out`` on the 120 held-out tasks (disjoint from the client's);
 ``--break-versions`` scales the LoRA B of those candidates ×50 while the gate judges them (restored after its
 decision: a deliberately broken adapter, here to be held back), and ``--break-after V`` every candidate once a
-version from V on has been published (so that one stays served); ``--regress-version V`` makes the client send a
-wrong gold answer while the server reports serving V, so V's live replies earn 0 (a simulated live regression,
-here to be rolled back); ``--regress-from V`` (with ``--agent``) does so for every version from V on, whichever
-of them the gate publishes first. ``--until-rollback N`` sends up to N more, until the gate has rolled one back.
+version from V on has been published (so that one stays served); ``--clone-served V`` makes candidate V a copy of
+the best adapter served so far before it is judged, so that it is published whatever training did meanwhile.
+``--regress-version V`` makes the client send a wrong gold answer while the server reports serving V, so V's live
+replies earn 0 (a simulated live regression, here to be rolled back); ``--regress-from V`` (with ``--agent``) does so
+for every version from V on. ``--until-rollback N`` sends up to N more, until the gate has rolled one back.
 The gate's decisions are printed at the end.
 
 Phases: the client sends a third of ``--requests``; SIGKILL the server and start it again on the same port and
@@ -142,8 +143,9 @@ class Loop:
         if a.gate_margin is not None:
             argv += ["--gate", "held-out", "--gate-margin", str(a.gate_margin), "--gate-alpha", str(a.gate_alpha),
                      "--gate-tasks", str(a.gate_tasks)]  # fmt: skip
-        if a.break_versions or a.break_after is not None:  # this file as the trainer: the saboteur beside the gate
-            plan = json.dumps({"versions": versions(a.break_versions), "after": a.break_after})
+        if a.break_versions or a.break_after is not None or a.clone_served is not None:  # the saboteur beside the gate
+            plan = json.dumps({"versions": versions(a.break_versions), "after": a.break_after,
+                               "clone": a.clone_served})  # fmt: skip
             argv = [sys.executable, __file__, "--trainer-child", plan, "--", *argv[len(SAO) :]]
         return self.start("train", [*argv, "--resume"] if resume else argv)
 
@@ -341,6 +343,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gate-tasks", type=int, default=0, help="held-aside tasks the gate plays (default 0: all)")
     p.add_argument("--break-versions", default="", help="candidate versions broken (LoRA B x50) while gated: 5-9,12")
     p.add_argument(
+        "--clone-served",
+        type=int,
+        help="make this candidate a copy of the best adapter served so far before the gate judges it (it is published)",
+    )
+    p.add_argument(
         "--break-after",
         type=int,
         help="break every candidate once a version from this one on has been published (it stays served)",
@@ -369,28 +376,29 @@ def versions(text: str) -> list[int]:
 
 
 def trainer_child(plan: str, argv: list[str]) -> int:
-    """`sao train argv` with a hook before the gate that scales the LoRA B of some candidates ×50 while the gate
-    judges them and restores them after the step (the bench's deliberately broken adapters): those in the plan's
-    "versions", and with "after" V every candidate once a version V or later has been published (OUT/gate.jsonl), so
-    that the first of them stays served."""
+    """`sao train argv` with a hook before the gate (the bench's saboteur). It scales the LoRA B of some candidates
+    ×50 while the gate judges them and restores them after the step (deliberately broken adapters): those in the
+    plan's "versions", and with "after" V every candidate once a version V or later has been published, so that the
+    first of them stays served. With "clone" V, candidate V is made a copy of the best adapter served so far before it
+    is judged (so the gate publishes it: the version a simulated live regression is pinned on, whatever training
+    did)."""
     import torch
+    from safetensors.torch import load_file
 
     from sao.cli import main
-    from sao.model.policy import lora_state
+    from sao.model.policy import POLICY_ADAPTER, lora_state
     from sao.training import build
     from sao.training.trainer import Hook
 
     spec = json.loads(plan)
-    listed, after = set(spec["versions"]), spec["after"]
+    listed, after, clone = set(spec["versions"]), spec["after"], spec.get("clone")
 
     def broken(trainer, version: int) -> bool:
         if version in listed:
             return True
-        log = trainer.out / "gate.jsonl"
-        if after is None or not log.exists():
-            return False
-        decisions = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-        return any(d["decision"] == "published" and d["version"] >= after for d in decisions)
+        gate = next((h for h in trainer.hooks if h.name == "gate"), None)
+        return after is not None and gate is not None and any(
+            d["decision"] == "published" and d["version"] >= after for d in gate.decisions)  # fmt: skip
 
     class Saboteur(Hook):
         name = "saboteur"
@@ -402,8 +410,20 @@ def trainer_child(plan: str, argv: list[str]) -> int:
                     if "lora_B" in name:
                         p.mul_(factor)
 
+        def copy_served(self, trainer) -> None:
+            """The candidate's LoRA := the adapter of the best version served so far (the gate's held-aside mean), so
+            that the gate, which holds candidates to the served and the best version, publishes it."""
+            gate = next(h for h in trainer.hooks if h.name == "gate")
+            best = max(reversed(gate.chain), key=lambda c: sum(c["scores"]) / max(len(c["scores"]), 1))["version"]
+            state = load_file(str(trainer.out / "published" / f"v{best}" / "adapter_model.safetensors"))
+            with torch.no_grad():
+                for name, p in lora_state(trainer.models.policy).items():
+                    p.copy_(state[name.replace(f".{POLICY_ADAPTER}.", ".")].to(p))
+
         def on_update(self, trainer, version: int) -> None:
-            if broken(trainer, version):
+            if version == clone:
+                self.copy_served(trainer)
+            elif broken(trainer, version):
                 self.scale(trainer, 50.0)
                 self.scaled = True
 
