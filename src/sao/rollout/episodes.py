@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +81,8 @@ class _Columns:
     action: list[torch.Tensor] = field(default_factory=list)  # [B] bool: written by the model
     logprobs: list[torch.Tensor] = field(default_factory=list)  # [B] float32
     rewards: list[torch.Tensor] = field(default_factory=list)  # [B] float32: a turn's reward on its last token
+    versions: list[torch.Tensor] = field(default_factory=list)  # [B] long: the adapter version the column was fed at
+    version: int = 0  # the adapter version the decoder holds now
 
     def add(self, ids, real, action, logprobs) -> None:
         self.ids.append(ids)
@@ -88,6 +90,7 @@ class _Columns:
         self.action.append(action)
         self.logprobs.append(logprobs)
         self.rewards.append(torch.zeros_like(logprobs))
+        self.versions.append(torch.full_like(ids, self.version))
 
 
 @torch.no_grad()
@@ -110,6 +113,7 @@ def draw_episodes(
     close: bool = False,
     name: str = "the environment",
     tasks: Sequence[str] | None = None,
+    refresh: Callable[[], int] | None = None,
 ) -> Rollout:
     """One episode per environment (see docs/design/episodes.md), on the decoder's own stepper: the plain loop's
     model with its adapter, or the engine's static cache. ``env_concurrency``: steps in flight at once (0: one
@@ -119,7 +123,11 @@ def draw_episodes(
     ``close`` on the loop its steps ran on);
     ``name`` and ``tasks`` (each row's task id): what the one-line faults call the environment and the row. An
     ``EnvFault`` in place of an environment (building it failed) ends that row before it acts, counted. A row's
-    prompt and response never pass the decoder's ``context_length``."""
+    prompt and response never pass the decoder's ``context_length``. ``refresh`` (asynchronous sources): called
+    before the first action and between turns, it loads a newer adapter into the decoder if there is one and
+    returns the version the decoder now holds; on a change the cache is computed again under the new weights and
+    the episodes go on under it, every token recording its version (``Rollout.versions`` where a row spans
+    versions). Only the turn loop calls it (``rejoin="row"`` has no moment when no row is acting)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
     tasks = list(tasks) if tasks is not None else [f"row {i}" for i in range(len(envs))]
@@ -151,9 +159,15 @@ def draw_episodes(
                 _fault(row, starts[i])
             rows.append(row)
         limits = _Limits(max_new_tokens, max_turns, temperature, set(eos_token_ids), pad_token_id)
-        run = _run_concurrent if rejoin == "row" else _run
-        with decoder.stepper(len(rows), prompt_ids.shape[1] + max_total_tokens) as net:
-            rollout = run(net, rows, tokenizer, prompt_ids, prompt_mask, limits, calls, generator)
+        session = _Session(decoder, len(rows), prompt_ids.shape[1] + max_total_tokens)
+        try:
+            if rejoin == "row":
+                rollout = _run_concurrent(session.open(), rows, tokenizer, prompt_ids, prompt_mask, limits, calls,
+                                          generator)  # fmt: skip
+            else:
+                rollout = _run(session, rows, tokenizer, prompt_ids, prompt_mask, limits, calls, generator, refresh)
+        finally:
+            session.close()
         _tell_faults(rows, name)
         return rollout
     finally:
@@ -202,16 +216,47 @@ class _Limits:
     pad: int
 
 
-def _run(net: Stepper, rows: list[_Row], tokenizer, prompt_ids, prompt_mask, lim: _Limits, calls: EnvCalls,
-         generator) -> Rollout:  # fmt: skip
-    """The batch-synchronous loop (``env_concurrency`` 0): every turn waits until no row is acting, then steps
-    every finished row's environment in row order; one [B, V] draw of the batch generator per decode step."""
-    B, device = len(rows), generator.device
+class _Session:
+    """The decoder's stepper, opened again when the adapter changes under it (a fresh cache for new weights)."""
 
+    def __init__(self, decoder: Decoder, rows: int, capacity: int):
+        self.decoder, self.rows, self.capacity, self._open = decoder, rows, capacity, None
+
+    def open(self) -> Stepper:
+        self.close()
+        self._open = self.decoder.stepper(self.rows, self.capacity)
+        return self._open.__enter__()
+
+    def close(self) -> None:
+        if self._open is not None:
+            opened, self._open = self._open, None
+            opened.__exit__(None, None, None)
+
+
+def _refeed(net: Stepper, prompt_ids, prompt_mask, cols: _Columns) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every column so far, prompt and response, fed to a fresh cache in one chunk: each row's last hidden state
+    [B, H] and its next position [B]."""
+    ids = torch.cat([prompt_ids, torch.stack(cols.ids, 1)], dim=1)  # [B, P + C]
+    real = torch.cat([prompt_mask.bool(), torch.stack(cols.real, 1)], dim=1)  # [B, P + C]
+    positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, P + C] as fed column by column
+    out = net.feed(ids, real, positions)  # [B, P + C, H]
+    last = (real.long() * torch.arange(ids.shape[1], device=ids.device)).argmax(dim=1)  # [B]
+    return out[torch.arange(ids.shape[0], device=ids.device), last], real.sum(dim=1)
+
+
+def _run(session: _Session, rows: list[_Row], tokenizer, prompt_ids, prompt_mask, lim: _Limits, calls: EnvCalls,
+         generator, refresh: Callable[[], int] | None = None) -> Rollout:  # fmt: skip
+    """The turn loop: every turn waits until no row is acting, then steps every finished row's environment (at
+    once, on the pool) and applies the outcomes in row order; one [B, V] draw of the batch generator per decode
+    step. Between turns ``refresh`` may change the adapter: then the cache is fed again from the start."""
+    B, device = len(rows), generator.device
+    cols = _Columns()
+    if refresh is not None:
+        cols.version = refresh()
+    net = session.open()
     positions = position_ids_from(prompt_mask.long())
     hidden = net.feed(prompt_ids, prompt_mask.bool(), positions)[:, -1]  # [B, H] each acting row samples from
     next_pos = positions[:, -1] + 1  # [B]
-    cols = _Columns()
     pending = None  # the last sampled column, not yet fed to the cache
 
     while True:
@@ -249,6 +294,12 @@ def _run(net: Stepper, rows: list[_Row], tokenizer, prompt_ids, prompt_mask, lim
         for j in range(1 if pending is not None else 0, chunk.shape[1]):  # the observation columns
             real = chunk_mask[:, j].bool()
             cols.add(chunk[:, j], real, torch.zeros_like(real), torch.zeros(B, device=device))
+        if refresh is not None and (version := refresh()) != cols.version:  # a newer adapter: the rest under it
+            cols.version = version
+            net = session.open()
+            hidden, next_pos = _refeed(net, prompt_ids, prompt_mask, cols)
+            pending = None
+            continue
         chunk_pos = next_pos[:, None] + chunk_mask.cumsum(dim=1) - 1  # [B, L]
         out = net.feed(chunk, chunk_mask.bool(), chunk_pos.clamp(min=0))  # [B, L, H]
         columns = torch.arange(chunk.shape[1], device=device)
@@ -480,7 +531,8 @@ def _compact(prompt_ids, prompt_mask, cols: _Columns, rows, tokenizer, pad: int)
         B, device = prompt_ids.shape[0], prompt_ids.device
         nothing = torch.zeros(B, dtype=torch.bool, device=device)
         cols.add(torch.full((B,), pad, device=device), nothing, nothing, torch.zeros(B, device=device))
-    fed = {name: torch.stack(getattr(cols, name), 1) for name in ("ids", "real", "action", "logprobs", "rewards")}
+    names = ("ids", "real", "action", "logprobs", "rewards", "versions")
+    fed = {name: torch.stack(getattr(cols, name), 1) for name in names}
     real = fed["real"]  # [B, C]
     B, R = real.shape[0], max(int(real.sum(dim=1).max()), 1)
     out = {name: torch.zeros(B, R, dtype=t.dtype, device=t.device) for name, t in fed.items()}  # [B, R] each
@@ -489,6 +541,9 @@ def _compact(prompt_ids, prompt_mask, cols: _Columns, rows, tokenizer, pad: int)
         n = int(real[i].sum())
         for name, t in fed.items():
             out[name][i, :n] = t[i][real[i]]
+    versions = out["versions"]  # [B, R]
+    oldest = versions.masked_fill(~out["action"], 2**62).min(dim=1, keepdim=True).values  # [B, 1]
+    spans = bool((out["action"] & (versions != oldest)).any())
     kept = [out["ids"][i][out["real"][i]].tolist() for i in range(B)]
     texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
     dev = real.device
@@ -501,6 +556,7 @@ def _compact(prompt_ids, prompt_mask, cols: _Columns, rows, tokenizer, pad: int)
         sampler_logprobs=out["logprobs"],
         cut=torch.tensor([r.cut for r in rows], device=dev),
         texts=texts,
+        versions=versions if spans else None,
         turns=Turns(
             rewards=out["rewards"],
             count=torch.tensor([r.turns for r in rows], device=dev),

@@ -4,18 +4,21 @@ N ``RolloutWorker`` actors, each with its own base model + LoRA adapter, decode 
 ``Decoder`` in one Ray placement group (never on the trainer's GPU when sao starts the cluster). Admission is tied
 to policy versions (as in AReaL and SkyRL): a call is issued only while everything submitted fits in the batches up
 to its deadline, so nothing trains more than K = ``max_staleness`` updates old; batches are taken earliest deadline
-first, so nothing is dropped. The adapter is published with ``ray.put`` after every policy step; a hung or dead
-worker is replaced and its prompts drawn again. The source's counters go into every step's log record.
+first, so nothing is dropped. The adapter is published with ``ray.put`` after every policy step (and posted on an
+``AdapterBoard`` actor, where a worker looks between the turns of its episodes: an episode in flight goes on under
+the newest version, each token recording its own); a hung or dead worker is replaced and its prompts drawn again.
+The source's counters go into every step's log record.
 
 A Ray run is not bit-reproducible (the local engine is the one for experiments). Deliberately left out: a separate
-inference engine, sharding one model over devices, partial rollouts, shared environments, and pinning the
-trainer's GPU on a cluster sao did not start. Design notes: docs/design/ray-workers.md.
+inference engine, sharding one model over devices, interrupting a single reply for a new adapter, shared
+environments, and pinning the trainer's GPU on a cluster sao did not start. Design notes: docs/design/ray-workers.md.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -129,21 +132,56 @@ class RolloutWorker:
             p.copy_(weights[name].to(device=p.device, dtype=p.dtype))
         self.version = version
 
-    def draw(self, job: dict[str, Any], adapter: list[Any]) -> dict[str, Any]:
+    def draw(self, job: dict[str, Any], adapter: list[Any], board: Any = None) -> dict[str, Any]:
         """Draw one reply per prompt of ``job`` with the newest adapter; ``adapter`` is [version, ObjectRef]
-        (nested in a list so Ray fetches the weights only when the version is new to this worker)."""
-        version, ref = adapter
-        if version != self.version:
-            import ray
-
-            self.load_adapter(version, ray.get(ref))
+        (nested in a list so Ray fetches the weights only when the version is new to this worker). Episodes look
+        at ``board`` (an ``AdapterBoard``) between turns and go on under a newer version; the call answers the
+        version its first tokens were drawn by."""
+        self._take(adapter)
+        first = self.version
         generator = torch.Generator(device=self.device).manual_seed(job["seed"])
         if self.episodes is not None:  # one multi-turn episode per task, its environment built here
             tokenizer, episodes, sampling = self.tokenizer, self.episodes, self.sampling
-            rollout = draw_episode_batch(self.decoder, tokenizer, job["task_ids"], episodes, sampling, generator)
+            refresh = None if board is None else lambda: self._take(self._ray().get(board.newest.remote()))
+            rollout = draw_episode_batch(self.decoder, tokenizer, job["task_ids"], episodes, sampling, generator,
+                                         refresh=refresh)  # fmt: skip
         else:
             rollout = draw_batch(self.decoder, self.tokenizer, job["prompts"], self.sampling, generator)
-        return {"seqs": job["seqs"], "version": self.version, "rollout": rollout.to(torch.device("cpu"))}
+        return {"seqs": job["seqs"], "version": first, "rollout": rollout.to(torch.device("cpu"))}
+
+    def _take(self, adapter: list[Any] | None) -> int:
+        """Load ``adapter`` ([version, ObjectRef]) if it is newer than the one held; the version held."""
+        if adapter is not None and adapter[0] > self.version:
+            self.load_adapter(adapter[0], self._ray().get(adapter[1]))
+        return self.version
+
+    @staticmethod
+    def _ray() -> Any:
+        import ray
+
+        return ray
+
+
+def _spans(row: Rollout) -> bool:
+    """Whether a one-row rollout's action tokens were drawn by more than one adapter version."""
+    if row.versions is None or not bool(row.action_mask.any()):
+        return False
+    drawn_by = row.versions[row.action_mask]
+    return bool((drawn_by != drawn_by[0]).any())
+
+
+class AdapterBoard:
+    """The newest published adapter as [version, ObjectRef] (a list, so Ray hands the reference on unresolved):
+    the trainer posts each one, workers read it between the turns of their episodes."""
+
+    def __init__(self) -> None:
+        self.adapter: list[Any] | None = None
+
+    def post(self, adapter: list[Any]) -> None:
+        self.adapter = adapter
+
+    def newest(self) -> list[Any] | None:
+        return self.adapter
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -297,6 +335,9 @@ class RaySource:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._adapter: list[Any] | None = None  # [version, ObjectRef of the LoRA state dict]
+        # where episodes in flight find a newer adapter between turns (the turn loop only: see draw_episodes)
+        turn_loop = episodes is not None and episodes.env_rejoin == "turn"
+        self._board = ray.remote(AdapterBoard).options(num_cpus=0).remote() if turn_loop else None
         self._buffer: list[_Trajectory] = []
         self._retry: deque[int] = deque()  # sequence numbers to draw again before new ones
         # read and set under the lock
@@ -467,7 +508,7 @@ class RaySource:
                 return
             share = -(-room // (len(idle) - i))  # ceil: the rest of the room over the workers still idle
             slot.job = self._next_job(min(self.rollout_batch, share), self.admission.deadline)
-            slot.future = slot.actor.draw.remote(slot.job, self._adapter)
+            slot.future = slot.actor.draw.remote(slot.job, self._adapter, self._board)
             slot.since = time.perf_counter()
 
     # -- the pump (a driver thread) --------------------------------------------------------------------
@@ -559,6 +600,8 @@ class RaySource:
         ref = self.ray.put(weights)
         with self._cond:
             self._adapter = [version, ref]
+            if self._board is not None:
+                self._board.post.remote([version, ref])
             self.admission.published(version)
             self._cond.notify_all()
 
@@ -621,6 +664,7 @@ class RaySource:
                 "waited_for": waited_for,
                 "waited_s": waited_s,
                 "staleness_max": max(version - t.version for t in chosen),
+                "spanning_rows": sum(_spans(t.rollout) for t in chosen),
                 "workers_alive": sum(s.ready for s in self.slots),
                 "worker_restarts": per_step["worker_restarts"],
                 "worker_restarts_total": self.counts["worker_restarts"],
@@ -632,7 +676,11 @@ class RaySource:
                 "buffered": len(self._buffer),
                 "rollouts_per_s": self.counts["received"] / (time.perf_counter() - self._started_at),
             }
-        rollout = Rollout.concat([t.rollout for t in chosen], self.pad_token_id).to(self.device)
+        rows = [t.rollout for t in chosen]
+        if any(r.versions is not None for r in rows):  # some rows span versions: every row gets its tokens'
+            rows = [r if r.versions is not None else dataclasses.replace(r, versions=torch.full_like(
+                r.response_ids, t.version)) for r, t in zip(rows, chosen, strict=True)]  # fmt: skip
+        rollout = Rollout.concat(rows, self.pad_token_id).to(self.device)
         return Batch(
             task_ids=[t.task_id for t in chosen],
             rollout=rollout,
@@ -672,8 +720,8 @@ class RaySource:
         if self._thread is not None:
             self._thread.join(timeout=30)
         if self.ray.is_initialized():
-            for slot in self.slots:
-                self._kill(slot.actor)
+            for actor in [slot.actor for slot in self.slots] + [self._board] * (self._board is not None):
+                self._kill(actor)
             if self._placement is not None:
                 self._remove_placement(self._placement)
             if self.owns_ray:

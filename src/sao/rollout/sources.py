@@ -135,10 +135,11 @@ class Episodes:
 
 
 def draw_episode_batch(
-    decoder: Decoder, tokenizer: Any, task_ids: list[str], episodes: Episodes, sampling: Sampling, generator
-) -> Rollout:
+    decoder: Decoder, tokenizer: Any, task_ids: list[str], episodes: Episodes, sampling: Sampling, generator,
+    refresh: Callable[[], int] | None = None,
+) -> Rollout:  # fmt: skip
     """One multi-turn episode per task id, an environment each (closed afterwards), on the decoder's path: the
-    plain loop over its model, or the engine's static cache."""
+    plain loop over its model, or the engine's static cache. ``refresh``: as ``draw_episodes`` takes it."""
     builder = EnvCalls(1, episodes.env_timeout, episodes.name)
     envs: list[Any] = []
     try:
@@ -154,7 +155,7 @@ def draw_episode_batch(
               "env_concurrency": episodes.env_concurrency, "env_timeout": episodes.env_timeout,
               "rejoin": episodes.env_rejoin}  # fmt: skip
     return draw_episodes(decoder, tokenizer, envs, messages, generator=generator, close=True, name=episodes.name,
-                         tasks=task_ids, **limits, **sampling.as_kwargs())  # fmt: skip
+                         tasks=task_ids, refresh=refresh, **limits, **sampling.as_kwargs())  # fmt: skip
 
 
 def make_decoder(model: nn.Module, adapter: str | None, kind: str) -> Decoder:
