@@ -121,3 +121,20 @@ def test_the_public_api_still_imports_from_the_top():
     from sao import SAO, compare
 
     assert SAO().correction == "dis" and callable(compare)
+
+
+def test_the_trainer_and_the_experiment_know_no_source_by_name():
+    """``Trainer`` and ``Experiment`` take a source built from the registry: neither names one of its kinds (nor
+    "traces", nor reads ``config.rollout.source`` or ``.traces``) anywhere in its module."""
+    from sao.core.registry import SOURCES
+
+    kinds = set(SOURCES) | {"traces", "engine"}
+    for path in (PACKAGE / "training" / "trainer.py", PACKAGE / "experiment" / "runner.py"):
+        tree = ast.parse(path.read_text())
+        named = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not named & kinds, f"{path.name} names {sorted(named & kinds)}"
+        assert not read & {"traces", "engine"}, f"{path.name} reads {sorted(read & {'traces', 'engine'})}"
+        sources = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "source"
+                   and isinstance(n.value, ast.Attribute) and n.value.attr == "rollout"]  # fmt: skip
+        assert not sources, f"{path.name} reads config.rollout.source"
