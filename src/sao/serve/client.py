@@ -199,29 +199,13 @@ def run_agents(
 
     if urllib.parse.urlsplit(url).hostname not in LOOPBACK:
         raise SystemExit(f"sao.serve.client: {url} is not a loopback address; this client only talks to this machine")
-    endpoint, agent_log = url.rstrip("/") + "/v1/chat/completions", AgentLog(log)
-    tasks, deadline = calc_tasks(seed), time.monotonic() + max_seconds
+    agent_log, tasks = AgentLog(log), calc_tasks(seed)
+    request = _Sender(url.rstrip("/") + "/v1/chat/completions", time.monotonic() + max_seconds, timeout, max_errors,
+                      retry_wait)  # fmt: skip
     counts: Counter[str] = Counter()
     versions: Counter[str] = Counter()
     rewards: list[float] = []
-    lock, errors = threading.Lock(), [0]
-
-    def request(body: dict[str, Any]) -> dict[str, Any] | None:
-        while time.monotonic() < deadline:
-            try:
-                status, reply = post(endpoint, body, timeout)
-            except OSError:  # refused while the server restarts: wait and send again
-                status, reply = 0, {}
-            if status == 200:
-                with lock:
-                    errors[0] = 0
-                return reply
-            with lock:
-                errors[0] += 1
-                if errors[0] >= max_errors:
-                    return None
-            time.sleep(retry_wait)
-        return None
+    lock = threading.Lock()
 
     def episode(i: int) -> None:
         task, rng = tasks[i % len(tasks)], random.Random(f"{seed}:{i}")
@@ -248,15 +232,7 @@ def run_agents(
             else:
                 segments.append({"role": "tool", "token_ids": asked[len(tokens) :]})
                 tokens = list(asked)
-            choice = reply["choices"][0]
-            ids, entries = reply["sao"]["completion_token_ids"], choice["logprobs"]["content"]
-            logprobs = [entry["logprob"] for entry in entries]
-            text, finish = choice["message"]["content"], choice["finish_reason"]
-            for k in range(len(ids)):  # cut after the stop string: the rest of the sample is not an action
-                piece = bytes(b for entry in entries[: k + 1] for b in entry["bytes"]).decode(errors="replace")
-                if piece.endswith(TAG_CLOSE):
-                    ids, logprobs, text, finish = ids[: k + 1], logprobs[: k + 1], piece, "stop"
-                    break
+            ids, logprobs, text, finish = _action(reply, TAG_CLOSE)
             served = int(reply["sao"]["policy_version"])
             segments.append({"role": "assistant", "token_ids": ids, "logprobs": logprobs, "policy_version": served})
             tokens = tokens + ids
@@ -286,6 +262,44 @@ def run_agents(
         f"misaligned, {counts['failed']} failed; mean reward {mean:.3f}; last action by version {dict(versions)}"
     )
     return {**dict(counts), "reward_mean": mean, "versions": dict(versions)}
+
+
+class _Sender:
+    """POSTs chat bodies until ``deadline``: a refused connection or an error status waits ``retry_wait`` and sends
+    again; ``max_errors`` failures in a row (across every thread) give up. Answers the reply, or None."""
+
+    def __init__(self, endpoint: str, deadline: float, timeout: float, max_errors: int, retry_wait: float):
+        self.endpoint, self.deadline, self.timeout = endpoint, deadline, timeout
+        self.max_errors, self.retry_wait = max_errors, retry_wait
+        self.lock, self.errors = threading.Lock(), 0  # failures in a row
+
+    def __call__(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        while time.monotonic() < self.deadline:
+            try:
+                status, reply = post(self.endpoint, body, self.timeout)
+            except OSError:  # refused while the server restarts: wait and send again
+                status, reply = 0, {}
+            with self.lock:
+                self.errors = 0 if status == 200 else self.errors + 1
+                if status == 200:
+                    return reply
+                if self.errors >= self.max_errors:
+                    return None
+            time.sleep(self.retry_wait)
+        return None
+
+
+def _action(reply: dict[str, Any], stop: str) -> tuple[list[int], list[float], str, str]:
+    """(token ids, log-probs, text, finish reason) of the action in a chat reply: the sample cut after the first
+    ``stop`` string (the rest of it is not an action), or all of it."""
+    choice = reply["choices"][0]
+    ids, entries = reply["sao"]["completion_token_ids"], choice["logprobs"]["content"]
+    logprobs = [entry["logprob"] for entry in entries]
+    for k in range(len(ids)):
+        piece = bytes(b for entry in entries[: k + 1] for b in entry["bytes"]).decode(errors="replace")
+        if piece.endswith(stop):
+            return ids[: k + 1], logprobs[: k + 1], piece, "stop"
+    return ids, logprobs, choice["message"]["content"], choice["finish_reason"]
 
 
 def main(argv: list[str] | None = None) -> int:
