@@ -414,7 +414,7 @@ def trainer_child(plan: str, argv: list[str]) -> int:
             """The candidate's LoRA := the adapter of the best version served so far (the gate's held-aside mean), so
             that the gate, which holds candidates to the served and the best version, publishes it."""
             gate = next(h for h in trainer.hooks if h.name == "gate")
-            best = max(reversed(gate.chain), key=lambda c: sum(c["scores"]) / max(len(c["scores"]), 1))["version"]
+            best = gate.best["version"]
             state = load_file(str(trainer.out / "published" / f"v{best}" / "adapter_model.safetensors"))
             with torch.no_grad():
                 for name, p in lora_state(trainer.models.policy).items():

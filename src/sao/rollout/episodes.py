@@ -541,13 +541,10 @@ def _compact(prompt_ids, prompt_mask, cols: _Columns, rows, tokenizer, pad: int)
         n = int(real[i].sum())
         for name, t in fed.items():
             out[name][i, :n] = t[i][real[i]]
-    versions = out["versions"]  # [B, R]
-    oldest = versions.masked_fill(~out["action"], 2**62).min(dim=1, keepdim=True).values  # [B, 1]
-    spans = bool((out["action"] & (versions != oldest)).any())
     kept = [out["ids"][i][out["real"][i]].tolist() for i in range(B)]
     texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
     dev = real.device
-    return Rollout(
+    rollout = Rollout(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask.bool(),
         response_ids=out["ids"],
@@ -556,7 +553,7 @@ def _compact(prompt_ids, prompt_mask, cols: _Columns, rows, tokenizer, pad: int)
         sampler_logprobs=out["logprobs"],
         cut=torch.tensor([r.cut for r in rows], device=dev),
         texts=texts,
-        versions=versions if spans else None,
+        versions=out["versions"],  # [B, R]: kept only where a row spans versions (below)
         turns=Turns(
             rewards=out["rewards"],
             count=torch.tensor([r.turns for r in rows], device=dev),
@@ -568,6 +565,9 @@ def _compact(prompt_ids, prompt_mask, cols: _Columns, rows, tokenizer, pad: int)
             context_cuts=torch.tensor([r.context_cut and r.out_of_room for r in rows], device=dev),
         ),
     )
+    if not bool(rollout.spanning().any()):
+        rollout.versions = None
+    return rollout
 
 
 def segments(tokenizer, rollout: Rollout, row: int) -> list[dict[str, str]]:

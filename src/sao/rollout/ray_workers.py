@@ -142,7 +142,7 @@ class RolloutWorker:
         generator = torch.Generator(device=self.device).manual_seed(job["seed"])
         if self.episodes is not None:  # one multi-turn episode per task, its environment built here
             tokenizer, episodes, sampling = self.tokenizer, self.episodes, self.sampling
-            refresh = None if board is None else lambda: self._take(self._ray().get(board.newest.remote()))
+            refresh = None if board is None else lambda: self._take(import_ray().get(board.newest.remote()))
             rollout = draw_episode_batch(self.decoder, tokenizer, job["task_ids"], episodes, sampling, generator,
                                          refresh=refresh)  # fmt: skip
         else:
@@ -152,22 +152,8 @@ class RolloutWorker:
     def _take(self, adapter: list[Any] | None) -> int:
         """Load ``adapter`` ([version, ObjectRef]) if it is newer than the one held; the version held."""
         if adapter is not None and adapter[0] > self.version:
-            self.load_adapter(adapter[0], self._ray().get(adapter[1]))
+            self.load_adapter(adapter[0], import_ray().get(adapter[1]))
         return self.version
-
-    @staticmethod
-    def _ray() -> Any:
-        import ray
-
-        return ray
-
-
-def _spans(row: Rollout) -> bool:
-    """Whether a one-row rollout's action tokens were drawn by more than one adapter version."""
-    if row.versions is None or not bool(row.action_mask.any()):
-        return False
-    drawn_by = row.versions[row.action_mask]
-    return bool((drawn_by != drawn_by[0]).any())
 
 
 class AdapterBoard:
@@ -664,7 +650,6 @@ class RaySource:
                 "waited_for": waited_for,
                 "waited_s": waited_s,
                 "staleness_max": max(version - t.version for t in chosen),
-                "spanning_rows": sum(_spans(t.rollout) for t in chosen),
                 "workers_alive": sum(s.ready for s in self.slots),
                 "worker_restarts": per_step["worker_restarts"],
                 "worker_restarts_total": self.counts["worker_restarts"],
@@ -681,6 +666,7 @@ class RaySource:
             rows = [r if r.versions is not None else dataclasses.replace(r, versions=torch.full_like(
                 r.response_ids, t.version)) for r, t in zip(rows, chosen, strict=True)]  # fmt: skip
         rollout = Rollout.concat(rows, self.pad_token_id).to(self.device)
+        info["spanning_rows"] = int(rollout.spanning().sum())
         return Batch(
             task_ids=[t.task_id for t in chosen],
             rollout=rollout,
@@ -720,8 +706,10 @@ class RaySource:
         if self._thread is not None:
             self._thread.join(timeout=30)
         if self.ray.is_initialized():
-            for actor in [slot.actor for slot in self.slots] + [self._board] * (self._board is not None):
-                self._kill(actor)
+            for slot in self.slots:
+                self._kill(slot.actor)
+            if self._board is not None:
+                self._kill(self._board)
             if self._placement is not None:
                 self._remove_placement(self._placement)
             if self.owns_ray:

@@ -72,6 +72,13 @@ class Rollout:
         """[B] bool: the trajectory ended at a limit, not by finishing (a cut reply, or an episode out of room)."""
         return self.cut if self.turns is None else self.cut | self.turns.unfinished
 
+    def spanning(self) -> torch.Tensor:
+        """[B] bool: the rows whose action tokens more than one adapter version drew."""
+        if self.versions is None:
+            return torch.zeros(self.action_mask.shape[0], dtype=torch.bool, device=self.action_mask.device)
+        versions = self.versions.to(torch.long)  # [B, R]
+        return (self.action_mask & (versions != oldest_action_version(versions, self.action_mask))).any(dim=1)
+
     def _map(self, tensor_fn, texts: list[str]) -> Rollout:
         """The same fields with ``tensor_fn`` applied to every tensor (the turns block's too)."""
         values = {f.name: tensor_fn(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
@@ -171,10 +178,15 @@ class Batch:
         if r.versions is None:
             return row.expand_as(r.action_mask).clone()
         versions = r.versions.to(torch.long)  # [B, R]
-        top = torch.iinfo(torch.long).max
-        oldest = versions.masked_fill(~r.action_mask, top).min(dim=1, keepdim=True).values  # [B, 1]
-        oldest = torch.where(oldest == top, versions[:, :1], oldest)  # a row with no action token
-        return torch.where(r.action_mask, row - (versions - oldest), row)
+        return torch.where(r.action_mask, row - (versions - oldest_action_version(versions, r.action_mask)), row)
+
+
+def oldest_action_version(versions: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """[B, 1] long: each row's oldest version among its action tokens (versions, action_mask [B, R]); a row with
+    no action token: its first column's."""
+    top = torch.iinfo(torch.long).max
+    oldest = versions.masked_fill(~action_mask, top).min(dim=1, keepdim=True).values  # [B, 1]
+    return torch.where(oldest == top, versions[:, :1], oldest)
 
 
 @dataclass(frozen=True)

@@ -194,6 +194,11 @@ class Gate(Hook):
     def served(self) -> int | None:
         return self.chain[-1]["version"] if self.chain else None
 
+    @property
+    def best(self) -> dict[str, Any]:
+        """The served version with the best held-aside mean so far (ties: the newest): {"version", "scores"}."""
+        return max(reversed(self.chain), key=lambda c: _mean(c["scores"]))
+
     # -- events ------------------------------------------------------------------------------------------
 
     def on_run_start(self, trainer: Trainer) -> None:
@@ -215,7 +220,7 @@ class Gate(Hook):
         if not trainer.world.is_main:
             return
         served = self.chain[-1]
-        best = max(reversed(self.chain), key=lambda c: _mean(c["scores"]))  # the best served so far (ties: newest)
+        best = self.best
         candidate = self.held.scores(trainer.models.policy)
         self._check_range(trainer, candidate)
         test = stats.noninferior(served["scores"], candidate, self.margin, self.alpha)
