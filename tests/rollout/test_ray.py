@@ -498,3 +498,27 @@ def test_episodes_in_flight_go_on_under_each_published_adapter(ray_module, tiny_
         assert max(levels) <= K and len(levels) > 1, r["token_staleness_hist"]
     fresh = [r["mismatch_fresh"] for r in records if r["mismatch_fresh"] == r["mismatch_fresh"]]
     assert fresh and max(fresh) < 1e-4, "each token matches the version that drew it"
+
+
+def test_a_draw_answers_the_version_its_first_action_was_drawn_by(ray_module, tiny_model_dir, tmp_path):
+    """The call carries v0, but the board already holds v3 when the episodes start: the worker takes v3 before the
+    first action, so the draw is v3's (counting it as v0's would make every row look three updates staler)."""
+    from sao.model.policy import lora_state
+    from sao.rollout.ray_workers import AdapterBoard, RolloutWorker
+    from sao.tiny import calculator as tiny_calc
+    from sao.training import build
+
+    tiny_calc.ensure_calc_model(progress=False)
+    config = Config.preset("tiny", env="tiny-calc", engine="ray", batch_size=4, steps=1, critic_warmup=0,
+                           rollout_workers=1, train_prompts=8, test_prompts=4)  # fmt: skip
+    source = build.trainer(config, tmp_path / "run", progress=False).source
+    try:
+        weights = {n: p.detach().clone() for n, p in lora_state(source.policy).items()}
+        worker = RolloutWorker(source._model_path, source._settings, ray_module.get(source._episodes))
+        board = ray_module.remote(AdapterBoard).options(num_cpus=0).remote()
+        ray_module.get(board.post.remote([3, ray_module.put(weights)]))
+        drawn = worker.draw(source._next_job(4, deadline=0), [0, ray_module.put(weights)], board)
+        assert drawn["version"] == 3 and worker.version == 3
+        assert worker.draw(source._next_job(4, deadline=0), [0, ray_module.put(weights)])["version"] == 3
+    finally:
+        source.close()

@@ -137,16 +137,20 @@ class RolloutWorker:
         (nested in a list so Ray fetches the weights only when the version is new to this worker). Episodes look
         at ``board`` (an ``AdapterBoard``) between turns and go on under a newer version; the call answers the
         version its first tokens were drawn by."""
-        self._take(adapter)
-        first = self.version
+        held = [self._take(adapter)]  # the version held at the call, then at each look at the board
+
+        def refresh() -> int:  # the episode loop asks before the first action and between turns
+            held.append(self._take(import_ray().get(board.newest.remote())))
+            return held[-1]
+
         generator = torch.Generator(device=self.device).manual_seed(job["seed"])
         if self.episodes is not None:  # one multi-turn episode per task, its environment built here
             tokenizer, episodes, sampling = self.tokenizer, self.episodes, self.sampling
-            refresh = None if board is None else lambda: self._take(import_ray().get(board.newest.remote()))
             rollout = draw_episode_batch(self.decoder, tokenizer, job["task_ids"], episodes, sampling, generator,
-                                         refresh=refresh)  # fmt: skip
+                                         refresh=None if board is None else refresh)  # fmt: skip
         else:
             rollout = draw_batch(self.decoder, self.tokenizer, job["prompts"], self.sampling, generator)
+        first = held[1] if len(held) > 1 else held[0]  # the first action's: the board may have had a newer one
         return {"seqs": job["seqs"], "version": first, "rollout": rollout.to(torch.device("cpu"))}
 
     def _take(self, adapter: list[Any] | None) -> int:
