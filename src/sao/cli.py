@@ -171,7 +171,7 @@ def print_start(trainer: Any, config: Any) -> None:
     c = config
     print(f"sao train: {c.algorithm.correction} arm, seed {c.training.seed}, model {c.model.name}: "
           f"{trainer.describe()}")  # fmt: skip
-    record = trainer.run_record
+    record = trainer.run_dir.record
     counts = record.get("data") or {}
     print(f"  data {record.get('source')}" + (f": {_counts(counts)}" if counts else ""))
 

@@ -61,7 +61,7 @@ def _fake_trainer(rank: int) -> object:
 
     source = SimpleNamespace(max_staleness=2, summary=lambda: {})
     return SimpleNamespace(world=World(size=2, rank=rank), describe=lambda: "4 steps", source=source,
-                           run_record={"source": "tiny", "data": {"train": 4}}, ended_early="",
+                           run_dir=SimpleNamespace(record={"source": "tiny", "data": {"train": 4}}), ended_early="",
                            total_steps=4, warnings=["the reward never varied"])  # fmt: skip
 
 

@@ -52,10 +52,8 @@ def trainer(
     held = gate_tasks(config, tasks)  # and a held-out split too small for the gate's margin
     record = checkpoint.run_record(config, tasks, world.size, dataset=dataset, reward_fn=reward_fn,
                                    env_factory=env_factory, source=source)  # fmt: skip
-    claimed = checkpoint.claim(Path(out_dir), record, resume)  # writes nothing: a folder with another run fails now
+    run = checkpoint.RunDir.open(out_dir, record, resume=resume)  # another run's folder, a damaged checkpoint: now
     try:
-        if resume:
-            checkpoint.load(Path(out_dir))  # and a damaged checkpoint, before the model is loaded
         m = config.model
         models = Models.load(m.name, device=world.device(m.device), lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
                              seed=config.training.seed, grad_checkpoint=m.grad_checkpoint)  # fmt: skip
@@ -67,13 +65,11 @@ def trainer(
                                     world_size=world.size)  # fmt: skip
             source = build_source(config.rollout.source, context)  # a launched vLLM fleet writes into out_dir
         gate = [held_aside_gate(config, models, tasks, held, task_parts)] if held else []
-        return Trainer(models, source, task_parts.scorer, config, out_dir,
-                       hooks=[*default_hooks(config), *gate, *hooks],
-                       world=world, run_record=record, resume=resume, progress=progress, label=label,
-                       claimed=claimed)  # fmt: skip
+        return Trainer(models, source, task_parts.scorer, config, run, hooks=[*default_hooks(config), *gate, *hooks],
+                       world=world, progress=progress, label=label)  # fmt: skip
     except BaseException:
         if world.is_main:
-            claimed.undo()  # a new run's folder as it was found, so that the corrected command is not refused
+            run.undo()  # a new run's folder as it was found, so that the corrected command is not refused
         raise
 
 

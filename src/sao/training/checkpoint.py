@@ -114,6 +114,28 @@ def claim(out: Path, record: dict[str, Any], resume: bool) -> Claim:
     return Claim(out, fresh=True, created=not out.exists())
 
 
+@dataclass
+class RunDir:
+    """A run folder, opened once: claimed for ``record`` (``claim``: another run's folder, or one holding other
+    files, is refused; ``--resume`` needs the same settings) and, on ``--resume``, its newest checkpoint read into
+    ``state`` (a damaged one fails here, before a model is loaded). Opening writes nothing; the trainer writes
+    config.json when it starts, and ``undo`` puts a new run's folder back as it was found."""
+
+    out: Path
+    record: dict[str, Any]
+    claim: Claim
+    state: dict[str, Any] | None = None  # the checkpoint to resume from; None: a new run (or none completed yet)
+
+    @classmethod
+    def open(cls, out: str | os.PathLike[str], record: dict[str, Any], *, resume: bool = False) -> RunDir:
+        out = Path(out)
+        claimed = claim(out, record, resume)
+        return cls(out, record, claimed, load(out) if resume else None)
+
+    def undo(self) -> bool:
+        return self.claim.undo()
+
+
 # Settings that change how a run is watched, how long it waits for a trace log or whether a malformed trace line
 # stops it, not what a step computes: a resume may change them.
 NOT_COMPARED_ON_RESUME = ("track", "follow", "follow_timeout", "skip_bad_traces", "log_every")

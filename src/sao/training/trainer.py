@@ -76,11 +76,11 @@ class Hook:
 
 
 class Trainer:
-    """Trains ``models`` on ``source``'s batches, graded by ``scorer``, into ``out_dir``; ``run()`` returns the
-    log records. ``config`` supplies the algorithm and training settings (and the rollout temperature the
-    teacher-forced pass takes); ``run_record`` is what config.json records of how the parts were made, from a
-    builder that has already claimed ``out_dir`` (``sao.training.build.trainer``; its source may have written there
-    since), so the folder is claimed here only without one."""
+    """Trains ``models`` on ``source``'s batches, graded by ``scorer``, into the run folder ``run``; ``run()``
+    returns the log records. ``config`` supplies the algorithm and training settings (and the rollout temperature
+    the teacher-forced pass takes). ``run`` is a ``checkpoint.RunDir`` the builder opened (claimed, its checkpoint
+    read on --resume; ``sao.training.build.trainer``), or a path, claimed here for a new run. The constructor
+    restores from the checkpoint in memory and writes nothing: config.json is written when ``run()`` starts."""
 
     def __init__(
         self,
@@ -88,29 +88,23 @@ class Trainer:
         source: Source | None,
         scorer: Scorer,
         config: Config,
-        out_dir: str | Path,
+        run: checkpoint.RunDir | str | Path,
         *,
         hooks: Sequence[Hook] = (),
         world: World = SINGLE,
-        run_record: dict[str, Any] | None = None,
-        resume: bool = False,
         progress: bool = True,
         label: str | None = None,
-        claimed: checkpoint.Claim | None = None,
     ):
         if world.size > 1:  # rank 0 reads the source and broadcasts each batch; the other ranks hold none
             source = BroadcastSource(world, source, models.device)
         self.models, self.source, self.scorer, self.config = models, source, scorer, config
         self.settings, self.sao = config.training, SAO.of(config.algorithm)
-        self.out, self.hooks, self.world = Path(out_dir), list(hooks), world
+        world.shard(config.training.batch_size)  # a batch that does not split evenly over the ranks is refused here
+        if not isinstance(run, checkpoint.RunDir):
+            run = checkpoint.RunDir.open(run, {"config": config.to_dict()})
+        self.run_dir, self.out, self.hooks, self.world = run, run.out, list(hooks), world
         self.progress = progress and world.is_main
         self.label = label or f"{config.algorithm.correction} seed {config.training.seed}"
-        world.shard(self.settings.batch_size)  # a batch that does not split evenly over the ranks is refused here
-        record = self.run_record = run_record if run_record is not None else {"config": config.to_dict()}
-        if run_record is None:  # a builder claimed the folder before its source started writing there
-            claimed = checkpoint.claim(self.out, record, resume)
-        self.claimed = claimed or checkpoint.Claim(self.out)  # undone when a new run fails before its checkpoint
-        resumed = checkpoint.load(self.out) if resume else None  # a damaged one fails here, before any step
         self.lora_params = list(lora_state(models.policy).values())
         self.policy_opt = torch.optim.AdamW(self.lora_params, lr=self.settings.lr,
                                             weight_decay=self.settings.weight_decay)  # fmt: skip
@@ -122,10 +116,7 @@ class Trainer:
         self.next_step, self.records, self.warnings = 0, [], []
         self.ended_early: str | None = None  # why the source had no further batch (a trace log read to its end)
         self._saved_at = 0  # the step count of the newest checkpoint
-        world.barrier()  # every rank has claimed the folder before rank 0 writes into it
-        if world.is_main:
-            checkpoint.write_config(self.out, record)
-        self._restore(resumed)
+        self._restore(run.state)
 
     @property
     def total_steps(self) -> int:
@@ -248,6 +239,12 @@ class Trainer:
         progress = _Progress(self, self.total_steps, self.next_step)
         failed = True
         try:
+            self.world.barrier()  # every rank has claimed the folder before rank 0 writes into it
+            if self.world.is_main:
+                checkpoint.write_config(self.out, self.run_dir.record)
+                if self.run_dir.state is not None and checkpoint.ensure_log(self.out, self.records):
+                    self.say(f"[{self.label}] {self.out / checkpoint.LOG_FILE} was missing, damaged, behind or ahead "
+                             "of its checkpoint: rewrote it from the checkpoint's records", always=True)  # fmt: skip
             for hook in self.hooks:
                 hook.on_run_start(self)
             while self.next_step < self.total_steps:
@@ -287,7 +284,7 @@ class Trainer:
             for hook in self.hooks:
                 hook.on_close(self)
             if failed and self.world.is_main:
-                self.claimed.undo()  # a new run that failed before its first checkpoint leaves its folder as found
+                self.run_dir.undo()  # a new run that failed before its first checkpoint leaves its folder as found
         self.world.barrier()  # no rank returns before rank 0 has written the adapter
         return self.records
 
@@ -355,9 +352,6 @@ class Trainer:
         self.micro_batch = state.get("micro_batch", self.micro_batch)
         self.next_step, self.records, self.warnings = state["next_step"], state["records"], state["warnings"]
         self._saved_at = self.next_step
-        if self.world.is_main and checkpoint.ensure_log(self.out, self.records):  # the checkpoint's steps exactly
-            self.say(f"[{self.label}] {self.out / checkpoint.LOG_FILE} was missing, damaged, behind or ahead of its "
-                     "checkpoint: rewrote it from the checkpoint's records", always=True)  # fmt: skip
         saved = state.get("hooks") or {}
         if "footing" in state and "footing" not in saved:  # a checkpoint from before hooks: the audit's state
             saved["footing"] = {"footing": state["footing"]}
