@@ -32,8 +32,8 @@ $(VLLM_STAMP): constraints-vllm.txt
 	touch $(VLLM_STAMP)
 
 lint: install
-	$(PY) -m ruff check src tests bench
-	$(PY) -m ruff format --check src tests bench
+	$(PY) -m ruff check src tests bench examples
+	$(PY) -m ruff format --check src tests bench examples
 
 test: install install-vllm lint
 	$(PY) -m pytest
