@@ -72,7 +72,7 @@ def ray_row(workers: int, K: int, steps: int, batch: int) -> dict:
     from sao.training.trainer import Trainer
 
     torch.set_num_threads(1)  # the trainer's own thread; each worker gets --worker-cpus 1 = one thread
-    config = Config.preset("tiny", engine="ray", batch_size=batch, steps=steps, critic_warmup=1,
+    config = Config.load("tiny", rollout="ray", batch_size=batch, steps=steps, critic_warmup=1,
                            rollout_workers=workers, max_staleness=K)  # fmt: skip
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(config, Path(out) / "run", progress=False)

@@ -191,7 +191,7 @@ def canned_front(port: int, traces: Path) -> None:
     from sao.serve.served import Completion
     from sao.serve.server import Server
 
-    front = Server(Config.preset("tiny"), traces, port=port, say=lambda line: None)
+    front = Server(Config.load("tiny"), traces, port=port, say=lambda line: None)
     reply = front.service.policy.tokenizer("#### 7", add_special_tokens=False)["input_ids"]
 
     def canned(prompt_ids, *, max_tokens, temperature, seed):

@@ -39,7 +39,7 @@ def tiny_config(tiny_model_dir):
     """The tiny preset shrunk for unit tests: small batches, few steps."""
     from sao.core.config import Config
 
-    return Config.preset("tiny", batch_size=16, steps=6, critic_warmup=2, micro_batch=16)
+    return Config.load("tiny", batch_size=16, steps=6, critic_warmup=2, micro_batch=16)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ def test_the_readme_is_short():
 
 
 def test_the_settings_reference_is_generated_from_the_config():
-    from sao.core.config import settings_reference
+    from sao.cli import settings_reference
 
     text = settings_reference()
     if os.environ.get("SAO_WRITE_DOCS") == "1":

@@ -7,6 +7,7 @@ implements, and a test below checks that every such path resolves."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -101,10 +102,22 @@ def test_the_checks_catch_an_upward_import(tmp_path, bad):
 def test_every_registry_entry_resolves_to_an_implementation():
     from sao.core import registry
 
-    for name in ("PRESETS", "CORRECTIONS", "SOURCES", "MODELS", "TASK_SETS", "ENVIRONMENTS"):
+    for name in ("PRESETS", "CORRECTIONS", "BASELINES", "MODELS", "TASK_SETS", "ENVIRONMENTS"):
         reg = getattr(registry, name)
         for entry in reg:
             assert reg.get(entry) is not None, f"{name}[{entry!r}]"
+
+
+def test_every_source_names_an_implementation_with_a_build():
+    """The rollout layer's registry: each source's settings section names the class that builds it."""
+    import importlib
+
+    from sao.core.config import sources
+
+    assert sources() is importlib.import_module("sao.rollout.registry").SOURCES
+    for kind in sources():
+        module, _, name = sources().get(kind).implementation.partition(":")
+        assert callable(getattr(getattr(importlib.import_module(module), name), "build", None)), kind
 
 
 def test_core_imports_no_torch_at_module_level():
@@ -123,18 +136,29 @@ def test_the_public_api_still_imports_from_the_top():
     assert SAO().correction == "dis" and callable(compare)
 
 
-def test_the_trainer_and_the_experiment_know_no_source_by_name():
-    """``Trainer`` and ``Experiment`` take a source built from the registry: neither names one of its kinds (nor
-    "traces", nor reads ``config.rollout.source`` or ``.traces``) anywhere in its module."""
-    from sao.core.registry import SOURCES
+def test_no_module_tests_a_source_by_name_outside_its_own():
+    """A source owns its settings, checks and needs (``sao.rollout.registry``): no module compares a value with a
+    source's name or its prefix (``== "traces"``, ``.startswith("vllm")``) but the modules of the sources
+    themselves; ``Trainer`` and ``Experiment`` do not even read ``config.rollout.source``."""
+    from sao.core.config import sources
 
-    kinds = set(SOURCES) | {"traces", "engine"}
+    kinds = set(sources()) | {"engine"}
+    own = {"registry.py", "sources.py", "ray_workers.py", "traces.py", "remote.py", "vllm.py"}
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent.name == "rollout" and path.name in own:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and re.search(r"rollout|source|engine", ast.unparse(node)):
+                values = [c.value for c in (node.left, *node.comparators) if isinstance(c, ast.Constant)]
+                assert not set(values) & kinds, f"{path.relative_to(PACKAGE)}:{node.lineno} tests a source by name"
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith":
+                args = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+                assert not any(k.startswith(a) for a in args for k in kinds if a), f"{path.name}:{node.lineno}"
     for path in (PACKAGE / "training" / "trainer.py", PACKAGE / "experiment" / "runner.py"):
         tree = ast.parse(path.read_text())
         named = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
-        read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
         assert not named & kinds, f"{path.name} names {sorted(named & kinds)}"
-        assert not read & {"traces", "engine"}, f"{path.name} reads {sorted(read & {'traces', 'engine'})}"
-        sources = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "source"
-                   and isinstance(n.value, ast.Attribute) and n.value.attr == "rollout"]  # fmt: skip
-        assert not sources, f"{path.name} reads config.rollout.source"
+        sources_read = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "source"
+                        and isinstance(n.value, ast.Attribute) and n.value.attr == "rollout"]  # fmt: skip
+        assert not sources_read, f"{path.name} reads config.rollout.source"

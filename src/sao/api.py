@@ -20,26 +20,17 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sao.core.config import Config, apply_threads, canonical, read_config_file
-
-
-def settings(preset: str | None = None, file: str | Path | None = None, **flags: Any) -> Config:
-    """A run's Config the way the command line makes it: the preset's defaults (``preset``, else the file's
-    ``"preset"``, else the protocol), then the settings ``file`` holds (YAML or JSON), then ``flags`` (flat names);
-    torch's CPU threads set as it says."""
-    from_file = read_config_file(file)[0] if file is not None else {}
-    chosen = preset or from_file.pop("preset", None) or "protocol"
-    from_file.pop("preset", None)
-    config = Config.preset(chosen, **{**canonical(from_file), **flags})
-    apply_threads(config)
-    return config
+from sao.core.config import Config
+from sao.core.machine import apply_threads
 
 
 def as_config(config: Config | Mapping[str, Any]) -> Config:
-    """``config`` as a Config (a mapping read as a --config file is, ``"preset"`` included); torch's CPU threads are
-    set as it says (once, here, where a run starts)."""
+    """``config`` as a Config (a mapping is read by ``Config.load``: flat or sectioned settings, a ``"preset"`` key
+    naming the defaults); torch's CPU threads are set as it says (once, here, where a run starts)."""
     if not isinstance(config, Config):
-        config = Config.from_mapping(dict(config))
+        if not isinstance(config, Mapping):
+            raise TypeError(f"config must be a sao.Config or a mapping of settings, got {type(config).__name__}")
+        config = Config.load(**dict(config))
     apply_threads(config)
     return config
 
@@ -59,7 +50,7 @@ def trainer(
     """The ``Trainer`` ``train`` runs, built but not run (``.run()`` trains; ``.describe()`` says what it trains)."""
     from sao.training import build
 
-    config = config if isinstance(config, Config) else as_config(config)
+    config = as_config(config)
     return build.trainer(
         config,
         out_dir,
@@ -105,9 +96,8 @@ def evaluate(
 ):
     """pass@1 on the held-out tasks of the base model, or of a trained ``adapter`` folder (``out_dir/adapter``), with
     the config's eval settings; ``seed`` picks the sampling draw. Returns an ``EvalResult``."""
-    from sao.experiment.evaluate import load_adapter
-    from sao.experiment.runner import Parts, pass_at_1
-    from sao.model.policy import load_base, pick_device
+    from sao.experiment.evaluate import load_adapter, pass_at_1
+    from sao.model.policy import eos_ids, load_base, pick_device
     from sao.rollout.sampler import derived_seed
     from sao.tasks import setup
 
@@ -120,9 +110,10 @@ def evaluate(
     model, tokenizer = load_base(config.model.name, pick_device(config.model.device))
     if adapter is not None:
         model = load_adapter(model, adapter)
-    parts = Parts(tasks, setup.scorer(config, tasks, reward_fn), dataset, reward_fn, env_factory)
+    parts = setup.parts(config, tokenizer, tasks, reward_fn=reward_fn, env_factory=env_factory,
+                        eos_token_ids=eos_ids(tokenizer, model))  # fmt: skip
     label = "adapter" if adapter is not None else "base"
-    return pass_at_1(config, model, tokenizer, tasks.test, label, seed=derived_seed(config.training.seed, "eval", seed),
+    return pass_at_1(model, tokenizer, tasks.test, label, seed=derived_seed(config.training.seed, "eval", seed),
                      parts=parts, progress=progress)  # fmt: skip
 
 

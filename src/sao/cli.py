@@ -112,6 +112,34 @@ def _add_config_flags(parser: argparse.ArgumentParser, command: str, skip: tuple
         elif hint == float | tuple[float, ...] | None:  # one number, or one per level: --random-mask-share 0 .1 .2
             kwargs.update(nargs="+", type=float, metavar="SHARE")
         group.add_argument(*flags, **kwargs)
+    if "rollout" in COMMAND_SETTINGS[command]:  # each source's own settings, once per name
+        _add_source_flags(parser.add_argument_group("each source's own settings (--rollout NAME)"), skip)
+
+
+def _add_source_flags(group: argparse._ArgumentGroup, skip: tuple[str, ...] = ()) -> None:
+    from sao.core.config import source_fields, sources
+    from sao.core.settings import field_type, help_of
+
+    taken: dict[str, list[str]] = {}
+    first: dict[str, tuple[dataclasses.Field, type]] = {}
+    for kind in sources():
+        section = sources().get(kind)
+        for name, f in source_fields(section).items():
+            taken.setdefault(name, []).append(kind)
+            first.setdefault(name, (f, section))
+    for name, (f, section) in first.items():
+        if name in skip:
+            continue
+        hint = field_type(section, f.name)
+        kwargs: dict[str, Any] = {"default": None, "dest": name}
+        kwargs["help"] = f"--rollout {', '.join(taken[name])}: {help_of(f)}".replace("%", "%%")
+        if hint in (bool, "bool"):
+            kwargs.update(nargs="?", const=True, type=_bool)
+        elif hint in (int, int | None):
+            kwargs["type"] = int
+        elif hint in (float, float | None):
+            kwargs["type"] = float
+        group.add_argument("--" + name.replace("_", "-"), **kwargs)
 
 
 def _count_or_word(text: str) -> int | str:
@@ -127,20 +155,51 @@ def _bool(text: str) -> bool:
 
 
 def config_from_args(args: argparse.Namespace):
-    """The run's Config: the preset's defaults, then --config FILE's settings, then the flags (``api.settings``)."""
-    from sao import api
+    """The run's Config: the preset's defaults, then --config FILE's settings, then the flags (``Config.load``)."""
+    from sao.core.config import Config
+    from sao.core.machine import apply_threads
 
     given = {name: value for name, value in vars(args).items() if name in _setting_names() and value is not None}
     given = {name: value[0] if isinstance(value, list) and len(value) == 1 else value for name, value in given.items()}
-    if any(a == "--engine" or a.startswith("--engine=") for a in getattr(args, "argv", ())):
-        print("notice: --engine is now --rollout (same values); --engine still works", file=sys.stderr)
-    return api.settings(args.preset, getattr(args, "config", None), **given)
+    for alias in ("engine", "band", "arm"):  # an old spelling: argparse stores it under today's name
+        if any(a == f"--{alias}" or a.startswith(f"--{alias}=") for a in getattr(args, "argv", ())):
+            from sao.core.config import NOTICES
+
+            print(f"notice: {NOTICES[alias]}", file=sys.stderr)
+    config = Config.load(args.preset, getattr(args, "config", None), **given)
+    apply_threads(config)
+    return config
 
 
 def _setting_names() -> set[str]:
-    from sao.core.config import CANONICAL
+    from sao.core.config import _all_names
 
-    return set(CANONICAL.values())
+    return set(_all_names())
+
+
+def settings_reference() -> str:
+    """Every setting, section by section, each source's own after the rollout section, as a Markdown page
+    (docs/settings.md is this, written by ``make docs``)."""
+    from sao.core.config import SECTIONS, sources
+    from sao.core.settings import flag_of, help_of
+
+    lines = ["# Every setting", "", "Generated from the settings sections (`sao/core/config.py`, each source's in",
+             "`sao/rollout/registry.py`) by `make docs`; `sao COMMAND --help` shows the settings that command reads.",
+             "Flat name = the command-line flag (`--batch-size`) and the key in a flat settings file; a settings file",
+             "may also give them in sections (`training: {lr: 1e-3}`, a source's inside `rollout: {ray: {...}}`).",
+             ""]  # fmt: skip
+    tables = [(name, cls, "") for name, cls in SECTIONS.items()]
+    at = [name for name, _, _ in tables].index("rollout") + 1
+    tables[at:at] = [(f"rollout.{kind}", sources().get(kind), sources().get(kind).__doc__) for kind in sources()]
+    for name, cls, doc in tables:
+        lines += [f"## {name}", ""] + ([" ".join(doc.replace("``", "`").split()), ""] if doc else [])
+        lines += ["| flag | default | what it is |", "| --- | --- | --- |"]
+        for f in dataclasses.fields(cls):
+            names = ", ".join(f"`--{n.replace('_', '-')}`" for n in (flag_of(f), *f.metadata.get("aliases", ())))
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            lines.append(f"| {names} | `{default!r}` | {help_of(f).replace('|', chr(92) + '|')} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -181,7 +240,7 @@ def print_summary(trainer: Any, config: Any, out: Path, records: list[dict[str, 
     if not trainer.world.is_main:
         return
     print(summarize_training(records, trainer.source.max_staleness))
-    if config.rollout.source == "traces":
+    if config.source.needs().get("summary"):  # a source that keeps totals (a trace log's: used, dropped, why)
         print(summarize_traces(trainer.source.summary()))
     if trainer.ended_early:
         print(f"  stopped after {len(records)} of {trainer.total_steps} steps: {trainer.ended_early}")
@@ -330,7 +389,7 @@ def _confirm(args: argparse.Namespace) -> int:
     """A planned confirmation: the plan file fixes the grid, arms, seeds, settings, primary endpoint and family."""
     import shlex
 
-    from sao.core.config import apply_threads
+    from sao.core.machine import apply_threads
     from sao.experiment import confirm
 
     plan = confirm.read_plan(args.plan)

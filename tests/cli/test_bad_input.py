@@ -70,8 +70,8 @@ def _model_without_chat_template(tiny_model_dir: Path, tmp_path: Path) -> Path:
 
 
 BAD_CONFIG = {
-    "unknown arm": (["--arm", "ppo"], "--correction must be a correction rule"),
-    "band not bracketing 1": (["--band", "1.2", "6"], "must bracket 1"),
+    "unknown arm": (["--correction", "ppo"], "--correction must be a correction rule"),
+    "band not bracketing 1": (["--ratio", "1.2", "6"], "must bracket 1"),
     "lag below 0": (["--lag", "-2"], "--lag must be >= 0"),
     "model path that does not exist": (["--model", "./models/none-here"], "is not a directory"),
     "batch larger than the prompts": (["--batch-size", "100", "--train-prompts", "64"], "larger than"),
@@ -121,7 +121,7 @@ def test_a_real_process_exits_2_with_one_line_and_no_traceback(tmp_path):
             "train",
             "--preset",
             "tiny",
-            "--band",
+            "--ratio",
             "2",
             "3",
             "--out",

@@ -16,7 +16,7 @@ def test_train_writes_a_complete_log_and_prints_a_summary(tiny_model_dir, tmp_pa
 
     out = tmp_path / "run"
     code = main(["train", "--preset", "tiny", "--steps", "3", "--critic-warmup", "2", "--batch-size", "16", "--lag",
-                 "1", "--band", "0.5", "3.0", "--quiet", "--track", "tensorboard", "--out", str(out)])  # fmt: skip
+                 "1", "--ratio", "0.5", "3.0", "--quiet", "--track", "tensorboard", "--out", str(out)])  # fmt: skip
     assert code == 0
     text = capsys.readouterr().out
     assert "reward:" in text and "lag-0 batches" in text
@@ -35,8 +35,8 @@ def test_train_writes_a_complete_log_and_prints_a_summary(tiny_model_dir, tmp_pa
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--arm", "ppo"], "--correction must be a correction rule"),
-        (["--band", "1.5", "6"], "bracket 1"),
+        (["--correction", "ppo"], "--correction must be a correction rule"),
+        (["--ratio", "1.5", "6"], "bracket 1"),
         (["--lag", "-1"], "--lag must be >= 0"),
         (["--model", "./no/such/model"], "not a directory"),
         (["--data", "./no/such/dir"], "not a directory"),

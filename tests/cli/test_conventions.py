@@ -70,7 +70,7 @@ def test_only_rank_0_prints_the_train_summary(capsys, tmp_path, faults, rank):
     from sao.cli import print_start, print_summary
     from sao.core.config import Config
 
-    trainer, config = _fake_trainer(rank), Config.preset("tiny")
+    trainer, config = _fake_trainer(rank), Config.load("tiny")
     print_start(trainer, config)
     print_summary(trainer, config, tmp_path, [])
     out = capsys.readouterr()

@@ -341,11 +341,12 @@ def test_the_tiny_preset_runs_on_one_thread_unless_told_otherwise(monkeypatch, f
 
 
 def test_automatic_threads_leave_other_models_to_torch():
-    from sao.core.config import Config, torch_threads
+    from sao.core.config import Config
+    from sao.core.machine import torch_threads
 
-    assert torch_threads(Config.preset("tiny"), environ={}) == 1
-    assert torch_threads(Config.preset("tiny"), environ={"OMP_NUM_THREADS": "4"}) is None
-    assert torch_threads(Config.preset("tiny", threads=3), environ={"OMP_NUM_THREADS": "4"}) == 3
+    assert torch_threads(Config.load("tiny"), environ={}) == 1
+    assert torch_threads(Config.load("tiny"), environ={"OMP_NUM_THREADS": "4"}) is None
+    assert torch_threads(Config.load("tiny", threads=3), environ={"OMP_NUM_THREADS": "4"}) == 3
     assert torch_threads(Config(), environ={}) is None  # the protocol's 1.5B model: torch's default
 
 

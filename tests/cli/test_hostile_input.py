@@ -22,7 +22,8 @@ from sao.cli import main
 from sao.core.errors import ConfigError, DataError
 from sao.core.plugins import PluginError, PluginTimeout
 from sao.core.reading import REWARD_LIMIT, reward_problem
-from sao.rollout.episodes import _checked_step, draw_episodes
+from sao.rollout.environment import checked_step
+from sao.rollout.episodes import draw_episodes
 from sao.rollout.sampler import PlainDecoder
 from sao.rollout.sources import SourceExhausted
 from sao.rollout.traces import TraceSource
@@ -216,7 +217,7 @@ def test_a_reward_function_and_an_environment_refuse_the_same_values(case, fault
         scorer.score(["x"], [{"id": "t/1"}])
     one_line(str(error.value), "reward mine:reward", "for t/1")
     with pytest.raises(PluginError) as error:
-        _checked_step({"observations": [], "reward": value, "done": True}, "environment mine:Env", "t/1")
+        checked_step({"observations": [], "reward": value, "done": True}, "environment mine:Env", "t/1")
     one_line(str(error.value), "environment mine:Env (step) on t/1: a reward must be")
     faults.record("numbers from outside", f"reward {case} from a --reward function and an environment")
 

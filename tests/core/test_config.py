@@ -116,7 +116,7 @@ def test_yaml_reads_exponent_numbers_without_a_dot_as_floats(tmp_path):
 
 def test_a_file_sao_wrote_is_read_as_it_is_with_its_grid(tmp_path):
     record = {
-        "config": {**Config.preset("tiny").to_dict(), "lr": 0.003},
+        "config": {**Config.load("tiny").to_dict(), "lr": 0.003},
         "grid": {"lags": [1, 4], "lrs": [0.001], "bands": [[0.7, 6.0]], "arms": ["dis", "none"]},
         "data": {"train": 480},
         "source": "tiny",
@@ -125,7 +125,7 @@ def test_a_file_sao_wrote_is_read_as_it_is_with_its_grid(tmp_path):
     path.write_text(json.dumps(record))
     values, grid = read_config_file(path)
     assert grid == record["grid"]
-    assert Config.preset("protocol", **values) == Config.preset("tiny", lr=0.003)
+    assert Config.load("protocol", **values) == Config.load("tiny", lr=0.003)
 
 
 # --- replaying a real run --------------------------------------------------------------------------------
@@ -161,7 +161,8 @@ def test_a_runs_config_json_replays_it_bit_for_bit(tiny_model_dir, tmp_path):
 def test_values_are_type_checked_and_ints_widen_to_floats():
     assert Config(lr=1).training.lr == 1.0 and isinstance(Config(lr=1).training.lr, float)
     assert Config(band=[0.5, 3]).algorithm.ratio == (0.5, 3.0)
-    assert Config(ray_address=None).rollout.ray_address is None and Config(data="tiny").data.dataset == "tiny"
+    assert Config(rollout="ray", ray_address=None).source.ray_address is None
+    assert Config(data="tiny").data.dataset == "tiny"
     from sao.core.config import TrainingSettings
 
     assert convert(TrainingSettings, "steps", 3) == 3
@@ -258,15 +259,36 @@ def test_critic_warmup_takes_a_count_or_auto_from_flags_and_files(tmp_path):
 # --critic-warmup 1 --batch-size 8 --train-prompts 32 --test-prompts 8` wrote before settings had sections: one flat
 # object, the correction rule called "arm", the band "band" and the rollout source "engine".
 BEFORE_SECTIONS = Path(__file__).resolve().parents[1] / "fixtures" / "config-before-sections.json"
+# tests/fixtures/config-rollout-one-section.json is the config.json the same command wrote while every source's settings
+# still lived in one rollout section (29 fields) and the eval section's fields had no eval_ prefix.
+ONE_ROLLOUT_SECTION = BEFORE_SECTIONS.with_name("config-rollout-one-section.json")
 RENAMED = {"arm": "correction", "band": "ratio", "engine": "rollout"}
 
 
-def test_a_config_json_from_before_sections_keeps_every_value_under_its_new_name(capsys):
-    old = json.loads(BEFORE_SECTIONS.read_text())["config"]
-    replayed = config_from_args(_args("--config", str(BEFORE_SECTIONS))).flat()
+def _owner(name: str) -> str:
+    from sao.core.config import source_fields, sources
+
+    return next(k for k in sources() if name in source_fields(sources().get(k)))
+
+
+@pytest.mark.parametrize("fixture", [BEFORE_SECTIONS, ONE_ROLLOUT_SECTION], ids=["flat", "one-rollout-section"])
+def test_an_old_config_json_keeps_every_value_under_its_new_name(capsys, fixture):
+    """Every value keeps its meaning; the settings of sources the run did not use (older versions wrote every
+    source's in one section) are dropped: they had no part in the run, and are each at its default there."""
+    from sao.core.config import flat_view, source_fields, sources
+
+    old = flat_view(json.loads(fixture.read_text())["config"])
+    config = config_from_args(_args("--config", str(fixture)))
+    replayed = config.flat()
+    others = {n for k in sources() if k != config.rollout.source for n in source_fields(sources().get(k))}
     for name, value in old.items():
+        if RENAMED.get(name, name) not in replayed:
+            assert name in others and value == getattr(sources().get(_owner(name))(), name), name
+            continue
         got = replayed[RENAMED.get(name, name)]
         assert (list(got) if isinstance(got, tuple) else got) == value, name
+    if fixture != BEFORE_SECTIONS:
+        return
     # the settings added since take the defaults of a file that names no preset, i.e. what the old code did
     # (one learning rate for the whole critic, no schedule, no KL or entropy term, the critic as the baseline)
     assert replayed["critic_bias_lr"] is None and replayed["lr_schedule"] == "constant"
@@ -275,17 +297,22 @@ def test_a_config_json_from_before_sections_keeps_every_value_under_its_new_name
 
 
 @pytest.mark.slow
-def test_a_config_json_from_before_sections_replays_and_its_rewrite_replays_bit_for_bit(tiny_model_dir, tmp_path):
-    """The old file runs as it is and is written back in sections; that file replays the run bit for bit. (The
-    old run's own log is not reproduced: the tiny model's weights and its held-out split changed since.)"""
+@pytest.mark.parametrize("fixture", [BEFORE_SECTIONS, ONE_ROLLOUT_SECTION], ids=["flat", "one-rollout-section"])
+def test_an_old_config_json_replays_and_its_rewrite_replays_bit_for_bit(tiny_model_dir, tmp_path, fixture):
+    """The old file runs as it is and is written back in today's sections; that file replays the run bit for bit.
+    The one-section file's own run is committed beside it and is reproduced (to float32 rounding: the committed log
+    may come from another CPU). The flat file's own log is not: the tiny model's weights and its held-out split
+    changed since it was written."""
     import torch
 
     torch.set_num_threads(1)
     first, second = tmp_path / "old", tmp_path / "replay"
-    assert main(["train", "--quiet", "--config", str(BEFORE_SECTIONS), "--out", str(first)]) == 0
+    assert main(["train", "--quiet", "--config", str(fixture), "--out", str(first)]) == 0
     written = json.loads((first / "config.json").read_text())["config"]
     assert {"model", "data", "algorithm", "rollout", "training"} <= set(written)
     assert written["algorithm"]["correction"] == "dis" and written["algorithm"]["ratio"] == [0.7, 6.0]
+    assert written["rollout"]["local"] == {"lag": 4, "sampler_dtype": "auto"}
+    assert "max_staleness" not in written["rollout"]  # another source's setting: not part of this run
     assert main(["train", "--quiet", "--config", str(first / "config.json"), "--out", str(second)]) == 0
     original, replayed = run_log(first), run_log(second)
     assert len(original) == len(replayed) == 3
@@ -293,3 +320,15 @@ def test_a_config_json_from_before_sections_replays_and_its_rewrite_replays_bit_
         assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == {
             k: v for k, v in b.items() if k not in TIMING_KEYS
         }
+    committed = fixture.with_name(fixture.stem + ".train_log.jsonl")
+    if committed.exists():
+        before = [json.loads(line) for line in committed.read_text().splitlines()]
+        assert len(before) == len(original)
+        for a, b in zip(before, original, strict=True):
+            for key, value in a.items():
+                if key in TIMING_KEYS:
+                    continue
+                if isinstance(value, float) and value == value:
+                    assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+                elif value == value:
+                    assert b[key] == value, key

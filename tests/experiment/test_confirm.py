@@ -147,7 +147,7 @@ def test_intermediate_evals_leave_training_unchanged(confirmed, tmp_path):
     from sao.training import build
 
     _, out, _ = confirmed
-    config = Config.preset("tiny", **{**SETTINGS, "eval_every": 0}, lag=2, lr=3e-3, arm="dis", seed=201)
+    config = Config.load("tiny", **{**SETTINGS, "eval_every": 0}, lag=2, lr=3e-3, arm="dis", seed=201)
     plain = build.trainer(config, tmp_path / "run", progress=False).run()
     evaluated = run_log(out / "cells" / CELL / "runs" / "dis-s201")
     volatile = {"time", "time_sample", "rollouts_per_s"}
@@ -364,7 +364,7 @@ def test_the_random_arm_needs_a_share_or_a_dis_arm_before_it(tmp_path):
     with pytest.raises(ConfigError, match="random-mask-share"):
         Config(arm="random")
     with pytest.raises(ConfigError, match="list dis before random"):
-        Experiment(Config.preset("tiny"), Grid(lags=(1,), lrs=(1e-3,), arms=("random", "dis", "none")), tmp_path / "x")
+        Experiment(Config.load("tiny"), Grid(lags=(1,), lrs=(1e-3,), arms=("random", "dis", "none")), tmp_path / "x")
     with pytest.raises(ConfigError, match="share in"):
         SAO(correction="random", random_mask_share=1.0)
 

@@ -125,8 +125,8 @@ def test_settings_are_validated_and_reach_the_command_line():
     bad_settings = ({"max_staleness": -1}, {"rollout_workers": 0}, {"worker_cpus": -1.0}, {"rollout_batch": -1},
                     {"worker_timeout": 0.0}, {"worker_timeout": float("inf")})  # fmt: skip
     for bad in bad_settings:
-        with pytest.raises(ConfigError):
-            Config(**bad)
+        with pytest.raises(ConfigError, match="--" + next(iter(bad)).replace("_", "-")):
+            Config(rollout="ray", **bad)
     from sao.cli import build_parser, config_from_args
 
     args = build_parser().parse_args(
@@ -135,10 +135,10 @@ def test_settings_are_validated_and_reach_the_command_line():
          "--out", "x"]
     )  # fmt: skip
     config = config_from_args(args)
-    assert (config.rollout.source, config.rollout.ray_address, config.rollout.rollout_workers) == ("ray", "auto", 7)
-    assert (config.rollout.worker_gpus, config.rollout.worker_cpus, config.rollout.max_staleness) == (1.0, 0.5, 3)
-    assert config.rollout.worker_timeout == 30.0
-    assert Config().rollout.max_staleness == Config().rollout.lag  # both sources: the same staleness range
+    assert (config.rollout.source, config.source.ray_address, config.source.rollout_workers) == ("ray", "auto", 7)
+    assert (config.source.worker_gpus, config.source.worker_cpus, config.source.max_staleness) == (1.0, 0.5, 3)
+    assert config.source.worker_timeout == 30.0
+    assert Config(rollout="ray").source.max_staleness == Config().source.lag  # both sources: the same staleness range
 
 
 def test_rollout_batch_defaults_to_the_training_batch_on_gpu_workers():
@@ -150,7 +150,7 @@ def test_rollout_batch_defaults_to_the_training_batch_on_gpu_workers():
 
 
 def test_a_local_cluster_never_hands_out_the_training_processes_gpus():
-    from sao.rollout.ray_workers import worker_gpu_ids
+    from sao.rollout.ray_fleet import worker_gpu_ids
 
     assert worker_gpu_ids(None, 8, reserved=[0]) == ["1", "2", "3", "4", "5", "6", "7"]
     assert worker_gpu_ids("4,5,6", 3, reserved=[0]) == ["5", "6"]  # indices are in visible order
@@ -161,7 +161,7 @@ def test_a_local_cluster_never_hands_out_the_training_processes_gpus():
 
 
 def test_missing_ray_is_a_one_line_config_error(monkeypatch):
-    from sao.rollout.ray_workers import import_ray
+    from sao.rollout.ray_fleet import import_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` raise ImportError
     with pytest.raises(ConfigError, match=r"pip install 'sao\[ray\]'"):
@@ -184,7 +184,7 @@ def _simulate(K: int, seed: int) -> dict[str, int]:
     order, some die (their prompts are drawn again), the trainer steps while calls are out, some policy steps
     are skipped (the version stays). Checks at every batch that nothing in the buffer is older than K (so
     nothing would be dropped) and that the trainer never waits with nothing that could arrive."""
-    from sao.rollout.ray_workers import Admission
+    from sao.rollout.admission import Admission
 
     rng = random.Random(seed)
     B = rng.choice([4, 8, 12])
@@ -252,7 +252,7 @@ def test_admission_tied_to_versions_never_lets_a_trajectory_age_past_the_bound(K
 
 
 def test_earliest_deadline_first_waits_for_a_call_due_sooner():
-    from sao.rollout.ray_workers import Admission
+    from sao.rollout.admission import Admission
 
     admission = Admission(batch_size=2, max_staleness=1, critic_warmup=0)
     buffer = [_Item(seq=5, version=1, deadline=3), _Item(seq=2, version=0, deadline=2),
@@ -326,7 +326,7 @@ def test_async_run_drops_nothing_and_replaced_workers_deliver(ray_module, tiny_m
     from sao.training import build
 
     K = 2
-    config = Config.preset("tiny", engine="ray", batch_size=16, steps=8, critic_warmup=1, rollout_workers=2,
+    config = Config.load("tiny", engine="ray", batch_size=16, steps=8, critic_warmup=1, rollout_workers=2,
                            max_staleness=K, worker_timeout=20.0)  # fmt: skip
     trainer = build.trainer(config, tmp_path / "run", progress=False)
     source = trainer.source
@@ -390,7 +390,7 @@ def test_synchronous_run_drops_nothing_and_a_resumed_run_uses_no_draw_twice(ray_
     no draw is used twice across the two halves."""
     from sao.training import build
 
-    config = Config.preset(
+    config = Config.load(
         "tiny", engine="ray", batch_size=16, steps=3, critic_warmup=1, rollout_workers=2, max_staleness=0
     )
     first = build.trainer(config, tmp_path / "run", progress=False)
@@ -450,7 +450,7 @@ def test_ray_workers_draw_multi_turn_episodes(ray_module, tiny_model_dir, tmp_pa
     from sao.training import build
 
     tiny_calc.ensure_calc_model(progress=False)
-    config = Config.preset("tiny", env="tiny-calc", engine="ray", batch_size=8, steps=2, critic_warmup=1,
+    config = Config.load("tiny", env="tiny-calc", engine="ray", batch_size=8, steps=2, critic_warmup=1,
                            rollout_workers=1, max_staleness=0, train_prompts=32, test_prompts=8)  # fmt: skip
     trainer = build.trainer(config, tmp_path / "run", progress=False)
     daemons = _ray_children()  # the cluster the source started
@@ -486,7 +486,7 @@ def test_episodes_in_flight_go_on_under_each_published_adapter(ray_module, tiny_
         return SlowCalc(task_id, fields, tool_format="tag")
 
     K = 2
-    config = Config.preset("tiny", env="tiny-calc", engine="ray", batch_size=8, steps=6, critic_warmup=1,
+    config = Config.load("tiny", env="tiny-calc", engine="ray", batch_size=8, steps=6, critic_warmup=1,
                            rollout_workers=1, max_staleness=K, train_prompts=64, test_prompts=8)  # fmt: skip
     trainer = build.trainer(config, tmp_path / "run", progress=False, env_factory=slow_calc)
     records = trainer.run()
@@ -504,17 +504,17 @@ def test_a_draw_answers_the_version_its_first_action_was_drawn_by(ray_module, ti
     """The call carries v0, but the board already holds v3 when the episodes start: the worker takes v3 before the
     first action, so the draw is v3's (counting it as v0's would make every row look three updates staler)."""
     from sao.model.policy import lora_state
-    from sao.rollout.ray_workers import AdapterBoard, RolloutWorker
+    from sao.rollout.ray_fleet import AdapterBoard, RolloutWorker
     from sao.tiny import calculator as tiny_calc
     from sao.training import build
 
     tiny_calc.ensure_calc_model(progress=False)
-    config = Config.preset("tiny", env="tiny-calc", engine="ray", batch_size=4, steps=1, critic_warmup=0,
+    config = Config.load("tiny", env="tiny-calc", engine="ray", batch_size=4, steps=1, critic_warmup=0,
                            rollout_workers=1, train_prompts=8, test_prompts=4)  # fmt: skip
     source = build.trainer(config, tmp_path / "run", progress=False).source
     try:
         weights = {n: p.detach().clone() for n, p in lora_state(source.policy).items()}
-        worker = RolloutWorker(source._model_path, source._settings, ray_module.get(source._episodes))
+        worker = RolloutWorker(source.fleet._model_path, source.fleet._settings, ray_module.get(source.fleet._episodes))
         board = ray_module.remote(AdapterBoard).options(num_cpus=0).remote()
         ray_module.get(board.post.remote([3, ray_module.put(weights)]))
         drawn = worker.draw(source._next_job(4, deadline=0), [0, ray_module.put(weights)], board)

@@ -321,13 +321,13 @@ def test_the_source_state_resumes_exactly(tmp_path, tokenizer):
 
 def test_settings_that_make_no_sense_with_traces_are_refused():
     with pytest.raises(ConfigError, match="--traces with --rollout ray"):
-        Config.preset("tiny", traces="log.jsonl", engine="ray")
+        Config.load("tiny", traces="log.jsonl", engine="ray")
     with pytest.raises(ConfigError, match="--traces with --env"):
-        Config.preset("tiny", traces="log.jsonl", env="tiny-calc")
+        Config.load("tiny", traces="log.jsonl", env="tiny-calc")
     with pytest.raises(ConfigError, match="--follow needs --traces"):
-        Config.preset("tiny", follow=True)
+        Config.load("tiny", follow=True)
     with pytest.raises(ConfigError, match="--follow-timeout"):
-        Config.preset("tiny", traces="log.jsonl", follow_timeout=0.0)
+        Config.load("tiny", traces="log.jsonl", follow_timeout=0.0)
     from sao.cli import build_parser
 
     flags = ["train", "--out", "x", "--traces", "log.jsonl", "--follow", "--max-staleness", "2"]
@@ -483,7 +483,7 @@ def test_follow_reads_a_log_as_it_grows_and_ends_after_the_timeout(sampled, tmp_
             with open(log, "a", encoding="utf-8") as handle:
                 handle.write("".join(lines[start : start + 4]))
 
-    config = Config.preset("tiny", traces=str(log), follow=True, follow_timeout=1.5, temperature=TEMPERATURE,
+    config = Config.load("tiny", traces=str(log), follow=True, follow_timeout=1.5, temperature=TEMPERATURE,
                            batch_size=8, critic_warmup=1, steps=10)  # fmt: skip
     thread = threading.Thread(target=writer)
     threads = torch.get_num_threads()

@@ -20,8 +20,8 @@ import torch
 
 import sao
 from sao.core.errors import DataError
-from sao.rollout import vllm_source
-from sao.rollout.vllm import alive, group_alive
+from sao.rollout import remote
+from sao.rollout.vllm import alive, default_vllm_python, group_alive
 
 SMALL = {"preset": "tiny", "steps": 4, "critic_warmup": 1, "batch_size": 8, "train_prompts": 32, "test_prompts": 8}
 
@@ -34,7 +34,7 @@ def test_the_stale_sampler_on_vllm_trains_with_fresh_rows_agreeing_with_the_trai
     trainer = _train(tmp_path, tiny_vllm.url, lag=2)
     records = trainer.records
     assert [r["staleness"] for r in records] == [0, 0, 1, 2, 1]  # the recipe's cycle, with vLLM as the sampler
-    assert [r["vllm_adapter_version"] for r in records] == [0, 0, 0, 0, 2]  # refreshed after policy step 2's draw
+    assert [r["engine_adapter_version"] for r in records] == [0, 0, 0, 0, 2]  # refreshed after policy step 2's draw
     fresh = [r["mismatch_fresh"] for r in records if r["staleness"] == 0]
     assert fresh and max(fresh) < 1e-4, f"float32 vLLM against the trainer's pass: {fresh}"
     stale = [r for r in records if r["staleness"] > 0]
@@ -45,12 +45,12 @@ def test_the_stale_sampler_on_vllm_trains_with_fresh_rows_agreeing_with_the_trai
 
 
 def test_a_sampler_that_never_receives_the_published_adapter_stops_the_run(tiny_vllm, tmp_path, monkeypatch, faults):
-    real = vllm_source.VllmFleet.publish
+    real = remote.Fleet.publish
 
     def stuck(self, version):  # the sync that never delivers: every version is served by v0's weights
         return real(self, 0)
 
-    monkeypatch.setattr(vllm_source.VllmFleet, "publish", stuck)
+    monkeypatch.setattr(remote.Fleet, "publish", stuck)
     with pytest.raises(DataError, match="not serving the adapter the trainer published") as caught:
         _train(tmp_path, tiny_vllm.url, lag=0)
     assert "\n" not in str(caught.value)
@@ -184,7 +184,7 @@ def test_serve_upstream_logs_concurrent_replies_and_takes_published_adapters(tin
 
     run = tmp_path / "run"
     trainer = sao.train({**SMALL, "steps": 1, "publish": True}, run, progress=False)  # publishes v0 and v1
-    config = Config.preset("tiny", upstream=tiny_vllm.url, traces=str(tmp_path / "traces.jsonl"))
+    config = Config.load("tiny", upstream=tiny_vllm.url, traces=str(tmp_path / "traces.jsonl"))
     server = Server(config, tmp_path / "traces.jsonl", port=0, watch=run, say=lambda line: None)
     server.start()
     try:
@@ -220,7 +220,7 @@ def test_a_launched_server_killed_mid_run_is_restarted_and_stopped_with_the_run(
 
     from sao.training.trainer import Hook
 
-    if vllm_source.default_vllm_python() is None:
+    if default_vllm_python() is None:
         pytest.skip(".venv-vllm is absent: make install-vllm builds it")
     killed: list[int] = []
 
@@ -235,7 +235,7 @@ def test_a_launched_server_killed_mid_run_is_restarted_and_stopped_with_the_run(
     trainer = sao.train({**SMALL, "rollout": "vllm", "vllm_launch": True, "steps": 2, "lag": 1}, out,
                         hooks=[KillTheServer()], progress=False)  # fmt: skip
     records = trainer.records
-    assert len(records) == 3 and killed and records[-1]["vllm_restarts_total"] == 1
+    assert len(records) == 3 and killed and records[-1]["engine_restarts_total"] == 1
     assert all(r["nonfinite"] == 0 for r in records) and all(r["reward_mean"] == r["reward_mean"] for r in records)
     (second,) = json.loads((out / "vllm-servers.json").read_text())
     assert second["url"].startswith("http://127.0.0.1:") and second["pid"] != killed[0]

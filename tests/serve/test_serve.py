@@ -340,7 +340,7 @@ def test_loopback_only_unless_asked(capsys):
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2")
     with pytest.raises(ConfigError, match="pass --host explicitly"):
-        serve(Config.preset("tiny"), "unused.jsonl", host="0.0.0.0", host_given=False, port=0)
+        serve(Config.load("tiny"), "unused.jsonl", host="0.0.0.0", host_given=False, port=0)
 
 
 def test_the_cli_lists_serve_and_its_options():

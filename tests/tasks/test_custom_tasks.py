@@ -111,7 +111,7 @@ def test_default_data_is_gsm8k_from_the_hub_as_before(monkeypatch, gsm8k_split):
 
 
 def test_tiny_gives_todays_split():
-    split = task_set(Config.preset("tiny"))
+    split = task_set(Config.load("tiny"))
     assert _fingerprint(split) == TINY_DEFAULT
     assert all(t.fields == {} and t.messages is None for t in split.train)
 
@@ -152,7 +152,7 @@ def test_field_options_for_gsm8k_hub_or_tiny_are_refused():
         task_set(Config(prompt_field="problem"))
     _one_line(err)
     with pytest.raises(ConfigError, match=r"--messages-field.*tiny"):
-        task_set(Config.preset("tiny", messages_field="chat"))
+        task_set(Config.load("tiny", messages_field="chat"))
 
 
 def test_task_keeps_three_argument_construction_and_stays_hashable():

@@ -136,7 +136,7 @@ def test_torchrun_two_processes_take_the_single_process_steps_and_resume(tiny_mo
     from sao.training import build
 
     torch.set_num_threads(1)
-    build.trainer(Config.preset("tiny", **SETTINGS), tmp_path / "single", progress=False).run()
+    build.trainer(Config.load("tiny", **SETTINGS), tmp_path / "single", progress=False).run()
     single = run_log(tmp_path / "single")
 
     child = tmp_path / "child.py"

@@ -64,12 +64,12 @@ def test_the_confidence_sequence_holds_at_every_sample_count_at_once():
 
 def test_a_gate_too_small_for_its_margin_is_refused_at_start_with_the_size_it_needs():
     with pytest.raises(ConfigError, match=r"needs at least 1085") as error:
-        Config.preset("tiny", gate="held-out", gate_margin=0.05, gate_alpha=0.05)
+        Config.load("tiny", gate="held-out", gate_margin=0.05, gate_alpha=0.05)
     assert "\n" not in str(error.value) and "120 held-aside tasks" in str(error.value)
     with pytest.raises(ConfigError, match=r"needs at least 33"):
-        Config.preset("tiny", gate="held-out", gate_margin=MARGIN, gate_alpha=ALPHA, gate_tasks=20)
-    Config.preset("tiny", gate="held-out", gate_margin=MARGIN, gate_alpha=ALPHA, gate_tasks=TASKS)  # enough
-    assert Config.preset("tiny").training.gate == "off"  # off unless asked
+        Config.load("tiny", gate="held-out", gate_margin=MARGIN, gate_alpha=ALPHA, gate_tasks=20)
+    Config.load("tiny", gate="held-out", gate_margin=MARGIN, gate_alpha=ALPHA, gate_tasks=TASKS)  # enough
+    assert Config.load("tiny").training.gate == "off"  # off unless asked
 
 
 def test_the_command_line_refuses_a_small_gate_in_one_line_and_writes_nothing(tmp_path, capsys):
@@ -85,7 +85,7 @@ def test_the_command_line_refuses_a_small_gate_in_one_line_and_writes_nothing(tm
 def test_a_held_out_split_smaller_than_the_gate_needs_is_refused_before_a_model_loads(tmp_path):
     from sao.training import build
 
-    config = Config.preset("tiny", gate="held-out", gate_margin=MARGIN, gate_alpha=ALPHA, gate_tasks=200)
+    config = Config.load("tiny", gate="held-out", gate_margin=MARGIN, gate_alpha=ALPHA, gate_tasks=200)
     with pytest.raises(ConfigError, match=r"holds 120 tasks.*needs at least 200"):
         build.trainer(config, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
@@ -116,6 +116,25 @@ class BreakAt(Hook):
 def gated(tiny_config: Config, **changes) -> Config:
     return tiny_config.replace(batch_size=8, micro_batch=8, critic_warmup=1, gate="held-out", gate_margin=MARGIN,
                                gate_alpha=ALPHA, gate_tasks=TASKS, **changes)  # fmt: skip
+
+
+def test_the_gates_episodes_run_under_the_runs_environment_settings(tiny_config, tmp_path):
+    """The held-aside episodes are drawn as the training ones are: the same environment timeout, concurrency and
+    rejoin rule (they were assembled apart once, and ran with no timeout at all)."""
+    from sao.training import build
+
+    config = gated(tiny_config, env="tiny-calc", env_timeout=7.0, env_concurrency=3, env_rejoin="row",
+                   max_turns=2, max_total_tokens=64)  # fmt: skip
+    trainer = build.trainer(config, tmp_path / "run", progress=False)
+    try:
+        gate = next(h for h in trainer.hooks if isinstance(h, Gate))
+        held, train = gate.held.episodes, trainer.source.episodes
+        for name in ("env_timeout", "env_concurrency", "env_rejoin", "max_turns", "max_total_tokens", "name"):
+            assert getattr(held, name) == getattr(train, name), name
+        assert (held.env_timeout, held.env_concurrency, held.env_rejoin) == (7.0, 3, "row")
+        assert set(held.fields) == {t.id for t in gate.held.tasks} and not set(held.fields) & set(train.fields)
+    finally:
+        trainer.run_dir.undo()
 
 
 def test_the_gate_publishes_a_normal_adapter_and_holds_back_a_broken_one(tiny_config, tmp_path):

@@ -59,7 +59,7 @@ def test_a_bfloat16_sampler_on_a_float32_trainer_shows_the_engine_mismatch_at_la
 
 def test_a_sampler_dtype_off_the_local_source_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="applies to --rollout local only") as error:
-        Config.preset("tiny", sampler_dtype="bfloat16", rollout="ray")
+        Config.load("tiny", sampler_dtype="bfloat16", rollout="ray")
     assert "\n" not in str(error.value)
 
 
@@ -132,7 +132,7 @@ def test_reward_rises_on_the_tiny_preset(tiny_model_dir, tmp_path):
     """
     from sao.core.config import Config
 
-    records = build.trainer(Config.preset("tiny"), tmp_path / "run", progress=False).run()
+    records = build.trainer(Config.load("tiny"), tmp_path / "run", progress=False).run()
     rewards = [r["reward_mean"] for r in records if r["phase"] == "policy"]
     assert len(rewards) == 40
     first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])

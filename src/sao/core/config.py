@@ -1,14 +1,16 @@
-"""Every setting of a run, in sections, with the published protocol as the default.
+"""Every setting of a run, in sections, with the published protocol as the default; ``Config.load`` makes one.
 
     model      the base model, its LoRA adapter, the device       training   steps, batch, optimiser, logging
     data       the tasks, their reward, the environment           eval       pass@1 settings and the experiment
     algorithm  SAO's own fields (``sao.algorithm.SAO``)            serve      the OpenAI-compatible endpoint
-    rollout    where trajectories come from and how they are drawn
+    rollout    what every source reads; ``--rollout NAME`` picks a source, whose own section (``config.source``)
+               is registered beside it (``sao.rollout.registry``)
 
-``Config()`` is the recipe page's round 1; ``Config.preset("tiny")`` the CPU stand-in. Every field documents
-itself and states its check where it is declared (``option``). A setting's flat name (``--batch-size``,
-``batch_size`` in a settings file) is the field's name, or the ``flag`` it declares; ``Config.from_mapping``
-reads flat or sectioned mappings, a ``"preset"`` key, and the config.json files older sao versions wrote.
+``Config.load()`` is the recipe page's round 1; ``Config.load("tiny")`` the CPU stand-in. Every field documents itself
+and states its check where it is declared (``option``). A setting's flat name (``--batch-size``, ``batch_size`` in a
+settings file) is its field's name; a section's name sets its principal field (``--model`` the model's name,
+``--data`` the dataset, ``--rollout`` the source). ``Config.load`` reads flat or sectioned settings, a preset, a
+settings file, and the config.json files older sao versions wrote (their settings under today's names).
 
 Deliberately left out: merging the command line (the CLI: preset < file < flags) and validating a sweep grid.
 """
@@ -17,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +28,10 @@ from typing import Any
 
 from sao.core.errors import ConfigError
 from sao.core.reading import Limits, parse_json, parse_yaml
-from sao.core.registry import BASELINES, CORRECTIONS, PRESETS, SOURCES, Registry
+from sao.core.registry import BASELINES, CORRECTIONS, PRESETS, Registry
 from sao.core.settings import (
     Section,
+    SourceSection,
     all_of,
     at_least,
     between,
@@ -51,6 +54,14 @@ MAX_PORT = 65535
 MAX_TIMEOUT = 86_400.0  # a plug-in call's timeout at most: a day
 MAX_TRAIN_RUNS = 10_000  # seeds per arm: far beyond any experiment, small enough to hold as a list
 CONFIG_LIMITS = Limits(max_bytes=1 << 20, max_nodes=100_000)  # a settings file: 1 MiB, 100k values at most
+# The rollout layer's registry of sources, resolved on first use: core offers the seam (``SourceSection``), the
+# layer above fills it, as every registry entry names its implementation by import path.
+SOURCES_AT = "sao.rollout.registry"
+
+
+def sources() -> Registry:
+    """The registry of rollout sources (``sao.rollout.registry.SOURCES``): name → its settings section."""
+    return importlib.import_module(SOURCES_AT).SOURCES
 
 
 def _band(value: tuple[float, float]) -> str | None:
@@ -59,12 +70,13 @@ def _band(value: tuple[float, float]) -> str | None:
     return None if ok else "must bracket 1: need 0 <= lo < 1 < hi"
 
 
-def _in_registry(registry: Registry) -> Any:
+def _in_registry(registry: Registry | Any) -> Any:
     def check(name: str) -> str | None:
-        if name in registry:
+        known = registry() if callable(registry) else registry
+        if name in known:
             return None
-        close = difflib.get_close_matches(name, registry.names(), n=1)
-        return f"must be a {registry.kind}: one of {', '.join(registry.names())}" + (
+        close = difflib.get_close_matches(name, known.names(), n=1)
+        return f"must be a {known.kind}: one of {', '.join(known.names())}" + (
             f" (did you mean {close[0]!r}?)" if close else ""
         )
 
@@ -114,6 +126,7 @@ class ModelSettings(Section):
     logprob_chunk: int = option(1024, "Rows per full-vocabulary log-softmax chunk (memory only).", check=at_least(1))
 
 
+
 @dataclass(frozen=True)
 class DataSettings(Section):
     dataset: str | None = option(
@@ -128,10 +141,9 @@ class DataSettings(Section):
     test_prompts: int = option(
         120, "Held-out tasks drawn from the test split for eval. The page's 120.", check=at_least(1)
     )
-    seed: int = option(
-        0, "Seed of the held-out and training draws; fixed so that every run scores the same tasks.", flag="data_seed",
-        check=_seed,
-    )  # fmt: skip
+    data_seed: int = option(
+        0, "Seed of the held-out and training draws; fixed so that every run scores the same tasks.", check=_seed
+    )
     prompt_field: str | None = option(
         None,
         'With --data FILE or a hub dataset: the field holding the prompt text (default "question"); a dotted path '
@@ -186,6 +198,7 @@ class DataSettings(Section):
         "Environments score their own episodes and are not affected.",
         check=one_of("zero", "grade"),
     )
+
 
 
 @dataclass(frozen=True)
@@ -250,20 +263,20 @@ class AlgorithmSettings(Section):
     )
 
 
+
 @dataclass(frozen=True)
 class RolloutSettings(Section):
+    """What every source reads; the source's own settings are its section (``Config.source``)."""
+
     source: str = option(
         "local",
         'Where batches come from: "local" (the stale sampler in this process, reproducible), "ray" (asynchronous '
-        'rollout workers, for throughput) or "traces" (a serving system\'s log, --traces); more by registering one.',
+        'rollout workers), "traces" (a serving system\'s log, --traces), "vllm" / "vllm-async" (vLLM as the sampler); '
+        "more by registering one (sao.rollout.registry). Each has its own settings.",
         flag="rollout",
         aliases=("engine",),
-        check=_in_registry(SOURCES),
+        check=_in_registry(sources),
     )
-    lag: int = option(
-        4, "The sampler's adapter is refreshed every LAG policy steps: staleness 0, then 1..LAG. The page's 4.",
-        check=at_least(0, " (0 = always fresh)"),
-    )  # fmt: skip
     temperature: float = option(
         1.0, "Rollout temperature. 1.0 with no top-p/top-k/penalty: the ratio needs common support.", check=positive
     )
@@ -273,16 +286,6 @@ class RolloutSettings(Section):
         'How tokens are decoded: "plain" (the reference loop), "graph" (sao.rollout.engine: static KV cache, the '
         'decode step as a CUDA graph on a GPU, eager elsewhere), or "auto": graph on a GPU, plain on the CPU.',
         check=one_of("auto", "plain", "graph"),
-    )
-    sampler_dtype: str = option(
-        "auto",
-        '--rollout local only: the dtype the stale sampler draws in. "auto": the model\'s own (one set of base '
-        'weights, as the trainer\'s). "bfloat16" or "float32": on a model of another dtype the sampler draws with a '
-        "copy of the base model in that dtype plus the sampler's LoRA weights cast to it (re-copied before every "
-        "draw), so the recorded sampler log-probabilities carry its numerics while the teacher-forced pass keeps "
-        "the trainer's: bfloat16 on a float32 trainer is the engine-mismatch regime, where the ratio at lag 0 "
-        "measures the numerics alone (abs_log_ratio_* in the log). Costs one copy of the base weights.",
-        check=one_of("auto", "bfloat16", "float32"),
     )
     max_turns: int = option(
         4,
@@ -315,46 +318,6 @@ class RolloutSettings(Section):
         "thread).",
         check=lambda v: None if v in ("turn", "row") else 'must be "turn" or "row"',
     )
-    max_staleness: int = option(
-        4,
-        "--rollout ray: the oldest a trajectory may be when it is put in a batch (policy updates since the adapter "
-        "that wrote it). Workers draw only as far ahead as this allows, so nothing drawn ages past it (0 = synchronous "
-        "training); anything older would be dropped and counted. Equal to the default LAG, so both sources train on "
-        "the same staleness range (0..4). --traces: older traces are dropped and counted.",
-        check=at_least(0, " (0 = only fresh trajectories)"),
-    )
-    rollout_workers: int = option(
-        2, "--rollout ray: rollout workers (Ray actors), each with its own copy of the model.", check=at_least(1)
-    )
-    rollout_batch: int = option(
-        0,
-        "--rollout ray: prompts per worker draw call. 0 = --batch-size on GPU workers (one engine call fills the GPU) "
-        "and 8 on CPU workers (small, so that trajectories arrive continuously).",
-        check=at_least(0, " (0 = automatic)"),
-    )
-    worker_timeout: float = option(
-        300.0,
-        "--rollout ray: seconds a rollout worker may take to answer one draw call (its start, import and model load, "
-        "may take max(this, 900 s)); past it the worker counts as hung: it is killed and replaced like a dead one, "
-        "and its prompts are drawn again.",
-        check=positive,
-    )
-    worker_cpus: float = option(
-        1.0, "--rollout ray: CPUs Ray reserves for each rollout worker (also its torch thread count).",
-        check=non_negative,
-    )  # fmt: skip
-    worker_gpus: float = option(
-        0.0,
-        "--rollout ray: GPUs Ray reserves for each rollout worker; > 0 puts the worker's model on CUDA, fractions "
-        "share a GPU between workers.",
-        check=non_negative,
-    )
-    ray_address: str | None = option(
-        None,
-        '--rollout ray: address of a running Ray cluster to join ("auto", "ray://host:10001", "host:6379"); None '
-        "starts a local one for the run and stops it afterwards.",
-        check=not_blank,
-    )
     traces: str | None = option(
         None,
         "The trace log: a JSONL file or a folder of *.jsonl files a serving system wrote (format: trace.schema.json, "
@@ -363,52 +326,6 @@ class RolloutSettings(Section):
         "task; the run takes min(--steps, what the log allows) steps and publishes each adapter); `sao serve` appends "
         "to it.",
         check=not_blank,
-    )
-    follow: bool = option(
-        False,
-        "--traces: wait for the log to grow (new lines, new files) instead of ending the run when it is read to its "
-        "end; the run ends cleanly after --follow-timeout seconds with no new line. For a live server's log.",
-    )
-    follow_timeout: float = option(
-        600.0, "--follow: seconds without a new trace line after which the run ends cleanly with what it did.",
-        check=positive,
-    )  # fmt: skip
-    skip_bad_traces: bool = option(
-        False,
-        "--traces: count and skip malformed lines instead of stopping with a one-line error naming the file, line "
-        "and field. Off by default, because a malformed log usually means a writer bug or the wrong file.",
-    )
-    vllm_url: str | None = option(
-        None,
-        "--rollout vllm / vllm-async: the URLs of running vLLM OpenAI servers (comma-separated; requests are spread "
-        "over them), started with --enable-lora, runtime LoRA loading and --logprobs-mode processed_logprobs.",
-        check=not_blank,
-    )
-    vllm_launch: bool = option(
-        False,
-        "--rollout vllm / vllm-async: start the servers here (on 127.0.0.1, from --vllm-python), stop them when the "
-        "run ends or fails, and restart one that dies (its requests drawn again).",
-    )
-    vllm_python: str | None = option(
-        None, "--vllm-launch: the Python that has vLLM (default: .venv-vllm/bin/python, made by make install-vllm).",
-        check=not_blank,
-    )  # fmt: skip
-    vllm_servers: int = option(1, "--vllm-launch: how many servers to start.", check=at_least(1))
-    vllm_max_loras: int = option(
-        4, "Adapters a vLLM server holds at once (--max-loras); older versions are unloaded.", check=at_least(2)
-    )
-    vllm_concurrency: int = option(
-        64, "Requests in flight per vLLM server at most (vLLM batches them continuously).", check=at_least(1)
-    )
-    vllm_timeout: float = option(
-        120.0, "Seconds a vLLM server may stay unreachable before the run stops with one line.", check=positive
-    )
-    sampler_tolerance: float = option(
-        1e-3,
-        "Mean |log r| over staleness-0 action tokens above which the run stops: the sampler is not serving the "
-        "adapter the trainer published (a float32 engine agrees to ~3e-6; a bf16 one against a float32 trainer "
-        "needs ~3e-2). Checked on every batch with fresh rows, for the vLLM sources.",
-        check=positive,
     )
 
 
@@ -537,19 +454,18 @@ class TrainingSettings(Section):
     )
 
 
+
 @dataclass(frozen=True)
 class EvalSettings(Section):
-    samples: int = option(4, "Samples per held-out task for pass@1. The page's 4.", flag="eval_samples",
-                          check=at_least(1))  # fmt: skip
-    temperature: float = option(0.7, "Eval sampling temperature. The page's 0.7.", flag="eval_temperature",
-                                check=positive)  # fmt: skip
-    max_new_tokens: int = option(
-        256, "Eval reply length cap; the same as training by default.", flag="eval_max_new_tokens", check=at_least(1)
+    eval_samples: int = option(4, "Samples per held-out task for pass@1. The page's 4.", check=at_least(1))
+    eval_temperature: float = option(0.7, "Eval sampling temperature. The page's 0.7.", check=positive)
+    eval_max_new_tokens: int = option(
+        256, "Eval reply length cap; the same as training by default.", check=at_least(1)
     )
-    batch: int = option(
+    eval_batch: int = option(
         480, "Sequences decoded together during eval (all samples of 120 tasks × 4 at once on a GPU).",
-        flag="eval_batch", check=at_least(1),
-    )  # fmt: skip
+        check=at_least(1),
+    )
     base_evals: int = option(
         3, "Evals of the untrained base model, for the noise floor. The page's 3.", check=at_least(0)
     )
@@ -560,13 +476,13 @@ class EvalSettings(Section):
         " needs 6+: with n seeds the exact sign-flip p cannot go below 2^(1-n).",
         check=between(1, MAX_TRAIN_RUNS),
     )
-    every: int = option(
+    eval_every: int = option(
         0,
         "sao recipe/sweep/confirm: also evaluate each run's policy every K policy steps (same eval settings and "
         "sampling seed as the final eval), so pass@1 over steps exists per arm and seed; 0 = the final eval only.",
-        flag="eval_every",
         check=at_least(0, " (0 = the final eval only)"),
     )
+
 
 
 @dataclass(frozen=True)
@@ -578,6 +494,10 @@ class ServeSettings(Section):
         None, "A `sao train --traces` run folder: serve each adapter it publishes.", check=not_blank
     )
     max_prompt_tokens: int = option(4096, "Longest prompt accepted, in tokens.", check=at_least(1))
+    upstream_timeout: float = option(
+        120.0, "--upstream: seconds the vLLM server may stay unreachable before a request fails with one line.",
+        check=positive,
+    )
     upstream: str | None = option(
         None,
         "The URL of a vLLM OpenAI server to draw replies from (continuous batching: concurrent clients are served "
@@ -598,7 +518,7 @@ SECTIONS: dict[str, type[Section]] = {
 
 
 def _flat_names() -> dict[str, tuple[str, str]]:
-    """Every flat name (and alias) → (section, field)."""
+    """Every flat name (and alias) of the sections → (section, field)."""
     names: dict[str, tuple[str, str]] = {}
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
@@ -612,7 +532,20 @@ def _flat_names() -> dict[str, tuple[str, str]]:
 FLAT = _flat_names()
 CANONICAL = {name: flag_of(next(f for f in dataclasses.fields(SECTIONS[s]) if f.name == n))
              for name, (s, n) in FLAT.items()}  # fmt: skip
-NOTICES = {"engine": "--engine is now --rollout (same values); --engine still works"}
+NOTICES = {alias: f"--{alias} is now --{CANONICAL[alias]} (same values); --{alias} still works"
+           for alias in ("engine", "band", "arm")}  # fmt: skip
+# Names older sao versions wrote inside a section, read as today's flat names (settings files and config.json).
+OLD_FIELDS = {("data", "seed"): "data_seed", **{("eval", n): f"eval_{n}" for n in
+              ("samples", "temperature", "max_new_tokens", "batch", "every")}}  # fmt: skip
+
+
+def source_fields(section: type[SourceSection]) -> dict[str, dataclasses.Field]:
+    return {flag_of(f): f for f in dataclasses.fields(section)}
+
+
+def _taken_by(name: str) -> list[str]:
+    """The sources whose own section has a setting called ``name``."""
+    return [kind for kind in sources() if name in source_fields(sources().get(kind))]
 
 
 # --- the whole ---------------------------------------------------------------------------------------------------
@@ -620,10 +553,10 @@ NOTICES = {"engine": "--engine is now --rollout (same values); --engine still wo
 
 @dataclass(frozen=True, init=False)
 class Config:
-    """A run's settings: one section each (see the module doc). ``Config(lr=1e-3, steps=2)`` takes flat names,
-    ``Config(training=TrainingSettings(...))`` whole sections (a section name given a plain value is the flat
-    setting of that name: ``Config(model="tiny")``); ``Config.preset("tiny", steps=2)`` starts from a preset;
-    ``replace(**flat)`` changes settings; ``to_dict()`` is what config.json holds."""
+    """A run's settings: one section each (see the module doc) and the chosen source's own (``source``).
+    ``Config.load(preset, file, **settings)`` makes one; ``Config(lr=1e-3, steps=2)`` takes flat names over the
+    protocol, ``Config(training=TrainingSettings(...))`` whole sections; ``replace(**flat)`` changes settings;
+    ``to_dict()`` is what config.json holds (the source's section inside ``rollout``, under its name)."""
 
     model: ModelSettings
     data: DataSettings
@@ -632,76 +565,113 @@ class Config:
     training: TrainingSettings
     eval: EvalSettings
     serve: ServeSettings
+    source: SourceSection
 
     def __init__(self, **settings: Any) -> None:
+        given = settings.pop("source", None)
         sections = {k: v for k, v in settings.items() if k in SECTIONS and isinstance(v, SECTIONS[k])}
-        flat = {k: v for k, v in settings.items() if k not in sections}
-        grouped = _group(_upgrade(flat), where="")
+        flat = _upgrade({k: v for k, v in settings.items() if k not in sections})
+        rollout = sections.get("rollout") or RolloutSettings()
+        kind = _source_kind(flat, rollout.source)
+        section = sources().get(kind)
+        own = {name: flat.pop(name) for name in list(flat) if name not in FLAT and name in source_fields(section)}
+        for name in flat:
+            if name not in FLAT and _taken_by(name):
+                raise ConfigError(f"--{name.replace('_', '-')} is a setting of --rollout "
+                                  f"{', '.join(_taken_by(name))}, not of --rollout {kind}")  # fmt: skip
+        grouped = _group(flat, where="")
         for name, cls in SECTIONS.items():
             base = sections.get(name) or cls()
             object.__setattr__(self, name, dataclasses.replace(base, **grouped[name]) if name in grouped else base)
-        self.__post_init__()
-
-    def __post_init__(self) -> None:
-        r = self.rollout
-        if r.traces is not None and r.source == "local":  # --traces alone names the source
-            object.__setattr__(self, "rollout", dataclasses.replace(r, source="traces"))
-        for rule in RULES:
-            problem = rule(self)
+        if self.rollout.source != kind:
+            object.__setattr__(self, "rollout", dataclasses.replace(self.rollout, source=kind))
+        fields = source_fields(section)
+        try:
+            values = {fields[n].name: convert(section, fields[n].name, v, n) for n, v in own.items()}
+            base = given if isinstance(given, section) else section()
+            object.__setattr__(self, "source", dataclasses.replace(base, **values))
+        except TypeError:  # a registered section that is not a dataclass
+            raise ConfigError(f"--rollout {kind}: its settings section {section!r} is not a dataclass") from None
+        for problem in (*(rule(self) for rule in RULES), self.source.check(self)):
             if problem:
                 raise ConfigError(problem)
-        check_device(self.model.device)
+
+    @classmethod
+    def load(cls, preset: str | None = None, file: str | Path | None = None, **settings: Any) -> Config:
+        """The one way a run's settings are made: the preset's defaults (``preset``, else the file's ``"preset"``,
+        else the protocol's), then the settings ``file`` holds (YAML or JSON; a config.json sao wrote replays
+        as it is), then ``settings`` (flat names, or sections as mappings: ``training={"lr": 1e-3}``). An old
+        spelling is read with a one-line notice; a setting given twice is refused."""
+        where = f"--config {file}" if file is not None else ""
+        from_file = read_config_file(file)[0] if file is not None else {}
+        given = flatten({k: v for k, v in settings.items() if k != "preset"}, "settings")
+        if "preset" in settings and preset is None:
+            preset = settings["preset"]
+        chosen = preset if preset is not None else from_file.pop("preset", None)
+        from_file.pop("preset", None)
+        if chosen is not None and not isinstance(chosen, str):
+            raise ConfigError(f"'preset' must be a preset's name, got {type(chosen).__name__}")
+        if chosen is not None and chosen not in PRESETS:
+            raise ConfigError(PRESETS.unknown(chosen, "--preset"))
+        changes = {**canonical(from_file, where), **canonical(given)}
+        values = {**canonical(preset_values(chosen or "protocol", changes)), **changes}
+        if from_file and _source_kind(changes, "local") != _source_kind(from_file, "local"):
+            values = {k: v for k, v in values.items() if k in FLAT or k in changes}  # a flag chose another source
+        try:
+            return cls(**values)
+        except ConfigError as error:
+            raise ConfigError(f"{where}: {error}" if where and "--config" not in str(error) else str(error)) from None
 
     # -- flat names ----------------------------------------------------------------------------------------
 
     def flat(self) -> dict[str, Any]:
-        """Every setting by its flat name."""
+        """Every setting by its flat name, the source's own included."""
         out = {}
-        for section in SECTIONS:
-            values = getattr(self, section)
+        for values in (*(getattr(self, section) for section in SECTIONS), self.source):
             for f in dataclasses.fields(values):
                 out[flag_of(f)] = getattr(values, f.name)
         return out
 
     def replace(self, **changes: Any) -> Config:
-        """This config with settings changed, by flat name (``replace(lr=1e-3, ratio=(0.5, 4))``)."""
-        return Config(**{s: getattr(self, s) for s in SECTIONS}, **changes)
+        """This config with settings changed, by flat name (``replace(lr=1e-3, ratio=(0.5, 4))``); another
+        ``rollout`` starts from that source's defaults."""
+        changes = canonical(changes)
+        keep = "rollout" not in changes or changes["rollout"] == self.rollout.source
+        return Config(**{s: getattr(self, s) for s in SECTIONS}, **({"source": self.source} if keep else {}),
+                      **changes)  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
-        """The sectioned settings, as config.json holds them."""
-        return {section: dataclasses.asdict(getattr(self, section)) for section in SECTIONS}
-
-    @classmethod
-    def from_flat(cls, values: dict[str, Any], where: str = "") -> Config:
-        """Flat settings (as ``Config(**values)``), with errors that start with ``where``."""
-        try:
-            return cls(**values)
-        except ConfigError as error:
-            raise ConfigError(f"{where}: {error}" if where else str(error)) from None
-
-    @classmethod
-    def from_mapping(cls, values: dict[str, Any], where: str = "") -> Config:
-        """A flat or sectioned mapping of settings (or a mix), as a --config file takes them; a ``"preset"`` key
-        names the defaults underneath."""
-        flat = flatten(values, where)
-        preset = flat.pop("preset", None)
-        return cls.preset(preset, where=where, **flat) if preset is not None else cls.from_flat(flat, where)
-
-    @classmethod
-    def preset(cls, name: str, *, where: str = "", **changes: Any) -> Config:
-        """The named preset's settings (``sao.core.registry.PRESETS``) under ``changes`` (flat names)."""
-        if name not in PRESETS:
-            raise ConfigError(PRESETS.unknown(name, "--preset"))
-        changes = canonical(changes, where)
-        return cls.from_flat({**canonical(preset_values(name, changes)), **changes}, where)
+        """The sectioned settings, as config.json holds them: the source's own inside ``rollout``, by its name."""
+        out = {section: dataclasses.asdict(getattr(self, section)) for section in SECTIONS}
+        out["rollout"][self.rollout.source] = dataclasses.asdict(self.source)
+        return out
 
     @staticmethod
     def help(name: str) -> str:
-        """The doc of the setting spelled ``name`` (flat), on one line."""
-        if name not in FLAT:
-            raise ConfigError(f"unknown setting {name!r}")
-        section, field_name = FLAT[name]
-        return help_of(next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == field_name))
+        """The doc of the setting spelled ``name`` (flat), on one line; a source's own settings too."""
+        if name in FLAT:
+            section, field_name = FLAT[name]
+            return help_of(next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == field_name))
+        for kind in sources():
+            if name in (fields := source_fields(sources().get(kind))):
+                return help_of(fields[name])
+        raise ConfigError(f"unknown setting {name!r}")
+
+
+def _source_kind(flat: dict[str, Any], default: str) -> str:
+    """The source the flat settings choose: ``rollout`` (or its old spelling), else the one a shared setting they
+    give picks over the default (``traces`` → "traces"), else ``default``."""
+    kind = flat.get("rollout", flat.get("engine"))
+    implied = [k for k in sources() if (by := sources().get(k).implied_by) and flat.get(by) is not None]
+    if kind is None:
+        kind = implied[0] if implied and default == RolloutSettings().source else default
+    if not isinstance(kind, str) or kind not in sources():
+        raise ConfigError(f"--rollout {_in_registry(sources)(str(kind))}, got {kind!r}")
+    for other in implied:
+        if other != kind:
+            raise ConfigError(f"--{sources().get(other).implied_by} goes with --rollout {other} (the trajectories "
+                              f"come from it), not with --rollout {kind}; leave one of them out")  # fmt: skip
+    return kind
 
 
 def preset_values(name: str, changes: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -712,34 +682,57 @@ def preset_values(name: str, changes: dict[str, Any] | None = None) -> dict[str,
     return {**preset, **overlays.get(env, {})}
 
 
+def _section_names(section: str, cls: type[Section], inner: str) -> str | None:
+    """The flat name of field ``inner`` written in ``section`` (today's, or an older version's)."""
+    names = {f.name: flag_of(f) for f in dataclasses.fields(cls)}
+    return names.get(inner) or OLD_FIELDS.get((section, inner))
+
+
 def flatten(values: dict[str, Any], where: str = "settings") -> dict[str, Any]:
     """A flat or sectioned mapping as flat names: ``{"training": {"lr": 1e-3}}`` → ``{"lr": 1e-3}``. A section
-    name whose value is not a mapping is the flat setting of that name (``"model": "tiny"``, ``"data": None``)."""
+    name whose value is not a mapping is the flat setting of that name (``"model": "tiny"``, ``"data": None``); a
+    rollout section holds its source's own settings under the source's name."""
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: expected a mapping of settings (name: value), got {type(values).__name__}")
     flat: dict[str, Any] = {}
     for key, value in values.items():
         if key in SECTIONS and isinstance(value, dict):
-            cls = SECTIONS[key]
-            names = {f.name: flag_of(f) for f in dataclasses.fields(cls)}
             for inner, inner_value in value.items():
-                if inner not in names:
-                    raise ConfigError(f"{where}: {_unknown(str(inner), list(names), f'in section {key!r}')}")
-                flat[names[inner]] = inner_value
+                if key == "rollout" and inner in sources() and isinstance(inner_value, dict):
+                    flat.update(flatten_source(inner, inner_value, where))
+                    continue
+                name = _section_names(key, SECTIONS[key], str(inner))
+                if name is None and key == "rollout" and _taken_by(str(inner)):  # written before sources had sections
+                    name = str(inner)
+                if name is None:
+                    known = [f.name for f in dataclasses.fields(SECTIONS[key])]
+                    raise ConfigError(f"{where}: {_unknown(str(inner), known, f'in section {key!r}')}")
+                flat[name] = inner_value
         else:
             flat[key] = value
     return flat
 
 
+def flatten_source(kind: str, values: dict[str, Any], where: str) -> dict[str, Any]:
+    fields = source_fields(sources().get(kind))
+    unknown = [name for name in values if name not in fields]
+    if unknown:
+        raise ConfigError(f"{where}: {_unknown(str(unknown[0]), list(fields), f'in section rollout.{kind}')}")
+    return dict(values)
+
+
 def flat_view(values: dict[str, Any]) -> dict[str, Any]:
     """Recorded settings (a results.json's or config.json's, sectioned today or flat from earlier versions) as
-    today's flat names, for reading: never refuses, unknown names kept as written, aliases (``band``,
+    today's flat names, for reading: never refuses, unknown names kept as written, old spellings (``band``,
     ``engine``, ``arm``) spelled as their setting."""
     flat: dict[str, Any] = {}
     for key, value in values.items():
         if key in SECTIONS and isinstance(value, dict):
-            names = {f.name: flag_of(f) for f in dataclasses.fields(SECTIONS[key])}
-            flat.update({names.get(inner, inner): inner_value for inner, inner_value in value.items()})
+            for inner, inner_value in value.items():
+                if key == "rollout" and isinstance(inner_value, dict):
+                    flat.update(inner_value)
+                else:
+                    flat[_section_names(key, SECTIONS[key], inner) or inner] = inner_value
         else:
             flat[CANONICAL.get(key, key)] = value
     return flat
@@ -751,19 +744,25 @@ def _unknown(name: str, known: list[str], what: str = "") -> str:
     return f"unknown setting {name!r}{' ' + what if what else ''}{hint}"
 
 
+def _all_names() -> list[str]:
+    return sorted({*CANONICAL.values(), *(n for k in sources() for n in source_fields(sources().get(k)))})
+
+
 def canonical(values: dict[str, Any], where: str = "") -> dict[str, Any]:
-    """Flat settings with every alias spelled as its setting's own flat name (``band`` → ``ratio``); an unknown
-    name, or one setting given twice, is a ConfigError."""
+    """Flat settings with every old spelling as its setting's flat name (``band`` → ``ratio``, with a one-line
+    notice); an unknown name, or one setting given twice, is a ConfigError."""
     at = f"{where}: " if where else ""
     out: dict[str, Any] = {}
+    known = set(_all_names())
     for name, value in values.items():
-        if name not in FLAT:
-            raise ConfigError(f"{at}{_unknown(str(name), sorted(set(CANONICAL.values())))}")
+        if name not in FLAT and name not in known:
+            raise ConfigError(f"{at}{_unknown(str(name), _all_names())}")
         if name in NOTICES:
             print(f"notice: {NOTICES[name]}", file=sys.stderr)
-        if CANONICAL[name] in out:
-            raise ConfigError(f"{at}{name!r} and {CANONICAL[name]!r} set the same setting; give one")
-        out[CANONICAL[name]] = value
+        spelled = CANONICAL.get(name, name)
+        if spelled in out:
+            raise ConfigError(f"{at}{name!r} and {spelled!r} set the same setting; give one")
+        out[spelled] = value
     return out
 
 
@@ -778,6 +777,14 @@ def _upgrade(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def recorded(values: dict[str, Any]) -> dict[str, Any]:
+    """Flat settings a run recorded (config.json, results.json), less the settings of sources it did not use: older
+    versions wrote every source's settings in one section, and those had no part in the run."""
+    kind = _source_kind(values, RolloutSettings().source)
+    own = source_fields(sources().get(kind))
+    return {k: v for k, v in values.items() if k in FLAT or k in own or not _taken_by(k)}
+
+
 def _group(values: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
     """Flat settings → {section: {field: value}}, each value converted to its declared type; unknown names get a
     did-you-mean, and a setting given twice (by two of its spellings) is refused."""
@@ -786,13 +793,11 @@ def _group(values: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
     for name, value in values.items():
         at = f"{where}: " if where else ""
         if name not in FLAT:
-            raise ConfigError(f"{at}{_unknown(str(name), sorted(set(CANONICAL.values())))}")
+            raise ConfigError(f"{at}{_unknown(str(name), _all_names())}")
         section, field_name = FLAT[name]
         if (section, field_name) in seen:
             raise ConfigError(f"{at}{name!r} and {seen[section, field_name]!r} set the same setting; give one")
         seen[section, field_name] = name
-        if name in NOTICES:
-            print(f"notice: {NOTICES[name]}", file=sys.stderr)
         try:
             grouped.setdefault(section, {})[field_name] = convert(SECTIONS[section], field_name, value, name)
         except ConfigError as error:
@@ -810,32 +815,9 @@ def _random_needs_a_share(c: Config) -> str | None:
     return None
 
 
-def _sampler_dtype_local(c: Config) -> str | None:
-    if c.rollout.sampler_dtype != "auto" and c.rollout.source != "local":
-        return (f"--sampler-dtype {c.rollout.sampler_dtype} applies to --rollout local only (the stale sampler in "
-                f"this process), not --rollout {c.rollout.source}")  # fmt: skip
-    return None
-
-
 def _seeds_fit(c: Config) -> str | None:
     if c.training.seed + c.eval.train_runs - 1 >= SEED_LIMIT:
         return "--seed must be a whole number from 0 to 2**63 - 1 (with --train-runs, seed + train_runs - 1)"
-    return None
-
-
-def _traces_fit(c: Config) -> str | None:
-    r = c.rollout
-    if r.source == "traces":
-        if r.traces is None:
-            return "--rollout traces needs --traces LOG (a JSONL file or a folder of *.jsonl files)"
-        if c.data.env is not None and c.training.gate == "off":
-            return ("--traces with --env: the trajectories come from the log, not from an environment; --env there "
-                    "only names the environment the gate plays its held-aside tasks in (--gate held-out)")  # fmt: skip
-    elif r.traces is not None:
-        return (f"--traces with --rollout {r.source} makes no sense: the trajectories come from the log, not from "
-                "rollout workers; leave one of them out")  # fmt: skip
-    elif r.follow or r.skip_bad_traces:
-        return f"{'--follow' if r.follow else '--skip-bad-traces'} needs --traces (a trace log to read)"
     return None
 
 
@@ -855,66 +837,13 @@ def _gate_fits(c: Config) -> str | None:
     return None
 
 
-RULES = (_random_needs_a_share, _seeds_fit, _traces_fit, _sampler_dtype_local, _gate_fits)
+def _device_exists(c: Config) -> str | None:
+    from sao.core.machine import device_problem
+
+    return device_problem(c.model.device)
 
 
-# --- the machine: which device, how many CPU threads ---------------------------------------------------------------
-
-
-def check_device(device: str) -> None:
-    """A ConfigError unless ``device`` is "auto" or a device this machine has: "cpu", "cuda" or "cuda:N" with a
-    GPU torch can use, or "mps" where torch has it."""
-    if device == "auto":
-        return
-    import torch
-
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise ConfigError(f"--device must be auto, cpu, cuda, cuda:N or mps, got {device!r}") from None
-    if parsed.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ConfigError(f"--device {device}: this torch sees no CUDA GPU (a CPU-only build, or none visible); "
-                              "use --device cpu or auto")  # fmt: skip
-        if parsed.index is not None and parsed.index >= count:
-            raise ConfigError(f"--device {device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
-    elif parsed.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise ConfigError(f"--device {device}: this torch has no MPS backend here; use --device cpu or auto")
-    elif parsed.type != "cpu":
-        raise ConfigError(f"--device must be auto, cpu, cuda, cuda:N or mps, got {device!r}")
-
-
-def torch_threads(config: Config, environ: dict[str, str] | None = None) -> int | None:
-    """The CPU thread count ``config`` asks for: ``--threads`` when set; else None (torch's default, which follows
-    OMP_NUM_THREADS) when OMP_NUM_THREADS is set or the model is not a tiny stand-in or the device is a GPU;
-    else 1. One thread for the tiny models because their operations are too small to split: on a 2-core machine
-    that other processes kept busy, torch's default of 2 threads made a tiny-preset step 13x slower (36.9 s
-    against 2.8 s)."""
-    environ = os.environ if environ is None else environ
-    m = config.model
-    if m.threads:
-        return m.threads
-    if environ.get("OMP_NUM_THREADS") or not m.name.startswith("tiny") or m.device not in ("auto", "cpu"):
-        return None
-    if m.device == "auto":
-        import torch
-
-        if torch.cuda.is_available():
-            return None
-    return 1
-
-
-def apply_threads(config: Config) -> int:
-    """Set torch's intra-op thread count as ``torch_threads`` says (once, at the start of a command); returns the
-    count in effect."""
-    import torch
-
-    wanted = torch_threads(config)
-    if wanted is not None and wanted != torch.get_num_threads():
-        torch.set_num_threads(wanted)
-    return torch.get_num_threads()
+RULES = (_random_needs_a_share, _seeds_fit, _gate_fits, _device_exists)
 
 
 # --- settings files ---------------------------------------------------------------------------------------------
@@ -949,8 +878,8 @@ def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any] |
     data = parse(raw, where=where, limits=CONFIG_LIMITS, error=ConfigError)
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of settings (name: value), got {_kind(data)}")
-    grid = None
-    if "config" in data:  # a file sao wrote
+    grid, written = None, "config" in data
+    if written:  # a file sao wrote
         grid = data.get("grid")
         if grid is not None and not isinstance(grid, dict):
             raise ConfigError(f"{where}: 'grid' must be a mapping (lags, lrs, bands, arms), got {_kind(grid)}")
@@ -961,16 +890,18 @@ def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any] |
     preset = flat.pop("preset", None)
     if preset is not None and not isinstance(preset, str):
         raise ConfigError(f"{where}: 'preset' must be a preset's name, got {_kind(preset)}")
-    for name in flat:
-        if name not in FLAT:
-            raise ConfigError(f"{where}: {_unknown(str(name), sorted(set(CANONICAL.values())))}")
+    flat = recorded(flat) if written else flat
     values = {}
     for name, value in flat.items():
-        section, field_name = FLAT[name]
-        try:
-            values[name] = convert(SECTIONS[section], field_name, value, name)
-        except ConfigError as error:
-            raise ConfigError(f"{where}: {error}") from None
+        if name not in FLAT and not _taken_by(name):
+            raise ConfigError(f"{where}: {_unknown(str(name), _all_names())}")
+        if name in FLAT:  # a source's own settings are converted when its section is built
+            section, field_name = FLAT[name]
+            try:
+                value = convert(SECTIONS[section], field_name, value, name)
+            except ConfigError as error:
+                raise ConfigError(f"{where}: {error}") from None
+        values[name] = value
     if preset is not None:
         values["preset"] = preset
     return values, grid
@@ -983,20 +914,8 @@ def _kind(value: Any) -> str:
     return names.get(type(value), f"a {type(value).__name__}")
 
 
-def settings_reference() -> str:
-    """Every setting, section by section, as a Markdown page (docs/settings.md is this, written by ``make docs``)."""
-    from sao.core.settings import help_of
-
-    lines = ["# Every setting", "", "Generated from `sao/core/config.py` by `make docs`; `sao COMMAND --help` shows",
-             "the settings that command reads. Flat name = the command-line flag (`--batch-size`) and the key in a",
-             "flat settings file; a settings file may also give them in sections (`training: {lr: 1e-3}`).",
-             ""]  # fmt: skip
-    for section, cls in SECTIONS.items():
-        lines += [f"## {section}", "", "| flag | default | what it is |", "| --- | --- | --- |"]
-        for f in dataclasses.fields(cls):
-            names = ", ".join(f"`--{n.replace('_', '-')}`" for n in (flag_of(f), *f.metadata.get("aliases", ())))
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            doc = help_of(f).replace("|", "\\|")
-            lines.append(f"| {names} | `{default!r}` | {doc} |")
-        lines.append("")
-    return "\n".join(lines)
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing (an empty file or null)"
+    names = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true/false"}
+    return names.get(type(value), f"a {type(value).__name__}")

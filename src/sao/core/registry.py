@@ -2,12 +2,12 @@
 
 An entry is an object or an import path ``"module:attribute"`` resolved on first use, so this module (and the
 config that checks names against it) imports nothing heavy, and a higher layer can implement a name a lower
-one offers. Your own entries: ``SOURCES.register("mine", MySource.build)`` or ``@CORRECTIONS.register("mine")``.
+one offers. Your own entries: ``CORRECTIONS.register("mine", rule)`` or ``@CORRECTIONS.register("mine")``; the
+rollout sources have their registry in their own layer (``sao.rollout.registry``).
 
     PRESETS       defaults a run starts from: a mapping of settings as a --config file takes them
     CORRECTIONS   the rule f(ratio) an update applies (``sao.algorithm.corrections``)
     BASELINES     what advantages are taken against, ``(rewards, action_mask) -> values or None`` (None: the critic's)
-    SOURCES       where a trainer's batches come from, ``build(context) -> Source`` (``sao.rollout``)
     MODELS        stand-in models built on this machine, ``ensure() -> folder`` (any other name: hub id or folder)
     TASK_SETS     generated task sets, ``make(n_train, n_test, seed) -> TaskSet`` (others: GSM8K or your data)
     ENVIRONMENTS  environments by name, ``factory(tokenizer, settings) -> (task_id, fields) -> env``
@@ -76,16 +76,6 @@ CORRECTIONS = Registry(
 )
 BASELINES = Registry(
     "baseline", {name: f"sao.algorithm.baselines:{name.replace('-', '_')}" for name in ("critic", "batch-mean", "none")}
-)
-SOURCES = Registry(
-    "rollout source",
-    {
-        "local": "sao.rollout.sources:LocalStaleSource.build",
-        "ray": "sao.rollout.ray_workers:RaySource.build",
-        "traces": "sao.rollout.traces:TraceSource.build",
-        "vllm": "sao.rollout.vllm_source:VllmSource.build",
-        "vllm-async": "sao.rollout.vllm_source:VllmAsyncSource.build",
-    },
 )
 MODELS = Registry(
     "stand-in model", {"tiny": "sao.tiny.arithmetic:ensure_model", "tiny-calc": "sao.tiny.calculator:ensure_calc_model"}

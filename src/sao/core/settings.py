@@ -18,7 +18,7 @@ import numbers
 import types
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from sao.core.errors import ConfigError
 
@@ -61,6 +61,26 @@ class Section:
             problem = check(getattr(self, f.name)) if check is not None else None
             if problem:
                 raise ConfigError(f"--{flag_of(f).replace('_', '-')} {problem}, got {_short(getattr(self, f.name))}")
+
+
+class SourceSection(Section):
+    """A rollout source's own settings section (``sao.rollout.registry``), chosen by ``--rollout NAME``.
+
+    ``implementation`` names the source class (``"module:Class"``, built by ``Class.build(context)``);
+    ``implied_by`` a setting every source shares that, given alone, picks this source (``--traces LOG``). A section
+    checks what it needs of the other sections (``check``) and says what the trainer adds beside the step for it
+    (``needs``): "footing_audit" (the logged log-probs' footing checked once), "sampler_tolerance" (fresh rows must
+    agree with the trainer within it, else the run stops), "summary" (its totals written at the end), "publish"
+    (every update published for a server)."""
+
+    implementation: ClassVar[str] = ""
+    implied_by: ClassVar[str | None] = None
+
+    def check(self, config: Any) -> str | None:
+        return None
+
+    def needs(self) -> dict[str, Any]:
+        return {}
 
 
 @functools.cache

@@ -157,7 +157,7 @@ def read_plan(path: str | Path) -> Plan:
 
     seeds = _seeds(path, data["seeds"])
     try:
-        config = Config.preset(preset, **settings, seed=seeds[0], train_runs=len(seeds))
+        config = Config.load(preset, **settings, seed=seeds[0], train_runs=len(seeds))
     except (ConfigError, TypeError) as error:
         raise _fail(path, f"settings: {error}") from None
 
@@ -179,7 +179,7 @@ def read_plan(path: str | Path) -> Plan:
             arms=tuple(arms),
         )
         for arm in arms:
-            Config.preset(preset, **{**settings, **arm_settings(arm)},
+            Config.load(preset, **{**settings, **arm_settings(arm)},
                           random_mask_share=config.algorithm.random_mask_share or 0.0)  # fmt: skip
     except (ConfigError, TypeError, ValueError) as error:
         raise _fail(path, f"grid or arms: {error}") from None

@@ -2,9 +2,10 @@
 
     per-task score   s_j = (1/k) Σ_i correct(sample_i of task j)        the unit ``stats.compare`` pairs
     pass@1           mean_j s_j
-    cut-off replies  a reply that hit the token limit without finishing scores 0 (``truncated_reward``
-                     "zero", the config's default; "grade" grades it like any other); ``truncated_replies``
-                     counts them and ``truncated_with_credit`` those the grader would have credited
+    cut-off replies  the scorer's rule (``Scorer.cut_off``): a reply that hit the token limit without finishing
+                     scores 0 ("zero", the default; "grade": graded like any other), counted in
+                     ``truncated_replies`` and ``truncated_with_credit`` (those the grader would have credited)
+    pass_at_1        the protocol's eval of a model with a run's parts (``sao.tasks.setup.TaskParts``)
 
 Every sample of every task goes into one decode batch (``eval_batch`` sequences at a time: 480 = 120 tasks
 × 4 samples at once on a GPU), drawn with the same sampler as training (``sampler.draw``) at the eval
@@ -26,13 +27,15 @@ import torch
 
 from sao.core.errors import ConfigError
 from sao.model.memory import with_oom_retry
+from sao.model.policy import POLICY_ADAPTER
 from sao.rollout.episodes import render_segments, segments
 from sao.rollout.sampler import derived_seed
-from sao.rollout.sources import Episodes, draw_batch, draw_episode_batch
+from sao.rollout.sources import Episodes, draw_batch, draw_episode_batch, make_decoder
 from sao.rollout.types import Decoder, Sampling
 from sao.tasks import gsm8k
 from sao.tasks.base import Scorer, Task
 from sao.tasks.environments import prompt_text
+from sao.tasks.setup import TaskParts
 
 
 @dataclass
@@ -131,12 +134,10 @@ def _evaluate_once(
             scores = rollout.turns.total.tolist()
         else:
             rollout = draw_batch(decoder, tokenizer, [p for _, _, p in chunk], sampling, generator)
-            scores = scorer.score(rollout.texts, [tasks[j].row() for j, _, _ in chunk])
-            cut = rollout.cut.tolist()  # [n] hit the token limit without finishing
-            cut_off += sum(cut)
-            cut_off_credited += sum(bool(c) and s > 0 for c, s in zip(cut, scores, strict=True))
-            if scorer.truncated_reward == "zero":
-                scores = [0.0 if c else s for c, s in zip(cut, scores, strict=True)]
+            graded = scorer.score(rollout.texts, [tasks[j].row() for j, _, _ in chunk])
+            scores, counts = scorer.cut_off(graded, rollout.cut.tolist())  # a reply cut at the limit: the rule
+            cut_off += counts["truncated_replies"]
+            cut_off_credited += counts["truncated_with_credit"]
         texts = rollout.texts
         every = max(1, len(tasks) // 6)
         for row, ((j, i, _), text, ok) in enumerate(zip(chunk, texts, scores, strict=True)):
@@ -169,6 +170,21 @@ def _evaluate_once(
         truncated_replies=int(cut_off),
         truncated_with_credit=int(cut_off_credited),
     )
+
+
+def pass_at_1(model, tokenizer, tasks: list[Task], label: str, *, seed: int, parts: TaskParts,
+              progress: bool = False) -> EvalResult:  # fmt: skip
+    """The protocol's eval of ``model`` (its policy adapter, if it has one) on ``tasks`` with the run's eval settings
+    and its parts (``setup.parts``: the scorer, and the environment with its settings): the task's reward on one
+    reply per sample, or the environment's total reward on one episode per sample."""
+    adapter = POLICY_ADAPTER if hasattr(model, "peft_config") else None
+    e, sampling = parts.config.eval, parts.sampling(eval=True)
+    return evaluate(
+        make_decoder(model, adapter, parts.config.rollout.decoder), tokenizer, tasks,
+        instruction=parts.tasks.instruction, samples=e.eval_samples, temperature=sampling.temperature,
+        max_new_tokens=sampling.max_new_tokens, batch=e.eval_batch, seed=seed, eos_token_ids=sampling.eos_token_ids,
+        label=label, progress=progress, episodes=parts.episodes_for(tasks), scorer=parts.scorer,
+    )  # fmt: skip
 
 
 def load_adapter(model: torch.nn.Module, adapter_dir: str | os.PathLike[str]) -> torch.nn.Module:

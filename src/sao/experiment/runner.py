@@ -33,13 +33,12 @@ from sao.core.errors import ConfigError
 from sao.core.io import DamagedFileError, check_output_path, clean, read_saved_json, write_json
 from sao.core.registry import BASELINES, CORRECTIONS
 from sao.experiment import report, results
-from sao.experiment.evaluate import EvalResult, evaluate
-from sao.model.policy import POLICY_ADAPTER, eos_ids, load_base, model_path, pick_device
+from sao.experiment.evaluate import EvalResult, pass_at_1
+from sao.model.policy import eos_ids, load_base, model_path, pick_device
 from sao.rollout.sampler import derived_seed
-from sao.rollout.sources import POLICY, make_decoder
-from sao.tasks import environments, setup
-from sao.tasks.base import Scorer, TaskSet
-from sao.tasks.environments import episodes_for
+from sao.rollout.sources import POLICY
+from sao.tasks import setup
+from sao.tasks.base import TaskSet
 from sao.training import build, checkpoint
 from sao.training.trainer import Hook, Trainer
 
@@ -93,7 +92,7 @@ class Grid:
     def recipe(cls, config: Config) -> Grid:
         """The recipe's one cell: the config's lag, lr and band; the recipe arm and the baseline."""
         return cls(
-            lags=(config.rollout.lag,), lrs=(config.training.lr,), bands=(config.algorithm.ratio,), arms=("dis", "none")
+            lags=(config.source.lag,), lrs=(config.training.lr,), bands=(config.algorithm.ratio,), arms=("dis", "none")
         )
 
     def cells(self) -> list[dict[str, Any]]:
@@ -129,35 +128,20 @@ def read_eval(path: Path, fix: str) -> EvalResult:
     return result
 
 
-def pass_at_1(config: Config, model, tokenizer, tasks: list, label: str, *, seed: int, parts: Parts,
-              progress: bool) -> EvalResult:  # fmt: skip
-    """The protocol's eval of ``model`` (its policy adapter, if it has one) with the config's eval settings:
-    the task's reward on one reply per sample, or the environment's total reward on one episode per sample."""
-    adapter = POLICY_ADAPTER if hasattr(model, "peft_config") else None
-    factory = parts.env_factory or environments.env_factory(config.data.env, tokenizer, config.rollout.max_turns)
-    r = config.rollout
-    episodes = episodes_for(factory, tasks, parts.tasks.instruction, r.max_turns, r.max_total_tokens, r.env_concurrency,
-                            name=config.data.env, env_timeout=config.data.env_timeout,
-                            env_rejoin=r.env_rejoin)  # fmt: skip
-    e = config.eval
-    return evaluate(
-        make_decoder(model, adapter, r.decoder), tokenizer, tasks, instruction=parts.tasks.instruction,
-        samples=e.samples, temperature=e.temperature, max_new_tokens=e.max_new_tokens, batch=e.batch, seed=seed,
-        eos_token_ids=eos_ids(tokenizer, model), label=label, progress=progress, episodes=episodes,
-        scorer=parts.scorer,
-    )  # fmt: skip
-
-
 @dataclass
 class Parts:
-    """What an experiment passes to every run and eval beside the config: the task set, its scorer, and the
-    objects a caller gave instead of names (``sao.recipe(..., dataset=, reward_fn=, env_factory=)``)."""
+    """What an experiment passes to every run and eval beside the config: the task set, and the objects a caller
+    gave instead of names (``sao.recipe(..., dataset=, reward_fn=, env_factory=)``)."""
 
     tasks: TaskSet
-    scorer: Scorer
     dataset: Any = None
     reward_fn: Any = None
     env_factory: Any = None
+
+    def for_model(self, config: Config, model: Any, tokenizer: Any) -> setup.TaskParts:
+        """The run's parts for ``model``'s tokenizer (``setup.parts``): its scorer, environment and sampling."""
+        return setup.parts(config, tokenizer, self.tasks, reward_fn=self.reward_fn, env_factory=self.env_factory,
+                           eos_token_ids=eos_ids(tokenizer, model))  # fmt: skip
 
 
 class EvalEvery(Hook):
@@ -174,13 +158,14 @@ class EvalEvery(Hook):
         if record["policy_step"] is None:  # a critic warmup step
             return
         k = record["policy_step"] + 1  # policy steps taken
-        every, steps = self.config.eval.every, self.config.training.steps
+        every, steps = self.config.eval.eval_every, self.config.training.steps
         path = self.experiment._step_eval_path(self.cell, self.label, k)
         if 0 < k < steps and k % every == 0 and not path.exists():
             m = trainer.models
-            result = pass_at_1(self.config, m.policy, m.tokenizer, self.experiment.parts.tasks.test,
-                               f"{self.label} step {k}", seed=derived_seed(self.seed, "eval"),
-                               parts=self.experiment.parts, progress=self.experiment.progress)  # fmt: skip
+            parts = self.experiment.parts.for_model(self.config, m.policy, m.tokenizer)
+            result = pass_at_1(m.policy, m.tokenizer, parts.tasks.test, f"{self.label} step {k}",
+                               seed=derived_seed(self.seed, "eval"), parts=parts,
+                               progress=self.experiment.progress)  # fmt: skip
             write_json(path, result.to_dict())
 
 
@@ -195,8 +180,9 @@ class FinalEval(Hook):
 
     def on_run_end(self, trainer: Trainer) -> None:
         m = trainer.models
-        self.result = pass_at_1(self.config, m.policy, m.tokenizer, self.experiment.parts.tasks.test, self.label,
-                                seed=derived_seed(self.seed, "eval"), parts=self.experiment.parts,
+        parts = self.experiment.parts.for_model(self.config, m.policy, m.tokenizer)
+        self.result = pass_at_1(m.policy, m.tokenizer, parts.tasks.test, self.label,
+                                seed=derived_seed(self.seed, "eval"), parts=parts,
                                 progress=self.experiment.progress)  # fmt: skip
         trainer.eval_done("held-out", self.result.to_dict())
 
@@ -245,7 +231,7 @@ class Experiment:
                 self._run_config(cell, arm, self.config.training.seed)
         self._claim(resume)
         tasks = setup.task_set(self.config, dataset)
-        self.parts = Parts(tasks, setup.scorer(self.config, tasks, reward_fn), dataset, reward_fn, env_factory)
+        self.parts = Parts(tasks, dataset, reward_fn, env_factory)
         self.split: TaskSet = tasks
         self.seeds = self.settings.get("seeds") or [
             self.config.training.seed + s for s in range(self.config.eval.train_runs)
@@ -395,7 +381,7 @@ class Experiment:
             config = self._run_config(cell, arm, seed, share)
             resume = (run_dir / checkpoint.CONFIG_FILE).exists()  # else a new run (a killed first write aside)
             final = FinalEval(self, config, label, seed)
-            hooks = [EvalEvery(self, config, cell, label, seed)] if config.eval.every else []
+            hooks = [EvalEvery(self, config, cell, label, seed)] if config.eval.eval_every else []
             p = self.parts
             name = f"{cell['name']} {label}" if len(self.grid.cells()) > 1 else label
             trainer = build.trainer(config, run_dir, tasks=p.tasks, dataset=p.dataset, reward_fn=p.reward_fn,
@@ -422,13 +408,14 @@ class Experiment:
         paths = self._base_paths()
         todo = [(path, derived_seed(self.config.training.seed, "base-eval", i), f"base-{i}")
                 for i, path in enumerate(paths) if not path.exists()]  # fmt: skip
-        if self.config.eval.every:
+        if self.config.eval.eval_every:
             todo += [(self._start_path(s), derived_seed(s, "eval"), f"start-s{s}") for s in self.seeds
                      if not self._start_path(s).exists()]  # fmt: skip
         if todo:
             base, tokenizer = load_base(model_path(self.config.model.name), pick_device(self.config.model.device))
             for path, seed, label in todo:
-                result = pass_at_1(self.config, base, tokenizer, self.split.test, label, seed=seed, parts=self.parts,
+                parts = self.parts.for_model(self.config, base, tokenizer)
+                result = pass_at_1(base, tokenizer, self.split.test, label, seed=seed, parts=parts,
                                    progress=self.progress)  # fmt: skip
                 write_json(path, result.to_dict())
             self._record_provenance(self.out / BASE_PROVENANCE)
@@ -438,7 +425,7 @@ class Experiment:
 
     def _eval_curve(self, cell: dict[str, Any], arm: str, runs: list) -> dict[int, dict[int, float]] | None:
         """seed → policy step → pass@1 for one arm: step 0 (the untrained policy), every K-th step, the final."""
-        if not self.config.eval.every:
+        if not self.config.eval.eval_every:
             return None
         curve: dict[int, dict[int, float]] = {}
         for seed, result, _ in runs:
@@ -446,7 +433,7 @@ class Experiment:
             start = self._start_path(seed)
             if start.exists():
                 points[0] = read_eval(start, BASE_REDO).pass_at_1
-            for k in range(self.config.eval.every, self.config.training.steps, self.config.eval.every):
+            for k in range(self.config.eval.eval_every, self.config.training.steps, self.config.eval.eval_every):
                 path = self._step_eval_path(cell, label, k)
                 if path.exists():
                     points[k] = read_eval(path, f"delete it and rerun {label} to evaluate step {k} again").pass_at_1
@@ -457,7 +444,7 @@ class Experiment:
     def _provenance_warnings(self) -> tuple[list[str], list[str]]:
         """(warnings for pieces whose provenance differs from this invocation's, pieces that record none)."""
         blocks: dict[str, Any] = {"this invocation": self.provenance}
-        files = {"base evals": self.out / BASE_PROVENANCE} if self._base_paths() or self.config.eval.every else {}
+        files = {"base evals": self.out / BASE_PROVENANCE} if self._base_paths() or self.config.eval.eval_every else {}
         for cell in self.grid.cells():
             for seed in self.seeds:
                 for arm in self.grid.arms:

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
 from sao.core.errors import ConfigError
-from sao.core.plugins import failure
+from sao.core.plugins import PluginError, failure
+from sao.core.reading import preview, reward_problem
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 
@@ -110,6 +111,48 @@ def check_env(env: Any, where: str = "environment") -> bool:
         raise ConfigError(f"{name}: {wrong} is async def but step is not; make step async def too (sao awaits it on "
                           "its own event loop) or make every method a plain def")  # fmt: skip
     return is_async["step"]
+
+
+# The environment contract, checked on what every call returns: a one-line PluginError naming the environment and
+# the task for anything else.
+
+
+def checked_init(result, name: str, task: str):
+    """``env.init``'s (messages, info), or a one-line error naming the environment and the task."""
+    if not (isinstance(result, tuple | list) and len(result) == 2 and isinstance(result[0], list)
+            and (result[1] is None or isinstance(result[1], dict))):  # fmt: skip
+        raise PluginError(f"{name} (init) returned {preview(result)} on {task}; init returns (messages, info)")
+    return result
+
+
+def checked_step(result, name: str, task: str) -> dict:
+    """``env.step``'s output with its reward checked by the one rule for rewards (absent: 0), or a
+    one-line error naming the environment and the task."""
+    if not isinstance(result, dict):
+        raise PluginError(f"{name} (step) returned {preview(result)} on {task}; step returns a dict with "
+                          "observations, reward, done")  # fmt: skip
+    reward = result.get("reward", 0.0)  # absent: a turn without a reward; None is refused as --reward refuses it
+    problem = reward_problem(reward)
+    if problem is not None:
+        raise PluginError(f"{name} (step) on {task}: {problem}")
+    observations = result.get("observations") or []
+    if not isinstance(observations, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in observations
+    ):
+        raise PluginError(f"{name} (step) on {task}: observations must be a list of {{role, content}} messages, "
+                          f"got {preview(observations)}")  # fmt: skip
+    if result.get("metadata") is not None and not isinstance(result["metadata"], dict):
+        raise PluginError(f"{name} (step) on {task}: metadata must be a dict, got {preview(result['metadata'])}")
+    return {**result, "reward": float(reward), "observations": observations}
+
+
+def tool_count(meta: dict, key: str, name: str, task: str) -> int:
+    """A step's ``metadata[key]`` count (tool_calls, tool_errors): a whole number >= 0, absent 0."""
+    value = meta.get(key, 0) or 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1_000_000:
+        raise PluginError(f"{name} (step) on {task}: metadata {key} must be a whole number >= 0, got {preview(value)}")
+    return value
 
 
 class EnvFault(Exception):

@@ -27,7 +27,6 @@ import torch
 
 from sao.algorithm.corrections import mix64
 from sao.core.plugins import PluginError, describe
-from sao.core.reading import preview, reward_problem
 from sao.model.forward import position_ids_from
 from sao.rollout.environment import (
     EnvCalls,
@@ -35,8 +34,11 @@ from sao.rollout.environment import (
     Message,
     TextEnv,
     check_env,
+    checked_init,
+    checked_step,
     encode_bounded,
     render_observation,
+    tool_count,
 )
 from sao.rollout.sampler import derived_seed, encode_prompts, gumbel_sample_
 from sao.rollout.types import Decoder, Rollout, Stepper, Turns
@@ -142,7 +144,7 @@ def draw_episodes(
             start, info, fault = messages, None, env if isinstance(env, EnvFault) else None
             if fault is None:
                 try:
-                    start, info = _checked_init(calls.call(env.init, messages, task=task, what="init"), name, task)
+                    start, info = checked_init(calls.call(env.init, messages, task=task, what="init"), name, task)
                 except (EnvFault, PluginError) as error:  # the row ends before it acts, on the prompt as given
                     start, fault = messages, error
             starts.append(fault)
@@ -181,14 +183,6 @@ def draw_episodes(
                             log.warning("%s", error)
         finally:
             calls.close()
-
-
-def _checked_init(result, name: str, task: str):
-    """``env.init``'s (messages, info), or a one-line error naming the environment and the task."""
-    if not (isinstance(result, tuple | list) and len(result) == 2 and isinstance(result[0], list)
-            and (result[1] is None or isinstance(result[1], dict))):  # fmt: skip
-        raise PluginError(f"{name} (init) returned {preview(result)} on {task}; init returns (messages, info)")
-    return result
 
 
 def _fault(r: _Row, error: BaseException | str) -> None:
@@ -436,10 +430,10 @@ def _apply(r: _Row, i: int, outcome: Any, cols: _Columns, tokenizer, lim: _Limit
     try:
         if isinstance(outcome, EnvFault):
             raise outcome
-        result = _checked_step(outcome, name, r.task)
+        result = checked_step(outcome, name, r.task)
         meta = result.get("metadata") or {}
-        calls_made = _count(meta, "tool_calls", name, r.task)
-        errors = _count(meta, "tool_errors", name, r.task)
+        calls_made = tool_count(meta, "tool_calls", name, r.task)
+        errors = tool_count(meta, "tool_errors", name, r.task)
         done = bool(result.get("done", False))
     except (EnvFault, PluginError) as error:  # a tool's failure is the trajectory's, not the run's
         _fault(r, error)
@@ -471,35 +465,6 @@ def _apply(r: _Row, i: int, outcome: Any, cols: _Columns, tokenizer, lim: _Limit
     r.observation_tokens += len(ids)
     r.state = ACT
     return ids
-
-
-def _checked_step(result, name: str, task: str) -> dict:
-    """``env.step``'s output with its reward checked by the one rule for rewards (absent: 0), or a
-    one-line error naming the environment and the task."""
-    if not isinstance(result, dict):
-        raise PluginError(f"{name} (step) returned {preview(result)} on {task}; step returns a dict with "
-                          "observations, reward, done")  # fmt: skip
-    reward = result.get("reward", 0.0)  # absent: a turn without a reward; None is refused as --reward refuses it
-    problem = reward_problem(reward)
-    if problem is not None:
-        raise PluginError(f"{name} (step) on {task}: {problem}")
-    observations = result.get("observations") or []
-    if not isinstance(observations, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in observations
-    ):
-        raise PluginError(f"{name} (step) on {task}: observations must be a list of {{role, content}} messages, "
-                          f"got {preview(observations)}")  # fmt: skip
-    if result.get("metadata") is not None and not isinstance(result["metadata"], dict):
-        raise PluginError(f"{name} (step) on {task}: metadata must be a dict, got {preview(result['metadata'])}")
-    return {**result, "reward": float(reward), "observations": observations}
-
-
-def _count(meta: dict, key: str, name: str, task: str) -> int:
-    value = meta.get(key, 0) or 0
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1_000_000:
-        raise PluginError(f"{name} (step) on {task}: metadata {key} must be a whole number >= 0, got {preview(value)}")
-    return value
 
 
 def _put_reward(cols: _Columns, row: int, reward: float) -> None:

@@ -1,7 +1,7 @@
 """Where a training batch comes from: the ``Source`` seam, its registry entries, and the local stale sampler.
 
     Source         hands the trainer one ``Batch`` per step and hears about each policy update. Built by name
-                   from ``SOURCES`` (``sao.core.registry``) with a ``SourceContext``: "local" (here: the stale
+                   from ``SOURCES`` (``sao.rollout.registry``) with a ``SourceContext``: "local" (here: the stale
                    sampler in this process, reproducible), "ray" (``ray_workers``: asynchronous workers), "traces"
                    (``traces``: a serving system's log; ``SourceExhausted`` ends the run when it has no further
                    batch). Each says how stale its batches can be (``max_staleness``) and which training tasks its
@@ -29,7 +29,6 @@ from torch import nn
 
 from sao.core.config import Config
 from sao.core.errors import ConfigError
-from sao.core.registry import SOURCES
 from sao.model.policy import Models, lora_state
 from sao.rollout.engine import Engine
 from sao.rollout.environment import EnvCalls, EnvFactory, EnvFault, Message
@@ -88,7 +87,8 @@ class PromptOrder:
 
 @dataclass
 class SourceContext:
-    """Everything a registered source may be built from (``SOURCES.get(name)(context)``)."""
+    """Everything a registered source may be built from (``build_source(name, context)``); its own settings are
+    ``config.source``."""
 
     config: Config
     models: Models
@@ -96,6 +96,7 @@ class SourceContext:
     prompts: dict[str, str]  # task id → the chat-formatted prompt a single reply continues
     episodes: Episodes | None  # multi-turn drawing, with an environment
     out_dir: Path  # the run's folder (a source may keep files there)
+    sampling: Sampling  # how training replies are drawn (length, temperature, the tokens that end a reply)
     reserved_gpus: list[int] | None = None  # GPUs the training processes use (kept from rollout workers)
     label: str = "run"
     progress: bool = True
@@ -111,11 +112,6 @@ class SourceContext:
     @property
     def order(self) -> PromptOrder:
         return PromptOrder(list(self.tasks), self.config.training.seed)
-
-
-def build_source(name: str, context: SourceContext) -> Source:
-    """The source registered as ``name``."""
-    return SOURCES.get(name)(context)
 
 
 @dataclass(frozen=True)
@@ -244,11 +240,11 @@ class LocalStaleSource:
         """``--rollout local``: the stale sampler over the context's policy, prompts and environment."""
         context.check_batch()
         c, m = context.config, context.models
-        sampling = Sampling(c.rollout.max_new_tokens, c.rollout.temperature, m.eos_token_ids, m.tokenizer.pad_token_id)
         source = cls(
-            m.policy, m.tokenizer, context.prompts, context.order, lag=c.rollout.lag, batch_size=c.training.batch_size,
-            critic_warmup=c.algorithm.critic_warmup, sampling=sampling, seed=c.training.seed, decoder=c.rollout.decoder,
-            episodes=context.episodes, dtype=c.rollout.sampler_dtype,
+            m.policy, m.tokenizer, context.prompts, context.order, lag=c.source.lag, batch_size=c.training.batch_size,
+            critic_warmup=c.algorithm.critic_warmup, sampling=context.sampling, seed=c.training.seed,
+            decoder=c.rollout.decoder,
+            episodes=context.episodes, dtype=c.source.sampler_dtype,
         )  # fmt: skip
         source.tasks = context.tasks
         return source

@@ -438,12 +438,12 @@ class TraceSource:
         if context.world_size > 1:
             raise ConfigError("--traces under torchrun is not supported yet: train on a trace log in one process")
         c, m = context.config, context.models
-        r = c.rollout
+        r, s = c.rollout, c.source
         return cls(
-            r.traces, m.tokenizer, batch_size=c.training.batch_size, max_staleness=r.max_staleness,
+            r.traces, m.tokenizer, batch_size=c.training.batch_size, max_staleness=s.max_staleness,
             temperature=r.temperature, vocab_size=m.policy.get_input_embeddings().num_embeddings,
-            eos_token_ids=m.eos_token_ids, pad_token_id=m.tokenizer.pad_token_id, follow=r.follow,
-            follow_timeout=r.follow_timeout, skip_bad=r.skip_bad_traces, device=m.device, warn=context.warn,
+            eos_token_ids=m.eos_token_ids, pad_token_id=m.tokenizer.pad_token_id, follow=s.follow,
+            follow_timeout=s.follow_timeout, skip_bad=s.skip_bad_traces, device=m.device, warn=context.warn,
             context_length=context_length(m.policy),
         )  # fmt: skip
 

@@ -32,12 +32,12 @@ import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sao.core.errors import ConfigError, DataError, SaoError
 from sao.core.reading import Limits, parse_json
+from sao.rollout.engines import Completion
 
 VLLM_VENV = ".venv-vllm"
 # Options that trade run-time speed for start-up time, by name (``VllmServer(compile_mode=...)``).
@@ -112,17 +112,6 @@ def log_tail(path: str | os.PathLike[str], lines: int = 3) -> str:
 
 # ---------------------------------------------------------------------------------------------------------------
 # The client
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One checked completion. ``sampler_logprobs[i]`` is log p(completion_token_ids[i]) as the sampler drew it."""
-
-    prompt_token_ids: list[int]  # [P] as echoed by the server (checked equal to what was sent)
-    completion_token_ids: list[int]  # [C] the sampled tokens, a stop token included when one was drawn
-    sampler_logprobs: list[float]  # [C] one finite log-prob <= 0 per completion token
-    finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens reached)
-    text: str  # the server's detokenised completion (special tokens skipped), for reading only
 
 
 class VllmClient:

@@ -67,7 +67,7 @@ def tiny_tasks(seed: int) -> list[dict[str, Any]]:
     from sao.core.config import Config
     from sao.tasks.setup import task_set
 
-    split = task_set(Config.preset("tiny"))
+    split = task_set(Config.load("tiny"))
     tasks = [{"messages": t.chat(split.instruction), "answer": t.answer} for t in split.train]
     random.Random(seed).shuffle(tasks)
     return tasks
@@ -148,7 +148,7 @@ def calc_tasks(seed: int) -> list[Any]:
     from sao.core.config import Config
     from sao.tasks.setup import task_set
 
-    split = task_set(Config.preset("tiny", env="tiny-calc"))
+    split = task_set(Config.load("tiny", env="tiny-calc"))
     tasks = list(split.train)
     random.Random(seed).shuffle(tasks)
     return tasks

@@ -37,7 +37,7 @@ class UpstreamPolicy:
 
         self.config, self.url, self.keep = config, url, keep
         self.tokenizer = AutoTokenizer.from_pretrained(model_path(config.model.name))
-        self.client = VllmClient(url, connect_deadline=config.rollout.vllm_timeout)
+        self.client = VllmClient(url, connect_deadline=config.serve.upstream_timeout)
         models = self.client.models()
         self.base = models[0]  # vLLM lists the base model first
         self.tag = "serve-" + hashlib.sha256(f"{url}:{os.getpid()}:{time.time()}".encode()).hexdigest()[:8]

@@ -188,12 +188,20 @@ class Scorer:
             timed_out.append(False)
         return out, timed_out
 
-    def graded(self, completions: Sequence[str], rows: Sequence[dict[str, Any]], cut: Sequence[bool]) -> list[float]:
-        """``score`` with the cut-off rule: a completion cut at the token limit scores 0 under "zero"."""
-        scores = self.score(completions, rows)
+    def cut_off(self, scores: Sequence[float], cut: Sequence[bool]) -> tuple[list[float], dict[str, int]]:
+        """The cut-off rule, the one place it is written: a reply cut at the token limit without finishing scores 0
+        under "zero" ("grade": as graded); with the counts every step and eval logs (``truncated_replies``, and
+        ``truncated_with_credit``: those the grader credits)."""
+        cut = [bool(c) for c in cut]
+        counts = {"truncated_replies": sum(cut),
+                  "truncated_with_credit": sum(c and s > 0 for c, s in zip(cut, scores, strict=True))}  # fmt: skip
         if self.truncated_reward == "zero":
-            return [0.0 if c else s for c, s in zip(cut, scores, strict=True)]
-        return scores
+            scores = [0.0 if c else s for c, s in zip(cut, scores, strict=True)]
+        return list(scores), counts
+
+    def graded(self, completions: Sequence[str], rows: Sequence[dict[str, Any]], cut: Sequence[bool]) -> list[float]:
+        """``score`` under the cut-off rule."""
+        return self.cut_off(self.score(completions, rows), cut)[0]
 
     def rewards(self, rollout: Rollout, rows: Sequence[dict[str, Any] | None]) -> tuple[torch.Tensor, dict[str, int]]:
         """A training batch's rewards: [B] for one reply per prompt, or [B, R] per turn when an environment answered
@@ -209,21 +217,16 @@ class Scorer:
         if late:  # a reward call that outlived its timeout: those trajectories end as cut (scored 0)
             rollout.cut[late] = True
         if rollout.turns is None:  # one reply per prompt: every row graded from its text
-            values = torch.tensor(graded, dtype=torch.float32, device=cut.device)  # [B]
-            credited = cut & (values > 0)
-            counts = {"truncated_replies": int(cut.sum()), "truncated_with_credit": int(credited.sum()),
-                      "reward_timeouts": len(late)}  # fmt: skip
-            return (torch.where(cut, torch.zeros_like(values), values) if self.truncated_reward == "zero"
-                    else values), counts  # fmt: skip
+            scores, counts = self.cut_off(graded, cut.tolist())
+            counts["reward_timeouts"] = len(late)
+            return torch.tensor(scores, dtype=torch.float32, device=cut.device), counts
         per_turn = rollout.turns.rewards.clone()  # [B, R] each turn's reward on its last action token
         for i, value in zip(todo, graded, strict=True):
             per_turn[i, last[i]] = value
         rows_ = torch.arange(per_turn.shape[0], device=per_turn.device)
-        credited = cut & (per_turn[rows_, last] > 0)
-        counts = {"truncated_replies": int(cut.sum()), "truncated_with_credit": int(credited.sum()),
-                  "reward_timeouts": len(late)}  # fmt: skip
-        if self.truncated_reward == "zero":
-            per_turn[rows_[cut], last[cut]] = 0.0
+        final, counts = self.cut_off(per_turn[rows_, last].tolist(), cut.tolist())  # the last turn's reward, cut
+        per_turn[rows_, last] = torch.tensor(final, dtype=per_turn.dtype, device=per_turn.device)
+        counts["reward_timeouts"] = len(late)
         return (per_turn if bool((rollout.turns.count > 1).any()) else per_turn.sum(dim=1)), counts
 
     def _checked(self, value: Any, row: dict[str, Any]) -> float:

@@ -3,7 +3,8 @@
     task_set   a generated task set (``TASK_SETS``: "tiny", "tiny-calc"), your data (a file, a folder, a hub
                dataset; or rows passed in as objects), or GSM8K
     scorer     the reward you pass, else ``--reward module:function``, else the task set's own (GSM8K's grader)
-    parts      all of them for one tokenizer: what a source draws from (prompts, or episodes with an environment)
+    parts      all of them for one tokenizer, built once: what a source draws from (prompts, or episodes with an
+               environment), and the episodes and sampling of evaluations and the gate
 
 Deliberately left out: models and sources (the trainer's builder, ``sao.training.build``, brings them together).
 """
@@ -20,8 +21,9 @@ from sao.core.errors import ConfigError
 from sao.core.registry import TASK_SETS
 from sao.rollout.environment import EnvFactory
 from sao.rollout.sources import Episodes
+from sao.rollout.types import Sampling
 from sao.tasks import custom, environments, gsm8k
-from sao.tasks.base import Scorer, TaskSet
+from sao.tasks.base import Scorer, Task, TaskSet
 from sao.tasks.environments import episodes_for, prompt_text
 
 
@@ -30,7 +32,7 @@ def task_set(config: Config, dataset: Any = None) -> TaskSet:
     dataset, or a path read as ``--data``), else what ``--data`` names."""
     d = config.data
     if dataset is not None and not isinstance(dataset, str | Path):
-        return custom.from_rows(dataset, n_train=d.train_prompts, n_test=d.test_prompts, seed=d.seed)
+        return custom.from_rows(dataset, n_train=d.train_prompts, n_test=d.test_prompts, seed=d.data_seed)
     name = str(dataset) if dataset is not None else d.dataset
     if name in TASK_SETS:
         given = [f for f, v in (("--prompt-field", d.prompt_field), ("--answer-field", d.answer_field),
@@ -38,12 +40,12 @@ def task_set(config: Config, dataset: Any = None) -> TaskSet:
         if given:
             raise ConfigError(f"{', '.join(given)} apply to --data FILE (.jsonl, .parquet), a directory or a hub "
                               f"dataset name, not to the generated task set {name!r}")  # fmt: skip
-        return TASK_SETS.get(name)(d.train_prompts, d.test_prompts, d.seed)
+        return TASK_SETS.get(name)(d.train_prompts, d.test_prompts, d.data_seed)
     if custom.uses_custom_loader(name, d.prompt_field, d.answer_field, d.messages_field):
         return custom.load_custom(name, prompt_field=d.prompt_field, answer_field=d.answer_field,
                                   messages_field=d.messages_field, n_train=d.train_prompts, n_test=d.test_prompts,
-                                  seed=d.seed)  # fmt: skip
-    return gsm8k.load_gsm8k(name, n_train=d.train_prompts, n_test=d.test_prompts, seed=d.seed)
+                                  seed=d.data_seed)  # fmt: skip
+    return gsm8k.load_gsm8k(name, n_train=d.train_prompts, n_test=d.test_prompts, seed=d.data_seed)
 
 
 def scorer(config: Config, tasks: TaskSet | None = None, reward_fn: Callable[..., Any] | None = None) -> Scorer:
@@ -58,13 +60,36 @@ def scorer(config: Config, tasks: TaskSet | None = None, reward_fn: Callable[...
 
 @dataclass
 class TaskParts:
-    """What the tasks of a run are, for one tokenizer: the task set, its scorer, and what a source draws from."""
+    """What the tasks of a run are, for one tokenizer, built once (``parts``) and asked by everything that draws or
+    grades: the task set, its scorer, the environment, the training prompts and episodes, and the episodes and
+    sampling of any other tasks (held-out evals, the gate's) under the same environment settings."""
 
     tasks: TaskSet
     scorer: Scorer
     env_factory: EnvFactory | None
     prompts: dict[str, str]  # task id → the chat-formatted prompt a single reply continues
-    episodes: Episodes | None  # with an environment: what multi-turn drawing needs
+    config: Config
+    eos_token_ids: list[int]  # every token that ends a reply (the tokenizer's and the model's)
+    pad_token_id: int
+    episodes: Episodes | None = None  # with an environment: what drawing the training tasks' episodes needs
+
+    def __post_init__(self) -> None:
+        self.episodes = self.episodes_for(self.tasks.train)
+
+    def episodes_for(self, tasks: list[Task]) -> Episodes | None:
+        """Multi-turn drawing of ``tasks`` in this run's environment, with its limits, concurrency, rejoin rule and
+        timeout (None without an environment)."""
+        r, d = self.config.rollout, self.config.data
+        return episodes_for(self.env_factory, tasks, self.tasks.instruction, r.max_turns, r.max_total_tokens,
+                            r.env_concurrency, name=d.env, env_timeout=d.env_timeout,
+                            env_rejoin=r.env_rejoin)  # fmt: skip
+
+    def sampling(self, *, eval: bool = False) -> Sampling:
+        """How replies are drawn: at the rollout temperature and length for training, at the eval settings for an
+        evaluation (the held-out tasks, the gate's)."""
+        r, e = self.config.rollout, self.config.eval
+        length, temperature = (e.eval_max_new_tokens, e.eval_temperature) if eval else (r.max_new_tokens, r.temperature)
+        return Sampling(length, temperature, self.eos_token_ids, self.pad_token_id)
 
 
 def parts(
@@ -74,18 +99,19 @@ def parts(
     *,
     reward_fn: Callable[..., Any] | None = None,
     env_factory: EnvFactory | None = None,
+    eos_token_ids: list[int] | None = None,
 ) -> TaskParts:
-    """The scorer, the environment (the factory you pass, else ``--env``) and the training prompts of ``tasks``."""
-    r = config.rollout
-    factory = env_factory if env_factory is not None else environments.env_factory(config.data.env, tokenizer,
-                                                                                    r.max_turns)  # fmt: skip
-    episodes = episodes_for(factory, tasks.train, tasks.instruction, r.max_turns, r.max_total_tokens,
-                            r.env_concurrency, name=config.data.env, env_timeout=config.data.env_timeout,
-                            env_rejoin=r.env_rejoin)  # fmt: skip
+    """The scorer, the environment (the factory you pass, else ``--env``) and the training prompts of ``tasks``;
+    ``eos_token_ids``: the model's (default: the tokenizer's EOS)."""
+    factory = env_factory
+    if factory is None:
+        factory = environments.env_factory(config.data.env, tokenizer, config.rollout.max_turns)
     return TaskParts(
         tasks=tasks,
         scorer=scorer(config, tasks, reward_fn),
         env_factory=factory,
         prompts={t.id: prompt_text(tokenizer, t, tasks.instruction) for t in tasks.train},
-        episodes=episodes,
+        config=config,
+        eos_token_ids=list(eos_token_ids or [tokenizer.eos_token_id]),
+        pad_token_id=tokenizer.pad_token_id,
     )

@@ -19,10 +19,10 @@ from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.model.policy import Models
 from sao.rollout.environment import EnvFactory
+from sao.rollout.registry import build_source
 from sao.rollout.sampler import derived_seed
-from sao.rollout.sources import Source, SourceContext, build_source
-from sao.rollout.types import Sampling
-from sao.tasks import environments, setup
+from sao.rollout.sources import Source, SourceContext
+from sao.tasks import setup
 from sao.tasks.base import Task, TaskSet
 from sao.training import checkpoint
 from sao.training.distributed import World
@@ -57,14 +57,15 @@ def trainer(
         m = config.model
         models = Models.load(m.name, device=world.device(m.device), lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
                              seed=config.training.seed, grad_checkpoint=m.grad_checkpoint)  # fmt: skip
-        task_parts = setup.parts(config, models.tokenizer, tasks, reward_fn=reward_fn, env_factory=env_factory)
+        task_parts = setup.parts(config, models.tokenizer, tasks, reward_fn=reward_fn, env_factory=env_factory,
+                                 eos_token_ids=models.eos_token_ids)  # fmt: skip
         label = label or f"{config.algorithm.correction} seed {config.training.seed}"
         if source is None and world.is_main:
             context = SourceContext(config, models, {t.id: t for t in tasks.train}, task_parts.prompts,
-                                    task_parts.episodes, Path(out_dir), world.training_gpus(), label, progress,
-                                    world_size=world.size)  # fmt: skip
+                                    task_parts.episodes, Path(out_dir), task_parts.sampling(), world.training_gpus(),
+                                    label, progress, world_size=world.size)  # fmt: skip
             source = build_source(config.rollout.source, context)  # a launched vLLM fleet writes into out_dir
-        gate = [held_aside_gate(config, models, tasks, held, task_parts)] if held else []
+        gate = [held_aside_gate(config, models, held, task_parts)] if held else []
         return Trainer(models, source, task_parts.scorer, config, run, hooks=[*default_hooks(config), *gate, *hooks],
                        world=world, progress=progress, label=label)  # fmt: skip
     except BaseException:
@@ -88,33 +89,32 @@ def gate_tasks(config: Config, tasks: TaskSet) -> list[Task]:
     return list(tasks.test[: t.gate_tasks or len(tasks.test)])
 
 
-def held_aside_gate(config: Config, models: Models, tasks: TaskSet, held: list[Task], parts: setup.TaskParts) -> Gate:
-    """The gate over ``held`` (``gate_tasks``): one reply each at the eval temperature from a seed of the data seed,
-    and the trace log's rewards for the rollback."""
-    t, e, r = config.training, config.eval, config.rollout
-    episodes = environments.episodes_for(parts.env_factory, held, tasks.instruction, r.max_turns, r.max_total_tokens)
-    sampling = Sampling(e.max_new_tokens, e.temperature, models.eos_token_ids, models.tokenizer.pad_token_id)
-    aside = HeldAside(held, instruction=tasks.instruction, tokenizer=models.tokenizer, scorer=parts.scorer,
-                      sampling=sampling, seed=derived_seed(config.data.seed, "gate"), batch=e.batch,
-                      decoder=r.decoder, episodes=episodes)  # fmt: skip
+def held_aside_gate(config: Config, models: Models, held: list[Task], parts: setup.TaskParts) -> Gate:
+    """The gate over ``held`` (``gate_tasks``): one reply (or episode, in the run's environment and under its
+    settings) each at the eval settings from a seed of the data seed, and the trace log's rewards for the rollback."""
+    t, r = config.training, config.rollout
+    aside = HeldAside(held, instruction=parts.tasks.instruction, tokenizer=models.tokenizer, scorer=parts.scorer,
+                      sampling=parts.sampling(eval=True), seed=derived_seed(config.data.data_seed, "gate"),
+                      batch=config.eval.eval_batch, decoder=r.decoder, episodes=parts.episodes_for(held))  # fmt: skip
     live = LiveRewards(r.traces) if r.traces is not None else None
-    return Gate(aside, margin=t.gate_margin, alpha=t.gate_alpha, live=live,
-                max_staleness=r.max_staleness if live is not None else None)  # fmt: skip
+    # the live traces of a served version count until they are older than the source's bound (the trace reader's)
+    bound = getattr(config.source, "max_staleness", None) if live is not None else None
+    return Gate(aside, margin=t.gate_margin, alpha=t.gate_alpha, live=live, max_staleness=bound)
 
 
 def default_hooks(config: Config) -> list[Hook]:
-    """What the settings ask for beside the step: the reachability lines always; publishing with --publish or a
-    trace log; the footing audit and the summary of a trace log; tracking with --track (last, so it sees every
-    other hook's work)."""
-    r, t, chunk = config.rollout, config.training, config.model.logprob_chunk
-    engine = r.source.startswith("vllm")  # a separate engine: its delivery and its numerics are checked
+    """What the settings ask for beside the step: the reachability lines and the mismatch split always; what the
+    source's section says it needs (``needs``: the footing audit, the sampler tolerance, its summary, publishing);
+    publishing with --publish; tracking with --track (last, so it sees every other hook's work)."""
+    t, chunk, needs = config.training, config.model.logprob_chunk, config.source.needs()
+    temperature = config.rollout.temperature
     hooks: list[Hook] = [Reachability(t.dead_band_share, config.algorithm.ratio, t.steps),
-                         Mismatch(r.temperature, chunk, tolerance=r.sampler_tolerance if engine else None)]  # fmt: skip
-    if r.source == "traces" or engine:
-        hooks.append(FootingAudit(r.temperature, chunk))
-    if r.source == "traces":
+                         Mismatch(temperature, chunk, tolerance=needs.get("sampler_tolerance"))]  # fmt: skip
+    if needs.get("footing_audit"):
+        hooks.append(FootingAudit(temperature, chunk))
+    if needs.get("summary"):
         hooks.append(SourceSummary())
-    if (t.publish or r.source == "traces") and t.gate == "off":  # a gate publishes what passes it (held_aside_gate)
+    if (t.publish or needs.get("publish")) and t.gate == "off":  # a gate publishes what passes it (held_aside_gate)
         hooks.append(Publish())
     if t.track is not None:
         hooks.append(Tracking(t.track, config.to_dict()))

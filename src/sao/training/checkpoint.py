@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from sao.core.config import Config
+from sao.core.config import Config, flatten, recorded
 from sao.core.errors import ConfigError, DataError
 from sao.core.io import (
     DamagedFileError,
@@ -149,7 +149,7 @@ def same_settings(saved: Any, record: dict[str, Any]) -> bool:
         value = as_json(value)
         if isinstance(value, dict) and isinstance(value.get("config"), dict):
             with contextlib.suppress(ConfigError):
-                value["config"] = Config.from_mapping(value["config"]).flat()
+                value["config"] = Config.load(**recorded(flatten(value["config"]))).flat()
             value["config"] = as_json({k: v for k, v in value["config"].items() if k not in NOT_COMPARED_ON_RESUME})
         return value
 

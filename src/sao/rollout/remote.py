@@ -1,21 +1,19 @@
-"""``--rollout vllm`` and ``--rollout vllm-async``: vLLM draws the trajectories, sao trains on them.
+"""A remote inference engine draws the trajectories, sao trains on them (``--rollout vllm``, ``vllm-async``).
 
-    VllmFleet       the servers a run samples from (launched here from ``--vllm-python``, or ``--vllm-url`` ones),
-                    each published adapter written to OUT/vllm-adapters/v{N}/ and loaded into every server by a name
-                    of this run's own (``<tag>-v{N}``), the oldest unloaded once no request can need them
-    VllmSource      the recipe's stale sampler with vLLM as the sampler: its adapter is refreshed every LAG policy
-                    steps (LAG 0: before every draw), each batch drawn at once, one seeded request per prompt
-    VllmAsyncSource requests stay in flight while the trainer steps, admitted under ``--max-staleness`` K by the
-                    version-tied rule the Ray workers use (nothing dropped), spread over every server; an
-                    episode's later actions are drawn by the adapter published by then, each token keeping its
-                    version (a row is as stale as its oldest token)
+    Fleet             the engine's servers for one run (``RemoteSettings.connect``: running ones, or started here and
+                      restarted when they die), each published adapter written to OUT/<engine>-adapters/v{N}/ and
+                      loaded into every server by a name of this run's own, the oldest unloaded once no request needs it
+    RemoteSource      the recipe's stale sampler with the engine as the sampler: its adapter refreshed every LAG policy
+                      steps (LAG 0: before every draw), each batch drawn at once, one seeded request per prompt
+    RemoteAsyncSource requests stay in flight while the trainer steps, admitted under ``--max-staleness`` K
+                      (``sao.rollout.admission``, nothing dropped); an episode's later actions are drawn by the adapter
+                      published by then, each token keeping its version (a row is as stale as its oldest token)
 
-Token in, token out: sao renders the chat template and sends token ids; vLLM returns token ids and log-probs after
-temperature (``processed_logprobs``); nothing is re-tokenised. With an environment each action is one request
-carrying the whole token prefix, the observation tokens appended by sao, and every row runs on its own thread, so a
-slow tool holds only its own trajectory (its steps on ``EnvCalls`` under --env-timeout, async environments awaited).
-Deliberately left out: stop strings on the server (an action is cut at its stop string here, so the kept tokens are a
-prefix of a sample) and sharing a server's adapters between runs.
+Token in, token out through ``sao.rollout.engines.EngineClient``: sao renders the chat template and sends token ids;
+the engine returns token ids and log-probs after temperature; nothing is re-tokenised. With an environment each action
+is one request carrying the whole token prefix, every row on its own thread, so a slow tool holds only its own
+trajectory. Deliberately left out: stop strings on the server (an action is cut at its stop string here, so the kept
+tokens are a prefix of a sample) and sharing a server's adapters between runs.
 """
 
 from __future__ import annotations
@@ -36,59 +34,58 @@ from typing import Any
 
 import torch
 
-from sao.core.errors import ConfigError
+from sao.core.errors import ConfigError, SaoError
 from sao.core.io import write_json
 from sao.core.plugins import PluginError, describe
 from sao.model.artifacts import save_adapter
-from sao.rollout.environment import EnvCalls, EnvFault, check_env, encode_bounded, render_observation
-from sao.rollout.episodes import _checked_init, _checked_step, _count
-from sao.rollout.ray_workers import Admission
+from sao.rollout.admission import Admission
+from sao.rollout.engines import Connection, EngineClient
+from sao.rollout.environment import (
+    EnvCalls,
+    EnvFault,
+    check_env,
+    checked_init,
+    checked_step,
+    encode_bounded,
+    render_observation,
+    tool_count,
+)
 from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import POLICY, SourceContext
 from sao.rollout.types import Batch, Rollout, Turns
-from sao.rollout.vllm import VllmClient, VllmError, VllmServer, default_vllm_python
 
-ADAPTERS_DIR, SERVERS_FILE = "vllm-adapters", "vllm-servers.json"
 STOP_TAIL = 16  # tokens of an action decoded to look for a stop string (as the local episode loop does)
 
 log = logging.getLogger("sao.rollout")
 
 
-class VllmFleet:
-    """The vLLM servers of one run and the adapters it has loaded into them."""
+class Fleet:
+    """The engine's servers of one run and the adapters it has loaded into them."""
 
     def __init__(self, context: SourceContext):
-        c, m = context.config, context.models
-        r = c.rollout
+        settings, m = context.config.source, context.models
         self.tokenizer, self.models, self.out = m.tokenizer, m, context.out_dir
         self.tag = "sao-" + hashlib.sha256(f"{Path(context.out_dir).resolve()}:{os.getpid()}:{time.time()}".encode()
                                            ).hexdigest()[:8]  # fmt: skip
-        self.keep = max(2, r.vllm_max_loras - 1)  # adapters resident per server at most (one slot spare)
+        self.adapters_dir = Path(self.out) / f"{settings.engine}-adapters"  # v{N}/ a published version's folder
+        self.servers_file = Path(self.out) / f"{settings.engine}-servers.json"
+        connection: Connection = settings.connect(context)
+        self.keep = connection.resident_adapters
+        self.max_model_len = connection.max_model_len
         self.loaded: OrderedDict[int, str] = OrderedDict()  # version → adapter name, oldest first
-        self.servers: list[VllmServer] = []
-        urls = [u.strip() for u in (r.vllm_url or "").split(",") if u.strip()]
-        if urls:
-            self.clients = [VllmClient(u, connect_deadline=r.vllm_timeout) for u in urls]
-        elif r.vllm_launch:
-            python = r.vllm_python or default_vllm_python()
-            max_len = min(int(getattr(m.policy.config, "max_position_embeddings", 4096)), 4096)
-            self.servers = [VllmServer(m.name, python=python, max_model_len=max_len, max_lora_rank=c.model.lora_rank,
-                                       max_loras=r.vllm_max_loras, seed=c.training.seed + i,
-                                       log_path=Path(context.out_dir) / f"vllm-server-{i}.log")
-                            for i in range(r.vllm_servers)]  # fmt: skip
-            self.max_model_len = max_len
+        self.servers = connection.servers
+        self.clients: list[EngineClient] = connection.clients
+        if self.servers:
             self._start_all()
-            self.clients = [s.client(connect_deadline=r.vllm_timeout) for s in self.servers]
-        else:
-            raise ConfigError("--rollout vllm needs --vllm-url URL[,URL...] (running servers) or --vllm-launch "
-                              "(sao starts one from --vllm-python)")  # fmt: skip
-        self.max_model_len = getattr(self, "max_model_len", 4096)
+            self.clients = [server.client(**connection.client_options) for server in self.servers]
+        self.client_options = connection.client_options
         self.restarts = 0
         self.restart_lock = threading.Lock()
         self.slots = {id(c): i for i, c in enumerate(self.clients)}  # each client's place in the fleet
 
     def _start_all(self) -> None:
-        """Start every server (at once: each spends its start importing vLLM) and say which in OUT/vllm-servers.json."""
+        """Start every server (at once: each spends its start importing its engine) and say which in
+        OUT/<engine>-servers.json."""
         Path(self.out).mkdir(parents=True, exist_ok=True)
         with ThreadPoolExecutor(len(self.servers)) as pool:
             list(pool.map(lambda s: s.start(), self.servers))
@@ -97,14 +94,14 @@ class VllmFleet:
     def _record(self) -> None:
         servers = [{"url": s.url, "pid": s.pid, "log": str(s.log_path), "startup_seconds": s.startup_seconds}
                    for s in self.servers]  # fmt: skip
-        write_json(Path(self.out) / SERVERS_FILE, servers)
+        write_json(self.servers_file, servers)
 
     def publish(self, version: int) -> str:
-        """The policy's adapter now, written as OUT/vllm-adapters/v{version}/ and loaded into every server; returns
+        """The policy's adapter now, written as OUT/<engine>-adapters/v{version}/ and loaded into every server; returns
         its name. A fresh folder per version: vLLM keys its prefix cache by adapter name and path."""
         if version in self.loaded:
             return self.loaded[version]
-        folder = Path(self.out) / ADAPTERS_DIR / f"v{version}"
+        folder = self.adapters_dir / f"v{version}"
         if not folder.is_dir():  # a resumed run's sampler: its folder was written when that version was published
             m = self.models
             save_adapter(m.policy, m.tokenizer, m.value_head, folder, base_model=m.name)
@@ -123,13 +120,13 @@ class VllmFleet:
                 continue
             name = self.loaded.pop(version)
             for client in self.distinct():
-                with contextlib.suppress(VllmError):
+                with contextlib.suppress(SaoError):
                     client.unload_adapter(name)
-            shutil.rmtree(Path(self.out) / ADAPTERS_DIR / f"v{version}", ignore_errors=True)
+            shutil.rmtree(self.adapters_dir / f"v{version}", ignore_errors=True)
 
-    def distinct(self) -> list[VllmClient]:
+    def distinct(self) -> list[EngineClient]:
         """One client per server: an address given twice spreads requests twice as often to it, and loads once."""
-        first: dict[str, VllmClient] = {}
+        first: dict[str, EngineClient] = {}
         for client in self.clients:
             first.setdefault(client.url, client)
         return list(first.values())
@@ -140,13 +137,13 @@ class VllmFleet:
         client = self.clients[index % len(self.clients)]
         return self._with_restart(client, lambda cl: cl.complete(prompt, **params))
 
-    def _with_restart(self, client: VllmClient, call):
+    def _with_restart(self, client: EngineClient, call):
         """``call(client)``; when a server started here has died, it is restarted once (by the first request to find
         it dead: the others in flight wait for that restart and are sent again to the new one) and its adapters
         reloaded."""
         try:
             return call(client)
-        except VllmError:
+        except SaoError:
             if not self.servers:
                 raise  # a server we did not start: one line, the run stops
             i = self.slots[id(client)]
@@ -158,9 +155,9 @@ class VllmFleet:
                     self.restarts += 1
                     server = self.servers[i].restart()
                     self._record()
-                    current = server.client(connect_deadline=client.connect_deadline)
+                    current = server.client(**self.client_options)
                     for version, name in self.loaded.items():
-                        current.load_adapter(name, Path(self.out) / ADAPTERS_DIR / f"v{version}")
+                        current.load_adapter(name, self.adapters_dir / f"v{version}")
                     self.clients[i] = current
                     self.slots[id(current)] = i
             return call(current)
@@ -168,7 +165,7 @@ class VllmFleet:
     def close(self) -> None:
         for name in self.loaded.values():
             for client in self.distinct():
-                with contextlib.suppress(VllmError):
+                with contextlib.suppress(SaoError):
                     client.unload_adapter(name)
         self.loaded.clear()
         for server in self.servers:
@@ -199,7 +196,7 @@ class Drawn:
     deadline: int = 0
 
 
-class _Drawing:
+class Drawing:
     """What both sources share: prompts as token ids, one request per single reply, an episode loop per row."""
 
     def __init__(self, context: SourceContext):
@@ -209,9 +206,10 @@ class _Drawing:
         self.order = context.order
         self.batch_size, self.seed = c.training.batch_size, c.training.seed
         self.eos = list(m.eos_token_ids)
-        self.fleet = VllmFleet(context)
+        self.fleet = Fleet(context)
+        self.kind = c.rollout.source  # the name it was registered by, kept in its checkpoint state
         self.device = m.device
-        self.pool = ThreadPoolExecutor(max(1, c.rollout.vllm_concurrency * len(self.fleet.clients)))
+        self.pool = ThreadPoolExecutor(max(1, c.source.concurrency * len(self.fleet.clients)))
         # every trajectory already has its own thread here: the steps run beside them, under --env-timeout
         e = self.episodes
         self.env_calls = EnvCalls(self.pool._max_workers, c.data.env_timeout, e.name if e else "the environment")
@@ -258,7 +256,7 @@ class _Drawing:
         check_env(env)
         try:
             try:
-                start, info = _checked_init(calls.call(env.init, e.messages[task_id], task=task_id, what="init"),
+                start, info = checked_init(calls.call(env.init, e.messages[task_id], task=task_id, what="init"),
                                             env_name, task_id)  # fmt: skip
             except (EnvFault, PluginError) as error:
                 d.prompt = self.prompt_ids(task_id)
@@ -297,11 +295,11 @@ class _Drawing:
                 d.rewards += [0.0] * len(ids)
                 d.turns += 1
                 try:  # a tool that raises, hangs or answers a malformed step ends this trajectory only
-                    result = _checked_step(calls.call(env.step, tok.decode(ids, skip_special_tokens=True),
+                    result = checked_step(calls.call(env.step, tok.decode(ids, skip_special_tokens=True),
                                                       task=task_id), env_name, task_id)  # fmt: skip
                     meta = result.get("metadata") or {}
-                    made = _count(meta, "tool_calls", env_name, task_id)
-                    errors = _count(meta, "tool_errors", env_name, task_id)
+                    made = tool_count(meta, "tool_calls", env_name, task_id)
+                    errors = tool_count(meta, "tool_errors", env_name, task_id)
                     done = bool(result.get("done", False))
                 except (EnvFault, PluginError) as error:
                     return fault(error)
@@ -379,7 +377,7 @@ class _Drawing:
 
     def adapter(self, version: int) -> Path | None:
         """The folder of the adapter version ``version`` drew with (for re-scoring under it), while it exists."""
-        folder = Path(self.fleet.out) / ADAPTERS_DIR / f"v{version}"
+        folder = self.fleet.adapters_dir / f"v{version}"
         return folder if folder.is_dir() else None
 
     def close(self) -> None:
@@ -388,19 +386,19 @@ class _Drawing:
         self.fleet.close()
 
 
-class VllmSource(_Drawing):
-    """``--rollout vllm``: the stale sampler, with vLLM as the sampler (refreshed every LAG policy steps)."""
+class RemoteSource(Drawing):
+    """``--rollout vllm``: the stale sampler, with the engine as the sampler (refreshed every LAG policy steps)."""
 
     def __init__(self, context: SourceContext):
         context.check_batch()
         super().__init__(context)
-        self.lag = self.max_staleness = context.config.rollout.lag
+        self.lag = self.max_staleness = context.config.source.lag
         self.sampler_version, self.name = 0, None
         warmup = context.config.algorithm.critic_warmup
         self.first_policy_step = warmup if isinstance(warmup, int) else None  # "auto": the first POLICY batch's step
 
     @classmethod
-    def build(cls, context: SourceContext) -> VllmSource:
+    def build(cls, context: SourceContext) -> RemoteSource:
         return cls(context)
 
     def _refresh(self, version: int) -> None:
@@ -423,8 +421,8 @@ class VllmSource(_Drawing):
                    for j, i in enumerate(ids)]  # fmt: skip
         rows = [f.result() for f in futures]
         staleness = policy_version - self.sampler_version
-        info = {"vllm_adapter_version": self.sampler_version, "vllm_seconds": time.perf_counter() - started,
-                "vllm_restarts_total": self.fleet.restarts}  # fmt: skip
+        info = {"engine_adapter_version": self.sampler_version, "engine_seconds": time.perf_counter() - started,
+                "engine_restarts_total": self.fleet.restarts}  # fmt: skip
         if phase == POLICY and self.lag > 0 and k % self.lag == 0:
             self._refresh(policy_version)
         return Batch(task_ids=ids, rollout=self.rollout(rows), staleness=[staleness] * len(ids), info=info)
@@ -433,31 +431,32 @@ class VllmSource(_Drawing):
         """Nothing here: the sampler takes the policy's adapter on its own schedule, at draw time."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"source": "vllm", "sampler_version": self.sampler_version, "first_policy_step": self.first_policy_step}
+        state = {"sampler_version": self.sampler_version, "first_policy_step": self.first_policy_step}
+        return {"source": self.kind, **state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The sampler's version: its adapter folder, kept in OUT/vllm-adapters/, is loaded again at the next draw."""
-        if state.get("source") != "vllm":
+        """The sampler's version: its adapter folder, kept in OUT/<engine>-adapters/, is loaded at the next draw."""
+        if state.get("source") != self.kind:
             raise ConfigError("--resume: the checkpoint was written by another rollout source; use a new --out")
         self.sampler_version = int(state["sampler_version"])
         self.first_policy_step = state.get("first_policy_step", self.first_policy_step)
         if self.adapter(self.sampler_version) is None:
-            folder = Path(self.fleet.out) / ADAPTERS_DIR / f"v{self.sampler_version}"
+            folder = self.fleet.adapters_dir / f"v{self.sampler_version}"
             raise ConfigError(f"--resume: {folder} is missing, so the sampler's adapter cannot be restored; start "
                               "again with a new --out")  # fmt: skip
         self.fleet.loaded.pop(self.sampler_version, None)
         self.name = None
 
 
-class VllmAsyncSource(_Drawing):
+class RemoteAsyncSource(Drawing):
     """``--rollout vllm-async``: requests in flight while the trainer steps, admitted under ``--max-staleness``."""
 
     def __init__(self, context: SourceContext):
         context.check_batch()
         super().__init__(context)
         c = context.config
-        self.max_staleness = c.rollout.max_staleness
-        self.admission = Admission(c.training.batch_size, c.rollout.max_staleness, c.algorithm.critic_warmup)
+        self.max_staleness = c.source.max_staleness
+        self.admission = Admission(c.training.batch_size, c.source.max_staleness, c.algorithm.critic_warmup)
         self.cond = threading.Condition()
         self.buffer: list[Drawn] = []
         self.in_flight: dict[int, Drawn] = {}
@@ -469,7 +468,7 @@ class VllmAsyncSource(_Drawing):
         self.stopped = False
 
     @classmethod
-    def build(cls, context: SourceContext) -> VllmAsyncSource:
+    def build(cls, context: SourceContext) -> RemoteAsyncSource:
         return cls(context)
 
     def _issue(self) -> None:
@@ -537,11 +536,11 @@ class VllmAsyncSource(_Drawing):
             needed |= {v for d in chosen for v in d.versions} | set(versions)  # the trainer may re-score under them
         self.fleet.release(needed)
         info = {"admitted_total": self.counts["admitted"], "received_total": self.counts["received"],
-                "waited_s": time.perf_counter() - started, "vllm_versions": sorted({v for d in chosen
+                "waited_s": time.perf_counter() - started, "engine_versions": sorted({v for d in chosen
                                                                                    for v in d.versions or versions}),
                 "spanning_rows": sum(len(set(d.versions)) > 1 for d in chosen),
                 "staleness_max": max(policy_version - v for v in versions),
-                "vllm_restarts_total": self.fleet.restarts}  # fmt: skip
+                "engine_restarts_total": self.fleet.restarts}  # fmt: skip
         return Batch(task_ids=[d.task_id for d in chosen], rollout=self.rollout(chosen),
                      staleness=[policy_version - v for v in versions], info=info)  # fmt: skip
 
@@ -557,10 +556,10 @@ class VllmAsyncSource(_Drawing):
     def state_dict(self) -> dict[str, Any]:
         with self.cond:
             pending = sorted({*(d.seq for d in self.buffer), *self.in_flight})
-        return {"source": "vllm-async", "next_seq": self.next_seq, "pending": pending, "counts": dict(self.counts)}
+        return {"source": self.kind, "next_seq": self.next_seq, "pending": pending, "counts": dict(self.counts)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("source") != "vllm-async":
+        if state.get("source") != self.kind:
             raise ConfigError("--resume: the checkpoint was written by another rollout source; use a new --out")
         self.next_seq, self.retry = int(state["next_seq"]), [int(s) for s in state["pending"]]
         self.counts.update(state["counts"])
