@@ -198,10 +198,12 @@ def summarize_traces(summary: dict[str, Any]) -> str:
                         if k.startswith("traces_dropped_") and v)  # fmt: skip
     hist = " ".join(f"{s}:{n}" for s, n in summary["traces_staleness_hist"].items())
     unmatched = summary.get("traces_feedback_unmatched")
+    foreign = ", ".join(f"{name} {n}" for name, n in (summary.get("traces_read_as") or {}).items())
     return (f"  traces: used {summary['traces_used']}, dropped {summary['traces_dropped']}"
             f"{f' ({dropped})' if dropped else ''}, waiting for feedback {summary['traces_waiting_for_feedback']}"
             f"{f', feedback for unknown ids {unmatched}' if unmatched else ''}; "
-            f"staleness of those used {hist or '-'}")  # fmt: skip
+            f"staleness of those used {hist or '-'}"
+            f"{f'; lines in other formats: {foreign}' if foreign else ''}")  # fmt: skip
 
 
 def _counts(counts: dict[str, int]) -> str:
