@@ -460,7 +460,8 @@ def tinker_log(rows, path: Path) -> Path:
                       "sampling_params": {"max_tokens": 20, "temperature": TEMPERATURE, "top_p": 1.0, "top_k": -1,
                                           "seed": None},
                       "samples": [{"tokens": row["completion_token_ids"], "logprobs": row["logprobs"],
-                                   "stop_reason": row["finish_reason"]}], "status": "ok", "latency_sec": 0.1})  # fmt: skip
+                                   "stop_reason": row["finish_reason"]}],
+                      "status": "ok", "latency_sec": 0.1})  # fmt: skip
         if i % 8 == 7:
             lines.append({"kind": "train_op", "op": "optim_step", "scope": {"run_id": "run-1"}, "status": "ok"})
     lines += [{"type": "feedback", "id": f"sess-0:{i}:0", "reward": float(i % 2)} for i in range(len(rows))]
