@@ -86,6 +86,18 @@ def _pairing(before: Side, after: Side, before_fixed: bool) -> str:
     return f"unpaired: {b} and {a} seeds (Welch's t over seeds)"
 
 
+OUTPUTS = ("results.json", "report.md")
+
+
+def _check_out(out: Path) -> None:
+    """A new or empty folder, or one holding a comparison's two files (replaced): never another run's results."""
+    check_output_path(out, folder=True)
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and (set(held) - set(OUTPUTS) or report.comparison_results(out) is None):
+        raise ConfigError(f"--out {out} holds other files ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): "
+                          "choose a new or empty folder, or one a comparison wrote")  # fmt: skip
+
+
 def run(
     before: str | Path,
     after: str | Path,
@@ -104,7 +116,7 @@ def run(
 ) -> dict[str, Any]:
     """Read both sides (and the noise runs), compare, then write OUT/results.json and OUT/report.md; nothing is
     written when anything is refused."""
-    check_output_path(out, folder=True)
+    _check_out(Path(out))
     sides = [read_side(before, "BEFORE", metric=metric, filter=filter, run=before_run),
              read_side(after, "AFTER", metric=metric, filter=filter, run=after_run)]  # fmt: skip
     noisy = read_side(noise, "--noise", metric=metric, filter=filter, run=noise_run) if noise is not None else None

@@ -924,7 +924,7 @@ COMPARISON = {"kind!": str, "verdict!": str, "reason": str, "tasks": NUMBER, "co
 COMPARISON_KIND = "compare"
 
 
-def _comparison_results(out_dir: str | os.PathLike) -> dict[str, Any] | None:
+def comparison_results(out_dir: str | os.PathLike) -> dict[str, Any] | None:
     """results.json of a `sao compare` folder, checked; None when the folder holds another kind of results."""
     path = Path(out_dir) / "results.json"
     if not path.is_file():
@@ -994,7 +994,7 @@ def write_text(out_dir: str | os.PathLike, text: str) -> Path:
 def write(out_dir: str | os.PathLike) -> Path:
     """Write ``out_dir/plots/*.png`` and ``out_dir/report.md`` from the folder's JSON (a `sao compare` folder: the
     report alone); return report.md's path."""
-    compared = _comparison_results(out_dir)
+    compared = comparison_results(out_dir)
     if compared is not None:
         return write_text(out_dir, render_comparison(compared))
     results, log = load(out_dir)

@@ -36,6 +36,9 @@ def test_compare_prints_and_writes_the_verdict_and_report_rebuilds_it(tmp_path, 
     assert b"## Verdict: **improved**" in report and found["command"].startswith("sao compare ")
     assert main(["report", str(out)]) == 0 and (out / "report.md").read_bytes() == report
     assert sorted(p.name for p in out.iterdir()) == ["report.md", "results.json"]
+    capsys.readouterr()
+    assert main(["compare", str(before), str(after), "--out", str(out)]) == 0  # a comparison's folder: replaced
+    assert json.loads((out / "results.json").read_text())["noise"]["noise_floor"] is None
 
 
 def test_a_table_holding_both_arms_is_compared_run_against_run(tmp_path, capsys):
@@ -106,6 +109,14 @@ CASES = [
 def test_each_mistake_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, case):
     argv, words = _refusals(tmp_path)[case]
     refused_in_one_line(capsys, ["compare", *argv, "--out", str(tmp_path / "out")], tmp_path, words)
+
+
+def test_an_output_folder_holding_another_runs_results_is_refused_and_left_intact(tmp_path, capsys):
+    b, a = lm_eval_file(tmp_path / "b", [1, 0, 1]), lm_eval_file(tmp_path / "a", [1, 1, 0])
+    recipe = tmp_path / "recipe"
+    recipe.mkdir()
+    (recipe / "results.json").write_text('{"verdict": "improved", "cells": []}')
+    refused_in_one_line(capsys, ["compare", str(b), str(a), "--out", str(recipe)], tmp_path, "holds other files")
 
 
 def test_an_output_path_that_is_a_file_is_refused_before_reading(tmp_path, capsys):
