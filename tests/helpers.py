@@ -102,3 +102,30 @@ def reference_per_turn(values, rewards, action_mask, alpha):
         for t in range(T):
             targets[i][t] = sum(rewards[i][p] for p in pos if p >= t)  # G_t: rewards at or after t
     return adv, targets, lams
+
+
+def lm_eval_file(folder: Path, scores, *, task: str = "gsm8k", date: str = "2026-03-01T10-00-00.000000",
+                 metric: str = "exact_match", filters=("strict-match",), docs=None) -> Path:  # fmt: skip
+    """One lm-eval run's samples file as lm-evaluation-harness's --log_samples writes it (samples_<task>_<date>.jsonl:
+    a line per document and filter with doc_id, doc, target, arguments, resps, filtered_resps, filter, metrics, the
+    hashes, and each metric's value): ``scores[j]`` is document j's value of ``metric`` under each filter."""
+    import hashlib
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for name in filters:
+        for j, value in enumerate(scores):
+            doc = (docs or {}).get(j, {"question": f"What is {j}+1?", "answer": str(j + 1)})
+            text = json.dumps(doc, indent=2, ensure_ascii=False)
+            prompt = f"Question: {doc['question']}\nAnswer:"
+            lines.append({"doc_id": j, "doc": doc, "target": doc["answer"],
+                          "arguments": {"gen_args_0": {"arg_0": prompt, "arg_1": {"until": ["Question:"]}}},
+                          "resps": [[f"#### {doc['answer']}"]], "filtered_resps": [doc["answer"]], "filter": name,
+                          "metrics": [metric], "doc_hash": hashlib.sha256(text.encode()).hexdigest(),
+                          "prompt_hash": hashlib.sha256(prompt.encode()).hexdigest(),
+                          "target_hash": hashlib.sha256(doc["answer"].encode()).hexdigest(),
+                          metric: value})  # fmt: skip
+    path = folder / f"samples_{task}_{date}.jsonl"
+    path.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
+    return path

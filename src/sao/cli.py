@@ -7,6 +7,7 @@
     sao sweep  --preset tiny --lags 1 4 8 16 --lrs 1e-3 3e-3 --train-runs 2 --out DIR   where the ratio breaks
     sao confirm PLAN --out DIR          a confirmation planned in a file before it runs: fresh seeds, Holm
     sao report DIR                      rebuild report.md (or sweep.md) and the plots from the JSON
+    sao compare BEFORE AFTER --out DIR  sao's verdict on anyone's per-task scores (lm-eval samples, a CSV)
     sao export RUN --merge OUT          fold a run's adapter into its base: a plain HF model folder to serve
     sao serve  --preset tiny --traces LOG [--watch RUN]      OpenAI-style chat endpoint that logs every trace
 
@@ -257,10 +258,12 @@ def summarize_traces(summary: dict[str, Any]) -> str:
                         if k.startswith("traces_dropped_") and v)  # fmt: skip
     hist = " ".join(f"{s}:{n}" for s, n in summary["traces_staleness_hist"].items())
     unmatched = summary.get("traces_feedback_unmatched")
+    foreign = ", ".join(f"{name} {n}" for name, n in (summary.get("traces_read_as") or {}).items())
     return (f"  traces: used {summary['traces_used']}, dropped {summary['traces_dropped']}"
             f"{f' ({dropped})' if dropped else ''}, waiting for feedback {summary['traces_waiting_for_feedback']}"
             f"{f', feedback for unknown ids {unmatched}' if unmatched else ''}; "
-            f"staleness of those used {hist or '-'}")  # fmt: skip
+            f"staleness of those used {hist or '-'}"
+            f"{f'; lines in other formats: {foreign}' if foreign else ''}")  # fmt: skip
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -426,6 +429,29 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    """sao's verdict on two arms' per-task scores that another tool wrote (``sao.experiment.compare``)."""
+    import shlex
+
+    from sao.experiment import compare
+
+    found = compare.run(args.before, args.after, args.out, noise=args.noise, metric=args.metric, filter=args.filter,
+                        before_run=args.before_run, after_run=args.after_run, noise_run=args.noise_run,
+                        smallest_effect=args.smallest_effect,
+                        alpha=args.alpha, before_fixed=args.before_fixed,
+                        command="sao " + shlex.join(args.argv))  # fmt: skip
+    before, after = found["sides"]["before"], found["sides"]["after"]
+    print(f"sao compare: {after['name']} ({len(after['runs'])} run(s)) against {before['name']} "
+          f"({len(before['runs'])}) on {found['tasks']} tasks, {found['pairing']}")  # fmt: skip
+    print(f"  mean score: before {_fmt_list(before['means'])}; after {_fmt_list(after['means'])}")
+    for name, c in found["compare"].items():
+        print(f"  {name} verdict: {c['reason']}")
+    if found["noise"]["noise_floor"] is not None:
+        print(f"  noise floor {found['noise']['noise_floor']:.4f} from {found['noise']['runs']} repeated evals")
+    print(f"  wrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'report.md'}")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from sao.core.io import read_json
     from sao.model.artifacts import EXPORT_INFO, find_adapter_dir, merge
@@ -524,6 +550,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="rebuild report.md and plots/ from an experiment folder's JSON files")
     p.add_argument("dir", help="the experiment folder (holds results.json and train_log.json)")
     p.set_defaults(func=_report)
+
+    p = sub.add_parser("compare", help="sao's verdict on two arms' per-task scores from any tool (lm-eval, a CSV)")
+    p.add_argument("before", help="the baseline's scores: an lm-eval samples_*.jsonl file, a folder of them (one run "
+                   "per seed), or a CSV/JSONL table of run, seed, task, score rows")  # fmt: skip
+    p.add_argument("after", help="the arm's scores, in the same form")
+    p.add_argument("--out", required=True, help="output folder (results.json, report.md)")
+    p.add_argument("--noise", metavar="PATH", help="repeated evals of one model (2 or more runs, same form and tasks): "
+                   "the noise floor, as the recipe's base evals give it")  # fmt: skip
+    p.add_argument("--metric", help="the lm-eval metric to compare (e.g. exact_match); needed when a file has several")
+    p.add_argument("--filter", help="the lm-eval filter (e.g. strict-match); needed when a file has several")
+    p.add_argument("--before-run", metavar="RUN", help="a table's run on the BEFORE side, when it holds several")
+    p.add_argument("--after-run", metavar="RUN", help="a table's run on the AFTER side, when it holds several")
+    p.add_argument("--noise-run", metavar="RUN", help="a table's run in --noise, when it holds several")
+    p.add_argument("--smallest-effect", type=float, metavar="DELTA", help="δ > 0, the smallest delta that matters, "
+                   "fixed before looking (default: the noise floor; without either nothing is flat)")  # fmt: skip
+    p.add_argument("--alpha", type=float, default=0.05, help="level of the test (default 0.05: a 95%% interval, and "
+                   "the 90%% interval of the equivalence test)")  # fmt: skip
+    p.add_argument("--before-fixed", action="store_true", help="BEFORE is one fixed model (a base checkpoint), not a "
+                   "training procedure: only AFTER needs seeds")  # fmt: skip
+    p.set_defaults(func=_compare)
 
     p = sub.add_parser("export", help="merge a trained adapter into its base model: a plain HF model folder")
     p.add_argument("run", help="a sao train output folder (holding adapter/), or an adapter folder itself")

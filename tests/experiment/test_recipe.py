@@ -150,3 +150,27 @@ def test_recipe_is_the_one_cell_sweep(recipe_run, tmp_path, capsys):
     for name in ("results.json", "train_log.json", "experiment.json"):
         sweep, recipe = (json.loads((d / name).read_text()) for d in (out, recipe_run))
         assert strip(sweep) == strip(recipe), name
+
+
+def test_sao_compare_on_the_recipes_scores_as_lm_eval_files_gives_the_recipes_comparison(recipe_run, tmp_path):
+    """The recipe's own per-task scores (each arm's evals, the base evals as the noise runs), written as lm-eval
+    samples files: `sao compare` gives the verdict, reason, interval and equivalence test results.json holds."""
+    from helpers import lm_eval_file
+    from sao.experiment import compare
+
+    results = json.loads((recipe_run / "results.json").read_text())
+    (cell,) = results["cells"]
+    folders = {}
+    for name, evals in (("none", cell["arms"]["none"]["evals"]), ("dis", cell["arms"]["dis"]["evals"]),
+                        ("base", results["base"]["evals"])):  # fmt: skip
+        for i, e in enumerate(evals):
+            lm_eval_file(tmp_path / name / f"run{i}", e["per_task"])
+        folders[name] = tmp_path / name
+    found = compare.run(folders["none"], folders["dis"], tmp_path / "out", noise=folders["base"])
+    got, expected = found["compare"]["after_vs_before"], cell["compare"]["dis_vs_none"]
+    reason = expected["reason"].split(" Warning: the proxy rose")[0]  # the one sentence the training log adds
+    assert got["verdict"] == expected["verdict"] and got["reason"] == reason
+    for key, value in expected.items():
+        if key in ("before", "after", "proxy_delta", "proxy_diverges", "reason"):
+            continue
+        assert got[key] == (pytest.approx(value, rel=1e-12, abs=1e-15) if isinstance(value, float) else value), key

@@ -368,7 +368,15 @@ def sampled(tiny_model_dir, tmp_path_factory):
     finally:
         torch.set_num_threads(threads)
     folder = tmp_path_factory.mktemp("traces")
-    logs = {}
+    logs = {"rows": []}  # each row whole, for the other systems' formats: prompt both ways, both log-probs
+    for i, task in enumerate(tasks):
+        m = r.response_mask[i]
+        logs["rows"].append({"messages": build_messages(task.question, tiny.TINY_INSTRUCTION),
+                             "prompt_token_ids": r.prompt_ids[i][r.prompt_mask[i]].tolist(),
+                             "completion_token_ids": r.response_ids[i][m].tolist(),
+                             "logprobs": r.sampler_logprobs[i][m].tolist(), "logprobs_at_1": at_one[i][m].tolist(),
+                             "finish_reason": "length" if bool(r.truncated[i]) else "stop",
+                             "task": {"question": task.question, "answer": task.answer}})  # fmt: skip
     for name, logprobs in (("good", r.sampler_logprobs), ("before_temperature", at_one)):
         lines = []
         for i, task in enumerate(tasks):
@@ -425,6 +433,64 @@ def test_log_probs_taken_before_temperature_are_refused_in_one_line(sampled, tmp
     from sao import cli
 
     assert cli.main(train_args(sampled["before_temperature"], tmp_path / "run")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "log-probs were taken before temperature" in err
+
+
+def openenv_log(rows, path: Path, logprobs: str = "logprobs") -> Path:
+    """The rows as TRL's OpenEnv proxy trace entries: the chat body sent (messages, temperature, the task as
+    metadata), the upstream reply, the generated ids and their log-probs."""
+    return write_log(path, [{"request": {"model": "tiny", "messages": row["messages"], "temperature": TEMPERATURE,
+                                         "max_tokens": 20, "metadata": row["task"]},
+                             "response": {"id": f"chatcmpl-{i}", "object": "chat.completion",
+                                          "choices": [{"index": 0, "finish_reason": row["finish_reason"],
+                                                       "message": {"role": "assistant", "content": ""}}]},
+                             "completion_token_ids": row["completion_token_ids"], "per_token_logps": row[logprobs]}
+                            for i, row in enumerate(rows)])  # fmt: skip
+
+
+def tinker_log(rows, path: Path) -> Path:
+    """The rows as tinker-cookbook capture records, one sample call each (a train_op between), then a feedback line
+    per sample: the capture records no reward."""
+    lines = []
+    for i, row in enumerate(rows):
+        lines.append({"kind": "sample", "scope": {"run_id": "run-1", "iteration": i // 8}, "created_at": 1.7e9 + i,
+                      "num_samples": 1, "sampling_session_id": "sess-0", "seq_id": i, "base_model": "tiny",
+                      "prompt_tokens": row["prompt_token_ids"], "prompt_length": len(row["prompt_token_ids"]),
+                      "sampling_params": {"max_tokens": 20, "temperature": TEMPERATURE, "top_p": 1.0, "top_k": -1,
+                                          "seed": None},
+                      "samples": [{"tokens": row["completion_token_ids"], "logprobs": row["logprobs"],
+                                   "stop_reason": row["finish_reason"]}],
+                      "status": "ok", "latency_sec": 0.1})  # fmt: skip
+        if i % 8 == 7:
+            lines.append({"kind": "train_op", "op": "optim_step", "scope": {"run_id": "run-1"}, "status": "ok"})
+    lines += [{"type": "feedback", "id": f"sess-0:{i}:0", "reward": float(i % 2)} for i in range(len(rows))]
+    return write_log(path, lines)
+
+
+@pytest.mark.parametrize("fmt", ["openenv", "tinker"])
+def test_a_trace_fixture_of_each_foreign_format_trains_two_steps_on_the_samplers_footing(sampled, tmp_path, fmt):
+    from sao import cli
+
+    rows = sampled["rows"]
+    log = (openenv_log if fmt == "openenv" else tinker_log)(rows, tmp_path / f"{fmt}.jsonl")
+    out = tmp_path / "run"
+    assert cli.main(train_args(log, out, "--steps", "2")) == 0
+    records = run_log(out)
+    assert [r["staleness"] for r in records] == [0, 0, 1]  # the critic's warmup, then 2 policy steps
+    assert max(r["abs_log_ratio_max"] for r in records if r["staleness"] == 0) < 1e-5  # the same tokens, exactly
+    assert records[0]["footing_abs_log_ratio_at_T"] < 1e-5 < records[0]["footing_abs_log_ratio_at_1"]
+    assert records[-1]["traces_used"] == 24 and records[-1]["traces_dropped"] == 0
+    summary = json.loads((out / "traces.json").read_text())
+    assert summary["traces_read_as"][fmt] >= 24 and summary["traces_staleness_hist"] == {"0": 16, "1": 8}
+
+
+def test_openenv_log_probs_taken_before_temperature_are_refused_in_one_line(sampled, tmp_path, capsys):
+    """vLLM's default logprobs mode is the raw one: the footing audit stops such a proxy trace."""
+    from sao import cli
+
+    log = openenv_log(sampled["rows"], tmp_path / "raw.jsonl", logprobs="logprobs_at_1")
+    assert cli.main(train_args(log, tmp_path / "run")) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "log-probs were taken before temperature" in err
 

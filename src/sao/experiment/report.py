@@ -530,8 +530,11 @@ def _write_plots(results: dict[str, Any], log: list[dict[str, Any]], plots: Path
 # report.md
 
 
-def _comparison_table(found: list[tuple[dict[str, Any], str, dict[str, Any]]], what: str, before: str) -> list[str]:
-    """One row per (cell, label, comparison), then each comparison's reason in words."""
+def _comparison_table(
+    found: list[tuple[dict[str, Any], str, dict[str, Any]]], what: str, before: str, first: str = "cell"
+) -> list[str]:
+    """One row per (cell, label, comparison), then each comparison's reason in words; ``first`` heads the column of
+    the cells' names."""
     rows = []
     for cell, label, c in found:
         verdict = _cell(c.get("verdict") or DASH)
@@ -540,7 +543,8 @@ def _comparison_table(found: list[tuple[dict[str, Any], str, dict[str, Any]]], w
                      f"±{fmt_share(c.get('noise_floor'))}", f"{_cell(c.get('unit', DASH))} ({fmt(c.get('n'))})"
                      + (f"<br>{_cell(c['about'])}" if c.get("about") not in (None, "training procedure") else ""),
                      f"**{verdict}**" if verdict in SEPARATED else verdict])  # fmt: skip
-    header = ["cell", what, f"{before} mean", "arm mean", "delta", "95% interval", "noise floor", "unit (n)", "verdict"]
+    level = f"{_level(found[0][2].get('alpha') if found else None, 1)} interval"  # 95% at the default alpha
+    header = [first, what, f"{before} mean", "arm mean", "delta", level, "noise floor", "unit (n)", "verdict"]
     reasons = [f"- {_text(cell['name'])}, {label}: {_text(c.get('reason') or DASH)}" for cell, label, c in found]
     return [*_table(header, rows), *reasons, ""]
 
@@ -912,8 +916,87 @@ def render(results: dict[str, Any], log: list[dict[str, Any]]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# ---------------------------------------------------------------------------------------------------------
+# A comparison of anyone's scores (`sao compare`): results.json alone, no plots.
+
+COMPARISON = {"kind!": str, "verdict!": str, "reason": str, "tasks": NUMBER, "compare!": {"*": {}}, "noise": {},
+              "sides!": {"before!": {"runs!": [{}]}, "after!": {"runs!": [{}]}}, "versions": {}}  # fmt: skip
+COMPARISON_KIND = "compare"
+
+
+def comparison_results(out_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """results.json of a `sao compare` folder, checked; None when the folder holds another kind of results."""
+    path = Path(out_dir) / "results.json"
+    if not path.is_file():
+        return None
+    try:
+        found = read_json_file(path, expect=(dict, list))
+    except DataError as e:
+        raise DataError(f"{path} is not readable JSON ({str(e).removeprefix(f'{path}: ')})") from None
+    if not isinstance(found, dict) or found.get("kind") != COMPARISON_KIND:
+        return None
+    _check(found, COMPARISON, "", path)
+    return found
+
+
+def render_comparison(results: dict[str, Any]) -> str:
+    """The text of a `sao compare` report.md: the verdict with the recipe's comparison table, each side's runs, the
+    noise floor and the inputs. Everything is read from ``results``."""
+    _check(results, COMPARISON, "", "results.json")
+    sides, noise = results["sides"], results.get("noise") or {}
+    before, after = sides["before"], sides["after"]
+    scores = " ".join(str(x) for x in (before.get("benchmark"), before.get("metric")) if x)
+    scores += f" ({before['filter']})" if before.get("filter") else ""
+    lines = [f"# sao compare: {_text(after.get('name'))} against {_text(before.get('name'))}", "",
+             f"**Question.** {_text(results.get('question') or DASH)}", "",
+             f"{_plural(results.get('tasks'), 'task')} scored by every run; units: {_text(results.get('pairing'))}. "
+             "Every number below is read from results.json.", ""]  # fmt: skip
+    if results.get("command"):
+        lines += ["Regenerate with:", "", "```", str(results["command"]), "```", ""]
+    found = [({"name": scores or DASH}, _name(k, c), c) for k, c in results["compare"].items()]
+    lines += [f"## Verdict: **{_text(results['verdict'])}**", "", _text(results.get("reason") or DASH), ""]
+    lines += _comparison_table(found, "comparison", "before", first="scores")
+    rows = [[side, _cell(run.get("label")), _cell(run.get("seed") if run.get("seed") is not None else DASH),
+             fmt_count(run.get("tasks")), fmt_share(run.get("mean"))]
+            for side, block in (("before", before), ("after", after)) for run in block["runs"]]  # fmt: skip
+    rows += [[f"**{side} mean**", "", "", "", f"**{fmt_share(block.get('mean'))}** "
+              f"[{', '.join(map(fmt_share, _pair(block.get('mean_ci'))))}]"]
+             for side, block in (("before", before), ("after", after))]  # fmt: skip
+    lines += ["## Runs", "", "Each run's mean score over the tasks; each side's mean over its runs with the 95% t "
+              "interval over runs.", ""]  # fmt: skip
+    lines += _table(["side", "run", "seed", "tasks", "mean score"], rows, text=3)
+    lines += ["## Noise floor", ""]
+    source = noise.get("source") or {}
+    if _num(noise.get("noise_floor")) is not None:
+        lines += [f"{_plural(noise.get('runs'), 'repeated eval')} of one model ({_text(source.get('name'))}): "
+                  f"run_std {fmt(noise.get('run_std'))} gives the noise floor ±{fmt_share(noise.get('noise_floor'))}: "
+                  "a delta within it is indistinguishable from re-evaluating the same model.", ""]  # fmt: skip
+    else:
+        lines += ["No repeated evals were given (`--noise`), so no noise floor: δ is the smallest effect given, if "
+                  "any, and without one nothing is called flat.", ""]  # fmt: skip
+    inputs = [[role, _cell(block.get("path")), _cell(block.get("format")), _cell(block.get("benchmark") or DASH),
+               _cell(block.get("metric")), _cell(block.get("filter") or DASH), fmt_count(len(block.get("runs") or [])),
+               _cell(", ".join(str(r.get("sha256", ""))[:12] for r in block.get("runs") or []))]
+              for role, block in (("before", before), ("after", after), ("noise", source)) if block]  # fmt: skip
+    lines += ["## Inputs", "", *_table(["side", "path", "format", "lm-eval task", "metric", "filter", "runs",
+                                        "sha256 (first 12)"], inputs, text=6)]  # fmt: skip
+    versions = [[_cell(k), _cell(v)] for k, v in (results.get("versions") or {}).items()]
+    lines += ["## Versions", "", *_table(["package", "version"], versions or [[DASH, DASH]], text=2)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_text(out_dir: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` as ``out_dir/report.md``, atomically; return its path."""
+    atomic_write(Path(out_dir) / "report.md", text.encode("utf-8"))
+    return Path(out_dir) / "report.md"
+
+
 def write(out_dir: str | os.PathLike) -> Path:
-    """Write ``out_dir/plots/*.png`` and ``out_dir/report.md`` from the folder's JSON; return report.md's path."""
+    """Write ``out_dir/plots/*.png`` and ``out_dir/report.md`` from the folder's JSON (a `sao compare` folder: the
+    report alone); return report.md's path."""
+    compared = comparison_results(out_dir)
+    if compared is not None:
+        return write_text(out_dir, render_comparison(compared))
     results, log = load(out_dir)
     text = render(results, log)  # before any plot: malformed input fails without touching the folder
     _write_plots(results, log, Path(out_dir) / "plots")

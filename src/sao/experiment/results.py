@@ -235,13 +235,16 @@ def compare_arms(
 
 def base_block(base: list[EvalResult]) -> dict[str, Any]:
     """The base evals and the noise floor they give (none with fewer than two evals)."""
-    passes = [e.pass_at_1 for e in base]
+    return {"evals": [e.to_dict() for e in base], **noise_block([e.pass_at_1 for e in base])}
+
+
+def noise_block(passes: list[float]) -> dict[str, Any]:
+    """Repeated evals of one model (their pass@1) and the noise floor they give (none with fewer than two)."""
     run_std = runs = floor = None
     if len(passes) >= 2:
         run_std, runs = stats.run_std_of(passes)
         floor = stats.noise_floor(run_std, runs)
-    return {"evals": [e.to_dict() for e in base], "pass_at_1": passes, "run_std": run_std, "runs": runs,
-            "noise_floor": floor}  # fmt: skip
+    return {"pass_at_1": list(passes), "run_std": run_std, "runs": runs, "noise_floor": floor}
 
 
 def base_per_task(base: list[EvalResult]) -> list[float] | None:

@@ -8,6 +8,9 @@ one-line ``DataError`` (``--skip-bad-traces`` counts it instead); a well-formed 
 counted drop. Batches follow log order, staleness is judged when a batch is taken, and the read position and
 pending trajectories are saved with the checkpoint, so ``--resume`` uses nothing twice and loses nothing.
 
+Other systems' records are read too: a line that a registered ``TraceFormat`` (``TRACE_FORMATS``: TRL's OpenEnv
+proxy trace, tinker-cookbook's capture) recognises by its fields is mapped to sao records and checked like one.
+
 Deliberately left out: per-trace temperatures within one run, top-p/top-k traces, and any bound on how many
 trajectories may wait for feedback. Design notes: docs/design/traces.md.
 """
@@ -22,12 +25,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from sao.core.errors import ConfigError, DataError
 from sao.core.reading import TEMPERATURE_RANGE, Limits, parse_jsonl_line, reward_problem
+from sao.core.registry import TRACE_FORMATS
 from sao.model.policy import context_length
 from sao.rollout.sources import SourceContext, SourceExhausted
 from sao.rollout.types import Batch, Rollout, Turns
@@ -58,6 +62,9 @@ class _Bad(Exception):
 
     def __init__(self, field_name: str, problem: str):
         super().__init__(f"field {field_name!r}: {problem}")
+
+
+BadRecord = _Bad  # what a trace format raises for a record it cannot map: the field, and what is wrong with it
 
 
 class _Misaligned(Exception):
@@ -218,13 +225,15 @@ class Tokens:
         self.byte_of = {ch: b for b, ch in enumerate(byte_alphabet())}
         self._bytes: dict[int, bytes] = {}
 
-    def prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt as the chat template renders it with the generation prompt (and ``tools``, when given)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise DataError(
                 "the run's tokenizer has no chat template: log the prompt as prompt_token_ids instead of messages"
             )
+        extra = {"tools": tools} if tools else {}
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         except Exception as error:  # a template that rejects the roles, say
             raise _Bad("messages", f"the chat template refused them ({str(error).splitlines()[0][:100]})") from None
         return self.encode(text)
@@ -370,6 +379,83 @@ def parse_trace(record: dict[str, Any], tokens: Tokens, where: str) -> Trace:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Other systems' records.
+
+
+class TraceFormat(Protocol):
+    """Another system's trajectory records, a ``TRACE_FORMATS`` entry: which lines are its own, and each line as the
+    sao records it stands for, which are then checked and used like any. A record that cannot be trained on honestly
+    (no sampler log-probs, an unknown temperature, a truncated distribution) raises ``BadRecord`` naming its field."""
+
+    name: str
+
+    def detect(self, record: dict[str, Any]) -> bool:
+        """Whether ``record`` (one parsed line that is not a sao record) is this format's, by its fields."""
+        ...
+
+    def records(self, record: dict[str, Any], tokens: Tokens, where: str) -> list[dict[str, Any]]:
+        """The sao trajectory records ``record`` holds (none for a line that holds no trajectory); ``where`` is its
+        file:line, the id of a record that carries none (``line_id``)."""
+        ...
+
+
+# Sampling settings that leave the distribution softmax(logits / T), each with its neutral values: any other value
+# reshapes or truncates it, and the recorded log-probs are then of a distribution the trainer does not compute.
+NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {
+    "top_p": (None, 1), "top_k": (None, 0, -1), "min_p": (None, 0), "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "logit_bias": (None, {}),
+}  # fmt: skip
+
+
+def sampled_temperature(params: Any, name: str) -> float:
+    """The temperature a foreign record's sampling settings ``params`` (its field ``name``) drew at; ``BadRecord``
+    when none is recorded (a server's default is not known here) or another setting reshaped the distribution."""
+    if not isinstance(params, dict):
+        raise _Bad(name, "missing: the record does not say how it was sampled (its temperature)")
+    for key, neutral in NEUTRAL_SAMPLING.items():
+        value = params.get(key)
+        if isinstance(value, bool) or value not in neutral:
+            raise _Bad(f"{name}.{key}", f"is {value!r}: the tokens were drawn from a distribution {key} reshaped, "
+                       "which the trainer's ratio does not recompute; sample with temperature alone")  # fmt: skip
+    temperature = params.get("temperature")
+    if temperature is None:
+        raise _Bad(f"{name}.temperature", "absent: the sampling temperature is not recorded (a server's default is "
+                   "unknown here), so the log-probs cannot be placed; set temperature in every request")  # fmt: skip
+    if not _number(temperature):
+        raise _Bad(f"{name}.temperature", f"must be a finite number, got {temperature!r}")
+    return float(temperature)
+
+
+def sampler_logprobs(value: Any, name: str, n: int) -> list[float]:
+    """The per-token log-probabilities a foreign record logged for its ``n`` tokens; ``BadRecord`` when absent (nothing
+    to correct against: a ratio of 1 would be assumed silently) or not one finite number per token."""
+    if value is None or value == []:
+        raise _Bad(name, f"missing: the record holds no sampler log-probs for its {n} tokens, and without them "
+                   "nothing can be corrected; log the sampler's per-token log-probs")  # fmt: skip
+    return _logprobs(value, name, n)
+
+
+def trace_formats() -> list[TraceFormat]:
+    """Every registered foreign format (each imported on first use)."""
+    return [TRACE_FORMATS.get(name) for name in TRACE_FORMATS]
+
+
+def format_of(record: Any, known: list[TraceFormat]) -> TraceFormat | None:
+    """The foreign format ``record`` is in; None for a sao record (it has a policy_version or is feedback) or for
+    anything no format claims (checked as a sao record, so its error names sao's fields)."""
+    if not isinstance(record, dict) or "policy_version" in record or record.get("type") == "feedback":
+        return None
+    return next((f for f in known if f.detect(record)), None)
+
+
+def line_id(where: str) -> str:
+    """The id of a record that carries none: its file's name and line number ("proxy.jsonl:7"), the same on every
+    reading of an append-only log."""
+    path, _, line = where.rpartition(":")
+    return f"{Path(path).name}:{line}"
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The source.
 
 
@@ -425,8 +511,11 @@ class TraceSource:
         self.ready: list[Trace] = []  # usable, not yet batched, in log order
         self.pending: dict[str, Trace] = {}  # waiting for their feedback
         self.early: dict[str, float] = {}  # feedback read before its trajectory
+        # not_trajectories: lines of another system's format that hold no trajectory (a tinker train_op)
         self.counts: dict[str, int] = {"used": 0, **{f"dropped_{r}": 0 for r in DROP_REASONS},
-                                       "feedback_used": 0, "feedback_ignored": 0}  # fmt: skip
+                                       "feedback_used": 0, "feedback_ignored": 0, "not_trajectories": 0}  # fmt: skip
+        self.formats = trace_formats()
+        self.read_as: dict[str, int] = {}  # foreign format → lines read in it
         self.used_staleness: dict[str, int] = {}  # histogram of the staleness of the trajectories used
         self.ended: str | None = None
         self._warned_footing = False
@@ -518,6 +607,21 @@ class TraceSource:
         except DataError as error:
             problem = str(error).removeprefix(f"{where}: ")
             return self._bad(where, problem if problem.startswith("field ") else f"field 'record': {problem}")
+        fmt = format_of(record, self.formats)
+        if fmt is None:
+            return self._record(record, where)
+        try:
+            records = fmt.records(record, self.tokens, where)
+        except _Bad as bad:
+            return self._bad(where, f"{bad} (a {fmt.name} record)")
+        self.read_as[fmt.name] = self.read_as.get(fmt.name, 0) + 1
+        if not records:
+            self.counts["not_trajectories"] += 1  # a tinker train_op, say
+        for each in records:
+            self._record(each, where, fmt.name)
+
+    def _record(self, record: Any, where: str, mapped_from: str | None = None) -> None:
+        """One sao record (read, or mapped from a ``mapped_from`` record): checked, then used, waiting or dropped."""
         try:
             kind = check_record(record)
             if kind == "feedback":
@@ -527,7 +631,7 @@ class TraceSource:
                 return
             trace = parse_trace(record, self.tokens, where)
         except _Bad as bad:
-            return self._bad(where, str(bad))
+            return self._bad(where, str(bad) if mapped_from is None else f"{bad} (a {mapped_from} record, mapped)")
         except _Misaligned:
             self.seen.add(record["id"])
             self.counts["dropped_misaligned"] += 1
@@ -668,7 +772,8 @@ class TraceSource:
 
     def summary(self) -> dict[str, Any]:
         """The run's totals: the counters, the staleness histogram of what was used, and why reading ended."""
-        return {**self.info(), "traces_usable_unused": len(self.ready), "traces_ended": self.ended}
+        return {**self.info(), "traces_usable_unused": len(self.ready), "traces_ended": self.ended,
+                "traces_read_as": dict(self.read_as)}  # fmt: skip
 
     # -- the rest of the Source protocol ---------------------------------------------------------------
 
@@ -682,7 +787,7 @@ class TraceSource:
             "ready": [dataclasses.asdict(t) for t in self.ready],
             "pending": [dataclasses.asdict(t) for t in self.pending.values()], "early": dict(self.early),
             "counts": dict(self.counts), "used_staleness": dict(self.used_staleness),
-            "warned_footing": self._warned_footing,
+            "warned_footing": self._warned_footing, "read_as": dict(self.read_as),
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -695,9 +800,11 @@ class TraceSource:
         self.counts = {**self.counts, **state["counts"]}
         self.used_staleness = dict(state["used_staleness"])
         self._warned_footing = bool(state.get("warned_footing", False))
+        self.read_as = dict(state.get("read_as", {}))  # absent in older checkpoints
 
     def close(self) -> None:
         pass
 
 
-__all__ = ["DROP_REASONS", "SCHEMA_FILE", "Trace", "TraceSource", "check_record", "parse_trace"]
+__all__ = ["DROP_REASONS", "SCHEMA_FILE", "BadRecord", "Tokens", "Trace", "TraceFormat", "TraceSource", "check_record",
+           "line_id", "parse_trace"]
