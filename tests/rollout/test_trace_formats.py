@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from sao.core.errors import DataError
-from sao.core.registry import TRACE_FORMATS
+from sao.rollout.registry import TRACE_FORMATS
 from sao.rollout.sources import SourceExhausted
 from sao.rollout.traces import TraceSource
 

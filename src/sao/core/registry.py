@@ -11,7 +11,6 @@ rollout sources have their registry in their own layer (``sao.rollout.registry``
     MODELS        stand-in models built on this machine, ``ensure() -> folder`` (any other name: hub id or folder)
     TASK_SETS     generated task sets, ``make(n_train, n_test, seed) -> TaskSet`` (others: GSM8K or your data)
     ENVIRONMENTS  environments by name, ``factory(tokenizer, settings) -> (task_id, fields) -> env``
-    TRACE_FORMATS other systems' trajectory records ``--traces`` reads, a ``TraceFormat`` (``sao.rollout.traces``)
 
 Deliberately left out: discovery by entry points (a plug-in registers itself when its module is imported).
 """
@@ -91,8 +90,4 @@ ENVIRONMENTS = Registry(
         "gsm8k-calc": "sao.tasks.environments:gsm8k_calc",
         "tiny-calc": "sao.tiny.calculator:environment",
     },
-)
-TRACE_FORMATS = Registry(
-    "trace format",
-    {"openenv": "sao.rollout.openenv_traces:FORMAT", "tinker": "sao.rollout.tinker_traces:FORMAT"},
 )

@@ -6,6 +6,7 @@
     ray              asynchronous rollout workers on Ray (``sao.rollout.ray_workers``)
     traces           a serving system's trace log (``sao.rollout.traces``)
     vllm, vllm-async vLLM as the stale sampler, or asynchronous (``sao.rollout.remote`` over ``sao.rollout.vllm``)
+    TRACE_FORMATS    other systems' trajectory records ``--traces`` reads beside sao's own, a ``TraceFormat``
 
 A section lives here, not in its source's module, so that parsing a command line loads no torch; a source of your
 own registers its section beside it: ``SOURCES.register("mine", MySettings)`` with ``MySettings.implementation =
@@ -252,6 +253,10 @@ class VllmAsyncSettings(VllmServers):
     )
 
 
+TRACE_FORMATS = Registry(
+    "trace format",
+    {"openenv": "sao.rollout.openenv_traces:FORMAT", "tinker": "sao.rollout.tinker_traces:FORMAT"},
+)
 SOURCES = Registry(
     "rollout source",
     {

@@ -31,8 +31,8 @@ import torch
 
 from sao.core.errors import ConfigError, DataError
 from sao.core.reading import TEMPERATURE_RANGE, Limits, parse_jsonl_line, reward_problem
-from sao.core.registry import TRACE_FORMATS
 from sao.model.policy import context_length
+from sao.rollout.registry import TRACE_FORMATS
 from sao.rollout.sources import SourceContext, SourceExhausted
 from sao.rollout.types import Batch, Rollout, Turns
 
