@@ -12,7 +12,7 @@ nothing was lost or used twice.
         --gate-alpha 0.2 --gate-tasks 24 --break-versions 5-14 --clone-served 15 --break-after 15 \
         --regress-version 15 --max-staleness 300 --until-rollback 640   # the tiny-calc agent with a slow tool, gated
 
-With ``--agent`` the client is an agent harness (``sao.serve.client.run_agents``): the tiny-calc agent, a request
+With ``--agent`` the client is an agent harness (``serve_client.run_agents``): the tiny-calc agent, a request
 per action, a calculator that sleeps up to ``--tool-seconds``, ``--agent-concurrency`` episodes at once; it appends
 each whole episode to OUT/agents.jsonl with the adapter version of each action, and the trainer (``--env
 tiny-calc``, so the gate's held-aside tasks are played as episodes) follows that log. Episodes in flight when an
@@ -166,7 +166,7 @@ class Loop:
             return 0
 
     def send(self, count: int, seed: int) -> dict[str, Any]:
-        from sao.serve.client import run, run_agents
+        from serve_client import run, run_agents
 
         a = self.args
         if a.agent:

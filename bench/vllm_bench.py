@@ -48,8 +48,8 @@ from sao.model.policy import add_lora, load_base
 from sao.rollout.engine import Engine
 from sao.rollout.sampler import draw
 from sao.rollout.vllm import VllmServer, complete_many, default_vllm_python, free_port
-from sao.serve.client import tiny_tasks
 from sao.tiny import arithmetic
+from serve_client import tiny_tasks
 
 BATCH, NEW_TOKENS, CLIENTS = 64, 20, (1, 8, 32)
 

@@ -24,7 +24,7 @@ def test_train_writes_a_complete_log_and_prints_a_summary(tiny_model_dir, tmp_pa
     assert [r["phase"] for r in records] == ["critic-warmup"] * 2 + ["policy"] * 3
     saved = json.loads((out / "config.json").read_text())["config"]  # in sections, one name per knob
     assert (
-        saved["algorithm"]["ratio"] == [0.5, 3.0] and saved["rollout"]["lag"] == 1 and saved["model"]["name"] == "tiny"
+        saved["algorithm"]["ratio"] == [0.5, 3.0] and saved["rollout"]["local"]["lag"] == 1 and saved["model"]["name"] == "tiny"
     )
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()

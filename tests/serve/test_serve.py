@@ -366,7 +366,7 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch):
 
 
 def test_the_agent_loop_survives_kills_spans_versions_holds_back_a_broken_adapter_and_rolls_back_a_regression(
-    tiny_model_dir, tmp_path
+    tiny_model_dir, tmp_path, monkeypatch
 ):
     """bench/serve_loop.py --agent, as it will be used: the tiny-calc agent with a calculator that sleeps, served by
     sao serve (an action per request), each episode logged whole by the agent harness with each action's adapter
@@ -379,6 +379,7 @@ def test_the_agent_loop_survives_kills_spans_versions_holds_back_a_broken_adapte
     import importlib.util
 
     path = Path(__file__).resolve().parents[2] / "bench" / "serve_loop.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # its client, bench/serve_client.py, beside it
     spec = importlib.util.spec_from_file_location("sao_serve_loop", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -567,13 +567,5 @@ def reward_problem(value: Any) -> str | None:
     return None
 
 
-def check_reward(value: Any, *, where: str, error: type[SaoError] = DataError) -> float:
-    """``value`` as a float when ``reward_problem`` finds nothing wrong; otherwise ``error`` beginning ``where``."""
-    problem = reward_problem(value)
-    if problem is not None:
-        raise error(f"{where}: {problem}")
-    return float(value)
-
-
 # Sampling temperatures taken from outside (a request, a trace): below the least, logits / τ leave float32.
 TEMPERATURE_RANGE = (1e-3, 1e3)

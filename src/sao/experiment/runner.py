@@ -216,7 +216,7 @@ class Experiment:
                 raise ConfigError("the random arm masks the share the dis arm masked: list dis before random in "
                                   "--arms, or give --random-mask-share")  # fmt: skip
         first = grid.cells()[0]
-        self.config = config.replace(lag=first["lag"], lr=first["lr"], band=first["band"],
+        self.config = config.replace(lag=first["lag"], lr=first["lr"], ratio=first["band"],
                                      correction=arm_rule(grid.arms[0]))  # fmt: skip
         self.grid, self.command, self.progress = grid, command, progress
         self.out = Path(out_dir)
@@ -305,7 +305,7 @@ class Experiment:
         """One run's settings: the arm's rule (and baseline, for RULE+BASELINE). The random arm without a share of
         its own masks ``share``: the plain dis arm's at each staleness level, measured in the same cell and seed (0
         while settings are only being checked)."""
-        changes: dict[str, Any] = {"lag": cell["lag"], "lr": cell["lr"], "band": cell["band"], **arm_settings(arm),
+        changes: dict[str, Any] = {"lag": cell["lag"], "lr": cell["lr"], "ratio": cell["band"], **arm_settings(arm),
                                    "seed": seed}  # fmt: skip
         if changes["correction"] == "random" and self.config.algorithm.random_mask_share is None:
             changes["random_mask_share"] = share or 0.0

@@ -69,9 +69,9 @@ def make_tracker(kind: str | None, out_dir: Path, run_name: str, config: dict[st
     if kind == "tensorboard":
         return TensorBoardTracker(Path(out_dir), run_name, config)
     if kind == "trackio":
-        return TrackioTracker(run_name, config)
+        return trackio_run(run_name, config)
     if kind == "wandb":
-        return WandbTracker(Path(out_dir), run_name, config)
+        return wandb_run(Path(out_dir), run_name, config)
     raise ConfigError(f"--track {kind!r} is not a tracker; choose one of {', '.join(KINDS)} (or leave it out)")
 
 
@@ -124,69 +124,54 @@ class TensorBoardTracker:
         self.writer.close()  # flushes; a second close is harmless
 
 
-class TrackioTracker:
+class RunTracker:
+    """A tracker over a run object with ``log(values, step=...)`` and ``finish()``: trackio's and W&B's, each
+    started by its own function (``trackio_run``, ``wandb_run``)."""
+
+    def __init__(self, run: Any):
+        self.run, self.closed = run, False
+
+    def log_step(self, record: dict[str, Any], step: int) -> None:
+        self.run.log(scalars(record, "train"), step=step)
+
+    def log_eval(self, label: str, metrics: dict[str, Any], step: int) -> None:
+        self.run.log(scalars(metrics, eval_prefix(label)), step=step)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.run.finish()
+
+
+def trackio_run(run_name: str, config: dict[str, Any]) -> RunTracker:
     """trackio, local only: its SQLite store under ``$TRACKIO_DIR`` (trackio's cache folder when unset), project
     ``sao``; ``trackio show --project sao`` opens the dashboard. trackio reads ``$TRACKIO_DIR`` once, when it is
     first imported, so the folder is the process's, not the run's. trackio keeps one current run per process:
     opening a second tracker finishes the first, so open them one after another. A Space or server set in
     trackio's own environment variables is refused rather than uploaded to."""
-
-    def __init__(self, run_name: str, config: dict[str, Any]):
-        for variable in ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL"):
-            if os.environ.get(variable):
-                raise ConfigError(f"--track trackio logs locally only; unset {variable} (or log with trackio itself)")
-        try:
-            import trackio
-        except ImportError as error:
-            raise _missing("trackio", "trackio", error) from None
-        self.run = trackio.init(project=PROJECT, name=run_name, config=plain_config(config))
-        self.closed = False
-
-    def log_step(self, record: dict[str, Any], step: int) -> None:
-        self.run.log(scalars(record, "train"), step=step)
-
-    def log_eval(self, label: str, metrics: dict[str, Any], step: int) -> None:
-        self.run.log(scalars(metrics, eval_prefix(label)), step=step)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.run.finish()
+    for variable in ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL"):
+        if os.environ.get(variable):
+            raise ConfigError(f"--track trackio logs locally only; unset {variable} (or log with trackio itself)")
+    try:
+        import trackio
+    except ImportError as error:
+        raise _missing("trackio", "trackio", error) from None
+    return RunTracker(trackio.init(project=PROJECT, name=run_name, config=plain_config(config)))
 
 
-class WandbTracker:
+def wandb_run(out_dir: Path, run_name: str, config: dict[str, Any]) -> RunTracker:
     """W&B with ``mode="offline"`` (whatever ``WANDB_MODE`` says): files under OUT/wandb, nothing sent;
     ``wandb sync OUT/wandb/offline-run-*`` uploads a run later. Console capture is off (the progress bar stays
     ours); each tracker is its own W&B run, so the two arms of a recipe never share one. W&B drops a point whose
     step is below one it has already seen: log an eval at the last training step or later."""
-
-    def __init__(self, out_dir: Path, run_name: str, config: dict[str, Any]):
-        try:
-            import wandb
-        except ImportError as error:
-            raise _missing("wandb", "wandb", error) from None
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(
-            project=PROJECT,
-            name=run_name,
-            dir=str(out_dir),
-            config=plain_config(config),
-            mode="offline",
-            reinit="create_new",
-            settings=wandb.Settings(console="off"),
-        )
-        if self.run.settings.mode != "offline":  # never online, even if a future wandb lets the env win
-            self.run.finish()
-            raise ConfigError("--track wandb runs offline only, but wandb did not start offline; unset WANDB_MODE")
-        self.closed = False
-
-    def log_step(self, record: dict[str, Any], step: int) -> None:
-        self.run.log(scalars(record, "train"), step=step)
-
-    def log_eval(self, label: str, metrics: dict[str, Any], step: int) -> None:
-        self.run.log(scalars(metrics, eval_prefix(label)), step=step)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.run.finish()
+    try:
+        import wandb
+    except ImportError as error:
+        raise _missing("wandb", "wandb", error) from None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(project=PROJECT, name=run_name, dir=str(out_dir), config=plain_config(config), mode="offline",
+                     reinit="create_new", settings=wandb.Settings(console="off"))  # fmt: skip
+    if run.settings.mode != "offline":  # never online, even if a future wandb lets the env win
+        run.finish()
+        raise ConfigError("--track wandb runs offline only, but wandb did not start offline; unset WANDB_MODE")
+    return RunTracker(run)

@@ -1,7 +1,7 @@
 """A bounded client for ``sao serve``: sends tiny arithmetic tasks, each with its gold answer in ``metadata`` so the
 server grades the reply and logs the reward beside the trajectory.
 
-    python -m sao.serve.client --url http://127.0.0.1:8000 --count 2000 --max-seconds 600
+    python bench/serve_client.py --url http://127.0.0.1:8000 --count 2000 --max-seconds 600
 
 It talks to loopback addresses only, sends at most ``--count`` requests in at most ``--max-seconds``, one at
 a time (the server serialises them anyway), waits at most ``--timeout`` for each, and gives up after
@@ -92,7 +92,7 @@ def run(
     replies earn 0: a simulated regression of one version on live traffic (for the gate's rollback)."""
     host = urllib.parse.urlsplit(url).hostname
     if host not in LOOPBACK:
-        raise SystemExit(f"sao.serve.client: {url} is not a loopback address; this client only talks to this machine")
+        raise SystemExit(f"serve_client: {url} is not a loopback address; this client only talks to this machine")
     endpoint = url.rstrip("/") + "/v1/chat/completions"
     tasks = tiny_tasks(seed)
     deadline = time.monotonic() + max_seconds
@@ -198,7 +198,7 @@ def run_agents(
     from sao.tiny.calculator import make_env
 
     if urllib.parse.urlsplit(url).hostname not in LOOPBACK:
-        raise SystemExit(f"sao.serve.client: {url} is not a loopback address; this client only talks to this machine")
+        raise SystemExit(f"serve_client: {url} is not a loopback address; this client only talks to this machine")
     agent_log, tasks = AgentLog(log), calc_tasks(seed)
     request = _Sender(url.rstrip("/") + "/v1/chat/completions", time.monotonic() + max_seconds, timeout, max_errors,
                       retry_wait)  # fmt: skip
@@ -303,7 +303,7 @@ def _action(reply: dict[str, Any], stop: str) -> tuple[list[int], list[float], s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sao.serve.client", description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python bench/serve_client.py", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000 (loopback only)")
     parser.add_argument("--count", type=int, default=200, help="requests to send at most (default 200)")
     parser.add_argument("--max-seconds", type=float, default=300.0, help="stop sending after this long (default 300)")
