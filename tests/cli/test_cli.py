@@ -23,9 +23,8 @@ def test_train_writes_a_complete_log_and_prints_a_summary(tiny_model_dir, tmp_pa
     records = run_log(out)
     assert [r["phase"] for r in records] == ["critic-warmup"] * 2 + ["policy"] * 3
     saved = json.loads((out / "config.json").read_text())["config"]  # in sections, one name per knob
-    assert (
-        saved["algorithm"]["ratio"] == [0.5, 3.0] and saved["rollout"]["local"]["lag"] == 1 and saved["model"]["name"] == "tiny"
-    )
+    assert saved["algorithm"]["ratio"] == [0.5, 3.0] and saved["rollout"]["local"]["lag"] == 1
+    assert saved["model"]["name"] == "tiny"
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     logged = [(e.step, e.value) for e in events.Scalars("train/reward_mean")]

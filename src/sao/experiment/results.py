@@ -15,7 +15,8 @@ import math
 import statistics
 from typing import Any
 
-from sao.core import provenance, stats
+from sao.core import stats
+from sao.experiment import provenance
 from sao.experiment.evaluate import EvalResult
 from sao.rollout.sources import POLICY
 

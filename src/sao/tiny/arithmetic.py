@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from sao.core import provenance
+from sao.core import hashing
 from sao.core.errors import DataError
 from sao.core.io import folder_mode
 from sao.rollout.sampler import decode, draw, encode_prompts
@@ -41,7 +41,7 @@ CHAT_TEMPLATE = (
 )
 PHRASINGS = ("What is {a}{op}{b}?", "Compute {a}{op}{b}.", "{a}{op}{b}=?")
 SHIPPED_WEIGHTS = Path(__file__).with_name("tiny_model.safetensors")
-# provenance.weights_sha256 of the shipped tensors: a model folder built anywhere must hash to this.
+# hashing.weights_sha256 of the shipped tensors: a model folder built anywhere must hash to this.
 SHIPPED_SHA256 = "bedd40e6bba2d8946c2fdc595ffab06d3fb79dbf555010b2c192e630267e7d9f"
 
 
@@ -287,7 +287,7 @@ def build_from_shipped(settings: WarmStart, out: Path) -> dict:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    weights, _ = provenance.weights_sha256(out)
+    weights, _ = hashing.weights_sha256(out)
     if weights != SHIPPED_SHA256:
         raise DataError(f"the tiny model built from {SHIPPED_WEIGHTS.name} hashes to {weights}, not {SHIPPED_SHA256}")
     record = {
@@ -306,7 +306,7 @@ def train_warm_start(settings: WarmStart, out: Path, progress: bool = True) -> N
     schedule, ``settings.steps`` steps; writes a model folder (and ``warmstart.json``) into ``out``. Its tensors
     depend on this CPU's floating point, which is why sao ships one result instead of running this everywhere.
     To remake the shipped file: run it, copy ``out/model.safetensors`` over ``SHIPPED_WEIGHTS`` and set
-    ``SHIPPED_SHA256`` to ``provenance.weights_sha256(out)``."""
+    ``SHIPPED_SHA256`` to ``hashing.weights_sha256(out)``."""
     from tqdm import tqdm
     from transformers import Qwen2ForCausalLM
 

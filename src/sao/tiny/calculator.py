@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from sao.core import provenance
+from sao.core import hashing
 from sao.core.errors import DataError
 from sao.core.io import folder_mode
 from sao.rollout.environment import EnvFactory, render_observation
@@ -456,7 +456,7 @@ def build_from_shipped(out: Path) -> dict:
         )
     model.tie_weights()
     _save(model, tokenizer, out)
-    weights, _ = provenance.weights_sha256(out)
+    weights, _ = hashing.weights_sha256(out)
     if weights != SHIPPED_SHA256:
         raise DataError(
             f"the tiny-calc model built from {SHIPPED_WEIGHTS.name} hashes to {weights}, not {SHIPPED_SHA256}"
@@ -470,7 +470,7 @@ def train_calc_warm_start(settings: CalcWarmStart, out: Path, progress: bool = T
     """The recipe that made the shipped weights (see docs/design/tiny-calc.md): writes a model folder and
     ``warmstart.json`` into ``out``. To remake the shipped files: run it with the default settings, copy
     ``out/model.safetensors`` over ``SHIPPED_WEIGHTS`` and ``out/warmstart.json`` over ``SHIPPED_RECORD``, and set
-    ``SHIPPED_SHA256`` to ``provenance.weights_sha256(out)``."""
+    ``SHIPPED_SHA256`` to ``hashing.weights_sha256(out)``."""
     from tqdm import tqdm
 
     threads = torch.get_num_threads()

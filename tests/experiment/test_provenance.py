@@ -14,13 +14,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sao.core import provenance as prov
+from sao.core import hashing
+from sao.experiment import provenance as prov
 from sao.tiny import arithmetic as tiny
 
 BUILD = """
 import json, sys, torch
 torch.set_num_threads(int(sys.argv[1]))
-from sao.core import provenance
+from sao.core import hashing as provenance
 from sao.tiny import arithmetic as tiny
 folder = tiny.ensure_model(progress=False)
 weights, tokenizer = provenance.weights_sha256(folder)[0], provenance.tokenizer_sha256(folder)
@@ -47,7 +48,7 @@ def test_two_builds_of_the_tiny_model_with_1_and_2_threads_are_the_shipped_model
 def test_the_shipped_weights_are_small_and_hash_to_the_recorded_value(tmp_path):
     assert tiny.SHIPPED_WEIGHTS.stat().st_size < 1_000_000
     (tmp_path / "model.safetensors").write_bytes(tiny.SHIPPED_WEIGHTS.read_bytes())
-    assert prov.weights_sha256(tmp_path)[0] == tiny.SHIPPED_SHA256
+    assert hashing.weights_sha256(tmp_path)[0] == tiny.SHIPPED_SHA256
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -64,27 +65,27 @@ def test_weights_hash_is_the_tensors_whatever_the_sharding_and_metadata(tmp_path
     save_file({"c.weight": tensors["c.weight"]}, two / "model-00001-of-00002.safetensors")
     rest = {k: v for k, v in tensors.items() if k != "c.weight"}
     save_file(rest, two / "model-00002-of-00002.safetensors", metadata={"written_by": "someone else"})
-    h1, how = prov.weights_sha256(one)
-    assert h1 == prov.weights_sha256(two)[0] and "3 in 1 file" in how
+    h1, how = hashing.weights_sha256(one)
+    assert h1 == hashing.weights_sha256(two)[0] and "3 in 1 file" in how
     changed = dict(tensors, **{"b.bias": tensors["b.bias"].clone()})
     changed["b.bias"][2] += 1e-6
     save_file(changed, one / "model.safetensors")
-    assert prov.weights_sha256(one)[0] != h1, "one changed value changes the hash"
+    assert hashing.weights_sha256(one)[0] != h1, "one changed value changes the hash"
     save_file({k: v.double() for k, v in tensors.items()}, one / "model.safetensors")
-    assert prov.weights_sha256(one)[0] != h1, "so does the dtype"
+    assert hashing.weights_sha256(one)[0] != h1, "so does the dtype"
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert prov.weights_sha256(empty)[0] is None
+    assert hashing.weights_sha256(empty)[0] is None
 
 
 def test_tokenizer_hash_ignores_json_layout_but_not_content(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps({"b": 1, "a": [1, 2]}))
-    first = prov.tokenizer_sha256(tmp_path)
+    first = hashing.tokenizer_sha256(tmp_path)
     (tmp_path / "tokenizer.json").write_text(json.dumps({"a": [1, 2], "b": 1}, indent=4))
-    assert prov.tokenizer_sha256(tmp_path) == first
+    assert hashing.tokenizer_sha256(tmp_path) == first
     (tmp_path / "tokenizer.json").write_text(json.dumps({"a": [1, 2], "b": 2}))
-    assert prov.tokenizer_sha256(tmp_path) != first
-    assert prov.tokenizer_sha256(tmp_path / "missing") is None
+    assert hashing.tokenizer_sha256(tmp_path) != first
+    assert hashing.tokenizer_sha256(tmp_path / "missing") is None
 
 
 @dataclass
