@@ -69,7 +69,8 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def tiny_vllm(tiny_model_dir, tmp_path_factory):
     """One vLLM CPU server on the tiny model for the whole session (its start is the cost: a minute or two), or a
-    skip when .venv-vllm is absent (``make install-vllm`` builds it; ``make test`` does)."""
+    skip when .venv-vllm is absent (``make install-vllm`` builds it; ``make test`` does). Its development routes are
+    on (full-weight reloads); a test that reloads its weights puts the tiny model's back."""
     from sao.rollout.vllm import VllmServer, default_vllm_python
 
     python = default_vllm_python()
@@ -77,7 +78,8 @@ def tiny_vllm(tiny_model_dir, tmp_path_factory):
         pytest.skip(".venv-vllm is absent: make install-vllm builds it")
     root = tmp_path_factory.mktemp("tiny-vllm")
     server = VllmServer(tiny_model_dir, python=python, max_model_len=256, max_lora_rank=16, max_loras=4, seed=0,
-                        log_path=root / "server.log", env={"VLLM_CACHE_ROOT": str(root / "cache")})  # fmt: skip
+                        log_path=root / "server.log", env={"VLLM_CACHE_ROOT": str(root / "cache")},
+                        dev_mode=True)  # fmt: skip
     server.start()
     yield server
     server.stop()

@@ -82,10 +82,12 @@ KINDS: dict[str, tuple[str, str]] = {
         "without importing torch or scipy",
     ),
     "sampler servers": (
-        "a vLLM server that never receives the adapter the trainer published, an unreachable vLLM address, a "
-        "Python without vLLM, vLLM replies with missing, short, mismatched or impossible token ids and log-probs",
+        "a vLLM server that never receives the adapter the trainer published, a full-weight version the server "
+        "refuses or never receives, a full-weight folder it could not use (none, empty, a tied model without its "
+        "output layer, torn shards), an unreachable vLLM address, a Python without vLLM, vLLM replies with "
+        "missing, short, mismatched or impossible token ids and log-probs",
         "the run stops at its next fresh batch, or the call within its deadline, with a one-line error naming the "
-        "server or the reply's field; a launched server is stopped with its run",
+        "server, the folder or the reply's field; a launched server is stopped with its run",
     ),
     "big inputs": (
         "a 50 MB single-line train.jsonl; 20,000 short records",

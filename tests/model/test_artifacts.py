@@ -215,3 +215,24 @@ def test_export_command_merges_a_train_folder_and_prints_one_line(adapter_dir, t
     assert len(err) == 1 and "not empty" in err[0]
     assert main(["export", str(tmp_path / "nothing"), "--merge", str(tmp_path / "x")]) == 2
     assert "adapter_config.json" in capsys.readouterr().err
+
+
+def test_full_weights_are_written_as_shards_that_load_back_with_the_tied_output_layer(tiny_model_dir, tmp_path):
+    """save_full_weights: shards with an index (a tensor never split), the tied output layer written out (vLLM's CPU
+    build repacks it only then), and from_pretrained gives back every weight bit for bit."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from sao.model.artifacts import save_full_weights
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert model.config.tie_word_embeddings
+    folder = save_full_weights(model, tmp_path / "v1", max_shard_bytes=100_000)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards
+    with safe_open(str(folder / index["weight_map"]["lm_head.weight"]), "pt") as handle:
+        assert torch.equal(handle.get_tensor("lm_head.weight"), model.get_input_embeddings().weight)
+    again = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for (name, saved), (_, loaded) in zip(model.state_dict().items(), again.state_dict().items(), strict=True):
+        assert torch.equal(saved, loaded), name

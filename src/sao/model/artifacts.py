@@ -4,6 +4,8 @@
                      plain ``PeftModel.from_pretrained`` loads it, no pickle anywhere
     merged model     base + adapter by PEFT's ``merge_and_unload`` in the base's dtype, with ``sao_export.json``
                      recording ``merge_relative_error`` (a bf16 merge can round a small adapter's change away)
+    full weights     every weight of a model as safetensors shards + index, config and tokenizer: a version a vLLM
+                     server reloads in place (``sao.rollout.vllm_weights``) and ``from_pretrained`` loads
 
 Both are written into a hidden temporary sibling folder and renamed when complete. Deliberately left out: other
 merge dtypes, quantised exports, pushing to a hub, sharded merges, and the value head in the merged folder.
@@ -294,4 +296,77 @@ def merge(
     return out_dir
 
 
-__all__ = ["find_adapter_dir", "load_value_head", "merge", "save_adapter"]
+# ---------------------------------------------------------------------------------------------------------
+# Full weights.
+
+
+def save_full_weights(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    tokenizer: Any = None,
+    state: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 << 30,
+) -> Path:
+    """Write every weight of ``model`` (a Hugging Face causal LM) to ``path`` as safetensors shards, replacing what
+    is there: ``model.safetensors`` alone or ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``
+    (shards of at most ``max_shard_bytes``, a tensor never split), its ``config.json`` and, when given, the tokenizer.
+
+    ``state`` replaces ``model.state_dict()`` (a sharded trainer gathers the full state dict on one rank and passes
+    it); ``dtype`` casts every floating tensor (write what the server runs: float32 for sao's launched servers). A
+    tied output layer is written as ``lm_head.weight`` too, unlike ``save_pretrained``: vLLM's CPU build repacks its
+    output layer on a reload only when the folder carries it. No pickle anywhere. Returns ``path``."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{path} is a file; full weights are written as a folder")
+    source = model.state_dict() if state is None else state
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in source.items():
+        value = tensor.detach().to("cpu")
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        value = value.contiguous()
+        pointer = value.untyped_storage().data_ptr()
+        if pointer in seen:  # tied weights share storage; safetensors stores each tensor on its own
+            value = value.clone()
+        seen.add(value.untyped_storage().data_ptr())
+        tensors[name] = value
+    config = getattr(model, "config", None)
+    tied = bool(config is not None and getattr(config.get_text_config(), "tie_word_embeddings", False))
+    if tied and "lm_head.weight" not in tensors:
+        embed_name = next((n for n in tensors if n.endswith("embed_tokens.weight")), None)
+        if embed_name is not None:
+            tensors["lm_head.weight"] = tensors[embed_name].clone()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    filled = 0
+    for name in sorted(tensors):
+        size = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and filled + size > max_shard_bytes:
+            shards.append({})
+            filled = 0
+        shards[-1][name] = tensors[name]
+        filled += size
+    with _staged_folder(path, replace=True) as staging:
+        if config is not None:
+            config.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        if len(shards) == 1:
+            save_file(shards[0], str(staging / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards, start=1):
+                file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(staging / file), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, file))
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            write_json(staging / "model.safetensors.index.json",
+                       {"metadata": {"total_size": total}, "weight_map": weight_map})  # fmt: skip
+    return path
+
+
+__all__ = ["find_adapter_dir", "load_value_head", "merge", "save_adapter", "save_full_weights"]

@@ -2,6 +2,7 @@
 
     EngineClient   one server: token ids in, token ids and processed log-probs out (``complete``), adapters loaded
                    and unloaded by name, its health; ``url`` names it
+    WeightsClient  one that also reloads full weights in place (``load_weights``), for full fine-tuning
     EngineServer   a server sao started (and so restarts when it dies, and stops)
     Connection     what an engine hands the source: its clients, the servers it started, its limits
     Completion     one checked completion: the sampled tokens with the log-probability each was drawn with
@@ -17,7 +18,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,24 @@ class EngineClient(Protocol):
         ...
 
     def unload_adapter(self, name: str) -> None: ...
+
+
+@runtime_checkable
+class WeightsClient(Protocol):
+    """An engine client that also takes full weights in place (vLLM's: ``sao.rollout.vllm_weights``)."""
+
+    url: str
+
+    def models(self) -> list[str]:
+        """The names the server answers to, the base model's first."""
+        ...
+
+    def load_weights(
+        self, folder: str | os.PathLike[str], version: int | str, *, previous: str | os.PathLike[str] | None = None
+    ) -> object:
+        """Serve the full-weight version ``folder`` (safetensors shards) as ``version``, checked; ``previous`` is the
+        folder of the weights the server holds now (to check the new ones against and to go back to)."""
+        ...
 
 
 class EngineServer(Protocol):

@@ -227,6 +227,7 @@ class VllmServers(RemoteSettings):
                 max_loras=self.vllm_max_loras,
                 seed=c.training.seed + i,
                 log_path=Path(context.out_dir) / f"vllm-server-{i}.log",
+                dev_mode=True,  # full weights are reloaded through vLLM's development routes (on 127.0.0.1 only)
             )
             for i in range(self.vllm_servers)
         ]

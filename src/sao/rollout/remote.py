@@ -2,7 +2,8 @@
 
     Fleet             the engine's servers for one run (``RemoteSettings.connect``: running ones, or started here and
                       restarted when they die), each published adapter written to OUT/<engine>-adapters/v{N}/ and
-                      loaded into every server by a name of this run's own, the oldest unloaded once no request needs it
+                      loaded into every server by a name of this run's own, the oldest unloaded once no request needs
+                      it; or a full-weight version folder reloaded into every server in place (``load_weights``)
     RemoteSource      the recipe's stale sampler with the engine as the sampler: its adapter refreshed every LAG policy
                       steps (LAG 0: before every draw), each batch drawn at once, one seeded request per prompt
     RemoteAsyncSource requests stay in flight while the trainer steps, admitted under ``--max-staleness`` K
@@ -39,7 +40,7 @@ from sao.core.io import write_json
 from sao.core.plugins import PluginError, describe
 from sao.model.artifacts import save_adapter
 from sao.rollout.admission import Admission
-from sao.rollout.engines import Connection, EngineClient
+from sao.rollout.engines import Connection, EngineClient, WeightsClient
 from sao.rollout.environment import (
     EnvCalls,
     EnvFault,
@@ -73,6 +74,8 @@ class Fleet:
         self.keep = connection.resident_adapters
         self.max_model_len = connection.max_model_len
         self.loaded: OrderedDict[int, str] = OrderedDict()  # version → adapter name, oldest first
+        self.weights: tuple[Path, int] | None = None  # the full-weight version every server holds, if any
+        self._base_name: str | None = None
         self.servers = connection.servers
         self.clients: list[EngineClient] = connection.clients
         if self.servers:
@@ -110,6 +113,27 @@ class Fleet:
             self._with_restart(client, lambda cl: cl.load_adapter(name, folder))
         self.loaded[version] = name
         return name
+
+    def load_weights(self, folder: str | os.PathLike[str], version: int) -> str:
+        """Full weights: the version ``folder`` (safetensors shards, ``sao.model.artifacts.save_full_weights``) reloaded
+        into every server in place, tagged ``version`` and checked (vLLM: ``sao.rollout.vllm_weights``); a server that
+        refuses or does not receive it is one line. Returns the model name requests use from now on: the base model's,
+        which answers with these weights. The folder must fit the weights the servers hold (the last version, or the
+        base model's folder), and a server reads it itself: on another node it must be on a filesystem both share."""
+        folder = Path(folder)
+        previous = self.weights[0] if self.weights is not None else self.models.name
+        for client in self.distinct():
+            if not isinstance(client, WeightsClient):
+                raise ConfigError(f"the engine at {client.url} cannot take full weights; it serves adapters only")
+            self._with_restart(client, lambda cl: cl.load_weights(folder, version, previous=previous))
+        self.weights = (folder, version)
+        return self.base_name()
+
+    def base_name(self) -> str:
+        """The name the servers give the base model (vLLM lists it first)."""
+        if self._base_name is None:
+            self._base_name = self.distinct()[0].models()[0]
+        return self._base_name
 
     def release(self, needed: set[int]) -> None:
         """Unload the oldest adapters beyond the resident bound that no request still needs."""
@@ -156,6 +180,8 @@ class Fleet:
                     server = self.servers[i].restart()
                     self._record()
                     current = server.client(**self.client_options)
+                    if self.weights is not None:  # a new server holds the base model
+                        current.load_weights(*self.weights, previous=self.models.name)
                     for version, name in self.loaded.items():
                         current.load_adapter(name, self.adapters_dir / f"v{version}")
                     self.clients[i] = current

@@ -5,7 +5,8 @@
                    log_softmax(logits / T) at the sampled token, the footing sao's ratio needs; stdout and stderr go
                    to a log file; ``start`` waits for ``/health``; ``stop`` ends the whole process group
     VllmClient     ``/health``, ``/v1/models``, runtime adapter load / unload, and ``complete``: a token-id prompt in,
-                   token ids and one log-prob per completion token out, every reply checked
+                   token ids and one log-prob per completion token out, every reply checked; the development
+                   routes a full-weight reload goes through (``sao.rollout.vllm_weights`` strings them together)
     complete_many  many completions at once from a bounded pool of threads (vLLM batches them continuously)
 
 Only the standard library is imported here: vLLM pins its own torch and transformers, so it lives in a venv of its
@@ -293,6 +294,70 @@ class VllmClient:
             raise VllmError(f"vLLM refused a completion for {model!r}: {self._reason(reply)}")
         return parse_completion(reply, prompt, max_tokens=int(max_tokens))
 
+    # -- full weights: vLLM's development routes (the server runs with VLLM_SERVER_DEV_MODE=1) ---------------
+    # sao.rollout.vllm_weights.load_weights strings these together; each is one request, a refusal one VllmError.
+
+    def load_weights(
+        self, folder: str | os.PathLike[str], version: int | str, *, previous: str | os.PathLike[str] | None = None
+    ) -> Any:
+        """Serve the full-weight version ``folder`` as ``version``, checked (``sao.rollout.vllm_weights``);
+        ``previous``: the folder of the weights held now. Returns what was loaded and checked."""
+        from sao.rollout.vllm_weights import WeightFolder, base_weights, load_weights
+
+        return load_weights(self, WeightFolder.of(folder), version,
+                            previous=None if previous is None else base_weights(previous))  # fmt: skip
+
+    def _dev(self, method: str, path: str, body: Mapping[str, Any] | None, what: str) -> Any:
+        status, reply = self._request(method, path, body)
+        if status == 404:
+            raise VllmError(
+                f"vLLM server at {self.url} has no {path.split('?')[0]} route: start it with VLLM_SERVER_DEV_MODE=1 "
+                "(full weights are reloaded through its development routes)"
+            )
+        if status != 200:
+            raise VllmError(f"vLLM server at {self.url} refused to {what}: {self._reason(reply)}")
+        return reply
+
+    def pause(self) -> None:
+        """Stop scheduling: requests in flight finish first, new ones wait in the queue until ``resume``."""
+        self._dev("POST", "/pause?mode=wait&clear_cache=true", None, "pause")
+
+    def resume(self) -> None:
+        self._dev("POST", "/resume", None, "resume")
+
+    def reload_weights(self, folder: str | os.PathLike[str]) -> None:
+        """Every worker reloads its weights in place from the safetensors in ``folder`` (a path the server reads)."""
+        body = {"method": "reload_weights", "kwargs": {"weights_path": os.fspath(folder)}}
+        self._dev("POST", "/collective_rpc", body, f"reload weights from {os.fspath(folder)}")
+
+    def reset_prefix_cache(self, *, attempts: int = 20) -> None:
+        """Drop every cached prompt block (they hold keys and values computed by the previous weights). vLLM says
+        ``success: false`` while a request still holds blocks: tried again for a while, then one VllmError."""
+        for _ in range(attempts):
+            reply = self._dev("POST", "/reset_prefix_cache", None, "reset its prefix cache")
+            if not isinstance(reply, dict) or reply.get("success", True):
+                return
+            time.sleep(0.1)
+        raise VllmError(f"vLLM server at {self.url} kept its prefix cache after {attempts} tries (blocks held)")
+
+    def set_weight_version(self, version: str) -> None:
+        self._dev("POST", "/update_weight_version", {"new_version": str(version)}, "tag its weight version")
+
+    def weight_version(self) -> str:
+        """The version tag of the weights the server holds ("default" until one is set)."""
+        reply = self._dev("GET", "/weight_info", None, "say its weight version")
+        if not isinstance(reply, dict) or not isinstance(reply.get("weight_version"), str):
+            raise DataError(f"vLLM /weight_info reply has no weight_version ({_one_line(json.dumps(reply))})")
+        return reply["weight_version"]
+
+    def weight_checksums(self) -> dict[str, str]:
+        """sha256 of each parameter's bytes as the server holds it, keyed ``dp:pp:pcp:tp:`` rank prefix + name."""
+        reply = self._dev("POST", "/weight_checker", {"action": "checksum"}, "checksum its weights")
+        checksums = reply.get("checksums") if isinstance(reply, dict) else None
+        if not isinstance(checksums, dict) or not all(isinstance(v, str) for v in checksums.values()):
+            raise DataError(f"vLLM /weight_checker reply has no checksums ({_one_line(json.dumps(reply))})")
+        return {str(k): v for k, v in checksums.items()}
+
 
 def parse_completion(reply: Any, prompt_token_ids: Sequence[int], *, max_tokens: int) -> Completion:
     """Check a ``/v1/completions`` reply and return its one choice; any violation is a one-line ``DataError``."""
@@ -381,7 +446,10 @@ class VllmServer:
     worker). ``in_process_worker`` runs the worker inside the engine core (``--distributed-executor-backend uni``
     with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): one import fewer, but vLLM's CPU thread binding is skipped (its own
     code calls that path unsupported on the CPU) and decoding was slower; for short-lived test servers only.
-    ``lora_modules`` maps names to adapter folders loaded at start; more can be loaded at run time. The process and
+    ``lora_modules`` maps names to adapter folders loaded at start; more can be loaded at run time. ``dev_mode``
+    turns on vLLM's development routes (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``, ``/pause``,
+    ``/update_weight_version``, ``/weight_checker``, ...), which the full-weight sync needs; anyone who can reach the
+    port can then call any worker method, so keep such a server on 127.0.0.1 or a private network. The process and
     its engine-core child share a new process group, which ``stop`` ends (SIGTERM, then SIGKILL after ``grace``
     seconds); ``stop`` is also registered with ``atexit``. Use as a context manager or call ``start``/``stop``.
     """
@@ -404,6 +472,7 @@ class VllmServer:
         grace: float = 10.0,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        dev_mode: bool = False,
     ):
         if compile_mode not in COMPILE_MODES:
             raise ConfigError(f"compile_mode {compile_mode!r} is not one of {sorted(COMPILE_MODES)}")
@@ -418,6 +487,7 @@ class VllmServer:
         self.log_path = Path(log_path) if log_path is not None else None
         self.startup_timeout, self.grace = startup_timeout, grace
         self.extra_args, self.env = tuple(extra_args), dict(env or {})
+        self.dev_mode = dev_mode
         self.host, self.port = "127.0.0.1", 0
         self.process: subprocess.Popen[bytes] | None = None
         self.startup_seconds: float | None = None
@@ -503,6 +573,7 @@ class VllmServer:
                 "DO_NOT_TRACK": "1",
                 "HF_HUB_OFFLINE": "1",  # a local folder: never ask a hub
                 **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if self.in_process_worker else {}),
+                **({"VLLM_SERVER_DEV_MODE": "1"} if self.dev_mode else {}),
                 **self.env,
             }
             began = time.monotonic()

@@ -6,7 +6,11 @@ with sao's own sampler; requests are not serialised (vLLM batches them continuou
 publishes is loaded into vLLM under a name of this server's own and replies go to it from then on; the base
 model answers until the first one (version 0: LoRA's B is 0, so the base is the trainer's version 0). A rollback
 (LATEST.json naming an older version again) switches back to that version's name when vLLM still holds it, and
-loads it again otherwise: the same watcher drives both servers.
+loads it again otherwise: the same watcher drives both servers. A published full-weight version (a folder of
+safetensors shards, no adapter_config.json) is reloaded into vLLM in place (``sao.rollout.vllm_weights``: the
+server runs with VLLM_SERVER_DEV_MODE=1 and reads the folder itself) and replies go to the base model's name; the
+swap waits for the replies in flight and holds new ones back until it is done, so each reply records the version
+whose weights drew it.
 
 Deliberately left out: launching vLLM (start it, or let ``sao train --rollout vllm --vllm-launch`` do so) and
 checking that the server logs processed log-probs (the trainer's footing audit does, before any step trains).
@@ -19,12 +23,51 @@ import hashlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from sao.core.config import Config
+from sao.model.artifacts import ADAPTER_CONFIG
 from sao.rollout.vllm import VllmClient, VllmError
+from sao.rollout.vllm_weights import WeightFolder, base_weights, load_weights
 from sao.serve.served import Completion
+
+
+class SwapGate:
+    """Replies pass together; a full-weight swap passes alone, after the replies in flight and before any new one."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._replies, self._swapping, self._waiting = 0, False, 0
+
+    @contextlib.contextmanager
+    def reply(self) -> Iterator[None]:
+        with self._cond:
+            while self._swapping or self._waiting:
+                self._cond.wait()
+            self._replies += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._replies -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def swap(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            while self._swapping or self._replies:
+                self._cond.wait()
+            self._waiting -= 1
+            self._swapping = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._swapping = False
+                self._cond.notify_all()
 
 
 class UpstreamPolicy:
@@ -42,6 +85,9 @@ class UpstreamPolicy:
         self.base = models[0]  # vLLM lists the base model first
         self.tag = "serve-" + hashlib.sha256(f"{url}:{os.getpid()}:{time.time()}".encode()).hexdigest()[:8]
         self.lock = threading.Lock()  # adapter swaps only; replies run concurrently
+        self.gate = SwapGate()  # full-weight swaps: no reply in flight while the weights change
+        self.model = model_path(config.model.name)
+        self.weights: WeightFolder | None = None  # the full weights vLLM holds, once a version was swapped in
         self.version, self.adapter, self.name = 0, "initial", self.base
         self.loaded: list[str] = []
         self.eos = sorted({i for i in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id) if i is not None}
@@ -52,10 +98,11 @@ class UpstreamPolicy:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, seed: int) -> Completion:
-        with self.lock:
-            name, version, adapter = self.name, self.version, self.adapter
-        reply = self.client.complete(prompt_ids, model=name, max_tokens=max_tokens, temperature=temperature,
-                                     seed=seed, stop_token_ids=self.eos)  # fmt: skip
+        with self.gate.reply():
+            with self.lock:
+                name, version, adapter = self.name, self.version, self.adapter
+            reply = self.client.complete(prompt_ids, model=name, max_tokens=max_tokens, temperature=temperature,
+                                         seed=seed, stop_token_ids=self.eos)  # fmt: skip
         return Completion(
             prompt_token_ids=list(reply.prompt_token_ids),
             completion_token_ids=list(reply.completion_token_ids),
@@ -67,7 +114,16 @@ class UpstreamPolicy:
         )
 
     def take(self, folder: Path, version: int) -> None:
-        """Serve the adapter in ``folder`` as ``version`` from the next request on (vLLM loads it by path)."""
+        """Serve the adapter or the full weights in ``folder`` as ``version`` from the next request on (vLLM reads
+        the folder by path)."""
+        if not (Path(folder) / ADAPTER_CONFIG).is_file():
+            weights = WeightFolder(folder)
+            with self.gate.swap():
+                load_weights(self.client, weights, version, previous=self.weights or base_weights(self.model))
+                with self.lock:
+                    self.name, self.version, self.adapter = self.base, version, str(folder)
+                    self.weights = weights
+            return
         name = f"{self.tag}-v{version}"
         if name not in self.loaded:  # a rollback to a version vLLM still holds switches back to it
             self.client.load_adapter(name, folder)
