@@ -167,3 +167,44 @@ def test_torchrun_two_processes_take_the_single_process_steps_and_resume(tiny_mo
     assert all(torch.allclose(ours[k], theirs[k], atol=1e-6, rtol=1e-4) for k in ours), "the same final adapter"
     assert not any(torch.equal(ours[k], torch.zeros_like(ours[k])) for k in ours if "lora_B" in k), "it trained"
     assert "Traceback" not in resumed.stderr
+
+
+def test_two_nodes_joined_by_a_c10d_rendezvous_take_the_single_process_steps(tiny_model_dir, tmp_path):
+    """Two "nodes" on this machine, one process each, joined as a multi-node job joins (torchrun --nnodes 2, c10d
+    rendezvous at 127.0.0.1): the same steps as one process on the whole batch. Node 0 hosts the rendezvous store."""
+    from sao.core.config import Config
+    from sao.rollout.vllm import free_port
+    from sao.training import build
+
+    torch.set_num_threads(1)
+    build.trainer(Config.preset("tiny", **SETTINGS), tmp_path / "single", progress=False).run()
+    single = run_log(tmp_path / "single")
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("WORLD_SIZE", None)
+    endpoint, out = f"127.0.0.1:{free_port()}", tmp_path / "nodes"
+    nodes = [
+        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                          "--node-rank", str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                          "--rdzv-id", "sao-test", "--rdzv-conf", f"is_host={int(rank == 0)}",
+                          "--local-addr", "127.0.0.1", "-m", "sao", "train", *FLAGS, "--out", str(out)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]  # fmt: skip
+    try:
+        finished = [node.communicate(timeout=TORCHRUN_TIMEOUT_S) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    assert all(node.returncode == 0 for node in nodes), [err[-3000:] for _, err in finished]
+
+    records = run_log(out)
+    assert [r["step"] for r in records] == [r["step"] for r in single]
+    for mine, ref in zip(records, single, strict=True):
+        assert mine["world_size"] == 2 and mine["reward_mean"] == ref["reward_mean"]
+        assert mine["response_length"] == ref["response_length"], "the same trajectories were drawn"
+        for key in ("loss", "grad_norm", "critic_loss", "ratio_max", "explained_variance"):
+            assert _close(mine[key], ref[key]), (mine["step"], key, mine[key], ref[key])
+    assert any(r["phase"] == "policy" and r["grad_norm"] > 0 for r in records), "policy steps took a gradient"
