@@ -244,3 +244,23 @@ def test_a_folder_the_server_could_not_use_is_refused_before_any_request(tmp_pat
                          previous=WeightFolder(tmp_path / "served"))  # fmt: skip
         assert "\n" not in str(caught.value)
     faults.record("sampler servers", "a full-weight folder vLLM could not use")
+
+
+def test_a_server_on_another_node_is_told_apart_and_the_shared_folder_is_said_at_start(
+    tiny_model_dir, tmp_path, caplog
+):
+    """Adapters and weights reach vLLM by path: a server that is not on this machine needs the run folder on a
+    filesystem it shares, and the run says so before its first batch."""
+    import logging
+
+    from sao import api as sao_api
+
+    local = ["http://127.0.0.1:8000", "http://localhost:8000", "http://[::1]:8000"]
+    assert all(VllmClient(url).local for url in local)
+    assert not any(VllmClient(url).local for url in ("http://10.0.0.3:8000", "http://node3:8000"))
+    config = {"preset": "tiny", "rollout": "vllm", "vllm_url": "http://127.0.0.1:9,http://node3:8000"}
+    with caplog.at_level(logging.WARNING, logger="sao.rollout"):
+        source = sao_api.trainer(config, tmp_path / "run", progress=False).source
+    source.close()
+    (said,) = [r.getMessage() for r in caplog.records if "filesystem" in r.getMessage()]
+    assert "http://node3:8000" in said and "127.0.0.1" not in said and str((tmp_path / "run").resolve()) in said

@@ -199,6 +199,7 @@ class VllmServers(RemoteSettings):
         return self.vllm_concurrency
 
     def connect(self, context: Any) -> Any:
+        import logging
         from pathlib import Path
 
         from sao.core.errors import ConfigError
@@ -208,9 +209,15 @@ class VllmServers(RemoteSettings):
         urls = [u.strip() for u in (self.vllm_url or "").split(",") if u.strip()]
         resident = max(2, self.vllm_max_loras - 1)  # adapters per server at once (one slot spare)
         if urls:
-            return Connection(
-                [VllmClient(u, connect_deadline=self.vllm_timeout) for u in urls], resident_adapters=resident
-            )
+            clients = [VllmClient(u, connect_deadline=self.vllm_timeout) for u in urls]
+            remote = sorted({client.url for client in clients if not client.local})
+            if remote:  # vLLM loads adapters and weights by path: those servers must see this run's folder
+                logging.getLogger("sao.rollout").warning(
+                    "the vLLM servers at %s load every adapter and full-weight version this run publishes by its path "
+                    "under %s: that folder must be on a filesystem their nodes mount at the same path",
+                    ", ".join(remote), Path(context.out_dir).resolve(),
+                )  # fmt: skip
+            return Connection(clients, resident_adapters=resident)
         if not self.vllm_launch:
             raise ConfigError(
                 "--rollout vllm needs --vllm-url URL[,URL...] (running servers) or --vllm-launch (sao starts one from "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import http.client
+import ipaddress
 import json
 import math
 import os
@@ -144,6 +145,13 @@ class VllmClient:
                                                              parts.path.rstrip("/"))  # fmt: skip
         self._local = threading.local()  # each thread keeps one connection open to the server (HTTP keep-alive)
 
+    @property
+    def local(self) -> bool:
+        """Whether the server is on this machine (a loopback address): only then does it see this machine's files."""
+        with contextlib.suppress(ValueError):
+            return ipaddress.ip_address(self._host).is_loopback
+        return self._host == "localhost"
+
     def _connection(self) -> http.client.HTTPConnection:
         connection = getattr(self._local, "connection", None)
         if connection is None:
@@ -243,7 +251,10 @@ class VllmClient:
         body = {"lora_name": name, "lora_path": os.fspath(path), "load_inplace": bool(load_inplace)}
         status, reply = self._request("POST", "/v1/load_lora_adapter", body)
         if status != 200:
-            raise VllmError(f"vLLM refused to load adapter {name!r} from {os.fspath(path)}: {self._reason(reply)}")
+            where = "" if self.local else " (the server reads it on its own node: is it on a filesystem both share?)"
+            raise VllmError(
+                f"vLLM refused to load adapter {name!r} from {os.fspath(path)}: {self._reason(reply)}{where}"
+            )
 
     def unload_adapter(self, name: str) -> None:
         """Unload adapter ``name``; one ``VllmError`` with vLLM's reason when it is not loaded."""
