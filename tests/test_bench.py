@@ -58,3 +58,28 @@ def test_table_has_every_row_side_by_side(bench, gpu):
     assert ("share of floor" in text) == gpu and ("peak memory" in text) == gpu
     if gpu:
         assert "| decode batch 64, share of floor | | | 23.0% | | |" in text
+
+
+def test_the_gpu_first_run_script_names_only_tests_files_and_flags_that_exist():
+    """bench/gpu_first_run.sh runs once, on a lent GPU, with no second chance: it is valid bash, the files it names
+    exist, bench.py takes the flags it passes, and its `sao train` line parses with sao's own parser."""
+    import re
+    import shlex
+    import subprocess
+
+    from sao.cli import build_parser
+
+    script = BENCH.parent / "gpu_first_run.sh"
+    checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, check=False)
+    assert checked.returncode == 0, checked.stderr
+    text = script.read_text()
+    root = BENCH.parents[1]
+    named = set(re.findall(r"\b((?:tests|bench|src)/[\w/.-]+\.(?:py|sh))\b", text)) | {"BENCHMARKS.md"}
+    assert {"bench/bench.py", "tests/rollout/test_engine.py"} <= named
+    assert [n for n in sorted(named) if not (root / n).exists()] == []
+    bench_flags = set(re.findall(r'add_argument\(\s*"(--[\w-]+)"', BENCH.read_text()))
+    for flags in re.findall(r"bench/bench\.py ([^\n|]*)", text):
+        assert {f for f in re.findall(r"--[\w-]+", flags)} <= bench_flags, flags
+    (train,) = re.findall(r'train (--preset tiny[^\n]*?) "\$@"', text.replace("\\\n", " "))
+    argv = ["train", *shlex.split(train.replace('"$device"', "cpu").replace('"$folder"', "/tmp/x"))]
+    build_parser().parse_args(argv)
