@@ -171,7 +171,8 @@ def test_torchrun_two_processes_take_the_single_process_steps_and_resume(tiny_mo
 
 def test_two_nodes_joined_by_a_c10d_rendezvous_take_the_single_process_steps(tiny_model_dir, tmp_path):
     """Two "nodes" on this machine, one process each, joined as a multi-node job joins (torchrun --nnodes 2, c10d
-    rendezvous at 127.0.0.1): the same steps as one process on the whole batch. Node 0 hosts the rendezvous store."""
+    rendezvous at 127.0.0.1): the same steps as one process on the whole batch. Node 0 hosts the rendezvous store;
+    ranks come from the rendezvous (torchrun ignores --node-rank under c10d)."""
     from sao.core.config import Config
     from sao.rollout.vllm import free_port
     from sao.training import build
@@ -185,7 +186,7 @@ def test_two_nodes_joined_by_a_c10d_rendezvous_take_the_single_process_steps(tin
     endpoint, out = f"127.0.0.1:{free_port()}", tmp_path / "nodes"
     nodes = [
         subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                          "--node-rank", str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                          "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                           "--rdzv-id", "sao-test", "--rdzv-conf", f"is_host={int(rank == 0)}",
                           "--local-addr", "127.0.0.1", "-m", "sao", "train", *FLAGS, "--out", str(out)],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
