@@ -21,11 +21,12 @@ import torch
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.model.artifacts import save_full_weights
+from sao.rollout.registry import RemoteSettings
 from sao.rollout.vllm import VllmClient, VllmError
 from sao.rollout.vllm_weights import EMPTY_DIGEST, WeightFolder, load_weights
 
 TEMPERATURE = 0.7
-TOLERANCE = Config().rollout.sampler_tolerance  # the delivery check's mean |log r| bound (--sampler-tolerance)
+TOLERANCE = RemoteSettings().sampler_tolerance  # the delivery check's mean |log r| bound (--sampler-tolerance)
 LONG_PROMPT = [1, *((5 * j) % 200 + 20 for j in range(140))]  # fills whole prefix-cache blocks
 
 
@@ -155,7 +156,7 @@ def test_serve_upstream_takes_a_published_full_weight_version(versions, tiny_vll
 
     run = tmp_path / "run"
     publish(run, 4, lambda folder: save_full_weights(versions["models"]["v1"], folder))
-    config = Config.preset("tiny", upstream=tiny_vllm.url, traces=str(tmp_path / "traces.jsonl"))
+    config = Config.load("tiny", upstream=tiny_vllm.url, traces=str(tmp_path / "traces.jsonl"))
     server = Server(config, tmp_path / "traces.jsonl", port=0, watch=run, say=lambda line: None)
     server.start()
     try:

@@ -178,7 +178,7 @@ def test_two_nodes_joined_by_a_c10d_rendezvous_take_the_single_process_steps(tin
     from sao.training import build
 
     torch.set_num_threads(1)
-    build.trainer(Config.preset("tiny", **SETTINGS), tmp_path / "single", progress=False).run()
+    build.trainer(Config.load("tiny", **SETTINGS), tmp_path / "single", progress=False).run()
     single = run_log(tmp_path / "single")
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

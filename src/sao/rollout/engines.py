@@ -2,7 +2,6 @@
 
     EngineClient   one server: token ids in, token ids and processed log-probs out (``complete``), adapters loaded
                    and unloaded by name, its health; ``url`` names it
-    WeightsClient  one that also reloads full weights in place (``load_weights``), for full fine-tuning
     EngineServer   a server sao started (and so restarts when it dies, and stops)
     Connection     what an engine hands the source: its clients, the servers it started, its limits
     Completion     one checked completion: the sampled tokens with the log-probability each was drawn with
@@ -15,10 +14,10 @@ chat requests and text prompts (the source owns the template and the token ids) 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -62,24 +61,6 @@ class EngineClient(Protocol):
     def unload_adapter(self, name: str) -> None: ...
 
 
-@runtime_checkable
-class WeightsClient(Protocol):
-    """An engine client that also takes full weights in place (vLLM's: ``sao.rollout.vllm_weights``)."""
-
-    url: str
-
-    def models(self) -> list[str]:
-        """The names the server answers to, the base model's first."""
-        ...
-
-    def load_weights(
-        self, folder: str | os.PathLike[str], version: int | str, *, previous: str | os.PathLike[str] | None = None
-    ) -> object:
-        """Serve the full-weight version ``folder`` (safetensors shards) as ``version``, checked; ``previous`` is the
-        folder of the weights the server holds now (to check the new ones against and to go back to)."""
-        ...
-
-
 class EngineServer(Protocol):
     """A server the run started: it is restarted when it dies and stopped when the run ends."""
 
@@ -110,3 +91,6 @@ class Connection:
     max_model_len: int = 4096
     resident_adapters: int = 3
     client_options: dict[str, object] = field(default_factory=dict)  # how a started server's client is made
+    # How a full-weight version reaches one server: (client, folder, version, previous folder or None) → the name
+    # requests then use; None when the engine serves adapters only (vLLM's: sao.rollout.vllm_weights.reload_into).
+    load_weights: Callable[..., str] | None = None

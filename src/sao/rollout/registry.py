@@ -205,6 +205,7 @@ class VllmServers(RemoteSettings):
         from sao.core.errors import ConfigError
         from sao.rollout.engines import Connection
         from sao.rollout.vllm import VllmClient, VllmServer, default_vllm_python
+        from sao.rollout.vllm_weights import reload_into
 
         urls = [u.strip() for u in (self.vllm_url or "").split(",") if u.strip()]
         resident = max(2, self.vllm_max_loras - 1)  # adapters per server at once (one slot spare)
@@ -217,7 +218,7 @@ class VllmServers(RemoteSettings):
                     "under %s: that folder must be on a filesystem their nodes mount at the same path",
                     ", ".join(remote), Path(context.out_dir).resolve(),
                 )  # fmt: skip
-            return Connection(clients, resident_adapters=resident)
+            return Connection(clients, resident_adapters=resident, load_weights=reload_into)
         if not self.vllm_launch:
             raise ConfigError(
                 "--rollout vllm needs --vllm-url URL[,URL...] (running servers) or --vllm-launch (sao starts one from "
@@ -239,7 +240,8 @@ class VllmServers(RemoteSettings):
             for i in range(self.vllm_servers)
         ]
         options = {"connect_deadline": self.vllm_timeout}
-        return Connection([], servers, max_model_len=max_len, resident_adapters=resident, client_options=options)
+        return Connection([], servers, max_model_len=max_len, resident_adapters=resident, client_options=options,
+                          load_weights=reload_into)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from sao.core.io import write_json
 from sao.core.plugins import PluginError, describe
 from sao.model.artifacts import save_adapter
 from sao.rollout.admission import Admission
-from sao.rollout.engines import Connection, EngineClient, WeightsClient
+from sao.rollout.engines import Connection, EngineClient
 from sao.rollout.environment import (
     EnvCalls,
     EnvFault,
@@ -75,7 +75,7 @@ class Fleet:
         self.max_model_len = connection.max_model_len
         self.loaded: OrderedDict[int, str] = OrderedDict()  # version → adapter name, oldest first
         self.weights: tuple[Path, int] | None = None  # the full-weight version every server holds, if any
-        self._base_name: str | None = None
+        self.weights_loader = connection.load_weights
         self.servers = connection.servers
         self.clients: list[EngineClient] = connection.clients
         if self.servers:
@@ -120,20 +120,14 @@ class Fleet:
         refuses or does not receive it is one line. Returns the model name requests use from now on: the base model's,
         which answers with these weights. The folder must fit the weights the servers hold (the last version, or the
         base model's folder), and a server reads it itself: on another node it must be on a filesystem both share."""
-        folder = Path(folder)
+        if self.weights_loader is None:
+            raise ConfigError("this engine serves adapters only: it cannot take full weights")
+        folder, load = Path(folder), self.weights_loader
         previous = self.weights[0] if self.weights is not None else self.models.name
-        for client in self.distinct():
-            if not isinstance(client, WeightsClient):
-                raise ConfigError(f"the engine at {client.url} cannot take full weights; it serves adapters only")
-            self._with_restart(client, lambda cl: cl.load_weights(folder, version, previous=previous))
+        names = [self._with_restart(client, lambda cl: load(cl, folder, version, previous=previous))
+                 for client in self.distinct()]  # fmt: skip
         self.weights = (folder, version)
-        return self.base_name()
-
-    def base_name(self) -> str:
-        """The name the servers give the base model (vLLM lists it first)."""
-        if self._base_name is None:
-            self._base_name = self.distinct()[0].models()[0]
-        return self._base_name
+        return names[0]
 
     def release(self, needed: set[int]) -> None:
         """Unload the oldest adapters beyond the resident bound that no request still needs."""
@@ -181,7 +175,7 @@ class Fleet:
                     self._record()
                     current = server.client(**self.client_options)
                     if self.weights is not None:  # a new server holds the base model
-                        current.load_weights(*self.weights, previous=self.models.name)
+                        self.weights_loader(current, *self.weights, previous=self.models.name)
                     for version, name in self.loaded.items():
                         current.load_adapter(name, self.adapters_dir / f"v{version}")
                     self.clients[i] = current

@@ -308,16 +308,6 @@ class VllmClient:
     # -- full weights: vLLM's development routes (the server runs with VLLM_SERVER_DEV_MODE=1) ---------------
     # sao.rollout.vllm_weights.load_weights strings these together; each is one request, a refusal one VllmError.
 
-    def load_weights(
-        self, folder: str | os.PathLike[str], version: int | str, *, previous: str | os.PathLike[str] | None = None
-    ) -> Any:
-        """Serve the full-weight version ``folder`` as ``version``, checked (``sao.rollout.vllm_weights``);
-        ``previous``: the folder of the weights held now. Returns what was loaded and checked."""
-        from sao.rollout.vllm_weights import WeightFolder, base_weights, load_weights
-
-        return load_weights(self, WeightFolder.of(folder), version,
-                            previous=None if previous is None else base_weights(previous))  # fmt: skip
-
     def _dev(self, method: str, path: str, body: Mapping[str, Any] | None, what: str) -> Any:
         status, reply = self._request(method, path, body)
         if status == 404:

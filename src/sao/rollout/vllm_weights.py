@@ -319,4 +319,16 @@ def _after_refusal(client: VllmClient, reason: str, previous: WeightFolder | Non
     return f"{hint}; it serves {previous.path} again"
 
 
-__all__ = ["WeightCheck", "WeightFolder", "WeightsLoaded", "base_weights", "load_weights"]
+def reload_into(
+    client: VllmClient, folder: str | os.PathLike[str], version: int | str, *,
+    previous: str | os.PathLike[str] | None = None,
+) -> str:  # fmt: skip
+    """A run's full-weight version into one server (``Connection.load_weights`` for vLLM): ``load_weights`` with the
+    folder read once for every server and ``previous`` (the folder the server holds now) to check against. Returns
+    the name requests use: the base model's, which now answers with these weights."""
+    served = None if previous is None else base_weights(previous)
+    load_weights(client, WeightFolder.of(folder), version, previous=served)
+    return client.models()[0]
+
+
+__all__ = ["WeightCheck", "WeightFolder", "WeightsLoaded", "base_weights", "load_weights", "reload_into"]
