@@ -1,24 +1,19 @@
 """Paired comparison of two models on the same eval tasks: an interval, a p-value that cannot overclaim, a verdict.
 
-``compare``: with one training run per arm the task is the unit (a paired t over tasks, which compares two trained
-models); with several seeds per arm the seed is the unit (paired by index, or Welch's t for unequal counts; the
-untrained base as a fixed reference). With fewer than ``EXACT_BELOW`` units the exact sign-flip (or permutation) p
-floors the t test's, and the sd is floored at the eval's noise, so equal per-seed deltas are never certainty.
-Verdict, only with ≥ 2 seeds per trained side, in two parts: the direction, ``improved``/``regressed`` when the
-interval excludes 0 (p < alpha), ``flat`` when two one-sided tests put the effect inside ± δ (the 1 − 2·alpha
-interval inside it), else ``unresolved``; and apart, the magnitude against the smallest effect of interest δ (the
-noise floor when none is given): ``beyond δ`` (the interval clears δ: the minimum-effect test), ``within δ`` (the
-equivalence test), else ``undetermined``. The rule comparisons made before the magnitude was split off
-(``observed-above-delta``: improved only when also |delta| > δ) stays available, for plans written under it.
-``holm`` adjusts a planned family; ``power``, ``seeds_for_power`` and ``mixture_power`` size one before it runs.
+``compare``: with one training run per arm the task is the unit (a paired t over tasks: two trained models); with
+several seeds per arm the seed is the unit (paired by index, or Welch's t; the untrained base as a fixed reference).
+With fewer than ``EXACT_BELOW`` units the exact sign-flip (or permutation) p floors the t test's, and the sd is
+floored at the eval's noise, so equal per-seed deltas are never certainty. The verdict (≥ 2 seeds per trained side)
+says the direction — ``improved``/``regressed`` when the interval excludes 0, ``flat`` when two one-sided tests put
+the effect inside ± δ, else ``unresolved`` — and apart its magnitude against δ (``beyond δ``: the minimum-effect
+test; ``within δ``; ``undetermined``). ``verdict_rule="observed-above-delta"`` keeps the older rule (improved only
+when also |delta| > δ) for plans written under it. ``holm`` adjusts a planned family; ``power``,
+``seeds_for_power`` and ``mixture_power`` size one. For runs that collapse: ``rank_estimate`` (Hodges–Lehmann with
+its signed-rank interval, the sign test) and ``collapse_compare`` (collapse rates, McNemar's exact test).
 
-For runs that collapse (bimodal per-seed outcomes): ``rank_estimate`` (Hodges–Lehmann with its signed-rank interval,
-and the sign test) and ``collapse_compare`` (each arm's share of runs below a floor, paired: McNemar's exact test).
-
-For the live loop's gate (``sao.training.gate``): ``noninferior`` is the paired one-sided test of candidate −
-served over tasks against a margin declared before the run, ``tasks_for_margin`` the held-aside set it needs, and
-``mean_radius`` an always-valid confidence sequence for a running mean of rewards in [0, 1] (``regression``: two
-of them, a served version against its predecessor, for a rollback that may be checked after every step).
+For the live loop's gate (``sao.training.gate``): ``noninferior`` (candidate − served over tasks against a margin),
+``tasks_for_margin``, and ``mean_radius``, an always-valid confidence sequence for a running mean of rewards in
+[0, 1] (``regression``: two of them, for a rollback that may be checked after every step).
 
 Deliberately left out: corrections applied after the fact to an exploratory grid, and bootstrap intervals.
 Design notes: docs/design/stats.md.
@@ -702,15 +697,15 @@ def fit_mixture(before: Sequence[float], after: Sequence[float], floor: float) -
 
 def mixture_power(
     model: Mixture, effect: float, n: int, alpha: float = ALPHA, *, smallest_effect: float | None = None,
-    draws: int = MIXTURE_DRAWS, seed: int = 0,
+    draws: int = MIXTURE_DRAWS, seed: int = 0, ranks: bool = True,
 ) -> dict[str, float]:  # fmt: skip
     """Power by simulation: ``draws`` experiments of ``n`` paired seeds drawn from ``model`` with the true effect
     ``effect`` on healthy runs, each tested as the run will be. Returns the share of them in which
 
         t        the paired t test at ``alpha`` rejects delta = 0 (the verdict's direction)
         beyond   the minimum-effect test rejects |delta| <= ``smallest_effect`` (with a smallest effect only)
-        rank     the Hodges–Lehmann interval excludes 0 (the signed-rank test rejects)
-        sign     the sign test rejects
+        rank     the Hodges–Lehmann interval excludes 0 (the signed-rank test rejects)  } with ``ranks`` only (the
+        sign     the sign test rejects                                                  } rank test is O(n²) a draw)
 
     With fewer seeds than ``EXACT_BELOW`` the exact sign-flip floor applies: no power where it is at least alpha.
     A draw whose deltas do not vary at all rejects nothing (compare floors the sd at the eval's noise)."""
@@ -719,10 +714,11 @@ def mixture_power(
     if not (_is_number(alpha) and 0 < alpha < 1) or not _is_number(effect):
         raise ConfigError(f"mixture_power needs a finite effect and alpha in (0, 1), got {effect!r}, {alpha!r}")
     st, rng = _scipy_stats(), np.random.default_rng(seed)
-    c, _ = _signed_rank_cut(n, alpha)
-    i, j = np.triu_indices(n)
-    hits = {"t": 0, "rank": 0, "sign": 0, **({"beyond": 0} if smallest_effect is not None else {})}
-    block = max(1, min(draws, 2_000_000 // max(i.size, 1)))
+    c, _ = _signed_rank_cut(n, alpha) if ranks else (-1, 0.0)
+    i, j = np.triu_indices(n) if ranks else (np.zeros(0, dtype=int), np.zeros(0, dtype=int))
+    hits = {"t": 0, **({"rank": 0, "sign": 0} if ranks else {})}
+    hits.update({"beyond": 0} if smallest_effect is not None else {})
+    block = max(1, min(draws, 2_000_000 // max(i.size, n)))
     for start in range(0, draws, block):
         d = model.draw(effect, n, min(block, draws - start), rng)  # [b, n]
         mean, se = d.mean(axis=1), d.std(axis=1, ddof=1) / math.sqrt(n)
@@ -732,6 +728,8 @@ def mixture_power(
         if smallest_effect is not None:
             far = (np.abs(mean) - smallest_effect) / np.where(spread, se, 1.0)
             hits["beyond"] += int(np.sum(spread & (np.abs(mean) > smallest_effect) & (2 * st.t.sf(far, n - 1) < alpha)))
+        if not ranks:
+            continue
         walsh = (d[:, i] + d[:, j]) / 2  # [b, n(n+1)/2]
         if c >= 0:
             hits["rank"] += int(np.sum(((walsh <= 0).sum(axis=1) <= c) | ((walsh >= 0).sum(axis=1) <= c)))
@@ -759,18 +757,26 @@ def power_beyond(effect: float, smallest_effect: float, sd: float, n: int, alpha
 
 def realised_power(
     before: Sequence[float], after: Sequence[float], smallest_effect: float, alpha: float,
-    collapse_floor: float | None = None,
+    collapse_floor: float | None = None, expected_effect: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """What the plan's power turned out to be: the same test (paired t at ``alpha`` for δ over the same seeds) with
     the sd the runs gave in place of the one assumed; with ``collapse_floor``, also from the mixture fitted to the
-    runs (``fit_mixture``; None where fewer than 2 seeds stayed healthy in both arms). Post hoc: it says how far the
-    planning assumption was off, not what the result means."""
+    runs (``fit_mixture``; None where fewer than 2 seeds stayed healthy in both arms). With ``expected_effect``, the
+    minimum-effect test's power at that true delta (a plan under the minimum-effect rule). Post hoc: it says how far
+    the planning assumption was off, not what the result means."""
     b, a = np.asarray(before, dtype=np.float64), np.asarray(after, dtype=np.float64)
     n = int(a.size)
     sd = float(np.std(a - b, ddof=1)) if n >= 2 else math.nan
     ok = n >= 2 and sd > 0 and least_exact_p(n) < alpha
+    effect = smallest_effect if expected_effect is None else expected_effect
+
+    def at(sd_: float) -> float:
+        if expected_effect is None:
+            return power(smallest_effect, sd_, n, alpha)
+        return power_beyond(expected_effect, smallest_effect, sd_, n, alpha)
+
     out: dict[str, Any] = {"seeds": n, "sd": sd, "alpha": float(alpha), "smallest_effect": float(smallest_effect),
-                           "power": power(smallest_effect, sd, n, alpha) if ok else 0.0, "mixture": None,
+                           "effect": float(effect), "power": at(sd) if ok else 0.0, "mixture": None,
                            "mixture_power": None}  # fmt: skip
     if collapse_floor is not None and n >= 2:
         try:
@@ -778,7 +784,9 @@ def realised_power(
         except ConfigError:
             return out
         out["mixture"] = model.to_dict()
-        out["mixture_power"] = mixture_power(model, smallest_effect, n, alpha)["t"]
+        beyond = expected_effect is not None
+        got = mixture_power(model, effect, n, alpha, smallest_effect=smallest_effect if beyond else None, ranks=False)
+        out["mixture_power"] = got["beyond" if beyond else "t"]
     return out
 
 

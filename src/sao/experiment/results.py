@@ -246,11 +246,12 @@ def compare_cell(arms: dict[str, dict[str, Any]], base_per_task: list[float] | N
 
 def compare_arms(
     arms: dict[str, dict[str, Any]], after: str, before: str, floor: dict, *, smallest_effect: float | None = None,
-    alpha: float = stats.ALPHA,
+    alpha: float = stats.ALPHA, verdict_rule: str = "direction",
 ) -> dict[str, Any]:  # fmt: skip
     """``after`` against ``before`` in one cell (seeds paired by index), as ``compare_cell`` writes each entry:
     for comparisons other than rule-vs-none, such as a planned ``dis_vs_random``, and for a plan's family (its
-    smallest effect of interest and alpha; without them the noise floor stands in for δ, at alpha 0.05)."""
+    smallest effect of interest, alpha and verdict rule; without them the noise floor stands in for δ, at alpha 0.05,
+    under the direction rule)."""
     for arm in (after, before):
         if arm not in arms:
             raise KeyError(f"the cell has no arm {arm!r} (it has {sorted(arms)})")
@@ -259,7 +260,8 @@ def compare_arms(
         [[run["checks"]["reward_last10"] for run in arms[arm]["runs"].values()] for arm in (before, after)],
     )
     c = stats.compare(scores[0], scores[1], run_std=floor.get("run_std"), run_std_runs=floor.get("runs"),
-                      proxy=(last10[0], last10[1]), smallest_effect=smallest_effect, alpha=alpha)  # fmt: skip
+                      proxy=(last10[0], last10[1]), smallest_effect=smallest_effect, alpha=alpha,
+                      verdict_rule=verdict_rule)  # fmt: skip
     return {"before": before, "after": after, **c.to_dict()}
 
 
