@@ -593,7 +593,9 @@ def test_a_plan_with_a_decision_rule_and_estimands_states_them_and_each_verdicts
                      "negative": 16, "ties": 0},
                collapse={"n": 24, "after_collapsed": 3, "before_collapsed": 0, "p_value": 0.25})  # fmt: skip
     results["confirmation"]["outcome"] = "contradicted"
+    results["verdict"] = "regressed"
     text = report.render(results, log)
+    assert "## Verdict: **regressed**, size against δ undetermined" in text
     plan = _section(text, "Plan (fixed before the run)")
     assert "**Decision rule:** minimum effect" in plan and "true delta of 0.1000" in plan
     assert "the Hodges–Lehmann shift" in plan and "runs below pass@1 0.05" in plan

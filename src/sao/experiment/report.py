@@ -603,8 +603,19 @@ def _summary(results: dict[str, Any], comps: list) -> list[str]:
     return [f"**Summary** (written by code from results.json). {text}" + (f": {_join(broke)}." if broke else "."), ""]
 
 
+def _headline(results: dict[str, Any]) -> str:
+    """The verdict in bold, and its size against δ where the primary comparison recorded one."""
+    done = results.get("confirmation")
+    first = done.get("primary") if isinstance(done, dict) else None
+    if not isinstance(first, dict):
+        first = next((c for cell, k, c in _comparisons(results) if _is_primary(results, cell, k)), None)
+    if isinstance(first, dict) and first.get("verdict") == results["verdict"] and first.get("magnitude"):
+        return _verdict_words(first)
+    return f"**{_text(results['verdict'])}**"
+
+
 def _verdict_section(results: dict[str, Any]) -> list[str]:
-    out = [f"## Verdict: **{_text(results['verdict'])}**", "", _text(results.get("reason") or DASH), ""]
+    out = [f"## Verdict: {_headline(results)}", "", _text(results.get("reason") or DASH), ""]
     comps = _comparisons(results)
     if not comps:
         return [*out, "results.json holds no comparison.", ""]
