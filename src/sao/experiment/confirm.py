@@ -384,7 +384,8 @@ def _mixture(plan: Plan, cited: list[tuple[str, dict[str, Any]]]) -> tuple[stats
     return model, source
 
 
-MIXTURE_MOST_SEEDS = 2000  # the search for the seeds a mixture's power needs stops here (each step simulates)
+MIXTURE_MOST_SEEDS = 1000  # the search for the seeds a mixture's power needs stops here (each step simulates)
+SEARCH_DRAWS = 2000  # simulated experiments per step of that search (the power stated uses stats.MIXTURE_DRAWS)
 
 
 def _fewest(enough: Any, most: int) -> int | None:
@@ -477,12 +478,13 @@ def _power(
     beyond = plan.decision_rule == "minimum-effect"
     effect = plan.expected_effect if beyond else delta  # the true delta the power is for
 
-    def at(k: int, alpha: float) -> float:
+    def at(k: int, alpha: float, draws: int = stats.MIXTURE_DRAWS) -> float:
         if k < 2 or stats.least_exact_p(k) >= alpha:
             return 0.0
         if model is None:
             return stats.power_beyond(effect, delta, sd, k, alpha) if beyond else stats.power(delta, sd, k, alpha)
-        got = stats.mixture_power(model, effect, k, alpha, smallest_effect=delta if beyond else None, ranks=False)
+        got = stats.mixture_power(model, effect, k, alpha, smallest_effect=delta if beyond else None, ranks=False,
+                                  draws=draws)  # fmt: skip
         return got["beyond" if beyond else "t"]
 
     most = MIXTURE_MOST_SEEDS if model is not None else 100_000
@@ -494,7 +496,7 @@ def _power(
         "test": "the interval beyond δ (minimum-effect test), paired t over seeds" if beyond else
                 "paired t over seeds, two-sided",
         "power": at(n, level), "power_at_alpha": at(n, plan.alpha), "least_exact_p": least, "target": POWER_TARGET,
-        "seeds_for_power": _fewest(lambda k: at(k, level) >= POWER_TARGET, most),
+        "seeds_for_power": _fewest(lambda k: at(k, level, SEARCH_DRAWS) >= POWER_TARGET, most),
     }  # fmt: skip
     how = (f"the primary alone at alpha {plan.alpha:g} (gatekeeping)" if level == plan.alpha else
            f"alpha {plan.alpha:g} / {m} = {level:.3g}, the primary's level when its p is the family's smallest "
