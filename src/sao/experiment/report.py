@@ -557,11 +557,12 @@ def _write_plots(results: dict[str, Any], log: list[dict[str, Any]] | None, plot
 # report.md
 
 
-def _verdict_words(c: dict[str, Any], key: str = "verdict") -> str:
-    """The verdict for a table cell, bold where it separates, with its size against δ where one was recorded:
-    "**regressed**, by less than δ"."""
+def _verdict_words(c: dict[str, Any], key: str = "verdict", bold: bool = False) -> str:
+    """The verdict for a table cell, bold where it separates (or always, with ``bold``), with its size against δ
+    where one was recorded: "**regressed**, by less than δ"."""
     verdict = _cell(c.get(key) or DASH)
-    text = f"**{verdict}**" if verdict in SEPARATED or verdict in stats.COLLAPSE_VERDICTS else verdict
+    separates = bold or verdict in SEPARATED or verdict in stats.COLLAPSE_VERDICTS
+    text = f"**{verdict}**" if separates else verdict
     finding = c.get("finding") if key == "verdict" else None
     if isinstance(finding, str) and c.get("magnitude") and finding.startswith(str(c.get(key))):
         text += _cell(finding[len(str(c.get(key))) :])
@@ -610,7 +611,7 @@ def _headline(results: dict[str, Any]) -> str:
     if not isinstance(first, dict):
         first = next((c for cell, k, c in _comparisons(results) if _is_primary(results, cell, k)), None)
     if isinstance(first, dict) and first.get("verdict") == results["verdict"] and first.get("magnitude"):
-        return _verdict_words(first)
+        return _verdict_words(first, bold=True)
     return f"**{_text(results['verdict'])}**"
 
 
@@ -1182,7 +1183,10 @@ def render_comparison(results: dict[str, Any]) -> str:
     if results.get("command"):
         lines += ["Regenerate with:", "", "```", str(results["command"]), "```", ""]
     found = [({"name": scores or DASH}, _name(k, c), c) for k, c in results["compare"].items()]
-    lines += [f"## Verdict: **{_text(results['verdict'])}**", "", _text(results.get("reason") or DASH), ""]
+    main = next(iter(results["compare"].values()), None)
+    head = (_verdict_words(main, bold=True) if isinstance(main, dict) and main.get("verdict") == results["verdict"]
+            and main.get("magnitude") else f"**{_text(results['verdict'])}**")  # fmt: skip
+    lines += [f"## Verdict: {head}", "", _text(results.get("reason") or DASH), ""]
     lines += _comparison_table(found, "comparison", "before", first="scores")
     rows = [[side, _cell(run.get("label")), _cell(run.get("seed") if run.get("seed") is not None else DASH),
              fmt_count(run.get("tasks")), fmt_share(run.get("mean"))]
