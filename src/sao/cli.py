@@ -411,9 +411,9 @@ def _confirm(args: argparse.Namespace) -> int:
     results = confirm.run(args.plan, args.out, resume=args.resume, progress=not args.quiet, command=command)
     block = results["confirmation"]
     for row in block["family"]:
-        interval = f"[{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]"
-        print(f"  {row['cell']} {row['comparison']}: delta {row['delta']:+.4f} {interval}, p {row['p_value']:.3g} "
-              f"({row['p_rule']}), adjusted {row['p_holm']:.3g}: {row['verdict']}")  # fmt: skip
+        interval = f" [{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]" if row["ci_low"] is not None else ""
+        print(f"  {row['cell']} {row['comparison']}: delta {row['delta']:+.4f}{interval}, p {row['p_value']:.3g} "
+              f"({row['p_rule']}), adjusted {row['p_holm']:.3g}: {row.get('finding') or row['verdict']}")  # fmt: skip
     print(f"  primary: {block['outcome']} ({results['reason']})")
     for message in [*results["warnings"], *results["provenance"]["warnings"]]:
         print("  warning: " + message)

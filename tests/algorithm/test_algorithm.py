@@ -171,6 +171,43 @@ def test_dis_masks_strictly_outside_the_open_band():
     assert update.stats["masked_share"] == pytest.approx(4 / 6)
 
 
+def _ratios(rows: list[list[float]], mask: list[list[bool]] | None = None) -> dict[str, torch.Tensor]:
+    """A batch whose trainer/sampler ratios are ``rows`` exactly where the action mask is True."""
+    lp = torch.log(torch.tensor(rows, dtype=torch.float64))
+    return {"logprobs": lp, "sampler_logprobs": torch.zeros_like(lp), "values": torch.zeros_like(lp),
+            "rewards": torch.ones(lp.shape[0], dtype=torch.float64),
+            "action_mask": torch.ones_like(lp, dtype=torch.bool) if mask is None else torch.tensor(mask)}  # fmt: skip
+
+
+def test_the_effective_sample_size_of_hand_made_ratios():
+    ratios = [0.5, 1.0, 2.0, 8.0, 0.6, 1.5]
+    s = SAO().update(_ratios([ratios])).stats
+    assert s["ratio_ess_share"] == pytest.approx(sum(ratios) ** 2 / (6 * sum(r * r for r in ratios)))  # 0.4290
+    assert SAO().update(_ratios([[1.3] * 5])).stats["ratio_ess_share"] == pytest.approx(1.0), "equal weights"
+    one = SAO().update(_ratios([[1e-6, 1e-6, 1e6, 1e-6]])).stats["ratio_ess_share"]
+    assert one == pytest.approx(1 / 4, rel=1e-6), "one token carries the weight: 1 of 4"
+    padded = SAO().update(_ratios([[2.0, 2.0, 50.0]], [[True, True, False]])).stats["ratio_ess_share"]
+    assert padded == pytest.approx(1.0), "only action tokens count"
+
+
+def test_the_masked_share_splits_into_the_band_s_low_and_high_sides():
+    """Band (0.7, 6.0): 0.5 and 0.6 fall below it, 8.0 above, the edges themselves count as outside (the band is
+    open); dis masks exactly those, none masks nothing but would have."""
+    batch = _ratios([[0.5, 1.0, 2.0, 8.0, 0.6, 1.5], [6.0, 1.0, 1.0, 1.0, 0.7, 1.0]])
+    dis, none = SAO(correction="dis").update(batch).stats, SAO(correction="none").update(batch).stats
+    assert dis["masked_share_low"] == dis["would_be_masked_share_low"] == pytest.approx(3 / 12)  # 0.5, 0.6, 0.7
+    assert dis["masked_share_high"] == dis["would_be_masked_share_high"] == pytest.approx(2 / 12)  # 8.0, 6.0
+    assert dis["masked_share"] == pytest.approx(dis["masked_share_low"] + dis["masked_share_high"])
+    assert none["masked_share_low"] == none["masked_share_high"] == none["masked_share"] == 0.0
+    assert none["would_be_masked_share_low"] == pytest.approx(3 / 12)
+    assert none["would_be_masked_share_high"] == pytest.approx(2 / 12)
+    assert none["would_be_masked_share"] == pytest.approx(5 / 12)
+    # a random mask drops tokens inside the band: those count in neither side
+    keys = torch.tensor([11, 12], dtype=torch.int64)
+    rnd = SAO(correction="random", random_mask_share=0.5).update({**batch, "random_key": keys}).stats
+    assert rnd["masked_share_low"] + rnd["masked_share_high"] <= rnd["masked_share"]
+
+
 def test_arms_share_advantages_and_targets_and_differ_only_on_out_of_band_tokens():
     batch = random_batch(16, 40, seed=3, spread=1.5)
     dis, base = SAO(correction="dis").update(batch), SAO(correction="none").update(batch)

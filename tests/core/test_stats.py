@@ -77,17 +77,92 @@ def _seeds(per_seed_shift, tasks=100):
     return np.linspace(-0.05, 0.05, tasks)[None, :] + np.asarray(per_seed_shift, dtype=float)[:, None]
 
 
-def test_improved_needs_the_interval_off_zero_and_delta_above_the_floor():
+OLD_RULE = "observed-above-delta"  # the verdict rule of comparisons made before the magnitude was split off
+
+
+def test_under_the_old_rule_improved_needs_the_interval_off_zero_and_delta_above_the_floor():
     before = _seeds([0.0, 0.01, -0.01, 0.005, -0.005, 0.002])
     after = _seeds([0.30, 0.32, 0.29, 0.31, 0.30, 0.305])
-    c = compare(before, after, run_std=0.0217, run_std_runs=3)
+    c = compare(before, after, run_std=0.0217, run_std_runs=3, verdict_rule=OLD_RULE)
     assert c.verdict == "improved" and "exceeds δ, the noise floor" in c.reason and c.p_rule == "t"
     assert c.unit == "seed" and c.about == "training procedure" and c.p_exact is None, "6 seeds: the t test"
+    assert c.magnitude is None and c.finding == "improved" and c.verdict_rule == OLD_RULE
     # seed deltas 0.04..0.16: the interval [+0.056, +0.145] excludes 0 but delta +0.1 is within the floor 0.132
-    small = compare(_seeds([0.0] * 6), _seeds([0.04, 0.16, 0.07, 0.13, 0.10, 0.10]), run_std=0.0217, run_std_runs=3)
+    small = compare(_seeds([0.0] * 6), _seeds([0.04, 0.16, 0.07, 0.13, 0.10, 0.10]), run_std=0.0217, run_std_runs=3,
+                    verdict_rule=OLD_RULE)  # fmt: skip
     assert small.verdict == "unresolved" and "within δ, the noise floor" in small.reason
-    down = compare(after, before, run_std=0.0217, run_std_runs=3)
+    down = compare(after, before, run_std=0.0217, run_std_runs=3, verdict_rule=OLD_RULE)
     assert down.verdict == "regressed"
+
+
+def _reversal(shift: float) -> tuple[np.ndarray, np.ndarray]:
+    """24 paired seeds whose deltas centre on ``shift`` with sd 0.1064 (a fixed pattern: the interval is known)."""
+    pattern = np.array([-1.7, -1.2, -0.9, -0.7, -0.5, -0.4, -0.3, -0.2, -0.1, -0.05, 0.0, 0.05,
+                        0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, -1.05])  # fmt: skip
+    deltas = shift + 0.1064 * (pattern - pattern.mean()) / pattern.std(ddof=1)
+    return _seeds([0.0] * 24), _seeds(deltas)
+
+
+def test_a_significant_reversal_smaller_than_delta_is_called_regressed_not_unresolved():
+    """The reversal the old rule hid: delta −0.064 with an interval clear of 0 and δ 0.10. The direction is a finding
+    (regressed); against δ the interval reaches both sides of −δ, so the size is undetermined."""
+    before, after = _reversal(-0.064)
+    c = compare(before, after, smallest_effect=0.10)
+    assert c.ci_high < 0 and -0.11 < c.ci_low < -0.10 and c.p_value < 0.01
+    assert c.verdict == "regressed" and c.magnitude == "undetermined" and c.verdict_rule == "direction"
+    assert c.finding == "regressed, size against δ undetermined"
+    assert "excludes 0" in c.reason
+    assert "size against the smallest effect of interest δ 0.100 is undetermined" in c.reason
+    assert c.p_beyond == 1.0, "|delta| below δ: the minimum-effect test cannot reject"
+    old = compare(before, after, smallest_effect=0.10, verdict_rule=OLD_RULE)
+    assert old.verdict == "unresolved" and "within the smallest effect of interest" in old.reason
+
+
+def test_a_small_significant_effect_inside_delta_is_improved_by_less_than_delta():
+    before, after = _reversal(0.06)
+    c = compare(before, after, smallest_effect=0.15)
+    assert c.ci_low > 0 and c.equivalence_high < 0.15 and c.p_equivalence < 0.05
+    assert c.verdict == "improved" and c.magnitude == "within δ" and c.finding == "improved, by less than δ"
+    assert "By less than δ" in c.reason and "a real gain smaller than the effect that matters" in c.reason
+
+
+def test_an_effect_whose_interval_clears_delta_is_beyond_delta():
+    before, after = _reversal(0.2)
+    c = compare(before, after, smallest_effect=0.10)
+    assert c.ci_low > 0.10 and c.p_beyond < 0.05 and c.verdict == "improved" and c.magnitude == "beyond δ"
+    assert c.finding == "improved, by more than δ" and "the minimum-effect test" in c.reason
+    # the minimum-effect p is twice the one-sided t p against δ: below 0.05 exactly when the 95% interval clears δ
+    d = after.mean(axis=1) - before.mean(axis=1)
+    one_sided = sps.ttest_1samp(d, 0.10, alternative="greater").pvalue
+    assert c.p_beyond == pytest.approx(2 * one_sided, rel=1e-9)
+    edge = compare(before, after, smallest_effect=c.ci_low)
+    assert edge.p_beyond == pytest.approx(0.05, rel=1e-6)
+    down = compare(after, before, smallest_effect=0.10)
+    assert down.verdict == "regressed" and down.magnitude == "beyond δ" and "beyond −δ" in down.reason
+
+
+def test_an_equivalence_is_flat_within_delta_under_either_rule():
+    before, after = _reversal(0.005)
+    for rule in ("direction", OLD_RULE):
+        c = compare(before, after, smallest_effect=0.08, verdict_rule=rule)
+        assert c.ci_low < 0 < c.ci_high and c.verdict == "flat" and c.finding == "flat"
+    assert compare(before, after, smallest_effect=0.08).magnitude == "within δ"
+
+
+def test_one_seed_and_no_delta_leave_the_magnitude_out():
+    before, after = _reversal(0.2)
+    one = compare(before[0], after[0], smallest_effect=0.1)
+    assert one.verdict == "unresolved" and one.magnitude is None and "train-runs 2" in one.reason
+    bare = compare(before, after)
+    assert bare.verdict == "improved" and bare.magnitude is None and bare.p_beyond is None
+    assert "judged against nothing" in bare.reason
+    with pytest.raises(ConfigError, match="verdict_rule"):
+        compare(before, after, verdict_rule="magnitude")
+
+
+def test_with_few_seeds_the_minimum_effect_p_is_floored_by_its_exact_test_too():
+    c = compare(_seeds([0.0] * 5), _seeds([0.5, 0.52, 0.49, 0.51, 0.5]), smallest_effect=0.1, alpha=0.1)
+    assert c.p_beyond >= 2 * 2.0**-5 and c.verdict == "improved", "2 × the least one-sided share of 32 patterns"
 
 
 def test_three_seeds_cannot_claim_improved_at_alpha_005_however_far_apart():

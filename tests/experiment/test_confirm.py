@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -412,3 +413,166 @@ def test_the_second_confirmations_plans_parse_with_power_for_their_smallest_effe
     assert plan.gatekeeping and plan.smallest_effect is not None and len(plan.seeds) >= 20
     assert plan.power["alpha_primary"] == plan.alpha == 0.05 and plan.power["power"] >= 0.8
     assert plan.power["warning"] is None
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-calc", "mismatch"])
+def test_the_second_confirmations_plans_read_and_re_aggregate_exactly_as_they_did(name):
+    """A plan written before decision rules, rank estimands and collapse rates existed reads to the block its run
+    stored, and re-aggregating its run gives every row of the family field for field as stored; the only addition is
+    the power the runs realised."""
+    plan = confirm.read_plan(COMMITTED.parent / "confirm-v2" / f"{name}.yaml")
+    stored = json.loads((COMMITTED.parent / "confirm-v2" / name / "results.json").read_text())
+    assert plan.decision_rule == "observed-above-delta" and json.loads(json.dumps(plan.to_dict())) == stored["plan"]
+    block = confirm.confirmation(stored, plan)
+    assert block["family"] == stored["confirmation"]["family"]
+    assert {k: v for k, v in block.items() if k != "realised_power"} == stored["confirmation"]
+    realised = block["realised_power"]
+    assert realised["seeds"] == len(plan.seeds) and realised["alpha"] == plan.power["alpha_primary"]
+
+
+def _sized(plan: confirm.Plan, rows: list[tuple[str, str, float, float | None]]) -> list[dict]:
+    """Made-up rows under the direction rule: (verdict, magnitude, p, minimum-effect p) each, primary first."""
+    out = _rows(plan, [p for _, _, p, _ in rows], [v for v, _, _, _ in rows])
+    for row, (_, magnitude, _, beyond) in zip(out, rows, strict=True):
+        row.update(verdict_rule="direction", magnitude_unadjusted=magnitude, p_beyond=beyond)
+    return out
+
+
+def test_a_significant_reversal_of_the_primary_is_a_contradiction_not_unresolved(tmp_path):
+    plan = replace(_plan(tmp_path, cells=2, gatekeeping=True), decision_rule="direction", smallest_effect=0.1)
+    block = confirm.decide(_sized(plan, [("regressed", "undetermined", 0.007, 1.0), ("improved", "beyond δ", 0.001,
+                                                                                        0.01)]), plan)  # fmt: skip
+    first = block["primary"]
+    assert first["verdict"] == "regressed" and first["finding"] == "regressed, size against δ undetermined"
+    assert block["outcome"] == "contradicted" and block["gate"] == "closed" and block["decision_rule"] == "direction"
+    assert "it is regressed, size against δ undetermined" in block["family"][1]["reason"]
+
+
+def test_under_the_minimum_effect_rule_the_primary_needs_its_interval_beyond_delta(tmp_path):
+    plan = replace(_plan(tmp_path, gatekeeping=True), decision_rule="minimum-effect", smallest_effect=0.1,
+                   expected_effect=0.2)  # fmt: skip
+    short = confirm.decide(_sized(plan, [("improved", "undetermined", 0.001, 0.2), ("improved", "beyond δ", 0.001,
+                                                                                     0.001),
+                                         ("unresolved", "undetermined", 0.3, 1.0)]), plan)  # fmt: skip
+    assert short["primary"]["verdict"] == "improved" and short["outcome"] == "not confirmed"
+    assert short["gate"] == "closed", "the direction alone does not open the gate under this rule"
+    far = confirm.decide(_sized(plan, [("improved", "beyond δ", 0.001, 0.01), ("improved", "beyond δ", 0.001,
+                                                                                0.03), ("improved", "beyond δ", 0.001,
+                                                                                        0.04)]), plan)  # fmt: skip
+    assert far["outcome"] == "confirmed" and far["gate"] == "open"
+    # the secondaries' minimum-effect p, Holm-adjusted between them: 0.06 and 0.06 are not below 0.05
+    assert [r["p_beyond_holm"] for r in far["family"]] == pytest.approx([0.01, 0.06, 0.06])
+    assert [r["magnitude"] for r in far["family"]] == ["beyond δ", "undetermined", "undetermined"]
+    assert [r["finding"] for r in far["family"]][1] == "improved, size against δ undetermined"
+    assert "its size is undetermined" in far["family"][1]["reason"]
+
+
+def test_a_direction_that_holm_withdraws_is_flat_when_it_was_shown_within_delta(tmp_path):
+    plan = replace(_plan(tmp_path), decision_rule="direction", smallest_effect=0.1)
+    block = confirm.decide(_sized(plan, [("improved", "within δ", 0.03, 1.0), ("improved", "beyond δ", 0.001, 0.001),
+                                         ("unresolved", "undetermined", 0.5, 1.0)]), plan)  # fmt: skip
+    first = block["family"][0]
+    assert first["p_holm"] == pytest.approx(0.06) and first["verdict"] == "flat" and first["magnitude"] == "within δ"
+    assert first["reason"].startswith("flat after Holm's correction: alone it would be improved")
+    assert block["family"][1]["finding"] == "improved, by more than δ"
+
+
+def _explored(plan_path: str, dis: list[float], none: list[float]) -> None:
+    explored = Path(plan_path).parent / "explored" / "results.json"
+    data = json.loads(explored.read_text())
+    data["cells"] = [{"name": CELL, "arms": {"dis": {"pass_at_1": dis}, "none": {"pass_at_1": none}}}]
+    explored.write_text(json.dumps(data))
+
+
+SEEDS_30 = list(range(201, 231))
+
+
+def test_a_plan_pre_registers_the_minimum_effect_rule_the_rank_estimand_and_collapse_rates(tmp_path):
+    path = write_plan(tmp_path / "plan", decision_rule="minimum-effect", smallest_effect=0.05, expected_effect=0.12,
+                      rank_estimand=True, collapse_floor=0.05, secondary=["dis_vs_random", "collapse:dis_vs_none"],
+                      seeds=SEEDS_30)  # fmt: skip
+    plan = confirm.read_plan(path)
+    assert plan.decision_rule == "minimum-effect" and plan.verdict_rule == "direction"
+    assert (CELL, "collapse:dis_vs_none") in plan.family and len(plan.family) == 3
+    power = plan.power
+    assert power["power"] == pytest.approx(stats.power_beyond(0.12, 0.05, 0.05, 30, 0.05))
+    assert power["effect"] == 0.12 and "beyond δ 0.05" in power["summary"] and "true delta is 0.12" in power["summary"]
+    model = stats.Mixture(collapse_after=0.0, collapse_before=0.0, sd=0.05, healthy=0.5)
+    assert power["power_rank"] == pytest.approx(stats.mixture_power(model, 0.05, 30, 0.05)["rank"])
+    stated = plan.to_dict()
+    assert stated["decision_rule"] == "minimum-effect" and stated["rank_estimand"] and stated["collapse_floor"] == 0.05
+    assert "decision_rule" not in confirm.read_plan(write_plan(tmp_path / "old")).to_dict(), "an older plan: as it was"
+
+
+def test_a_mixture_power_model_is_fitted_to_the_cited_runs_and_simulated(tmp_path):
+    plan_path = write_plan(tmp_path / "plan", expected_sd=None, smallest_effect=0.05, decision_rule="direction",
+                           collapse_floor=0.05, power_model={}, seeds=SEEDS_30)  # fmt: skip
+    dis = [0.60, 0.0, 0.64, 0.58, 0.0, 0.62, 0.61, 0.63]
+    none = [0.55, 0.57, 0.0, 0.56, 0.54, 0.58, 0.57, 0.55]
+    _explored(plan_path, dis, none)
+    power = confirm.read_plan(plan_path).power
+    fitted = stats.fit_mixture(none, dis, 0.05)
+    assert power["model"] == "mixture" and power["mixture"] == fitted.to_dict()
+    assert power["power"] == stats.mixture_power(fitted, 0.05, 30, 0.05, ranks=False)["t"]
+    assert "explored/results.json" in power["mixture_source"] and "collapses with probability 0.25" in power["summary"]
+    normal = confirm.read_plan(write_plan(tmp_path / "normal", expected_sd=fitted.sd, smallest_effect=0.05,
+                                          decision_rule="direction", seeds=SEEDS_30)).power  # fmt: skip
+    assert power["power"] < normal["power"], "the collapses cost power the healthy sd alone does not show"
+    given = confirm.read_plan(write_plan(tmp_path / "given", expected_sd=None, smallest_effect=0.05, seeds=SEEDS_30,
+                                         collapse_floor=0.05, power_model={"collapse": [0.2, 0.0], "sd": 0.06,
+                                                                           "healthy": 0.6}))  # fmt: skip
+    assert given.power["mixture"] == stats.Mixture(0.2, 0.0, 0.06, 0.6).to_dict()
+    assert given.power["mixture_source"] == "the plan's power_model"
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"decision_rule": "magnitude"}, "decision_rule must be one of"),
+        ({"decision_rule": "minimum-effect", "smallest_effect": 0.05}, "needs smallest_effect .* and expected_effect"),
+        ({"decision_rule": "minimum-effect", "smallest_effect": 0.05, "expected_effect": 0.05}, "above δ"),
+        ({"rank_estimand": "yes"}, "rank_estimand must be true or false"),
+        ({"secondary": ["collapse:dis_vs_none"]}, "a collapse: comparison needs collapse_floor"),
+        ({"collapse_floor": 1.5}, "collapse_floor must be a pass@1 in"),
+        ({"power_model": {"sd": 0.1}}, "power_model needs collapse_floor"),
+        ({"power_model": {"sd": 0.1}, "collapse_floor": 0.05}, "expected_sd and power_model both"),
+        ({"power_model": {"spread": 0.1}, "collapse_floor": 0.05, "expected_sd": None}, "power_model must be"),
+        ({"power_model": {"sd": 0.1}, "collapse_floor": 0.05, "expected_sd": None}, "leaves .* to be fitted"),
+        ({"power_model": {"collapse": 1.0, "sd": 0.1, "healthy": 0.5}, "collapse_floor": 0.05, "expected_sd": None},
+         "probability"),
+    ],
+)  # fmt: skip
+def test_the_new_plan_fields_are_checked_before_anything_trains(tmp_path, capsys, changes, needle):
+    plan = write_plan(tmp_path / "plan", **changes)
+    with pytest.raises(ConfigError, match=needle):
+        confirm.read_plan(plan)
+    assert main(["confirm", plan, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "error: plan" in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def _summary(passes: dict[str, list[float]]) -> dict:
+    """A results.json content with one cell whose arms scored these per-seed pass@1 (each over 5 tasks alike)."""
+    arms = {arm: {"pass_at_1": p, "evals": [{"per_task": [x] * 5} for x in p],
+                  "runs": {f"{arm}-s{i}": {"checks": {"reward_last10": 0.5}} for i in range(len(p))}}
+            for arm, p in passes.items()}  # fmt: skip
+    return {"cells": [{"name": CELL, "arms": arms, "compare": {}}], "base": {"run_std": 0.02, "runs": 3}}
+
+
+def test_the_family_carries_the_rank_estimand_and_the_collapse_rates_beside_the_mean(tmp_path):
+    plan = confirm.read_plan(write_plan(tmp_path / "plan", smallest_effect=0.05, decision_rule="direction",
+                                        rank_estimand=True, collapse_floor=0.05, seeds=list(range(201, 213)),
+                                        secondary=["collapse:dis_vs_none"]))  # fmt: skip
+    dis = [0.6, 0.62, 0.0, 0.61, 0.63, 0.6, 0.0, 0.64, 0.62, 0.0, 0.61, 0.6]
+    none = [0.55, 0.56, 0.54, 0.0, 0.57, 0.55, 0.56, 0.54, 0.55, 0.0, 0.56, 0.57]
+    summary = _summary({"dis": dis, "none": none, "random": none})
+    block = confirm.confirmation(summary, plan)
+    primary, collapse = block["family"]
+    deltas = [a - b for a, b in zip(dis, none, strict=True)]
+    assert primary["rank"] == stats.rank_estimate(deltas).to_dict() and primary["rank"]["hodges_lehmann"] > 0
+    assert primary["collapse"]["after_collapsed"] == 3 and primary["collapse"]["before_collapsed"] == 2
+    assert primary["magnitude"] is not None and primary["finding"].startswith(primary["verdict"])
+    assert collapse["kind"] == "collapse" and collapse["p_value"] == stats.collapse_compare(none, dis, 0.05).p_value
+    assert collapse["verdict"] == "unresolved" and "dis collapsed in 3 of 12 seeds" in collapse["reason_unadjusted"]
+    assert block["realised_power"]["sd"] == pytest.approx(statistics.stdev(deltas))
+    assert block["realised_power"]["mixture"]["collapse_after"] == pytest.approx(3 / 12)

@@ -1,13 +1,16 @@
 """report.write on hand-made experiment folders: one cell × 2 arms × 2 seeds (a `sao recipe`) and 4 cells (2 lags ×
 2 lrs) × 3 arms × 2 seeds (a `sao sweep`). Every plot is a real PNG linked from report.md, the verdict and every
 number read as results.json holds them, a missing value reads "—", malformed input is a one-line DataError naming
-the file, and a rebuild gives the same page."""
+the file, and a rebuild gives the same page. The committed confirmations' reports are what `sao report` writes
+from their results.json, which read as they did before verdicts gained a magnitude; the realised power stands
+beside the planned one, and the off-policy diagnostics show where a run logged them."""
 
 from __future__ import annotations
 
 import ast
 import copy
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -379,7 +382,6 @@ def _malformed(edit) -> tuple[dict, list[dict]]:
     "name, content, match",
     [
         ("results.json", None, r"results\.json is missing"),
-        ("train_log.json", None, r"train_log\.json is missing"),
         ("results.json", "{not json", r"results\.json is not readable JSON"),
         ("train_log.json", "", r"train_log\.json is not readable JSON"),
         ("results.json", "[1, 2]", r"results\.json: the top level should be a JSON object \(found: list\)"),
@@ -455,7 +457,8 @@ def test_the_module_imports_only_the_standard_library_sao_core_and_matplotlib_la
 
     stdlib = sys.stdlib_module_names | {"__future__"}
     outside = {m for m in roots(top) if m.split(".")[0] not in stdlib}
-    assert outside == {"sao.core.config", "sao.core.errors", "sao.core.io", "sao.core.reading"}
+    # sao.core: its stats, for the realised power of a results.json written before it was recorded
+    assert outside == {"sao.core", "sao.core.config", "sao.core.errors", "sao.core.io", "sao.core.reading"}
     lazy = {m for m in roots(anywhere) - roots(top)}
     assert lazy and all(m.startswith("matplotlib") for m in lazy)
 
@@ -523,3 +526,113 @@ def test_a_confirmation_states_its_delta_p_rule_power_and_gatekeeping():
     holm = report.render(*_confirmed(gatekeeping=False, gate=None))
     assert "holm across the whole family at alpha 0.05" in holm and "Holm-adjusted p" in holm
     assert "Gatekeeping:" not in _section(holm, "What came out")
+
+
+def test_without_train_log_json_report_md_is_rebuilt_from_results_json_and_the_logs_plots_are_kept(tmp_path):
+    """A committed folder keeps results.json and not the per-step log: report.md comes out the same, the plots drawn
+    from the log are left as they were, and where they never existed they are not linked."""
+    folder = _write_folder(tmp_path / "x", _one_cell())
+    first = report.write(folder).read_text(encoding="utf-8")
+    reward = (folder / "plots" / "reward.png").read_bytes()
+    (folder / "train_log.json").unlink()
+    (folder / "plots" / "reward.png").write_bytes(reward + b"kept")  # the log's plot: not redrawn
+    assert report.write(folder).read_text(encoding="utf-8") == first
+    assert (folder / "plots" / "reward.png").read_bytes() == reward + b"kept"
+    bare = _write_folder(tmp_path / "bare", _one_cell())
+    (bare / "train_log.json").unlink()
+    text = report.write(bare).read_text(encoding="utf-8")
+    assert "reward.png" not in text and "ratio_max.png" not in text
+    for stem in ("masked_share", "evals"):
+        assert_png_linked(bare, text, stem, min_bytes=5_000)
+
+
+COMMITTED = Path(__file__).resolve().parents[2] / "docs"
+
+
+@pytest.mark.parametrize("name", ["confirm-v2/tiny", "confirm-v2/tiny-calc", "confirm-v2/mismatch"])
+def test_the_committed_confirmation_reports_are_what_sao_report_writes_from_their_results(name):
+    """Their results.json were written before verdicts gained a magnitude and read as they did: the only line this
+    version adds is the realised power beside the planned power."""
+    folder = COMMITTED / name
+    results = json.loads((folder / "results.json").read_text())
+    kept = {p.stem for p in (folder / "plots").glob("*.png")}
+    text = report.render(results, None, kept)
+    assert text == (folder / "report.md").read_text(encoding="utf-8"), f"run `sao report docs/{name}` and commit"
+    assert "Power, realised" in text and "Off-policy diagnostics" not in text
+
+
+def test_the_committed_first_confirmation_reads_without_anything_this_version_adds():
+    results = json.loads((COMMITTED / "confirm-tiny" / "run" / "results.json").read_text())
+    text = report.render(results, None)
+    assert "Power, realised" not in text and "by less than δ" not in text and "Off-policy" not in text
+
+
+def test_the_realised_power_stands_beside_the_planned_power():
+    results, log = _confirmed(gatekeeping=True, gate="closed")
+    results["plan"]["power"].update(smallest_effect=0.04, alpha_primary=0.05, sd=0.05, power=0.0)
+    text = report.render(results, log)
+    dis, none = (results["cells"][0]["arms"][a]["pass_at_1"] for a in ("dis", "none"))
+    sd = statistics.stdev([a - b for a, b in zip(dis, none, strict=True)])
+    line = next(x for x in _section(text, "Plan (fixed before the run)").splitlines() if "Power, realised" in x)
+    assert f"have sd {sd:.3g} (the plan assumed 0.05)" in line and "(planned 0.00)" in line
+    assert "power 0.00 for δ 0.04" in line, "2 seeds: the exact floor leaves no power, realised or planned"
+    results["confirmation"]["realised_power"] = {"seeds": 2, "sd": 0.3, "alpha": 0.05, "smallest_effect": 0.04,
+                                                 "effect": 0.04, "power": 0.123, "mixture": None,
+                                                 "mixture_power": None}  # fmt: skip
+    assert "has power 0.12 for δ 0.04" in report.render(results, log), "recorded: read, not recomputed"
+
+
+def test_a_plan_with_a_decision_rule_and_estimands_states_them_and_each_verdicts_size():
+    results, log = _confirmed(gatekeeping=True, gate="closed")
+    results["plan"].update(decision_rule="minimum-effect", expected_effect=0.1, rank_estimand=True,
+                           collapse_floor=0.05)  # fmt: skip
+    row = results["confirmation"]["primary"]
+    row.update(verdict_unadjusted="regressed", verdict="regressed", magnitude="undetermined",
+               finding="regressed, size against δ undetermined",
+               rank={"hodges_lehmann": -0.06, "low": -0.11, "high": -0.01, "sign_p": 0.15, "positive": 8,
+                     "negative": 16, "ties": 0},
+               collapse={"n": 24, "after_collapsed": 3, "before_collapsed": 0, "p_value": 0.25})  # fmt: skip
+    results["confirmation"]["outcome"] = "contradicted"
+    results["verdict"] = "regressed"
+    text = report.render(results, log)
+    assert "## Verdict: **regressed**, size against δ undetermined" in text
+    plan = _section(text, "Plan (fixed before the run)")
+    assert "**Decision rule:** minimum effect" in plan and "true delta of 0.1000" in plan
+    assert "the Hodges–Lehmann shift" in plan and "runs below pass@1 0.05" in plan
+    assert "the verdict says the direction" in plan
+    came = _section(text, "What came out")
+    assert "**Primary: contradicted** (expected improved; after holm: regressed, size against δ undetermined)" in came
+    primary = _row(came, results["cells"][0]["name"], "dis_vs_none (primary)")
+    assert primary[9:] == ["**regressed**, size against δ undetermined", "-0.0600 [-0.1100, -0.0100]",
+                           "0.15 (8 / 16 / 0)", "3, 0 of 24", "0.25"]  # fmt: skip
+
+
+def test_the_off_policy_diagnostics_show_the_ess_the_sides_of_the_band_and_the_tokens_outside_it(tmp_path):
+    results, log = _one_cell()
+    arm = results["cells"][0]["arms"]["dis"]
+    arm["curves"].update(would_be_masked_share_low=_fold(0.01, 0.03), would_be_masked_share_high=_fold(0.0, 0.01))
+    run = next(iter(arm["runs"].values()))
+    run["checks"].update(outside_band_tokens=[[" =", 30, 2, 40], ["42", 0, 5, 10]],
+                         outside_band_by_position=[8, 0, 0, 0, 0, 0, 0, 0, 0, 29],
+                         tokens_by_position=[100] * 10)  # fmt: skip
+    for r in log:
+        r["ratio_ess_share"] = 0.9 - 0.01 * r["step"]
+    folder = _write_folder(tmp_path / "x", (results, log))
+    text = report.write(folder).read_text(encoding="utf-8")
+    section = _section(text, "Off-policy diagnostics")
+    name = results["cells"][0]["name"]
+    assert _row(section, name, "dis", "0.1500")[3:8] == ["0.1000", "0.1500", "0.1500", "0.0200", "0.0050"]
+    assert _row(section, name, "dis", '" ="')[3:] == ["30", "2", "40", "0.8000"]
+    assert _row(section, name, "dis", "0.0800")[-1] == "0.2900", "the shares per tenth of the reply"
+    assert_png_linked(folder, text, report.ESS_PLOT[0], min_bytes=5_000)
+    assert "Off-policy diagnostics" not in report.render(*_nulled_diagnostics())
+
+
+def _nulled_diagnostics() -> tuple[dict, list[dict]]:
+    """The one-cell experiment as a results.json written before the diagnostics existed."""
+    results, log = _one_cell()
+    for cell in results["cells"]:
+        for arm in cell["arms"].values():
+            for key in ("ratio_ess_share", "masked_share_low", "masked_share_high"):
+                arm["curves"].pop(key)
+    return results, log

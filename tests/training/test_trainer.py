@@ -22,6 +22,10 @@ SPEC_FIELDS = {
     "step", "phase", "staleness", "reward_mean", "masked_share", "would_be_masked_share", "ratio_min",
     "ratio_mean", "ratio_max", "ratio_p99", "advantage_mean", "explained_variance", "critic_loss",
     "response_length", "truncation_share", "grad_norm", "skipped", "time",
+    # the off-policy diagnostics: the ratios' effective sample size, the masked share by the band's side, and which
+    # tokens fall outside the band and where in the reply
+    "ratio_ess_share", "masked_share_low", "masked_share_high", "would_be_masked_share_low",
+    "would_be_masked_share_high", "outside_band_tokens", "outside_band_by_position", "tokens_by_position",
 }  # fmt: skip
 
 
@@ -70,6 +74,9 @@ def test_log_has_every_spec_field_and_is_valid_json(tiny_config, tmp_path):
     assert len(records) == tiny_config.algorithm.critic_warmup + tiny_config.training.steps
     for r in records:
         assert set(r) >= SPEC_FIELDS
+        assert 0 < r["ratio_ess_share"] <= 1 + 1e-9 and sum(r["tokens_by_position"]) > 0
+        assert all(isinstance(text, str) and seen >= below + above for text, below, above, seen in
+                   r["outside_band_tokens"])  # fmt: skip
     assert [r["phase"] for r in records[:2]] == ["critic-warmup"] * 2
     assert all(r["grad_norm"] is None for r in records[:2]), "warmup steps take no policy step"
     assert all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in records[2:])

@@ -288,13 +288,25 @@ def _stats(
     def q(x: Tensor, p: float) -> float:
         return float(torch.quantile(x.double(), p)) if x.numel() else float("nan")
 
+    masked = action_mask & (weight == 0) & torch.isfinite(ratio)  # [B, T] action tokens the rule gave no gradient
+    counted = action_mask & torch.isfinite(ratio)  # [B, T]
+    below, above = counted & (ratio <= lo), counted & (ratio >= hi)  # [B, T] outside the band, by side
+    r64 = finite_r.double()
+    # Kish's effective sample size of the ratios as weights, (Σ r)² / Σ r², as a share of the tokens: 1 when every
+    # ratio is equal, 1/N when one token carries all the weight
+    ess_share = float(r64.sum() ** 2 / (r64.square().sum() * r64.numel())) if r64.numel() else float("nan")
     return {
         "tokens": float(n),
         "trajectories": float(action_mask.shape[0]),
-        "masked_share": float((action_mask & (weight == 0) & torch.isfinite(ratio)).sum() / n),
+        "masked_share": float(masked.sum() / n),
         "would_be_masked_share": float(
             (action_mask & torch.isfinite(ratio) & ~((ratio > lo) & (ratio < hi))).sum() / n
         ),
+        "masked_share_low": float((masked & below).sum() / n),  # masked with ratio <= lo
+        "masked_share_high": float((masked & above).sum() / n),  # masked with ratio >= hi
+        "would_be_masked_share_low": float(below.sum() / n),  # the band's low side, on any rule
+        "would_be_masked_share_high": float(above.sum() / n),  # the band's high side
+        "ratio_ess_share": ess_share,
         "ratio_min": float(finite_r.min()) if finite_r.numel() else float("nan"),
         "ratio_mean": float(finite_r.mean()) if finite_r.numel() else float("nan"),
         "ratio_max": float(finite_r.max()) if finite_r.numel() else float("nan"),

@@ -36,9 +36,14 @@ from sao.experiment.runner import Experiment, Grid, arm_settings, cell_name
 
 CORRECTIONS = ("holm",)
 EXPECT = ("improved", "regressed")
+CLAIMS = (*EXPECT, *stats.COLLAPSE_VERDICTS)  # what a row of the family can claim, and Holm's correction guards
+DECISION_RULES = ("direction", "minimum-effect", "observed-above-delta")
+OLD_RULE = "observed-above-delta"  # a plan that states no decision_rule: the rule it was written under
+COLLAPSE = "collapse:"  # a secondary comparison of collapse rates: collapse:dis_vs_none
 PLAN_SET = ("lag", "lr", "ratio", "correction", "seed", "train_runs")  # the plan sets these, not its settings
 KEYS = {"question", "written", "preset", "settings", "grid", "arms", "primary", "secondary", "seeds", "exploratory",
-        "correction", "alpha", "smallest_effect", "expected_sd", "gatekeeping"}  # fmt: skip
+        "correction", "alpha", "smallest_effect", "expected_sd", "gatekeeping", "decision_rule", "expected_effect",
+        "rank_estimand", "collapse_floor", "power_model"}  # fmt: skip
 # The fields this module adds to a plan (docs/design/confirm.md has the whole plan):
 #   smallest_effect: δ > 0, the smallest delta of pass@1 that would matter, fixed before the run. Every comparison of
 #     the family uses it: improved/regressed need |delta| > δ, flat needs the 1 − 2·alpha interval inside ± δ. Absent:
@@ -49,6 +54,19 @@ KEYS = {"question", "written", "preset", "settings", "grid", "arms", "primary", 
 #     family) are Holm-adjusted among themselves only if the primary came out as expected (fixed sequence); otherwise
 #     they are reported but not claimed. false: Holm across the whole family, primary included. Default: true for a
 #     plan that states smallest_effect (a plan written for these rules), false for one that does not.
+#   decision_rule: what makes the primary come out as expected. "direction": its verdict (improved or regressed when
+#     the interval excludes 0, whatever the size; the magnitude against δ is reported apart). "minimum-effect": its
+#     verdict and the interval beyond δ (the minimum-effect test; needs expected_effect). Absent: the rule plans had
+#     before it existed, "observed-above-delta" (improved only when also |delta| > δ), so they re-aggregate as they did.
+#   expected_effect: the true delta the plan expects (> δ), for the power of the minimum-effect rule.
+#   rank_estimand: true: beside every mean comparison, the Hodges–Lehmann shift of the per-seed deltas with its
+#     interval and the sign test (reported, not corrected; robust to a few collapsed seeds).
+#   collapse_floor: a run whose pass@1 is below it collapsed: every comparison reports both arms' collapse rates and
+#     McNemar's exact test, and "collapse:A_vs_B" in secondary makes that test a member of the family (Holm).
+#   power_model: the power from a mixture (stats.Mixture) instead of a normal sd: {collapse: P(a run collapses), one
+#     number or [after, before], sd: the sd of the per-seed deltas where neither collapsed, healthy: a healthy run's
+#     pass@1, collapsed: a collapsed run's}; any field left out is fitted (stats.fit_mixture, with collapse_floor) to
+#     the primary cell of the cited exploratory run with the most seeds there. Needs collapse_floor.
 POWER_TARGET = 0.8  # a plan whose power for δ is below this is warned about in words (not refused)
 
 
@@ -72,6 +90,16 @@ class Plan:
     expected_sd: float | None = None  # the plan's own sd of per-seed primary deltas, for the power
     gatekeeping: bool = False  # the primary alone at full alpha, then Holm over the rest only if it succeeded
     power: dict[str, Any] | None = None  # ``plan_power``: the plan's power for δ, computed before the run
+    decision_rule: str = OLD_RULE  # DECISION_RULES; the default is what a plan that states none was written under
+    expected_effect: float | None = None  # the true delta expected, for the power of the minimum-effect rule
+    rank_estimand: bool = False  # Hodges–Lehmann and the sign test beside every mean comparison
+    collapse_floor: float | None = None  # a run below this pass@1 collapsed; collapse rates and McNemar
+    power_model: dict[str, Any] | None = None  # the mixture's fields the plan gives (None: a normal sd)
+
+    @property
+    def verdict_rule(self) -> str:
+        """The rule ``stats.compare`` judges each comparison by: the old one for a plan written under it."""
+        return OLD_RULE if self.decision_rule == OLD_RULE else "direction"
 
     @property
     def family(self) -> list[tuple[str, str]]:
@@ -99,7 +127,21 @@ class Plan:
             "expected_sd": self.expected_sd,
             "gatekeeping": self.gatekeeping,
             "power": self.power,
+            **self._stated(),
         }
+
+    def _stated(self) -> dict[str, Any]:
+        """The fields a plan written before them does not have, only where this plan states them (so an older plan's
+        block reads as it did)."""
+        out: dict[str, Any] = {}
+        if self.decision_rule != OLD_RULE:
+            out["decision_rule"] = self.decision_rule
+        for key in ("expected_effect", "collapse_floor", "power_model"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.rank_estimand:
+            out["rank_estimand"] = True
+        return out
 
 
 def _fail(path: Path, message: str) -> ConfigError:
@@ -108,7 +150,10 @@ def _fail(path: Path, message: str) -> ConfigError:
 
 def _comparison(path: Path, text: Any, arms: tuple[str, ...], where: str) -> tuple[str, str]:
     """AFTER_vs_BEFORE, split at ``_vs_``: no rule or baseline holds it, and the ``+`` of an arm like dis+batch-mean
-    is not it, so ``dis_vs_dis+batch-mean`` is (dis, dis+batch-mean)."""
+    is not it, so ``dis_vs_dis+batch-mean`` is (dis, dis+batch-mean). A ``collapse:`` in front (collapse rates, in
+    secondary) is not part of the arms."""
+    if where == "secondary" and isinstance(text, str):
+        text = text.removeprefix(COLLAPSE)
     parts = text.split("_vs_") if isinstance(text, str) else []
     if len(parts) != 2 or not all(parts) or parts[0] == parts[1]:
         raise _fail(path, f"{where} must be a comparison like dis_vs_none (after_vs_before), got {text!r}")
@@ -198,6 +243,19 @@ def read_plan(path: str | Path) -> Plan:
         raise _fail(path, "'secondary' must be a list of comparisons like dis_vs_random")
     for key in secondary:
         _comparison(path, key, grid.arms, "secondary")
+    collapse_floor = data.get("collapse_floor")
+    if collapse_floor is not None and (isinstance(collapse_floor, bool) or not isinstance(collapse_floor, (int, float))
+                                       or not 0 < collapse_floor <= 1):  # fmt: skip
+        raise _fail(path, f"collapse_floor must be a pass@1 in (0, 1], got {collapse_floor!r}")
+    if collapse_floor is None and any(str(k).startswith(COLLAPSE) for k in secondary):
+        raise _fail(path, "a collapse: comparison needs collapse_floor (the pass@1 below which a run collapsed)")
+    decision_rule = data.get("decision_rule", OLD_RULE)
+    if decision_rule not in DECISION_RULES:
+        raise _fail(path, f"decision_rule must be one of {list(DECISION_RULES)}, got {decision_rule!r}")
+    rank_estimand = data.get("rank_estimand", False)
+    if not isinstance(rank_estimand, bool):
+        raise _fail(path, f"rank_estimand must be true or false, got {rank_estimand!r}")
+    power_model = _power_model(path, data.get("power_model"), collapse_floor)
 
     correction = data["correction"]
     if correction not in CORRECTIONS:
@@ -206,7 +264,15 @@ def read_plan(path: str | Path) -> Plan:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
         raise _fail(path, f"alpha must be a number in (0, 1), got {alpha!r}")
     written = data.get("written")
-    smallest_effect, expected_sd = (_positive(path, data, key) for key in ("smallest_effect", "expected_sd"))
+    smallest_effect, expected_sd, expected_effect = (
+        _positive(path, data, key) for key in ("smallest_effect", "expected_sd", "expected_effect"))  # fmt: skip
+    if decision_rule == "minimum-effect" and (smallest_effect is None or expected_effect is None
+                                              or expected_effect <= smallest_effect):  # fmt: skip
+        raise _fail(path, "the minimum-effect rule needs smallest_effect (δ) and expected_effect, the true delta "
+                          "the plan expects, above δ: a true effect of δ itself is shown beyond δ at most alpha/2 "
+                          "of the time")  # fmt: skip
+    if power_model is not None and expected_sd is not None:
+        raise _fail(path, "expected_sd and power_model both set the power's sd: give power_model.sd instead")
     gatekeeping = data.get("gatekeeping", smallest_effect is not None)
     if not isinstance(gatekeeping, bool):
         raise _fail(path, f"gatekeeping must be true or false, got {gatekeeping!r}")
@@ -225,8 +291,31 @@ def read_plan(path: str | Path) -> Plan:
                  "expect": expect},
         secondary=[str(k) for k in secondary], seeds=seeds, correction=correction, alpha=float(alpha),
         exploratory=exploratory, smallest_effect=smallest_effect, expected_sd=expected_sd, gatekeeping=gatekeeping,
+        decision_rule=decision_rule, expected_effect=expected_effect, rank_estimand=rank_estimand,
+        collapse_floor=None if collapse_floor is None else float(collapse_floor), power_model=power_model,
     )  # fmt: skip
     return replace(plan, power=plan_power(plan, [(record["path"], got) for record, got in cited]))
+
+
+MODEL_KEYS = ("collapse", "sd", "healthy", "collapsed")
+
+
+def _power_model(path: Path, spec: Any, floor: Any) -> dict[str, Any] | None:
+    """The mixture's fields as the plan gives them (checked), or None for the normal model."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or set(spec) - set(MODEL_KEYS):
+        raise _fail(path, f"power_model must be a mapping with some of {list(MODEL_KEYS)}, got {spec!r}")
+    if floor is None:
+        raise _fail(path, "power_model needs collapse_floor: what counts as a collapsed run")
+    out: dict[str, Any] = {}
+    for key, value in spec.items():
+        values = value if key == "collapse" and isinstance(value, list) and len(value) == 2 else [value]
+        if not all(_finite(v) for v in values):
+            raise _fail(path, f"power_model.{key} must be a number{' or [after, before]' * (key == 'collapse')}, "
+                              f"got {value!r}")  # fmt: skip
+        out[key] = [float(v) for v in values] if len(values) == 2 else float(values[0])
+    return out
 
 
 def _positive(path: Path, data: dict[str, Any], key: str) -> float | None:
@@ -238,32 +327,98 @@ def _positive(path: Path, data: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
-def _primary_deltas(data: dict[str, Any], cell: str, after: str, before: str) -> list[float] | None:
-    """The per-seed pass@1 deltas after − before (seeds paired by index) in ``cell`` of an exploratory
-    results.json or sweep.json, or None when it does not hold both arms there with the same seeds (at least 2)."""
+def _primary_pass(data: dict[str, Any], cell: str, after: str, before: str) -> tuple[list[float], list[float]] | None:
+    """(after's, before's) per-seed pass@1 in ``cell`` of an exploratory results.json or sweep.json, seeds paired by
+    index, or None when it does not hold both arms there with the same seeds (at least 2)."""
     for c in data.get("cells") or []:
         if not isinstance(c, dict) or c.get("name") != cell or not isinstance(c.get("arms"), dict):
             continue
         values = [(c["arms"].get(arm) or {}).get("pass_at_1") for arm in (after, before)]
         if all(isinstance(v, list) and all(map(_finite, v)) for v in values) and len(values[0]) == len(values[1]) >= 2:
-            return [float(x) - float(y) for x, y in zip(values[0], values[1], strict=True)]
+            return [float(x) for x in values[0]], [float(x) for x in values[1]]
     return None
+
+
+def _primary_deltas(data: dict[str, Any], cell: str, after: str, before: str) -> list[float] | None:
+    """The per-seed pass@1 deltas after − before (seeds paired by index) in ``cell`` of an exploratory
+    results.json or sweep.json, or None when it does not hold both arms there with the same seeds (at least 2)."""
+    got = _primary_pass(data, cell, after, before)
+    return None if got is None else [x - y for x, y in zip(*got, strict=True)]
 
 
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _mixture(plan: Plan, cited: list[tuple[str, dict[str, Any]]]) -> tuple[stats.Mixture, str]:
+    """The plan's mixture: its ``power_model`` fields, the rest fitted to the primary cell of the cited run with the
+    most seeds there; and where it came from, in words."""
+    after, before, cell = plan.primary["after"], plan.primary["before"], plan.primary["cell"]
+    given = plan.power_model or {}
+    runs = [(where, got) for where, data in cited if (got := _primary_pass(data, cell, after, before))]
+    where, got = max(runs, key=lambda r: len(r[1][0]), default=(None, None))
+    fitted, fit_error = None, "no exploratory run it cites holds both arms' per-seed pass@1 in " + cell
+    if got is not None and len(given) < len(MODEL_KEYS):
+        try:
+            fitted = stats.fit_mixture(got[1], got[0], plan.collapse_floor)
+        except ConfigError as error:
+            fit_error = f"{where}: {error}"
+    q = given.get("collapse")
+    q_after, q_before = q if isinstance(q, list) else (q, q)
+    fields = {"collapse_after": q_after, "collapse_before": q_before, "sd": given.get("sd"),
+              "healthy": given.get("healthy"), "collapsed": given.get("collapsed")}  # fmt: skip
+    missing = [k for k, v in fields.items() if v is None and k != "collapsed"]
+    if missing and fitted is None:
+        raise _fail(plan.path, f"power_model leaves {missing} to be fitted, but {fit_error}: state them")
+    for key, value in list(fields.items()):
+        if value is None:
+            fields[key] = getattr(fitted, key) if fitted is not None else 0.0
+    try:
+        model = stats.Mixture(**fields)
+    except ConfigError as error:
+        raise _fail(plan.path, f"power_model: {error}") from None
+    left = [k for k in MODEL_KEYS if k not in given]
+    source = ("the plan's power_model" if not left or fitted is None else
+              f"{', '.join(left)} fitted to {len(got[0])} seeds of {where} (collapsed: pass@1 below "
+              f"{plan.collapse_floor:g}){', the rest from the plan' if given else ''}")  # fmt: skip
+    return model, source
+
+
+MIXTURE_MOST_SEEDS = 1000  # the search for the seeds a mixture's power needs stops here (each step simulates)
+SEARCH_DRAWS = 2000  # simulated experiments per step of that search (the power stated uses stats.MIXTURE_DRAWS)
+
+
+def _fewest(enough: Any, most: int) -> int | None:
+    """The fewest n >= 2 with ``enough(n)`` (doubling, then bisection; power grows with n), None past ``most``."""
+    high = 2
+    while not enough(high):
+        if high >= most:
+            return None
+        high = min(2 * high, most)
+    low = high // 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if mid >= 2 and enough(mid) else (mid, high)
+    return max(high, 2)
+
+
 def plan_power(plan: Plan, cited: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """The plan's power for its δ before the run: the paired t over its seeds at the level its primary is tested
     at (alpha under gatekeeping; under Holm across m comparisons at least the power at alpha / m, at most at alpha),
     with its ``expected_sd`` or the sd of the per-seed primary deltas of the cited run with the most seeds, and δ
-    its ``smallest_effect`` or that run's noise floor. A plan with no sd (or no δ) to use is refused."""
+    its ``smallest_effect`` or that run's noise floor. A plan with no sd (or no δ) to use is refused. With a
+    ``power_model`` the outcomes come from that mixture (simulated), under the minimum-effect rule the power is the
+    chance of an interval beyond δ at ``expected_effect``, and with ``rank_estimand`` the rank interval's and the
+    sign test's power are given beside it."""
     after, before, cell = plan.primary["after"], plan.primary["before"], plan.primary["cell"]
     found = [(where, d, data) for where, data in cited if (d := _primary_deltas(data, cell, after, before))]
     found = [(where, d, data) for where, d, data in found if statistics.stdev(d) > 0]
     best = max(found, key=lambda f: len(f[1]), default=None)  # the first cited among the largest
-    if plan.expected_sd is not None:
+    model = model_source = None
+    if plan.power_model is not None:
+        model, model_source = _mixture(plan, cited)
+        sd, sd_source = model.sd, "the mixture's sd of the rest"
+    elif plan.expected_sd is not None:
         sd, sd_source = plan.expected_sd, "the plan's expected_sd"
     elif best is not None:
         sd = statistics.stdev(best[1])
@@ -285,6 +440,8 @@ def plan_power(plan: Plan, cited: list[tuple[str, dict[str, Any]]]) -> dict[str,
     n, m = len(plan.seeds), len(plan.family)
     level = plan.alpha if plan.gatekeeping or m == 1 else plan.alpha / m
     least = stats.least_exact_p(n)
+    if model is not None or plan.decision_rule != OLD_RULE or plan.rank_estimand:
+        return _power(plan, delta, delta_source, sd, sd_source, model, model_source, level)
 
     def at(alpha: float) -> float:
         return 0.0 if n < 2 or least >= alpha else stats.power(delta, sd, n, alpha)
@@ -307,6 +464,73 @@ def plan_power(plan: Plan, cited: list[tuple[str, dict[str, Any]]]) -> dict[str,
         why = f"with {n} seeds the exact sign-flip p cannot go below {least:.3g}" if least >= level else missed
         out["warning"] = (f"the plan's power is {out['power']:.2f}, below {POWER_TARGET:g}: {why}; "
                           f"{out['seeds_for_power']} seeds would give {POWER_TARGET:g}")  # fmt: skip
+    return out
+
+
+def _power(
+    plan: Plan, delta: float, delta_source: str, sd: float, sd_source: str, model: stats.Mixture | None,
+    model_source: str | None, level: float,
+) -> dict[str, Any]:  # fmt: skip
+    """``plan_power`` for a plan that states a decision rule, a rank estimand or a power model."""
+    after, before = plan.primary["after"], plan.primary["before"]
+    n, m = len(plan.seeds), len(plan.family)
+    least = stats.least_exact_p(n)
+    beyond = plan.decision_rule == "minimum-effect"
+    effect = plan.expected_effect if beyond else delta  # the true delta the power is for
+
+    def at(k: int, alpha: float, draws: int = stats.MIXTURE_DRAWS) -> float:
+        if k < 2 or stats.least_exact_p(k) >= alpha:
+            return 0.0
+        if model is None:
+            return stats.power_beyond(effect, delta, sd, k, alpha) if beyond else stats.power(delta, sd, k, alpha)
+        got = stats.mixture_power(model, effect, k, alpha, smallest_effect=delta if beyond else None, ranks=False,
+                                  draws=draws)  # fmt: skip
+        return got["beyond" if beyond else "t"]
+
+    most = MIXTURE_MOST_SEEDS if model is not None else 100_000
+    out: dict[str, Any] = {
+        "smallest_effect": delta, "smallest_effect_source": delta_source, "sd": sd, "sd_source": sd_source,
+        "seeds": n, "alpha": plan.alpha, "alpha_primary": level, "decision_rule": plan.decision_rule,
+        "effect": effect, "model": "normal" if model is None else "mixture",
+        "mixture": None if model is None else model.to_dict(), "mixture_source": model_source,
+        "test": "the interval beyond δ (minimum-effect test), paired t over seeds" if beyond else
+                "paired t over seeds, two-sided",
+        "power": at(n, level), "power_at_alpha": at(n, plan.alpha), "least_exact_p": least, "target": POWER_TARGET,
+        "seeds_for_power": _fewest(lambda k: at(k, level, SEARCH_DRAWS) >= POWER_TARGET, most),
+    }  # fmt: skip
+    how = (f"the primary alone at alpha {plan.alpha:g} (gatekeeping)" if level == plan.alpha else
+           f"alpha {plan.alpha:g} / {m} = {level:.3g}, the primary's level when its p is the family's smallest "
+           f"under Holm (at full alpha it would be {out['power_at_alpha']:.2f})")  # fmt: skip
+    if model is None:
+        outcomes = f"sd {sd:.3g} ({sd_source})"
+    else:
+        outcomes = (f"a mixture of collapsed and healthy runs ({after} collapses with probability "
+                    f"{model.collapse_after:.2f}, {before} with {model.collapse_before:.2f}; the rest differ with sd "
+                    f"{model.sd:.3g} around a healthy pass@1 of {model.healthy:.3f}; {model_source}; "
+                    f"{stats.MIXTURE_DRAWS} simulated experiments)")  # fmt: skip
+    goal = (f"show the interval beyond δ {delta:.3g} ({delta_source}) when the true delta is {effect:.3g}" if beyond
+            else f"detect δ {delta:.3g} ({delta_source})")  # fmt: skip
+    needed = (f"{out['seeds_for_power']} seeds would give {POWER_TARGET:g}" if out["seeds_for_power"] else
+              f"more than {most} seeds would be needed for {POWER_TARGET:g}")  # fmt: skip
+    meaning = ("It is the chance that the whole interval clears δ" if beyond else
+               "It is the chance that the interval excludes 0 when the true delta is δ: the verdict's direction "
+               "(its size against δ is reported apart)" if plan.decision_rule == "direction" else
+               "It is the chance of p < alpha when the true delta is δ: improved also needs the observed |delta| "
+               "above δ, which a true effect of exactly δ shows about half the time")  # fmt: skip
+    out["summary"] = f"power {out['power']:.2f} to {goal} with {outcomes} over {n} paired seeds at {how}; {needed}. "
+    out["summary"] += meaning
+    if plan.rank_estimand:
+        ranks = model or stats.Mixture(collapse_after=0.0, collapse_before=0.0, sd=sd, healthy=0.5)
+        got = stats.mixture_power(ranks, delta, n, level) if n >= 2 else {"rank": 0.0, "sign": 0.0}
+        out["power_rank"], out["power_sign"] = got["rank"], got["sign"]
+        out["summary"] += (f". Beside it, at a true δ on the healthy runs, the Hodges–Lehmann interval excludes 0 with "
+                           f"power {got['rank']:.2f} and the sign test rejects with {got['sign']:.2f}")  # fmt: skip
+    out["warning"] = None
+    if out["power"] < POWER_TARGET:
+        missed = (f"a true effect of {effect:.3g} would not be shown beyond δ {1 - out['power']:.0%} of the time"
+                  if beyond else f"a true effect of δ would be missed {1 - out['power']:.0%} of the time")  # fmt: skip
+        why = f"with {n} seeds the exact sign-flip p cannot go below {least:.3g}" if least >= level else missed
+        out["warning"] = f"the plan's power is {out['power']:.2f}, below {POWER_TARGET:g}: {why}; {needed}"
     return out
 
 
@@ -383,63 +607,99 @@ def seeds_of(data: Any) -> set[int]:
 
 
 def confirmation(summary: dict[str, Any], plan: Plan) -> dict[str, Any]:
-    """The planned family, compared and adjusted, from an experiment's results.json content."""
-    return decide(family_rows(summary, plan), plan)
+    """The planned family, compared and adjusted, from an experiment's results.json content, with the power the
+    runs realised beside the planned one."""
+    block = decide(family_rows(summary, plan), plan)
+    block["realised_power"] = report.realised_power(plan.to_dict(), summary["cells"])
+    return block
 
 
 ROW_KEYS = ("after", "before", "delta", "ci_low", "ci_high", "p_value", "p_t", "p_exact", "p_rule", "unit", "n",
             "noise_floor", "smallest_effect", "smallest_effect_source", "equivalence_low", "equivalence_high",
             "p_equivalence", "sd_floored", "alpha")  # fmt: skip
+MAGNITUDE_KEYS = ("verdict_rule", "p_beyond")  # a row's fields under a plan that states its decision rule
 
 
 def family_rows(summary: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
     """One row per comparison of the family, primary first: ``results.compare_arms`` in its cell under the plan's
-    smallest effect and alpha, written back into the cell's ``compare`` so that every table shows the same."""
+    smallest effect, alpha and verdict rule, written back into the cell's ``compare`` so that every table shows the
+    same; beside it the rank estimand and the collapse rates where the plan asks for them. A ``collapse:`` row is
+    McNemar's test of the two arms' collapse rates (``stats.collapse_compare``)."""
     cells = {c["name"]: c for c in summary["cells"]}
     rows = []
     for cell_name_, key in plan.family:
         cell = cells[cell_name_]
-        after, before = key.split("_vs_")
+        after, before = key.removeprefix(COLLAPSE).split("_vs_")
+        passes = [[float(x) for x in cell["arms"][arm]["pass_at_1"]] for arm in (after, before)]
+        collapse = None
+        if plan.collapse_floor is not None:
+            collapse = stats.collapse_compare(passes[1], passes[0], plan.collapse_floor, plan.alpha, (after, before))
+        if key.startswith(COLLAPSE):
+            rows.append({"cell": cell_name_, "comparison": key, "kind": "collapse", "after": after, "before": before,
+                         "delta": collapse.delta, "ci_low": None, "ci_high": None, "p_value": collapse.p_value,
+                         "p_rule": "exact McNemar", "unit": "seed", "n": collapse.n, "smallest_effect": None,
+                         "alpha": plan.alpha, "collapse": collapse.to_dict(), "magnitude_unadjusted": None,
+                         "verdict_unadjusted": collapse.verdict, "reason_unadjusted": collapse.reason})  # fmt: skip
+            continue
         c = results.compare_arms(cell["arms"], after, before, summary["base"], smallest_effect=plan.smallest_effect,
-                                 alpha=plan.alpha)  # fmt: skip
+                                 alpha=plan.alpha, verdict_rule=plan.verdict_rule)  # fmt: skip
         cell["compare"][key] = c
-        rows.append({"cell": cell_name_, "comparison": key, **{k: c.get(k) for k in ROW_KEYS},
-                     "verdict_unadjusted": c["verdict"], "reason_unadjusted": c["reason"]})  # fmt: skip
+        row = {"cell": cell_name_, "comparison": key, **{k: c.get(k) for k in ROW_KEYS},
+               "verdict_unadjusted": c["verdict"], "reason_unadjusted": c["reason"]}  # fmt: skip
+        if plan.verdict_rule != OLD_RULE:
+            row.update({k: c.get(k) for k in MAGNITUDE_KEYS}, magnitude_unadjusted=c.get("magnitude"))
+        if plan.rank_estimand:
+            deltas = [x - y for x, y in zip(*passes, strict=True)]
+            row["rank"] = stats.rank_estimate(deltas, plan.alpha).to_dict() if len(deltas) >= 2 else None
+        if collapse is not None:
+            row["collapse"] = collapse.to_dict()
+        rows.append(row)
     return rows
+
+
+def _success(row: dict[str, Any], plan: Plan) -> bool:
+    """Did the primary come out as the plan expected, under its decision rule?"""
+    expected = row["verdict"] == plan.primary["expect"]
+    return expected and (plan.decision_rule != "minimum-effect" or row.get("magnitude") == "beyond δ")
 
 
 def decide(rows: list[dict[str, Any]], plan: Plan) -> dict[str, Any]:
     """The family's verdicts after the plan's correction. Holm across every row; or, under gatekeeping, the primary
-    (row 0) alone at alpha, then Holm across the rest only if the primary came out as expected, and otherwise the
-    rest reported but not claimed. Only improved/regressed are corrected: a flat verdict is each comparison's own
-    equivalence test."""
+    (row 0) alone at alpha, then Holm across the rest only if the primary came out as expected (under the plan's
+    decision rule), and otherwise the rest reported but not claimed. Only the claims are corrected (improved,
+    regressed, fewer or more collapses, and a magnitude beyond δ): a flat verdict, or a size within δ, is each
+    comparison's own equivalence test."""
     m = len(rows)
     if plan.gatekeeping:
         first, rest = rows[0], rows[1:]
         first.update(p_holm=first["p_value"], stage="primary", claimed=True)
         _adjust([first], [first["p_value"]], plan.alpha, "alone at the full alpha (gatekeeping)")
-        gate = "open" if first["verdict"] == plan.primary["expect"] else "closed"
+        gate = "open" if _success(first, plan) else "closed"
         for row, p in zip(rest, stats.holm([r["p_value"] for r in rest]), strict=True):
             row.update(p_holm=p, stage="secondary", claimed=gate == "open")
         if gate == "open":
             _adjust(rest, [r["p_holm"] for r in rest], plan.alpha, f"across the {len(rest)} secondary comparisons")
         else:
+            said = first.get("finding") or first["verdict"]
             for row in rest:
                 alone = row["verdict_unadjusted"]
                 row["verdict"] = "unresolved"
                 row["reason"] = (f"not claimed: under gatekeeping the secondary comparisons are tested only once the "
-                                 f"primary is {plan.primary['expect']}, and it is {first['verdict']}; alone this "
+                                 f"primary is {plan.primary['expect']}, and it is {said}; alone this "
                                  f"would be {alone} (p = {row['p_value']:.3g}; Holm across the {len(rest)} secondary "
                                  f"comparisons {row['p_holm']:.3g}).")  # fmt: skip
+                if "magnitude_unadjusted" in row:
+                    row.update(magnitude=None, finding="unresolved")
     else:
         gate = None
         for row, p in zip(rows, stats.holm([r["p_value"] for r in rows]), strict=True):
             row.update(p_holm=p, stage="family", claimed=True)
         _adjust(rows, [r["p_holm"] for r in rows], plan.alpha, f"across the {m} planned comparisons")
     first = rows[0]
-    outcome = ("confirmed" if first["verdict"] == plan.primary["expect"]
-               else "contradicted" if first["verdict"] in EXPECT else "not confirmed")  # fmt: skip
-    return {
+    outcome = ("confirmed" if _success(first, plan)
+               else "contradicted" if first["verdict"] in EXPECT and first["verdict"] != plan.primary["expect"]
+               else "not confirmed")  # fmt: skip
+    block = {
         "correction": plan.correction,
         "alpha": plan.alpha,
         "gatekeeping": plan.gatekeeping,
@@ -451,21 +711,40 @@ def decide(rows: list[dict[str, Any]], plan: Plan) -> dict[str, Any]:
         "expect": plan.primary["expect"],
         "outcome": outcome,
     }
+    if plan.decision_rule != OLD_RULE:
+        block["decision_rule"] = plan.decision_rule
+    return block
 
 
 def _adjust(rows: list[dict[str, Any]], adjusted: list[float], alpha: float, where: str) -> None:
-    """Each row's verdict after its adjusted p: improved or regressed stands only when it is below alpha."""
+    """Each row's verdict after its adjusted p: a claim (improved, regressed, fewer or more collapses) stands only
+    when it is below alpha; without it a comparison shown within δ is flat. Where rows carry a magnitude, beyond δ
+    stands only when its own p (the minimum-effect test), adjusted the same way among those rows, is below alpha."""
     name = "p" if where.startswith("alone") else "Holm-adjusted p"
+    sized = [row for row in rows if row.get("magnitude_unadjusted") is not None]
+    beyond = [row.get("p_beyond") if row.get("p_beyond") is not None else 1.0 for row in sized]
+    for row, p in zip(sized, beyond if name == "p" else stats.holm(beyond), strict=True):
+        row["p_beyond_holm"] = p
     for row, p in zip(rows, adjusted, strict=True):
-        verdict = row["verdict_unadjusted"]
-        if verdict in EXPECT and p >= alpha:
-            row["verdict"] = "unresolved"
-            row["reason"] = (f"unresolved after Holm's correction: alone it would be {verdict} "
+        verdict, magnitude = row["verdict_unadjusted"], row.get("magnitude_unadjusted")
+        if verdict in CLAIMS and p >= alpha:
+            row["verdict"] = "flat" if magnitude == "within δ" else "unresolved"
+            row["reason"] = (f"{row['verdict']} after Holm's correction: alone it would be {verdict} "
                              f"(p = {row['p_value']:.3g}), but {where} the adjusted p = {p:.3g} is not below alpha "
                              f"{alpha:g}.")  # fmt: skip
+            if magnitude == "beyond δ":
+                magnitude = "undetermined"
         else:
             row["verdict"] = verdict
-            row["reason"] = row["reason_unadjusted"] + (f" {name} = {p:.3g}, {where}." if verdict in EXPECT else "")
+            row["reason"] = row["reason_unadjusted"] + (f" {name} = {p:.3g}, {where}." if verdict in CLAIMS else "")
+        if magnitude == "beyond δ" and row["p_beyond_holm"] >= alpha:
+            magnitude = "undetermined"
+            row["reason"] += (f" Beyond δ alone, but {where} the minimum-effect test's adjusted p = "
+                              f"{row['p_beyond_holm']:.3g} is not below alpha {alpha:g}: its size is "
+                              "undetermined.")  # fmt: skip
+        if "magnitude_unadjusted" in row:
+            row["magnitude"] = magnitude
+            row["finding"] = stats.finding(row["verdict"], magnitude)
 
 
 def _exploratory_warnings(plan: Plan, weights: str | None) -> list[str]:

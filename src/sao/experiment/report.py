@@ -3,12 +3,16 @@
 A recipe is a one-cell sweep, so one page serves both: a cell is one (lag, lr, band) setting; in every cell each
 arm trains with the same seeds and is compared with the baseline ``none`` (and with the untrained base). The
 module only lays out what results.json and train_log.json hold: four plots (training reward, masked share by
-staleness, the worst ratio against the band, pass@1 with the paired deltas; a fifth, pass@1 over steps, with
-``--eval-every``), one small panel per cell, and a page that states the verdict in words with the tables behind
-it, and the provenance. A planned confirmation (`sao confirm`) states its plan first — primary endpoint, family,
-fresh seeds, smallest effect, correction or gatekeeping, power — then what came out after the correction.
-Verdicts, intervals, p-values, floors, power, folds and checks are read, never recomputed; the only arithmetic is
-averaging over seeds for display, and counting.
+staleness, the worst ratio against the band, pass@1 with the paired deltas; pass@1 over steps with
+``--eval-every``; the ratios' effective sample size per step where the log has it), one small panel per cell, and a
+page that states the verdict in words with the tables behind it, the off-policy diagnostics (the masked share by
+the band's side, the tokens outside the band and where in the reply), and the provenance. A planned confirmation
+(`sao confirm`) states its plan first — primary endpoint, family, fresh seeds, smallest effect, decision rule,
+estimands, correction or gatekeeping, power, and the power the runs realised — then what came out after the
+correction. Verdicts, intervals, p-values, floors, power, folds and checks are read, never recomputed; the only
+arithmetic is averaging over seeds for display, counting, and the realised power of a results.json written before
+it was recorded (``realised_power``). Without train_log.json (a committed folder keeps results.json only) report.md
+is rebuilt from results.json and the plots drawn from the log are kept as they are.
 
 Deliberately left out: statistics (``sao.core.stats`` owns them), correction for multiple comparisons outside a
 planned family (the page says each interval is its own), judgement beyond the recorded verdicts, HTML, and
@@ -26,6 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from sao.core import stats
 from sao.core.config import flat_view
 from sao.core.errors import DataError
 from sao.core.io import atomic_write
@@ -45,6 +50,10 @@ PLOTS = {  # file stem → caption in report.md; every plot has one panel per ce
 }
 EVAL_CURVE = ("eval_curve", "Held-out pass@1 over policy steps (`--eval-every`; thin: each seed, thick: the mean "
               "over seeds; step 0 is the untrained policy, grey: base mean ± noise floor).")  # fmt: skip
+ESS_PLOT = ("ess", "Effective sample size of the trainer/sampler ratios per step, (Σ r)² / (N Σ r²) over the action "
+            "tokens: 1 when every ratio is equal, 1/N when one token carries the weight (thin: each seed; thick: the "
+            "mean over seeds).")  # fmt: skip
+LOG_PLOTS = ("reward", "ratio_max", "mismatch", "ess")  # drawn from train_log.json; the rest from results.json
 MISMATCH_PLOT = ("mismatch", "Mean |log r| per action token, split by cause (mean over seeds, log scale): the "
                  "sampling engine's numerics on staleness-0 rows (solid) and on stale rows re-scored under the "
                  "version that drew them (dotted), against the drift staleness made (dashed). A mask that fires on "
@@ -53,9 +62,11 @@ KEY_SERIES = ("reward_mean", "masked_share", "would_be_masked_share", "ratio_max
               "response_length", "kl_sampler_policy",  # and, for agents (shown when logged):
               "turns_mean", "tool_calls_mean", "tool_use_share", "tool_error_rate", "observation_share",
               # and, when the Mismatch hook ran (a vLLM sampler): the ratio split into its two causes
-              "mismatch_fresh", "mismatch_rescored", "staleness_drift")  # fmt: skip
+              "mismatch_fresh", "mismatch_rescored", "staleness_drift",
+              # and, where logged, the off-policy diagnostics
+              "ratio_ess_share", "masked_share_low", "masked_share_high")  # fmt: skip
 SHARE_SERIES = {"reward_mean", "masked_share", "would_be_masked_share", "tool_use_share", "tool_error_rate",
-                "observation_share"}  # fmt: skip
+                "observation_share", "ratio_ess_share", "masked_share_low", "masked_share_high"}  # fmt: skip
 CONFIG_KEYS = ("model", "data", "ratio", "lag", "lr", "critic_lr", "steps", "critic_warmup", "critic_steps",
                "batch_size", "train_runs", "seed", "base_evals", "eval_samples", "eval_temperature", "temperature",
                "max_new_tokens", "grad_clip", "lora_rank", "lora_alpha", "gae_alpha", "dead_band_share", "tis_cap",
@@ -212,14 +223,19 @@ def _validate(results: Any, log: Any, results_path: Any, log_path: Any) -> None:
     _check(results, RESULTS, "", results_path)
     if not results["cells"]:
         raise DataError(f"{results_path} holds no cell: not a finished sao run")
-    _check(log, [RECORD], "", log_path)
+    if log is not None:
+        _check(log, [RECORD], "", log_path)
 
 
-def load(out_dir: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(results, train_log) of an experiment folder, checked for the shape the report relies on."""
+def load(out_dir: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+    """(results, train_log) of an experiment folder, checked for the shape the report relies on; train_log is None
+    when the folder did not keep train_log.json (only results.json is required)."""
     paths, loaded = (Path(out_dir) / "results.json", Path(out_dir) / "train_log.json"), []
     for path in paths:
         if not path.is_file():
+            if path.name == "train_log.json":
+                loaded.append(None)
+                continue
             raise DataError(f"{path} is missing: run `sao recipe` or `sao sweep` into this folder first")
         try:
             loaded.append(read_json_file(path, expect=(dict, list)))  # the bounded reader: size, depth, numbers
@@ -494,9 +510,14 @@ def _eval_curve_panel(ax, cell: dict[str, Any], arms: list[str], colors: dict, b
     ax.set_xlabel("policy step")
 
 
-def _write_plots(results: dict[str, Any], log: list[dict[str, Any]], plots: Path) -> None:
-    """The four PNGs under ``plots``: three with a panel per cell, then the evals."""
-    cells, arms, runs = results["cells"], _arms(results), _runs(log)
+def _has_ess(log: list[dict[str, Any]] | None) -> bool:
+    return log is not None and any(isinstance(r.get("ratio_ess_share"), (int, float)) for r in log)
+
+
+def _write_plots(results: dict[str, Any], log: list[dict[str, Any]] | None, plots: Path) -> None:
+    """The PNGs under ``plots``: those with a panel per cell, then the evals. Without a log only those drawn from
+    results.json (the masked share, the eval curve and the evals); the log's plots already there are left alone."""
+    cells, arms, runs = results["cells"], _arms(results), _runs(log or [])
     colors = {a: COLORS.get(a) or SPARE_COLORS[i % len(SPARE_COLORS)] for i, a in enumerate(arms)}
     figures = {
         "reward": ("Training reward per step", "training reward",
@@ -507,7 +528,13 @@ def _write_plots(results: dict[str, Any], log: list[dict[str, Any]], plots: Path
                       lambda ax, c: (_steps_panel(ax, runs.get(c["name"], {}), arms, colors, "ratio_max"),
                                      _band_axis(ax, c["band"]))),
     }  # fmt: skip
-    if _has_mismatch(log):
+    if _has_ess(log):
+        figures[ESS_PLOT[0]] = ("Effective sample size of the ratios per step", "ESS / action tokens",
+                                lambda ax, c: _steps_panel(ax, runs.get(c["name"], {}), arms, colors,
+                                                           "ratio_ess_share"))  # fmt: skip
+    if log is None:
+        figures = {k: v for k, v in figures.items() if k not in LOG_PLOTS}
+    if log is not None and _has_mismatch(log):
         figures[MISMATCH_PLOT[0]] = ("Where the ratio comes from: the engine's numerics against staleness",
                                "mean |log r| per action token",
                                lambda ax, c: _mismatch_panel(ax, runs.get(c["name"], {}), arms, colors))  # fmt: skip
@@ -530,6 +557,18 @@ def _write_plots(results: dict[str, Any], log: list[dict[str, Any]], plots: Path
 # report.md
 
 
+def _verdict_words(c: dict[str, Any], key: str = "verdict", bold: bool = False) -> str:
+    """The verdict for a table cell, bold where it separates (or always, with ``bold``), with its size against δ
+    where one was recorded: "**regressed**, by less than δ"."""
+    verdict = _cell(c.get(key) or DASH)
+    separates = bold or verdict in SEPARATED or verdict in stats.COLLAPSE_VERDICTS
+    text = f"**{verdict}**" if separates else verdict
+    finding = c.get("finding") if key == "verdict" else None
+    if isinstance(finding, str) and c.get("magnitude") and finding.startswith(str(c.get(key))):
+        text += _cell(finding[len(str(c.get(key))) :])
+    return text
+
+
 def _comparison_table(
     found: list[tuple[dict[str, Any], str, dict[str, Any]]], what: str, before: str, first: str = "cell"
 ) -> list[str]:
@@ -537,12 +576,11 @@ def _comparison_table(
     the cells' names."""
     rows = []
     for cell, label, c in found:
-        verdict = _cell(c.get("verdict") or DASH)
         rows.append([_cell(cell["name"]), label, fmt_share(c.get("before_mean")), fmt_share(c.get("after_mean")),
                      fmt_signed(c.get("delta")), fmt_interval(c.get("ci_low"), c.get("ci_high")),
                      f"±{fmt_share(c.get('noise_floor'))}", f"{_cell(c.get('unit', DASH))} ({fmt(c.get('n'))})"
                      + (f"<br>{_cell(c['about'])}" if c.get("about") not in (None, "training procedure") else ""),
-                     f"**{verdict}**" if verdict in SEPARATED else verdict])  # fmt: skip
+                     _verdict_words(c)])  # fmt: skip
     level = f"{_level(found[0][2].get('alpha') if found else None, 1)} interval"  # 95% at the default alpha
     header = [first, what, f"{before} mean", "arm mean", "delta", level, "noise floor", "unit (n)", "verdict"]
     reasons = [f"- {_text(cell['name'])}, {label}: {_text(c.get('reason') or DASH)}" for cell, label, c in found]
@@ -566,8 +604,19 @@ def _summary(results: dict[str, Any], comps: list) -> list[str]:
     return [f"**Summary** (written by code from results.json). {text}" + (f": {_join(broke)}." if broke else "."), ""]
 
 
+def _headline(results: dict[str, Any]) -> str:
+    """The verdict in bold, and its size against δ where the primary comparison recorded one."""
+    done = results.get("confirmation")
+    first = done.get("primary") if isinstance(done, dict) else None
+    if not isinstance(first, dict):
+        first = next((c for cell, k, c in _comparisons(results) if _is_primary(results, cell, k)), None)
+    if isinstance(first, dict) and first.get("verdict") == results["verdict"] and first.get("magnitude"):
+        return _verdict_words(first, bold=True)
+    return f"**{_text(results['verdict'])}**"
+
+
 def _verdict_section(results: dict[str, Any]) -> list[str]:
-    out = [f"## Verdict: **{_text(results['verdict'])}**", "", _text(results.get("reason") or DASH), ""]
+    out = [f"## Verdict: {_headline(results)}", "", _text(results.get("reason") or DASH), ""]
     comps = _comparisons(results)
     if not comps:
         return [*out, "results.json holds no comparison.", ""]
@@ -688,6 +737,71 @@ def _reach_section(results: dict[str, Any], arms: list[str]) -> list[str]:
             *(f"> {_cell(w)}" for w in warnings), ""]  # fmt: skip
 
 
+OUTSIDE_SHOWN = 5  # the tokens outside the band listed per cell and arm
+
+
+def _outside(arm: dict[str, Any]) -> tuple[list[list[Any]], list[int], list[int]]:
+    """Over an arm's runs: (the tokens outside the band as [text, below, above, seen], most frequent first; outside
+    per tenth of the reply; action tokens per tenth), summed from each run's checks."""
+    totals: dict[str, list[int]] = {}
+    by_position: list[int] = []
+    tokens: list[int] = []
+    for run in (arm.get("runs") or {}).values():
+        c = run.get("checks") or {}
+        for entry in c.get("outside_band_tokens") or []:
+            if isinstance(entry, list) and len(entry) == 4:
+                got = totals.setdefault(str(entry[0]), [0, 0, 0])
+                for i in range(3):
+                    got[i] += int(_num(entry[i + 1], 0))
+        for key, into in (("outside_band_by_position", by_position), ("tokens_by_position", tokens)):
+            values = [int(_num(v, 0)) for v in c.get(key) or []]
+            if values and len(values) == (len(into) or len(values)):
+                into[:] = [a + b for a, b in zip(into or [0] * len(values), values, strict=True)]
+    top = sorted(totals.items(), key=lambda kv: (-(kv[1][0] + kv[1][1]), kv[0]))
+    return [[text, *counts] for text, counts in top], by_position, tokens
+
+
+def _off_policy_section(results: dict[str, Any], arms: list[str]) -> list[str]:
+    """The ratios' effective sample size and the masked share by the band's side (policy steps, from the curves),
+    and which tokens fell outside the band and where in the reply (from each run's checks): for runs that logged
+    them; nothing for a results.json written before."""
+    rows, token_rows, place_rows = [], [], []
+    for cell, name, arm in _each(results, arms):
+        curves = arm.get("curves") or {}
+        if isinstance(curves.get("ratio_ess_share"), dict):
+            ess, *sides = (curves.get(k) or {} for k in ("ratio_ess_share", "masked_share_low", "masked_share_high",
+                                                          "would_be_masked_share_low", "would_be_masked_share_high"))
+            rows.append([_cell(cell["name"]), name, fmt_share(ess.get("mean")), fmt_share(ess.get("min")),
+                         *(fmt_share(side.get("mean")) for side in sides)])  # fmt: skip
+        top, by_position, tokens = _outside(arm)
+        for text, below, above, seen in top[:OUTSIDE_SHOWN]:
+            token_rows.append([_cell(cell["name"]), name, _cell(json.dumps(text, ensure_ascii=False)), str(below),
+                               str(above), str(seen), fmt_share((below + above) / seen if seen else None)])  # fmt: skip
+        if by_position and len(by_position) == len(tokens):
+            shares = [fmt_share(o / t if t else None) for o, t in zip(by_position, tokens, strict=True)]
+            place_rows.append([_cell(cell["name"]), name, *shares])
+    if not rows and not token_rows:
+        return []
+    out = ["## Off-policy diagnostics", ""]
+    if rows:
+        out += ["Per policy step, the mean over steps of the step-wise mean over seeds: the effective sample size of "
+                "the trainer/sampler ratios as a share of the action tokens, (Σ r)² / (N Σ r²), and the masked share "
+                "split by the band's side (at or below its low edge, at or above its high edge); the would-be shares "
+                "are the band's on any rule.", ""]  # fmt: skip
+        out += _table(["cell", "arm", "ESS share, mean", "ESS share, worst step", "masked low", "masked high",
+                       "would-be low", "would-be high"], rows)  # fmt: skip
+    if token_rows:
+        out += [f"The tokens most often outside the band (at most {OUTSIDE_SHOWN} per cell and arm), summed over the "
+                "runs' policy steps: how often each fell below and above the band and how often it was written. On "
+                "`dis` these are the masked tokens; on `none` the ones the band would have masked.", ""]  # fmt: skip
+        out += _table(["cell", "arm", "token", "below", "above", "seen", "share outside"], token_rows, text=3)
+    if place_rows:
+        out += ["Where in the reply: the share of action tokens outside the band in each tenth of the reply (by a "
+                "token's place among its reply's action tokens).", ""]  # fmt: skip
+        out += _table(["cell", "arm", *(f"tenth {i + 1}" for i in range(len(place_rows[0]) - 2))], place_rows)
+    return out
+
+
 CHECKS = [  # (column, the keys shown joined by →, formatter), one row per run
     ("critic EV at warmup end", ("critic_ev_warmup_end",), fmt), ("critic EV, last 10", ("critic_ev_last10",), fmt),
     ("critic loss, warmup end → last 10", ("critic_loss_warmup_end", "critic_loss_last10"), fmt),
@@ -806,9 +920,15 @@ def _plan_section(results: dict[str, Any]) -> list[str]:
              if cited else "the plan cites no exploratory run")  # fmt: skip
     alpha, family = plan.get("alpha"), plan.get("family") or []
     floor = (results.get("base") or {}).get("noise_floor")
+    rule = plan.get("decision_rule")  # absent: the plan was written under the observed-above-delta rule
     effect = (f"δ = {fmt_share(plan['smallest_effect'])}: improved or regressed needs |delta| above it, flat "
               f"needs the {_level(alpha, 2)} interval inside ± δ" if _num(plan.get("smallest_effect")) is not None
               else f"none stated: each comparison uses this run's noise floor (±{fmt_share(floor)}) as δ")  # fmt: skip
+    if rule and _num(plan.get("smallest_effect")) is not None:
+        effect = (f"δ = {fmt_share(plan['smallest_effect'])}: the verdict says the direction (improved or regressed "
+                  f"when the {_level(alpha, 1)} interval excludes 0, whatever the size) and apart its size: beyond δ "
+                  f"(the interval clears it), within δ (the {_level(alpha, 2)} interval inside ± δ; flat when the "
+                  "interval also covers 0) or undetermined")  # fmt: skip
     if plan.get("gatekeeping"):
         correction = (
             f"gatekeeping: the primary alone at alpha {fmt(alpha)}; then {_text(plan.get('correction'))} "
@@ -825,6 +945,7 @@ def _plan_section(results: dict[str, Any]) -> list[str]:
            f"- **Family:** {_plural(len(family), 'comparison')}: the primary, and "
            f"{_text(', '.join(plan.get('secondary') or []) or 'nothing else')} in every cell of the grid.",
            f"- **Smallest effect of interest:** {effect}.",
+           *_stated_lines(plan, alpha),
            f"- **Correction:** {correction}. A flat verdict is each comparison's own equivalence test, not corrected "
            "across the family.",
            f"- **Arms:** {', '.join(named)}.",
@@ -832,7 +953,8 @@ def _plan_section(results: dict[str, Any]) -> list[str]:
            f"every exploratory run cited: {fresh}.", ""]  # fmt: skip
     power = plan.get("power")
     if isinstance(power, dict):
-        out[-1:] = [f"- **Power (computed before the run):** {_text(power.get('summary'))}.", ""]
+        out[-1:] = [f"- **Power (computed before the run):** {_text(power.get('summary'))}.",
+                    *_realised_line(plan, done, results["cells"]), ""]  # fmt: skip
         if power.get("warning"):
             out += [f"> warning: {_cell(power['warning'])}", ""]
     else:
@@ -840,7 +962,8 @@ def _plan_section(results: dict[str, Any]) -> list[str]:
     first = done.get("primary") or {}
     out += ["## What came out", "",
             f"**Primary: {_text(done.get('outcome'))}** (expected {_text(done.get('expect'))}; after "
-            f"{_text(done.get('correction'))}: {_text(first.get('verdict'))}). {_text(first.get('reason'))}",
+            f"{_text(done.get('correction'))}: {_text(first.get('finding') or first.get('verdict'))}). "
+            f"{_text(first.get('reason'))}",
             ""]  # fmt: skip
     gate = done.get("gate")
     if gate == "open":
@@ -849,12 +972,16 @@ def _plan_section(results: dict[str, Any]) -> list[str]:
     elif gate == "closed":
         out += ["Gatekeeping: the primary did not come out as expected, so the secondary comparisons below are "
                 "reported but not claimed: each verdict is unresolved, whatever it would be alone.", ""]  # fmt: skip
+    family_rows = done.get("family") or []
+    ranked = any(isinstance(r.get("rank"), dict) for r in family_rows)
+    collapsing = any(isinstance(r.get("collapse"), dict) for r in family_rows)
     rows = [[_cell(r.get("cell")), _cell(r.get("comparison")) + (" (primary)" if i == 0 else ""),
              fmt_signed(r.get("delta")), fmt_interval(r.get("ci_low"), r.get("ci_high")), fmt(r.get("p_value")),
              _cell(r.get("p_rule") or DASH), fmt(r.get("p_holm")), fmt_share(r.get("smallest_effect")),
-             _cell(r.get("verdict_unadjusted")),
-             f"**{_cell(r.get('verdict'))}**" if r.get("verdict") in SEPARATED else _cell(r.get("verdict"))]
-            for i, r in enumerate(done.get("family") or [])]  # fmt: skip
+             _cell(r.get("verdict_unadjusted")), _verdict_words(r),
+             *(_rank_cells(r.get("rank")) if ranked else []), *(_collapse_cells(r.get("collapse")) if collapsing
+                                                                 else [])]
+            for i, r in enumerate(family_rows)]  # fmt: skip
     adjusted = "adjusted p (primary alone, then Holm)" if plan.get("gatekeeping") else "Holm-adjusted p"
     header = [
         "cell",
@@ -867,8 +994,103 @@ def _plan_section(results: dict[str, Any]) -> list[str]:
         "δ",
         "verdict alone",
         "verdict",
+        *(["Hodges–Lehmann [interval]", "sign test p (+ / − / tie)"] if ranked else []),
+        *(["collapsed runs (after, before)", "McNemar p"] if collapsing else []),
     ]
-    return out + _table(header, rows)
+    out += _table(header, rows)
+    if ranked or collapsing:
+        out += ["Beside the mean (reported, not corrected across the family): " + "; ".join(
+            [*(["the Hodges–Lehmann shift of the per-seed deltas with its signed-rank interval, and the sign test "
+                "over the seeds that differ"] if ranked else []),
+             *([f"each arm's runs below pass@1 {fmt(plan.get('collapse_floor'))} and McNemar's exact test of the "
+                "seeds where one arm collapsed and the other did not (a collapse: row is a member of the family)"]
+               if collapsing else [])]) + ".", ""]  # fmt: skip
+    return out
+
+
+def _rank_cells(rank: Any) -> list[str]:
+    if not isinstance(rank, dict):
+        return [DASH, DASH]
+    counts = f"{fmt(rank.get('positive'))} / {fmt(rank.get('negative'))} / {fmt(rank.get('ties'))}"
+    return [f"{fmt_signed(rank.get('hodges_lehmann'))} {fmt_interval(rank.get('low'), rank.get('high'))}",
+            f"{fmt(rank.get('sign_p'))} ({counts})"]  # fmt: skip
+
+
+def _collapse_cells(collapse: Any) -> list[str]:
+    if not isinstance(collapse, dict):
+        return [DASH, DASH]
+    n = fmt(collapse.get("n"))
+    return [f"{fmt(collapse.get('after_collapsed'))}, {fmt(collapse.get('before_collapsed'))} of {n}",
+            fmt(collapse.get("p_value"))]  # fmt: skip
+
+
+def _stated_lines(plan: dict[str, Any], alpha: Any) -> list[str]:
+    """The plan's decision rule and estimands beyond the mean, where it states them (a plan written before these
+    fields existed shows none)."""
+    out = []
+    rule, expect = plan.get("decision_rule"), (plan.get("primary") or {}).get("expect")
+    if rule == "direction":
+        out.append(f"- **Decision rule:** direction: the primary is confirmed when it comes out {_text(expect)} (its "
+                   f"{_level(alpha, 1)} interval excludes 0 on that side); its size against δ is reported apart.")
+    elif rule == "minimum-effect":
+        out.append(f"- **Decision rule:** minimum effect: the primary is confirmed only when it comes out "
+                   f"{_text(expect)} with its whole {_level(alpha, 1)} interval beyond δ (planned for a true delta "
+                   f"of {fmt_share(plan.get('expected_effect'))}).")  # fmt: skip
+    beside = []
+    if plan.get("rank_estimand"):
+        beside.append("the Hodges–Lehmann shift of the per-seed deltas with its interval, and the sign test")
+    if _num(plan.get("collapse_floor")) is not None:
+        beside.append(f"each arm's collapse rate (runs below pass@1 {fmt(plan['collapse_floor'])}) with McNemar's "
+                      "exact test")  # fmt: skip
+    if beside:
+        out.append(f"- **Estimands beside the mean:** {_join(beside)}.")
+    return out
+
+
+def realised_power(plan: dict[str, Any], cells: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The power the plan's test had with the spread its runs gave (``stats.realised_power``): the planned power's
+    δ, level and seeds, the primary cell's per-seed pass@1, and the plan's collapse floor and expected effect where
+    it states them. None without a recorded power or the primary's per-seed pass@1 in both arms."""
+    power, primary = plan.get("power"), plan.get("primary") or {}
+    if not isinstance(power, dict):
+        return None
+    delta, level = _num(power.get("smallest_effect")), _num(power.get("alpha_primary"))
+    cell = next((c for c in cells if isinstance(c, dict) and c.get("name") == primary.get("cell")), {})
+    arms = cell.get("arms") if isinstance(cell.get("arms"), dict) else {}
+    values = [(arms.get(primary.get(k)) or {}).get("pass_at_1") for k in ("after", "before")]
+    if delta is None or level is None or not all(isinstance(v, list) and len(v) >= 2 for v in values):
+        return None
+    after, before = ([_num(x) for x in v] for v in values)
+    if len(after) != len(before) or None in after + before:
+        return None
+    rule = plan.get("decision_rule")
+    return stats.realised_power(before, after, delta, level, collapse_floor=_num(plan.get("collapse_floor")),
+                                expected_effect=_num(plan.get("expected_effect")) if rule == "minimum-effect"
+                                else None)  # fmt: skip
+
+
+def _realised_line(plan: dict[str, Any], done: dict[str, Any], cells: list[dict[str, Any]]) -> list[str]:
+    """The power the runs realised, beside the planned power: recorded in the confirmation, or for a results.json
+    written before it was, computed the same way from the per-seed pass@1 it holds."""
+    got = done.get("realised_power") if isinstance(done.get("realised_power"), dict) else realised_power(plan, cells)
+    power, primary = plan.get("power") or {}, plan.get("primary") or {}
+    if not isinstance(got, dict):
+        return []
+    after, before = _text(primary.get("after")), _text(primary.get("before"))
+    planned_sd = f"{_num(power.get('sd')):.3g}" if _num(power.get("sd")) is not None else DASH
+    planned = f"{_num(power.get('power')):.2f}" if _num(power.get("power")) is not None else DASH
+    goal = (f"for a true delta of {got['effect']:.3g} to clear δ {got['smallest_effect']:.3g}"
+            if _num(got.get("effect")) not in (None, _num(got.get("smallest_effect"))) else
+            f"for δ {got['smallest_effect']:.3g}")  # fmt: skip
+    text = (f"- **Power, realised (computed after the run):** the {got['seeds']} per-seed {after} − {before} deltas in "
+            f"{_text(primary.get('cell'))} have sd {got['sd']:.3g} (the plan assumed {planned_sd}); with it the same "
+            f"test at alpha {got['alpha']:.3g} has power {got['power']:.2f} {goal} (planned {planned})")  # fmt: skip
+    mixture = got.get("mixture")
+    if isinstance(mixture, dict) and _num(got.get("mixture_power")) is not None:
+        text += (f"; the mixture fitted to the runs ({after} collapsed in {mixture['collapse_after']:.0%} of runs, "
+                 f"{before} in {mixture['collapse_before']:.0%}, the rest differing with sd {mixture['sd']:.3g}) "
+                 f"gives {got['mixture_power']:.2f}")  # fmt: skip
+    return [text + ". Post hoc: how far the planning assumption was off, not what the result means."]
 
 
 def _level(alpha: Any, tails: int) -> str:
@@ -891,9 +1113,11 @@ def _config(results: dict[str, Any]) -> dict[str, Any]:
     return flat_view(config) if isinstance(config, dict) else {}
 
 
-def render(results: dict[str, Any], log: list[dict[str, Any]]) -> str:
-    """The text of report.md (plots are linked, not embedded); malformed input is a ``DataError``."""
+def render(results: dict[str, Any], log: list[dict[str, Any]] | None, kept: Iterable[str] = ()) -> str:
+    """The text of report.md (plots are linked, not embedded); malformed input is a ``DataError``. ``log`` None: no
+    train_log.json, and of the plots drawn from it only those in ``kept`` (stems already in plots/) are linked."""
     _validate(results, log, "results.json", "train_log.json")
+    kept = set(kept)
     arms, cells, config = _arms(results), results["cells"], _config(results)
     seeds = results.get("seeds") or []
     axes = [f"{k}s {', '.join(dict.fromkeys(fmt(c[k]) for c in cells))}" for k in ("lag", "lr", "band")]
@@ -906,11 +1130,16 @@ def render(results: dict[str, Any], log: list[dict[str, Any]]) -> str:
     if results.get("command"):
         lines += ["Regenerate with:", "", "```", str(results["command"]), "```", ""]
     captions = [*PLOTS.items(), *([EVAL_CURVE] if _has_eval_curve(results) else []),
-                *([MISMATCH_PLOT] if _has_mismatch(log) else [])]  # fmt: skip
+                *([MISMATCH_PLOT] if log is not None and _has_mismatch(log) else []),
+                *([ESS_PLOT] if _has_ess(log) else [])]  # fmt: skip
+    if log is None:  # the log's plots where a run left them; the extras in the order the run drew them
+        captions = [c for c in captions if c[0] not in LOG_PLOTS or c[0] in kept]
+        captions += [c for c in (MISMATCH_PLOT, ESS_PLOT) if c[0] in kept]
     plots = ["## Plots", "", *(f"![{stem}](plots/{stem}.png)\n\n*{caption}*\n" for stem, caption in captions)]
     for section in (_plan_section(results), _verdict_section(results), _pass_section(results, arms),
                     _vs_base_section(results, arms),
-                    _reach_section(results, arms), _checks_section(results, arms), _curves_section(results, arms),
+                    _reach_section(results, arms), _off_policy_section(results, arms),
+                    _checks_section(results, arms), _curves_section(results, arms),
                     plots, _examples_section(results, arms), _tail_sections(results)):  # fmt: skip
         lines += section
     return "\n".join(lines).rstrip() + "\n"
@@ -954,7 +1183,10 @@ def render_comparison(results: dict[str, Any]) -> str:
     if results.get("command"):
         lines += ["Regenerate with:", "", "```", str(results["command"]), "```", ""]
     found = [({"name": scores or DASH}, _name(k, c), c) for k, c in results["compare"].items()]
-    lines += [f"## Verdict: **{_text(results['verdict'])}**", "", _text(results.get("reason") or DASH), ""]
+    main = next(iter(results["compare"].values()), None)
+    head = (_verdict_words(main, bold=True) if isinstance(main, dict) and main.get("verdict") == results["verdict"]
+            and main.get("magnitude") else f"**{_text(results['verdict'])}**")  # fmt: skip
+    lines += [f"## Verdict: {head}", "", _text(results.get("reason") or DASH), ""]
     lines += _comparison_table(found, "comparison", "before", first="scores")
     rows = [[side, _cell(run.get("label")), _cell(run.get("seed") if run.get("seed") is not None else DASH),
              fmt_count(run.get("tasks")), fmt_share(run.get("mean"))]
@@ -998,7 +1230,9 @@ def write(out_dir: str | os.PathLike) -> Path:
     if compared is not None:
         return write_text(out_dir, render_comparison(compared))
     results, log = load(out_dir)
-    text = render(results, log)  # before any plot: malformed input fails without touching the folder
-    _write_plots(results, log, Path(out_dir) / "plots")
+    plots = Path(out_dir) / "plots"
+    kept = {p.stem for p in plots.glob("*.png")} if log is None and plots.is_dir() else set()
+    text = render(results, log, kept)  # before any plot: malformed input fails without touching the folder
+    _write_plots(results, log, plots)
     atomic_write(Path(out_dir) / "report.md", text.encode("utf-8"))
     return Path(out_dir) / "report.md"

@@ -76,8 +76,36 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
     return statistics.fmean(vals) if vals else None
 
 
+OUTSIDE_TOKENS = 10  # the token strings a run's checks keep outside the band: its most frequent ones
+
+
+def outside_band(policy: list[dict[str, Any]]) -> dict[str, Any]:
+    """Which tokens fell outside the band over a run's policy steps (from records that logged them; empty when none
+    did): the ``OUTSIDE_TOKENS`` most frequent as [text, below, above, seen], summed over the steps' lists (each
+    step keeps its own most frequent, so a token rare in every step can be missed), and the counts per tenth of the
+    reply, outside and in all."""
+    logged = [r for r in policy if isinstance(r.get("outside_band_tokens"), list)]
+    if not logged:
+        return {}
+    totals: dict[str, list[int]] = {}
+    for r in logged:
+        for text, below, above, seen in r["outside_band_tokens"]:
+            got = totals.setdefault(str(text), [0, 0, 0])
+            got[0], got[1], got[2] = got[0] + below, got[1] + above, got[2] + seen
+    top = sorted(totals.items(), key=lambda kv: (-(kv[1][0] + kv[1][1]), kv[0]))[:OUTSIDE_TOKENS]
+
+    def summed(key: str) -> list[int]:
+        rows = [r[key] for r in logged if isinstance(r.get(key), list)]
+        return [sum(col) for col in zip(*rows, strict=True)] if rows else []
+
+    return {"outside_band_tokens": [[text, *counts] for text, counts in top],
+            "outside_band_by_position": summed("outside_band_by_position"),
+            "tokens_by_position": summed("tokens_by_position")}  # fmt: skip
+
+
 def checks(records: list[dict[str, Any]], grad_clip: float) -> dict[str, Any]:
-    """The page's checks, computed: critic, gradient, non-finite, the mask by staleness, lag-0 numerics."""
+    """The page's checks, computed: critic, gradient, non-finite, the mask by staleness, lag-0 numerics, and (from
+    logs that hold them) the tokens outside the band."""
     warm = [r for r in records if r["phase"] != POLICY]
     policy = [r for r in records if r["phase"] == POLICY]
     last10 = policy[-10:]
@@ -113,6 +141,7 @@ def checks(records: list[dict[str, Any]], grad_clip: float) -> dict[str, Any]:
         "reward_last10": _mean(last10, "reward_mean"),
         "response_length_last10": _mean(last10, "response_length"),
         "truncation_share_last10": _mean(last10, "truncation_share"),
+        **outside_band(policy),
     }
 
 
@@ -217,11 +246,12 @@ def compare_cell(arms: dict[str, dict[str, Any]], base_per_task: list[float] | N
 
 def compare_arms(
     arms: dict[str, dict[str, Any]], after: str, before: str, floor: dict, *, smallest_effect: float | None = None,
-    alpha: float = stats.ALPHA,
+    alpha: float = stats.ALPHA, verdict_rule: str = "direction",
 ) -> dict[str, Any]:  # fmt: skip
     """``after`` against ``before`` in one cell (seeds paired by index), as ``compare_cell`` writes each entry:
     for comparisons other than rule-vs-none, such as a planned ``dis_vs_random``, and for a plan's family (its
-    smallest effect of interest and alpha; without them the noise floor stands in for δ, at alpha 0.05)."""
+    smallest effect of interest, alpha and verdict rule; without them the noise floor stands in for δ, at alpha 0.05,
+    under the direction rule)."""
     for arm in (after, before):
         if arm not in arms:
             raise KeyError(f"the cell has no arm {arm!r} (it has {sorted(arms)})")
@@ -230,7 +260,8 @@ def compare_arms(
         [[run["checks"]["reward_last10"] for run in arms[arm]["runs"].values()] for arm in (before, after)],
     )
     c = stats.compare(scores[0], scores[1], run_std=floor.get("run_std"), run_std_runs=floor.get("runs"),
-                      proxy=(last10[0], last10[1]), smallest_effect=smallest_effect, alpha=alpha)  # fmt: skip
+                      proxy=(last10[0], last10[1]), smallest_effect=smallest_effect, alpha=alpha,
+                      verdict_rule=verdict_rule)  # fmt: skip
     return {"before": before, "after": after, **c.to_dict()}
 
 

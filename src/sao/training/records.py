@@ -1,9 +1,11 @@
 """What a step leaves behind: its log record, and the reachability checks read off the records so far.
 
-    record          one flat dict per step: phase, staleness, reward, masked (also by staleness) and would-be
-                    masked share (over action tokens), ratio quantiles, KL(sampler‖policy), advantage, λ, explained
-                    variance, critic loss, length, truncation, grad norm, skipped — and for multi-turn
-                    trajectories turns, tool calls, tool use, tool error rate and the observation-token share
+    record          one flat dict per step: phase, staleness, reward, masked (also by staleness and by the band's
+                    side) and would-be masked share (over action tokens), the ratios' effective sample size, ratio
+                    quantiles, KL(sampler‖policy), advantage, λ, explained variance, critic loss, length, truncation,
+                    grad norm, skipped; which tokens fall outside the band (the most frequent, as text, with how
+                    often they were seen) and where in the reply (by tenth of its action tokens) — and for
+                    multi-turn trajectories turns, tool calls, tool use, tool error rate and the observation share
     reachability    once, after the first max(LAG, 4) stale batches: if they would mask almost nothing, warn
                     in words that the band is dead and the two arms will run the same experiment
     masking report  at the end of each staleness cycle (at most every 10 policy steps), one line of the masked
@@ -15,6 +17,7 @@ Deliberately left out: writing files (``sao.training.checkpoint``) and folding r
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +41,42 @@ def masked_by_staleness(update: Update, action_mask: torch.Tensor, token_stalene
     return out
 
 
+OUTSIDE_TOKENS_PER_STEP = 20  # the token strings a step records outside the band: its most frequent ones
+POSITION_BINS = 10  # where in the reply: tenths of each row's action tokens
+
+
+def outside_band(
+    ratio: torch.Tensor, action_mask: torch.Tensor, response_ids: torch.Tensor, band: tuple[float, float],
+    token_text: Callable[[Sequence[int]], list[str]] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """Which action tokens the band (lo, hi) leaves out, whatever the rule (on ``dis`` exactly the masked ones, on
+    ``none`` the ones it would have masked): the ``OUTSIDE_TOKENS_PER_STEP`` most frequent token ids among them as
+    [text, below lo, above hi, seen among the action tokens] (text from ``token_text``, or the id without it), and
+    per tenth of the reply (a token's rank among its row's action tokens over their count) how many fell outside
+    and how many action tokens there were."""
+    lo, hi = band
+    counted = action_mask & torch.isfinite(ratio)  # [B, T]
+    below, above = counted & (ratio <= lo), counted & (ratio >= hi)  # [B, T]
+    outside = below | above
+    rank = action_mask.long().cumsum(dim=1) - 1  # [B, T] k of each action token
+    length = action_mask.sum(dim=1, keepdim=True).clamp(min=1)  # [B, 1] L_i
+    tenth = (rank * POSITION_BINS // length).clamp(0, POSITION_BINS - 1)  # [B, T]
+    by_position = torch.bincount(tenth[outside], minlength=POSITION_BINS)
+    tokens_by_position = torch.bincount(tenth[counted], minlength=POSITION_BINS)
+    ids = response_ids.to(ratio.device)
+    top: list[list[Any]] = []
+    if bool(outside.any()):
+        found, counts = ids[outside].unique(return_counts=True)
+        order = sorted(range(found.numel()), key=lambda i: (-int(counts[i]), int(found[i])))[:OUTSIDE_TOKENS_PER_STEP]
+        chosen = [int(found[i]) for i in order]
+        texts = token_text(chosen) if token_text is not None else [str(i) for i in chosen]
+        for token, text in zip(chosen, texts, strict=True):
+            here = ids == token  # [B, T]
+            top.append([text, int((below & here).sum()), int((above & here).sum()), int((counted & here).sum())])
+    return {"outside_band_tokens": top, "outside_band_by_position": by_position.tolist(),
+            "tokens_by_position": tokens_by_position.tolist()}  # fmt: skip
+
+
 def step_record(
     *,
     step: int,
@@ -52,9 +91,13 @@ def step_record(
     critic_loss: float,
     grad_norm: float,
     skipped: bool,
+    band: tuple[float, float] | None = None,
+    token_text: Callable[[Sequence[int]], list[str]] | None = None,
 ) -> dict[str, Any]:
     """The log record of one step (before the caller adds arm, seed, timings and the source's counters).
-    ``staleness`` [B] is each row's (its oldest action token's), ``token_staleness`` [B, T] each token's."""
+    ``staleness`` [B] is each row's (its oldest action token's), ``token_staleness`` [B, T] each token's. With the
+    ``band``, the tokens outside it (``outside_band``), as text through ``token_text`` (a tokenizer's decode of
+    single ids)."""
     s = update.stats
     ratio = update.ratio[rollout.action_mask]  # [N]
     log_ratio = ratio.log()
@@ -70,6 +113,8 @@ def step_record(
         "policy_version": policy_version,
         "reward_mean": float((rewards.sum(dim=1) if rewards.dim() == 2 else rewards).mean()),  # per trajectory
         **{k: s[k] for k in ("masked_share", "would_be_masked_share", "ratio_min", "ratio_mean", "ratio_max")},
+        **{k: s[k] for k in ("masked_share_low", "masked_share_high", "ratio_ess_share")},
+        **{k: s[k] for k in ("would_be_masked_share_low", "would_be_masked_share_high")},
         **{k: s[k] for k in ("ratio_p99", "abs_log_ratio_mean", "abs_log_ratio_max")},
         "kl_sampler_policy": kl,
         **{k: s[k] for k in ("admitted_share", "advantage_mean", "lambda_mean", "explained_variance", "nonfinite")},
@@ -82,6 +127,8 @@ def step_record(
         "staleness_hist": histogram,
         "masked_share_by_staleness": masked_by_staleness(update, rollout.action_mask, token_staleness),
     }
+    if band is not None:
+        record.update(outside_band(update.ratio, rollout.action_mask, rollout.response_ids, band, token_text))
     if rollout.versions is not None:  # trajectories that span versions: action tokens at each staleness
         levels = token_staleness.to(rollout.action_mask.device)[rollout.action_mask].tolist()
         record["token_staleness_hist"] = {str(v): levels.count(v) for v in sorted(set(levels))}

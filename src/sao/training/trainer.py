@@ -197,6 +197,7 @@ class Trainer:
             policy_version=self.policy_version, staleness=batch.staleness, token_staleness=batch.token_staleness(),
             rollout=rollout, rewards=rewards,
             update=result.update, critic_loss=critic_loss, grad_norm=grad_norm, skipped=skipped,
+            band=self.sao.ratio, token_text=self._token_text,
         )  # fmt: skip
         if self.sao.baseline != "critic":  # the update's EV is the fixed baseline's: the critic's, beside it
             record["critic_explained_variance"] = explained_variance(
@@ -208,6 +209,10 @@ class Trainer:
             "world_size": self.world.size, **truncation, "time": time.perf_counter() - started,
             "time_sample": sampled - started,
         }  # fmt: skip
+
+    def _token_text(self, ids: Sequence[int]) -> list[str]:
+        """Each token id as the text it decodes to alone (for the log's tokens outside the band)."""
+        return [self.models.tokenizer.decode([i]) for i in ids]
 
     def rows(self, batch: Batch) -> list[dict[str, Any] | None]:
         """Each row's task as plain data for the scorer, or None where the row's reward is already in the
