@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sao.algorithm.update import SAO
+from sao.core.names import POLICY
 from sao.experiment.results import checks
-from sao.rollout.sources import POLICY
 from sao.rollout.types import Rollout
 from sao.training.records import outside_band, step_record
 

@@ -11,9 +11,9 @@ import torch
 from helpers import run_log
 from sao.core.config import Config
 from sao.core.errors import ConfigError
+from sao.core.names import POLICY, WARMUP
 from sao.model import forward as forward_module
 from sao.rollout.sampler import staleness_schedule
-from sao.rollout.sources import POLICY, WARMUP
 from sao.training import build
 from sao.training import learn as learn_module
 from sao.training.hooks import Reachability

@@ -34,10 +34,9 @@ from sao.core import stats
 from sao.core.config import flat_view
 from sao.core.errors import DataError
 from sao.core.io import atomic_write
+from sao.core.names import BASELINE, POLICY
 from sao.core.reading import read_json_file
 
-BASELINE = "none"  # every other arm is compared against it
-POLICY = "policy"  # the phase of a policy step; anything else is the critic-only warmup
 COLORS = {"dis": "#1f6fb4", "none": "#e0700f", "tis": "#2a9d3f", "seqmask": "#8e44ad", "base": "#808080"}
 SPARE_COLORS = ("#17becf", "#bcbd22", "#e377c2", "#8c564b")  # any further arm, in grid order
 SEPARATED = ("improved", "regressed")

@@ -16,12 +16,11 @@ import statistics
 from typing import Any
 
 from sao.core import stats
+from sao.core.names import BASELINE, POLICY
 from sao.experiment import provenance
 from sao.experiment.evaluate import EvalResult
-from sao.rollout.sources import POLICY
 
 FOLDED_SKIP = {"seed", "step", "policy_step", "policy_version"}
-BASELINE = "none"
 
 
 def fold(series: list[Any]) -> dict[str, float | None]:

@@ -30,13 +30,13 @@ from typing import Any
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.io import DamagedFileError, check_output_path, clean, read_saved_json, write_json
+from sao.core.names import POLICY
 from sao.core.registry import BASELINES, CORRECTIONS
 from sao.experiment import provenance as prov
 from sao.experiment import report, results
 from sao.experiment.evaluate import EvalResult, pass_at_1
 from sao.model.policy import eos_ids, load_base, model_path, pick_device
 from sao.rollout.sampler import derived_seed
-from sao.rollout.sources import POLICY
 from sao.tasks import setup
 from sao.tasks.base import TaskSet
 from sao.training import build, checkpoint

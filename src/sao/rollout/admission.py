@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sao.rollout.sources import WARMUP
+from sao.core.names import WARMUP
 
 
 class Admission:

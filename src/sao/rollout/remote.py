@@ -37,6 +37,7 @@ import torch
 
 from sao.core.errors import ConfigError, SaoError
 from sao.core.io import write_json
+from sao.core.names import POLICY
 from sao.core.plugins import PluginError, describe
 from sao.model.artifacts import save_adapter
 from sao.rollout.admission import Admission
@@ -52,7 +53,7 @@ from sao.rollout.environment import (
     tool_count,
 )
 from sao.rollout.sampler import derived_seed
-from sao.rollout.sources import POLICY, SourceContext
+from sao.rollout.sources import SourceContext
 from sao.rollout.types import Batch, Rollout, Turns
 
 STOP_TAIL = 16  # tokens of an action decoded to look for a stop string (as the local episode loop does)

@@ -29,14 +29,13 @@ from torch import nn
 
 from sao.core.config import Config
 from sao.core.errors import ConfigError
+from sao.core.names import POLICY
 from sao.model.policy import Models, lora_state
 from sao.rollout.engine import Engine
 from sao.rollout.environment import EnvCalls, EnvFactory, EnvFault, Message
 from sao.rollout.episodes import DEFAULT_CONCURRENCY, draw_episodes
 from sao.rollout.sampler import SAMPLER_ADAPTER, PlainDecoder, StaleSampler, decode, derived_seed, encode_prompts
 from sao.rollout.types import Batch, Decoder, Rollout, Sampling
-
-WARMUP, POLICY = "critic-warmup", "policy"
 
 
 class SourceExhausted(Exception):

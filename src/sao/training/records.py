@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from sao.algorithm.update import Update
-from sao.rollout.sources import POLICY
+from sao.core.names import POLICY
 from sao.rollout.types import Rollout
 
 

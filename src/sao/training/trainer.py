@@ -31,11 +31,12 @@ from tqdm import tqdm
 from sao.algorithm.corrections import row_keys
 from sao.algorithm.update import SAO, explained_variance
 from sao.core.config import Config
+from sao.core.names import POLICY, WARMUP
 from sao.model import artifacts
 from sao.model.forward import TeacherForced
 from sao.model.memory import auto_micro_batch, with_oom_retry
 from sao.model.policy import Models, describe, lora_state
-from sao.rollout.sources import POLICY, WARMUP, Source, SourceExhausted
+from sao.rollout.sources import Source, SourceExhausted
 from sao.rollout.types import Batch
 from sao.tasks.base import Scorer
 from sao.training import checkpoint
