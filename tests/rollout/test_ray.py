@@ -144,9 +144,10 @@ def test_settings_are_validated_and_reach_the_command_line():
 def test_rollout_batch_defaults_to_the_training_batch_on_gpu_workers():
     from sao.rollout.ray_workers import CPU_ROLLOUT_BATCH, rollout_batch_size
 
-    assert rollout_batch_size(Config(batch_size=64, worker_gpus=1.0)) == 64  # one engine call fills the GPU
-    assert rollout_batch_size(Config(batch_size=64)) == CPU_ROLLOUT_BATCH
-    assert rollout_batch_size(Config(batch_size=64, worker_gpus=1.0, rollout_batch=16)) == 16  # as asked
+    ray = {"rollout": "ray", "batch_size": 64}
+    assert rollout_batch_size(Config(**ray, worker_gpus=1.0)) == 64  # one engine call fills the GPU
+    assert rollout_batch_size(Config(**ray)) == CPU_ROLLOUT_BATCH
+    assert rollout_batch_size(Config(**ray, worker_gpus=1.0, rollout_batch=16)) == 16  # as asked
 
 
 def test_a_local_cluster_never_hands_out_the_training_processes_gpus():

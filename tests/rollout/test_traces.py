@@ -320,12 +320,14 @@ def test_the_source_state_resumes_exactly(tmp_path, tokenizer):
 
 
 def test_settings_that_make_no_sense_with_traces_are_refused():
-    with pytest.raises(ConfigError, match="--traces with --rollout ray"):
-        Config.load("tiny", traces="log.jsonl", engine="ray")
+    with pytest.raises(ConfigError, match=r"--traces goes with --rollout traces .*, not with --rollout ray"):
+        Config.load("tiny", traces="log.jsonl", rollout="ray")
     with pytest.raises(ConfigError, match="--traces with --env"):
         Config.load("tiny", traces="log.jsonl", env="tiny-calc")
-    with pytest.raises(ConfigError, match="--follow needs --traces"):
+    with pytest.raises(ConfigError, match="--follow is a setting of --rollout traces, not of --rollout local"):
         Config.load("tiny", follow=True)
+    with pytest.raises(ConfigError, match="--rollout traces needs --traces LOG"):
+        Config.load("tiny", rollout="traces", follow=True)
     with pytest.raises(ConfigError, match="--follow-timeout"):
         Config.load("tiny", traces="log.jsonl", follow_timeout=0.0)
     from sao.cli import build_parser

@@ -62,7 +62,8 @@ def test_a_bfloat16_sampler_on_a_float32_trainer_shows_the_engine_mismatch_at_la
 
 
 def test_a_sampler_dtype_off_the_local_source_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="applies to --rollout local only") as error:
+    expected = "--sampler-dtype is a setting of --rollout local, not of --rollout ray"
+    with pytest.raises(ConfigError, match=expected) as error:
         Config.load("tiny", sampler_dtype="bfloat16", rollout="ray")
     assert "\n" not in str(error.value)
 
