@@ -62,6 +62,9 @@ class SAOConfig(GRPOConfig):
     learning_rate: float = field(default=1e-5, metadata={"help": "The initial learning rate for AdamW."})
     max_completion_length: int | None = field(default=256, metadata={"help": "Maximum new tokens per completion."})
     lr_scheduler_type: str = field(default="constant", metadata={"help": "The policy learning rate over the steps."})
+    vllm_importance_sampling_correction: bool = field(
+        default=False, metadata={"help": "TRL's own vLLM IS correction: off, SAO's correction replaces it."}
+    )
 
     def __post_init__(self) -> None:
         if self.num_generations != 1:
