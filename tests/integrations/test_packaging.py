@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # a wheel build: outside make test-fast's edit loop
 
 
 @pytest.fixture(scope="module")

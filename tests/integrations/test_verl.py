@@ -69,11 +69,12 @@ def assert_close(actual, expected, dtype):
 # Discovery and loading.
 
 
-def test_import_verl_in_a_fresh_process_discovers_the_plugin_and_loads_no_trainer():
+def test_import_verl_in_a_fresh_process_discovers_the_plugin_and_loads_nothing_more():
     code = (
-        "import sys, verl; from verl.trainer.ppo import core_algos as c; "
+        "import sys, verl; lazy = 'verl.trainer.ppo.core_algos' not in sys.modules; "
+        "from verl.trainer.ppo import core_algos as c; "
         "print(sorted(n for n in c.POLICY_LOSS_REGISTRY if n.startswith('sao_')), "
-        "'sao_gae' in c.ADV_ESTIMATOR_REGISTRY, 'verl.trainer.ppo.ray_trainer' in sys.modules)"
+        "'sao_gae' in c.ADV_ESTIMATOR_REGISTRY, 'verl.trainer.ppo.ray_trainer' in sys.modules, lazy)"
     )
     env = {k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_PLUGINS"}
     out = (
@@ -89,7 +90,7 @@ def test_import_verl_in_a_fresh_process_discovers_the_plugin_and_loads_no_traine
         .splitlines()[-1]
     )
     expected = sorted(shared.loss_name(rule) for rule in shared.rule_names())
-    assert out == f"{expected} True False"
+    assert out == f"{expected} True False True"  # registered when core_algos loads, which import verl does not do
     assert expected == ["sao_dis", "sao_none", "sao_seqmask", "sao_tis"]  # every rule of sao's registry but random
 
 
@@ -341,6 +342,27 @@ def test_a_run_where_sao_would_not_be_sao_is_refused_in_one_line(change, needle)
     with pytest.raises(ConfigError) as refused:
         verl_config.validate_config(recipe_config(change), use_reference_policy=False, use_critic=None)
     assert needle in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_verls_own_entry_point_refuses_a_run_where_sao_would_not_be_sao(tmp_path):
+    """``python -m verl.trainer.main_ppo`` with the documented command and bypass mode off: sao's check, through
+    verl's own validate_config in a fresh process, stops it before Ray starts."""
+    env = {k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_PLUGINS"}
+    argv = [
+        sys.executable,
+        "-W",
+        "ignore",
+        "-m",
+        "verl.trainer.main_ppo",
+        *recipe_overrides(),
+        "algorithm.rollout_correction.bypass_mode=false",
+    ]
+    run = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)  # hydra's outputs/
+    assert run.returncode != 0
+    assert "ConfigError: actor.policy_loss.loss_mode=sao_dis needs algorithm.rollout_correction.bypass_mode=true" in (
+        run.stdout + run.stderr
+    )
+    assert "ray.init" not in run.stdout + run.stderr and "Started a local Ray instance" not in run.stderr
 
 
 def test_verls_ppo_clip_band_left_in_place_is_said_in_a_warning(caplog):

@@ -11,8 +11,9 @@
                mode, the legacy trainer that swaps the loss for "bypass_mode", no rollout log-probs, another
                aggregation, a second IS correction) or ``sao_gae`` would have no critic
 
-A failure to load is one WARNING (verl logs a plug-in's failure at DEBUG only). ``VERL_USE_EXTERNAL_PLUGINS=none``
-keeps it out. Deliberately left out: the random control, α other than sao's 1.5, the legacy trainer.
+Loading imports no verl module the process has not asked for: the names are registered when ``core_algos`` is
+first imported. A failure is one WARNING (verl logs a plug-in's failure at DEBUG only);
+``VERL_USE_EXTERNAL_PLUGINS=none`` keeps it out. Left out: the random control, α other than 1.5, the legacy trainer.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ TESTED = ("0.9.1", "0.10")  # verl releases tested: >=0.9.1,<0.10 (0.9.1 itself;
 RAY_TRAINER = "verl.trainer.ppo.ray_trainer"
 ROLLOUT_CORRECTION = "verl.trainer.ppo.rollout_corr_helper"
 CONFIG = "verl.utils.config"
+CORE_ALGOS = "verl.trainer.ppo.core_algos"
 SAO_MARK = "__sao_rule__"  # set on every function this module registers or wraps
 
 
@@ -255,7 +257,11 @@ def patch(module: Any, attribute: str, wrap: Callable[[Callable[..., Any]], Call
     if getattr(original, SAO_MARK, None) is not None:
         return
     wrapped = wrap(original)
-    for name, loaded in list(sys.modules.items()):
+    for loaded in list(sys.modules.values()):
+        spec = getattr(
+            loaded, "__spec__", None
+        )  # a verl module run as __main__ (python -m verl...) keeps its name here
+        name = getattr(spec, "name", None) or getattr(loaded, "__name__", "")
         if (name == "verl" or name.startswith("verl.")) and getattr(loaded, attribute, None) is original:
             setattr(loaded, attribute, wrapped)
     setattr(module, attribute, wrapped)
@@ -296,7 +302,7 @@ class _Then(importlib.abc.Loader):
         try:
             self.hook.then(module)
         except Exception as error:
-            log.warning("sao's verl plug-in could not patch %s: %s", module.__name__, _describe(error))
+            log.warning("sao's verl plug-in could not act on %s: %s", module.__name__, _describe(error))
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ...: the real loader's
         return getattr(self.loader, name)
@@ -315,14 +321,12 @@ def patch_when_imported(module_name: str) -> None:
 
 
 def register() -> list[str]:
-    """Register sao's losses and ``sao_gae`` in verl's registries and arm the patches; returns the names
-    registered now. A name verl already has from someone else is left alone, with a WARNING."""
-    import verl
+    """Register sao's losses and ``sao_gae`` in verl's registries; returns the names registered now. A name verl
+    already has from someone else is left alone, with a WARNING."""
     from verl.trainer.ppo import core_algos
 
     from sao.integrations import shared
 
-    shared.check_version("verl", verl.__version__, TESTED)
     added = []
     wanted = {
         shared.loss_name(rule): (core_algos.POLICY_LOSS_REGISTRY, policy_loss(rule)) for rule in shared.rule_names()
@@ -338,9 +342,33 @@ def register() -> list[str]:
             added.append(name)
         elif getattr(found, SAO_MARK, None) is None:
             log.warning("verl already has %r from elsewhere; sao's is not registered under that name", name)
+    return added
+
+
+def load() -> None:
+    """What ``import verl`` runs through the entry point: the version check, the patches (each when its module is
+    first imported), and the registration when verl's ``core_algos`` is (now, when it already is). Imports no verl
+    module that the process has not asked for."""
+    import verl
+
+    from sao.integrations import shared
+
+    shared.check_version("verl", verl.__version__, TESTED)
     for module_name in PATCHES:
         patch_when_imported(module_name)
-    return added
+    if CORE_ALGOS in sys.modules:
+        register()
+    elif not any(isinstance(f, AfterImport) and f.name == CORE_ALGOS for f in sys.meta_path):
+        sys.meta_path.insert(0, AfterImport(CORE_ALGOS, lambda module: _loaded(register)))
+
+
+def _loaded(step: Callable[[], Any]) -> None:
+    try:
+        step()
+    except Exception as error:  # verl hides a plug-in's failure at DEBUG; this one says so
+        log.warning(
+            "sao's verl plug-in did not load (%s): the sao_* losses and sao_gae are not registered", _describe(error)
+        )
 
 
 def _get(config: Any, key: str, default: Any) -> Any:
@@ -366,9 +394,4 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
-try:
-    register()
-except Exception as _error:  # verl hides a plug-in's failure at DEBUG; this one says so
-    log.warning(
-        "sao's verl plug-in did not load (%s): the sao_* losses and sao_gae are not registered", _describe(_error)
-    )
+_loaded(load)
