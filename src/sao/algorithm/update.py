@@ -64,33 +64,59 @@ class SAO(AlgorithmSettings):
         micro-batch) and ``staleness`` (integers: each row's level, for a share per staleness level).
         """
         logprobs, sampler_logprobs, values, rewards, action_mask = _validate(batch)
-        ratio, weight = self._ratio_and_weight(logprobs, sampler_logprobs, action_mask, batch)
         advantages, lam = gae(values, rewards, action_mask, self.gae_alpha)
         value_targets = monte_carlo_returns(rewards, action_mask)
+        correction = self._correct(logprobs, sampler_logprobs, advantages, action_mask, normalizer, batch)
+
+        stats = dict(correction.stats)
+        nonfinite = stats.pop("nonfinite")
+        has_actions = action_mask.any(dim=1)  # [B]
+        stats["lambda_mean"] = float(lam[has_actions].mean())
+        stats["explained_variance"] = explained_variance(values, value_targets, action_mask)
+        stats["nonfinite"] = nonfinite
+        zero = torch.zeros_like(advantages)
+        return Update(
+            advantages=torch.where(action_mask & torch.isfinite(advantages), advantages, zero),
+            value_targets=value_targets,
+            coefficients=correction.coefficients,
+            ratio=correction.ratio,
+            mask=correction.mask,
+            stats=stats,
+        )
+
+    @torch.no_grad()
+    def correct(self, batch: Mapping[str, Tensor], *, normalizer: float | None = None) -> Correction:
+        """The correction alone, for advantages estimated elsewhere (a framework's estimator, ``gae`` run apart):
+        ρ_t, f(ρ_t), the mask and c_t = f(ρ_t) · A_t / N, exactly as ``update`` computes them.
+
+        ``batch`` holds ``logprobs``, ``sampler_logprobs``, ``advantages`` and ``action_mask`` as [B, T] tensors
+        (plus the entries the rule reads, as in ``update``). ``normalizer`` is N as in ``update``; 1 leaves
+        f(ρ_t) · A_t for a caller whose own aggregation divides by the batch's action tokens. Without
+        ``sampler_logprobs`` it refuses: the ratio is never silently 1."""
+        logprobs, sampler_logprobs, advantages, action_mask = _validate_correction(batch)
+        return self._correct(logprobs, sampler_logprobs, advantages, action_mask, normalizer, batch)
+
+    def _correct(
+        self,
+        logprobs: Tensor,
+        sampler_logprobs: Tensor,
+        advantages: Tensor,
+        action_mask: Tensor,
+        normalizer: float | None,
+        batch: Mapping[str, Tensor],
+    ) -> Correction:
+        one = torch.ones_like(logprobs)
+        ratio = torch.where(action_mask, (logprobs - sampler_logprobs).exp(), one)  # [B, T], 1 off-action
+        weight = CORRECTIONS.get(self.correction)(ratio, action_mask, self, batch)  # [B, T] f(r)
+        weight = torch.where(action_mask, weight, torch.zeros_like(weight))
 
         n_tokens = action_mask.sum() if normalizer is None else torch.tensor(float(normalizer), dtype=ratio.dtype)
         finite = torch.isfinite(ratio) & torch.isfinite(advantages)
         mask = action_mask & finite & (weight != 0)  # [B, T] tokens that carry gradient
         zero = torch.zeros_like(ratio)
         coefficients = torch.where(mask, weight * advantages, zero) / n_tokens  # [B, T]
-
-        stats = _stats(self, ratio, weight, advantages, values, value_targets, lam, action_mask, mask)
-        return Update(
-            advantages=torch.where(action_mask & torch.isfinite(advantages), advantages, zero),
-            value_targets=value_targets,
-            coefficients=coefficients,
-            ratio=ratio,
-            mask=mask,
-            stats=stats,
-        )
-
-    def _ratio_and_weight(
-        self, logprobs: Tensor, sampler_logprobs: Tensor, action_mask: Tensor, batch: Mapping[str, Tensor]
-    ) -> tuple[Tensor, Tensor]:
-        one = torch.ones_like(logprobs)
-        ratio = torch.where(action_mask, (logprobs - sampler_logprobs).exp(), one)  # [B, T], 1 off-action
-        weight = CORRECTIONS.get(self.correction)(ratio, action_mask, self, batch)  # [B, T] f(r)
-        return ratio, torch.where(action_mask, weight, torch.zeros_like(weight))
+        stats = _stats(self, ratio, weight, advantages, action_mask, mask)
+        return Correction(coefficients=coefficients, ratio=ratio, mask=mask, stats=stats)
 
 
 @dataclass(frozen=True)
@@ -100,6 +126,21 @@ class Update:
 
     advantages: Tensor
     value_targets: Tensor
+    coefficients: Tensor
+    ratio: Tensor
+    mask: Tensor
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def policy_loss(self, logprobs: Tensor) -> Tensor:
+        """−Σ c_t · logprobs_t with the coefficients held constant (``logprobs`` keeps its graph)."""
+        return -(self.coefficients.detach().to(logprobs.dtype) * logprobs).sum()
+
+
+@dataclass(frozen=True)
+class Correction:
+    """What ``SAO.correct`` returns: the coefficients, ratio and mask as in ``Update`` ([B, T], detached) and the
+    stats that need no critic (``Update.stats`` less ``lambda_mean`` and ``explained_variance``)."""
+
     coefficients: Tensor
     ratio: Tensor
     mask: Tensor
@@ -216,24 +257,10 @@ _KEYS = ("logprobs", "sampler_logprobs", "values", "rewards", "action_mask")
 
 
 def _validate(batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    missing = [k for k in _KEYS if k not in batch]
-    if missing:
-        raise ConfigError(f"batch is missing {missing}; it needs {list(_KEYS)}")
-    logprobs = batch["logprobs"]
-    if not isinstance(logprobs, torch.Tensor) or logprobs.dim() != 2:
-        raise ConfigError("batch['logprobs'] must be a [B, T] tensor")
-    if logprobs.dtype not in (torch.float32, torch.float64):
-        raise ConfigError(f"batch['logprobs'] must be float32 or float64, got {logprobs.dtype}")
+    out = _validate_floats(batch, ("logprobs", "sampler_logprobs", "values"), _KEYS)
+    logprobs = out[0]
     B, T = logprobs.shape
-    if B == 0 or T == 0:
-        raise ConfigError(f"batch is empty: logprobs has shape [{B}, {T}]; need B >= 1 and T >= 1")
     dtype, device = logprobs.dtype, logprobs.device
-    out = [logprobs.detach()]
-    for key in ("sampler_logprobs", "values"):
-        x = batch[key]
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != (B, T):
-            raise ConfigError(f"batch[{key!r}] must have shape [{B}, {T}] like logprobs, got {_shape(x)}")
-        out.append(x.detach().to(device=device, dtype=dtype))
     rewards = batch["rewards"]
     if not isinstance(rewards, torch.Tensor) or tuple(rewards.shape) not in ((B,), (B, T)):
         raise ConfigError(
@@ -241,12 +268,7 @@ def _validate(batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tens
         )
     rewards = rewards.detach().to(device=device, dtype=dtype)
     out.append(rewards)
-    action_mask = batch["action_mask"]
-    if not isinstance(action_mask, torch.Tensor) or tuple(action_mask.shape) != (B, T):
-        raise ConfigError(f"batch['action_mask'] must have shape [{B}, {T}], got {_shape(action_mask)}")
-    action_mask = action_mask.to(device=device, dtype=torch.bool)
-    if not bool(action_mask.any()):
-        raise ConfigError("batch['action_mask'] has no True entry: a batch needs at least one action token")
+    action_mask = _validate_action_mask(batch, B, T, device)
     if rewards.dim() == 2:
         stray = (rewards != 0) & ~action_mask  # [B, T] NaN counts as non-zero
         if bool(stray.any()):
@@ -259,21 +281,58 @@ def _validate(batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tens
     return out[0], out[1], out[2], out[3], out[4]
 
 
+_CORRECTION_KEYS = ("logprobs", "sampler_logprobs", "advantages", "action_mask")
+
+
+def _validate_correction(batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    logprobs, sampler_logprobs, advantages = _validate_floats(batch, _CORRECTION_KEYS[:3], _CORRECTION_KEYS)
+    B, T = logprobs.shape
+    return logprobs, sampler_logprobs, advantages, _validate_action_mask(batch, B, T, logprobs.device)
+
+
+def _validate_floats(batch: Mapping[str, Tensor], floats: tuple[str, ...], needed: tuple[str, ...]) -> list[Tensor]:
+    """``floats[0]`` (``logprobs``) checked as a non-empty float32/float64 [B, T] tensor, the others as [B, T]
+    tensors cast to its dtype and device; a ConfigError for anything missing or misshapen."""
+    missing = [k for k in needed if k not in batch]
+    if missing:
+        raise ConfigError(f"batch is missing {missing}; it needs {list(needed)}")
+    logprobs = batch[floats[0]]
+    if not isinstance(logprobs, torch.Tensor) or logprobs.dim() != 2:
+        raise ConfigError("batch['logprobs'] must be a [B, T] tensor")
+    if logprobs.dtype not in (torch.float32, torch.float64):
+        raise ConfigError(f"batch['logprobs'] must be float32 or float64, got {logprobs.dtype}")
+    B, T = logprobs.shape
+    if B == 0 or T == 0:
+        raise ConfigError(f"batch is empty: logprobs has shape [{B}, {T}]; need B >= 1 and T >= 1")
+    dtype, device = logprobs.dtype, logprobs.device
+    out = [logprobs.detach()]
+    for key in floats[1:]:
+        x = batch[key]
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != (B, T):
+            raise ConfigError(f"batch[{key!r}] must have shape [{B}, {T}] like logprobs, got {_shape(x)}")
+        out.append(x.detach().to(device=device, dtype=dtype))
+    return out
+
+
+def _validate_action_mask(batch: Mapping[str, Tensor], B: int, T: int, device: torch.device) -> Tensor:
+    action_mask = batch["action_mask"]
+    if not isinstance(action_mask, torch.Tensor) or tuple(action_mask.shape) != (B, T):
+        raise ConfigError(f"batch['action_mask'] must have shape [{B}, {T}], got {_shape(action_mask)}")
+    action_mask = action_mask.to(device=device, dtype=torch.bool)
+    if not bool(action_mask.any()):
+        raise ConfigError("batch['action_mask'] has no True entry: a batch needs at least one action token")
+    return action_mask
+
+
 def _shape(x: object) -> str:
     return str(list(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def _stats(
-    sao: SAO,
-    ratio: Tensor,
-    weight: Tensor,
-    advantages: Tensor,
-    values: Tensor,
-    value_targets: Tensor,
-    lam: Tensor,
-    action_mask: Tensor,
-    mask: Tensor,
+    sao: SAO, ratio: Tensor, weight: Tensor, advantages: Tensor, action_mask: Tensor, mask: Tensor
 ) -> dict[str, float]:
+    """The correction's diagnostics (``update`` adds ``lambda_mean`` and ``explained_variance`` before
+    ``nonfinite``)."""
     n = action_mask.sum()
     lo, hi = sao.ratio
     r = ratio[action_mask]
@@ -315,7 +374,5 @@ def _stats(
         "abs_log_ratio_max": float(log_ratio.max()) if log_ratio.numel() else float("nan"),
         "admitted_share": float(admitted.sum() / has_actions.sum()),
         "advantage_mean": float(adv.mean()) if adv.numel() else float("nan"),
-        "lambda_mean": float(lam[has_actions].mean()),
-        "explained_variance": explained_variance(values, value_targets, action_mask),
         "nonfinite": float(nonfinite.sum()),
     }
