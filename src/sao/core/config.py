@@ -452,6 +452,26 @@ class TrainingSettings(Section):
         "When stderr is not a terminal (a log file, CI), one plain line every N steps instead of a progress bar.",
         check=at_least(1),
     )
+    timeline_steps: int = option(
+        100,
+        "OUT/timeline.json, the run's timeline in the Chrome trace event format (Perfetto and chrome://tracing open "
+        "it): a track per process (trainer ranks, Ray workers, vLLM requests as sao sees them, environment calls), "
+        "each step's phases, each trajectory's draw with its version and staleness, each environment call, adapter "
+        "publishes and loads, checkpoints. A rolling window: it keeps the newest N steps at least and 2N at most "
+        "(at most 4000 trajectory, request and call spans a step; the rest are counted on the step's span). "
+        "0 = no timeline file. The step records' time_* phase timers are kept either way. Not compared on --resume.",
+        check=at_least(0, " (0 = no timeline file)"),
+    )
+    otel_endpoint: str | None = option(
+        None,
+        "OpenTelemetry: the OTLP/HTTP collector to send each step's spans to (rl.loop with rl.sample, rl.reward, "
+        "rl.train, rl.sync and rl.eval under it, the run, step, version and staleness as attributes), e.g. "
+        "http://127.0.0.1:4318 (/v1/traces is added). Needs pip install 'sao[otel]'. None: the standard "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT variables when set, else off. An "
+        "unreachable collector costs one warning: spans are sent in the background, and dropped and counted when "
+        "they cannot be. Not compared on --resume.",
+        check=not_blank,
+    )
 
 
 

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from sao.core import timeline
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.io import DamagedFileError, check_output_path, clean, read_saved_json, write_json
@@ -163,9 +164,10 @@ class EvalEvery(Hook):
         if 0 < k < steps and k % every == 0 and not path.exists():
             m = trainer.models
             parts = self.experiment.parts.for_model(self.config, m.policy, m.tokenizer)
-            result = pass_at_1(m.policy, m.tokenizer, parts.tasks.test, f"{self.label} step {k}",
-                               seed=derived_seed(self.seed, "eval"), parts=parts,
-                               progress=self.experiment.progress)  # fmt: skip
+            with timeline.phase("eval"):  # in the step's time_eval
+                result = pass_at_1(m.policy, m.tokenizer, parts.tasks.test, f"{self.label} step {k}",
+                                   seed=derived_seed(self.seed, "eval"), parts=parts,
+                                   progress=self.experiment.progress)  # fmt: skip
             write_json(path, result.to_dict())
 
 
@@ -473,7 +475,8 @@ class Experiment:
             for arm, runs in trained[cell["name"]].items():
                 for seed, result, log in runs:
                     key = f"{cell['name']} {run_label(arm, seed)}"
-                    train_s[key], eval_s[key] = sum(r["time"] for r in log), result.seconds
+                    during = sum(r.get("time_eval") or 0.0 for r in log)  # --eval-every's evals, in the steps' time
+                    train_s[key], eval_s[key] = sum(r["time"] for r in log) - during, result.seconds + during
                     run_dir, _, redo = self._paths(cell, arm, seed)
                     state = self._finished_state(run_dir, redo)
                     warnings += (state or {}).get("warnings", [])

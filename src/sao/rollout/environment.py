@@ -28,6 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
+from sao.core import timeline
 from sao.core.errors import ConfigError
 from sao.core.plugins import PluginError, failure
 from sao.core.reading import preview, reward_problem
@@ -172,6 +173,7 @@ class _Call:
     future: Future
     plugin: str  # "NAME (what)", as the one-line errors call it
     task: str
+    what: str = "step"  # the call: step, init, close, building it
     started: float | None = None  # time.monotonic() when it began running (None: still queued)
     worker: _Worker | None = None  # the thread running a plain call
     cancel: Callable[[], Any] | None = None  # cancels an async call's task
@@ -198,6 +200,7 @@ class EnvCalls:
     _threads: int = field(init=False, default=0)
     _loop: asyncio.AbstractEventLoop | None = field(init=False, repr=False, default=None)
     _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+    _slots: set[int] = field(init=False, repr=False, default_factory=set)  # the timeline's tracks of async calls
 
     def __post_init__(self) -> None:
         if self.timeout is not None and self.timeout <= 0:
@@ -219,12 +222,13 @@ class EnvCalls:
         plugin = f"{self.name} ({what})"
         if inspect.iscoroutinefunction(fn):
             loop = self._event_loop()
-            call = _Call(key, Future(), plugin, task, started=time.monotonic())
-            task_future = asyncio.run_coroutine_threadsafe(fn(*args), loop)
+            call = _Call(key, Future(), plugin, task, started=time.monotonic(), what=what)
+            coroutine = fn(*args) if timeline.recording() is None else self._timed(call, fn, args)
+            task_future = asyncio.run_coroutine_threadsafe(coroutine, loop)
             call.cancel = task_future.cancel
             task_future.add_done_callback(lambda f, c=call: _copy_outcome(f, c.future))
             return call
-        call = _Call(key, Future(), plugin, task)
+        call = _Call(key, Future(), plugin, task, what=what)
         with self._lock:
             if self._threads < self.workers:
                 self._spawn()
@@ -243,6 +247,7 @@ class EnvCalls:
                 return
             call, fn, args = item
             call.worker, call.started = worker, time.monotonic()
+            begun = timeline.now()
             try:
                 value = fn(*args)
                 if inspect.isawaitable(value):
@@ -250,11 +255,30 @@ class EnvCalls:
                     raise EnvFault(f"{call.plugin} returned a coroutine without being async def on {call.task}; "
                                    "declare it async def")  # fmt: skip
             except BaseException as error:  # a tool's failure is the trajectory's, not the run's
+                _tell(call, begun, "thread", error=error)
                 if not call.future.done():
                     call.future.set_exception(error)
             else:
+                _tell(call, begun, "thread", value=value)
                 if not call.future.done():
                     call.future.set_result(value)
+
+    async def _timed(self, call: _Call, fn: Callable[..., Any], args: tuple) -> Any:
+        """An async call, its span on a track of its own while it runs (async calls overlap on one thread)."""
+        with self._lock:
+            slot = min(set(range(len(self._slots) + 1)) - self._slots)
+            self._slots.add(slot)
+        begun = timeline.now()
+        try:
+            value = await fn(*args)
+        except BaseException as error:
+            _tell(call, begun, f"async {slot + 1}", error=error)
+            raise
+        finally:
+            with self._lock:
+                self._slots.discard(slot)
+        _tell(call, begun, f"async {slot + 1}", value=value)
+        return value
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
@@ -271,19 +295,23 @@ class EnvCalls:
             done = self._take_done()
             if done or not block or not self._calls:
                 return done
-            wait([c.future for c in self._calls.values()], timeout=self._next_deadline(), return_when=FIRST_COMPLETED)
+            with timeline.waiting_on_env():
+                wait([c.future for c in self._calls.values()], timeout=self._next_deadline(),
+                     return_when=FIRST_COMPLETED)  # fmt: skip
 
     def call(self, fn: Callable[..., Any], *args: Any, task: str = "its task", what: str = "step") -> Any:
         """``fn(*args)`` off this thread under the deadline (an async one awaited); its value, or ``EnvFault``. Safe
         from several threads."""
-        call = self._start(object(), fn, args, task, what)
-        while True:
-            timeout = None if self.timeout is None else 0.05 if call.started is None else max(
-                0.0, call.started + self.timeout - time.monotonic())  # fmt: skip
-            wait([call.future], timeout=timeout)
-            outcome = self._outcome(call)
-            if outcome is not None:
-                return _raise_fault(outcome[0])
+        with timeline.waiting_on_env():
+            call = self._start(object(), fn, args, task, what)
+            while True:
+                timeout = None if self.timeout is None else 0.05 if call.started is None else max(
+                    0.0, call.started + self.timeout - time.monotonic())  # fmt: skip
+                wait([call.future], timeout=timeout)
+                outcome = self._outcome(call)
+                if outcome is not None:
+                    break
+        return _raise_fault(outcome[0])
 
     def _take_done(self) -> list[tuple[Any, Any]]:
         out = []
@@ -338,6 +366,31 @@ class EnvCalls:
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._loop = None
+
+
+SPAN_NAMES = {"building it": "env.build", "init": "env.init", "step": "env.step", "close": "env.close"}
+
+
+def _tell(call: _Call, begun: float, track: str, *, error: BaseException | None = None, value: Any = None) -> None:
+    """The call's span on the timeline (``sao.core.timeline``), if this process records one: the task, how it
+    ended, and for a step the tool calls and reward it reported."""
+    recorder = timeline.recording()
+    if recorder is None:
+        return
+    args: dict[str, Any] = {"task": call.task, "outcome": "ok" if error is None else type(error).__name__}
+    if call.worker is not None and call.worker.abandoned:
+        args["outcome"] = "returned past the timeout"
+    if isinstance(value, dict):
+        meta = value.get("metadata")
+        for key in ("tool_calls", "tool_errors"):
+            if isinstance(meta, dict) and isinstance(meta.get(key), int):
+                args[key] = meta[key]
+        if isinstance(value.get("reward"), int | float):
+            args["reward"] = value["reward"]
+    name = SPAN_NAMES.get(call.what, f"env.{call.what}")
+    process = timeline.ENV + recorder.suffix
+    thread = recorder.thread("env thread") if track == "thread" else track
+    timeline.complete(name, "env", process, thread, begun, timeline.now(), **args)
 
 
 def _copy_outcome(source: Future, target: Future) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from sao.core import timeline
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.names import POLICY
@@ -153,6 +154,15 @@ def draw_episode_batch(
                          tasks=task_ids, refresh=refresh, **limits, **sampling.as_kwargs())  # fmt: skip
 
 
+def trajectories(task_ids: list[str], start: float, end: float, version: int, staleness: int, step: int) -> None:
+    """A batch drawn together here: each trajectory's span on the timeline (one track per row), if one is kept."""
+    if timeline.recording() is None:
+        return
+    for row, task in enumerate(task_ids):
+        timeline.complete("trajectory", "trajectory", timeline.LOCAL_SAMPLER, f"row {row}", start, end, task=task,
+                          version=version, staleness=staleness, step=step)  # fmt: skip
+
+
 def make_decoder(model: nn.Module, adapter: str | None, kind: str) -> Decoder:
     """ "graph" → ``Engine`` over ``adapter``; "plain" → the reference loop; "auto" → graph on a GPU, plain on
     the CPU (the engine's eager CPU path draws the same tokens, only slower to set up)."""
@@ -259,12 +269,15 @@ class LocalStaleSource:
         generator = torch.Generator(device=self.device).manual_seed(derived_seed(self.seed, step, "rollout"))
         if self.cast is not None:
             self.cast.sync()
-        if self.episodes is not None:
-            decoder, episodes = self.decoder, self.episodes
-            rollout = draw_episode_batch(decoder, self.tokenizer, task_ids, episodes, self.sampling, generator)
-        else:
-            prompts = [self.prompts[i] for i in task_ids]
-            rollout = draw_batch(self.decoder, self.tokenizer, prompts, self.sampling, generator)
+        started = timeline.now()
+        with timeline.phase("draw"):
+            if self.episodes is not None:
+                decoder, episodes = self.decoder, self.episodes
+                rollout = draw_episode_batch(decoder, self.tokenizer, task_ids, episodes, self.sampling, generator)
+            else:
+                prompts = [self.prompts[i] for i in task_ids]
+                rollout = draw_batch(self.decoder, self.tokenizer, prompts, self.sampling, generator)
+        trajectories(task_ids, started, timeline.now(), self.sampler.version, staleness, step)
         if self.sampler.version not in self.drawn_with:  # kept for re-scoring this batch under its own version
             self.drawn_with = {self.sampler.version: self.sampler.weights()}
         if phase == POLICY and self.sampler.refresh_after_draw(k):

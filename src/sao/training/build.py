@@ -10,6 +10,7 @@ Deliberately left out: what the parts do (each lives in its own layer).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,13 @@ from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import Source, SourceContext
 from sao.tasks import setup
 from sao.tasks.base import Task, TaskSet
-from sao.training import checkpoint
+from sao.training import checkpoint, otel
 from sao.training.distributed import World
 from sao.training.gate import Gate, HeldAside, LiveRewards
-from sao.training.hooks import FootingAudit, Mismatch, Publish, Reachability, SourceSummary, Tracking
+from sao.training.hooks import FootingAudit, Mismatch, Publish, Reachability, SourceSummary, Timeline, Tracking
 from sao.training.trainer import Hook, Trainer
+
+log = logging.getLogger("sao.training")
 
 
 def trainer(
@@ -47,6 +50,7 @@ def trainer(
 ) -> Trainer:
     """A ``Trainer`` with every part the config names, unless passed in. Nothing in ``out_dir`` is claimed until
     every part is built, so a mistake found on the way leaves the folder as it was."""
+    otel.check(config)  # --otel-endpoint without the SDK: one line, nothing loaded
     world = World.from_env(config.model.device)  # one process, or this rank of a torchrun group
     tasks = tasks or setup.task_set(config, dataset)  # a bad --data fails here, before a model is loaded
     held = gate_tasks(config, tasks)  # and a held-out split too small for the gate's margin
@@ -105,7 +109,8 @@ def held_aside_gate(config: Config, models: Models, held: list[Task], parts: set
 def default_hooks(config: Config) -> list[Hook]:
     """What the settings ask for beside the step: the reachability lines and the mismatch split always; what the
     source's section says it needs (``needs``: the footing audit, the sampler tolerance, its summary, publishing);
-    publishing with --publish; tracking with --track (last, so it sees every other hook's work)."""
+    publishing with --publish; the timeline (timeline.json, OpenTelemetry) unless --timeline-steps 0 and no
+    collector; tracking with --track (last, so it sees every other hook's work)."""
     t, chunk, needs = config.training, config.model.logprob_chunk, config.source.needs()
     temperature = config.rollout.temperature
     hooks: list[Hook] = [Reachability(t.dead_band_share, config.algorithm.ratio, t.steps),
@@ -116,6 +121,9 @@ def default_hooks(config: Config) -> list[Hook]:
         hooks.append(SourceSummary())
     if (t.publish or needs.get("publish")) and t.gate == "off":  # a gate publishes what passes it (held_aside_gate)
         hooks.append(Publish())
+    telemetry = otel.from_config(config, log.warning)
+    if t.timeline_steps > 0 or telemetry is not None:
+        hooks.append(Timeline(t.timeline_steps, telemetry))
     if t.track is not None:
         hooks.append(Tracking(t.track, config.to_dict()))
     return hooks

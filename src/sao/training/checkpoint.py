@@ -138,7 +138,8 @@ class RunDir:
 
 # Settings that change how a run is watched, how long it waits for a trace log or whether a malformed trace line
 # stops it, not what a step computes: a resume may change them.
-NOT_COMPARED_ON_RESUME = ("track", "follow", "follow_timeout", "skip_bad_traces", "log_every")
+NOT_COMPARED_ON_RESUME = ("track", "follow", "follow_timeout", "skip_bad_traces", "log_every", "timeline_steps",
+                          "otel_endpoint")  # fmt: skip
 
 
 def same_settings(saved: Any, record: dict[str, Any]) -> bool:

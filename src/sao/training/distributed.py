@@ -146,6 +146,16 @@ class World:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` (pickled) on rank 0, in rank order; None on the other ranks."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.size if self.is_main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
     def barrier(self) -> None:
         if self.size > 1:
             import torch.distributed as dist

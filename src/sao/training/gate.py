@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from sao.core import stats
+from sao.core import stats, timeline
 from sao.core.io import atomic_write, write_json
 from sao.model.policy import POLICY_ADAPTER, lora_state
 from sao.rollout.sampler import derived_seed
@@ -221,7 +221,8 @@ class Gate(Hook):
             return
         served = self.chain[-1]
         best = self.best
-        candidate = self.held.scores(trainer.models.policy)
+        with timeline.phase("eval"):
+            candidate = self.held.scores(trainer.models.policy)
         self._check_range(trainer, candidate)
         test = stats.noninferior(served["scores"], candidate, self.margin, self.alpha)
         interval = {"delta": test.delta, "lower": test.lower, "p_value": test.p_value, "n": test.n,

@@ -10,7 +10,8 @@
     on_close(trainer)                    always, last (release what the hook holds)
 
 A hook with state (``state_dict``/``load_state_dict``) has it saved in the trainer's checkpoint under its ``name``.
-Here: the reachability lines, publishing, tracking, the footing audit of logged log-probs, a source's summary.
+Here: the reachability lines, publishing, tracking, the footing audit of logged log-probs, a source's summary, the
+timeline (timeline.json and OpenTelemetry).
 
 Deliberately left out: evaluation (``sao.experiment`` adds its own hooks) and anything that changes the update.
 """
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sao.core import timeline
 from sao.core.errors import DataError
 from sao.core.io import write_json
 from sao.model.forward import token_logprobs, trunk_and_head
@@ -33,6 +35,7 @@ from sao.training.trainer import Hook, Trainer
 if TYPE_CHECKING:
     from sao.model.forward import TeacherForced
     from sao.rollout.types import Batch
+    from sao.training.otel import Telemetry
 
 
 class Reachability(Hook):
@@ -251,3 +254,83 @@ class Mismatch(Hook):
 
 def _mean_abs(difference: torch.Tensor, mask: torch.Tensor) -> float:
     return float(difference[mask].abs().mean()) if bool(mask.any()) else float("nan")
+
+
+DELIVERY_TOLERANCE = 1e-3  # the delivery check's verdict where the source enforces none (the remote engines' default)
+
+
+class Timeline(Hook):
+    """OUT/timeline.json (``sao.core.timeline.TraceFile``, the newest ``steps`` steps at least; 0: no file) and, with
+    ``telemetry``, the same steps as OpenTelemetry spans (``sao.training.otel``). This process records from the run's
+    start (a Ray source's workers and the environment calls too); each step's events are written once the step is
+    durable, every rank's phases on rank 0. A step that drew fresh rows gets the delivery check's verdict: the
+    sampler's log-probs against the policy's at staleness 0 (``mismatch_fresh``) within the tolerance the source
+    enforces (--sampler-tolerance), else ``DELIVERY_TOLERANCE``."""
+
+    name = "timeline"
+    FILE = "timeline.json"
+
+    def __init__(self, steps: int, telemetry: Telemetry | None = None):
+        self.steps, self.telemetry = steps, telemetry
+        self.file: timeline.TraceFile | None = None
+        self.recorder: timeline.Recorder | None = None
+        self.version = 0  # the policy version of the step's pass: staleness-0 rows were drawn by it
+
+    def on_run_start(self, trainer: Trainer) -> None:
+        self.recorder = timeline.start()
+        if self.telemetry is not None:
+            self.telemetry.exporter.warn = trainer.warn  # its one warning goes in the run's summary
+        track = timeline.TRAINER.format(rank=trainer.world.rank)
+        if trainer.world.is_main and self.steps > 0:
+            path = trainer.out / self.FILE
+            about = {"run": trainer.label, "tool": "sao"}
+            self.file = timeline.TraceFile(path, self.steps, about).open(resume=path.exists())
+            if self.file.repaired:
+                trainer.say(f"[{trainer.label}] {self.file.repaired}", always=True)
+        what = f"resumed at step {trainer.next_step}" if trainer.next_step else "run start"
+        timeline.instant(what, "run", track, "step", step=trainer.next_step, version=trainer.policy_version)
+
+    def on_pass(self, trainer: Trainer, batch: Batch, forward: TeacherForced) -> dict[str, Any]:
+        self.version = trainer.policy_version
+        return {}
+
+    def on_step_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        fresh = record.get("mismatch_fresh")
+        if isinstance(fresh, float) and fresh == fresh:  # rows at staleness 0: did the sampler get the adapter?
+            enforced = next((h.tolerance for h in trainer.hooks if isinstance(h, Mismatch)), None)
+            tolerance = enforced if enforced is not None else DELIVERY_TOLERANCE
+            track = timeline.TRAINER.format(rank=trainer.world.rank)
+            timeline.instant("delivery check", "adapter", track, "step", step=record["step"], version=self.version,
+                             mismatch_fresh=fresh, tolerance=tolerance, passed=fresh <= tolerance,
+                             enforced=enforced is not None)  # fmt: skip
+
+    def on_checkpoint(self, trainer: Trainer, step: int) -> None:
+        self._flush(trainer, gather=True)
+
+    def _flush(self, trainer: Trainer, gather: bool) -> None:
+        if self.recorder is None:
+            return
+        events, dropped = self.recorder.drain()
+        if dropped:
+            for event in events:
+                if event.get("cat") == "step":
+                    event["args"]["events_dropped"] = dropped
+        if gather and trainer.world.size > 1:  # every rank's events on rank 0
+            gathered = trainer.world.gather_objects(events)
+            events = [e for part in gathered or [] for e in part]
+        if not trainer.world.is_main:
+            return
+        if self.file is not None and events:
+            self.file.write(events)
+        if self.telemetry is not None:
+            self.telemetry.steps(trainer.label, events)
+
+    def on_close(self, trainer: Trainer) -> None:
+        try:
+            self._flush(trainer, gather=False)  # what came after the last step (this rank's)
+        finally:
+            timeline.stop()
+            self.recorder = None
+            if self.telemetry is not None and trainer.world.is_main:
+                trainer.say(f"[{trainer.label}] {self.telemetry.close()}")
+                self.telemetry = None

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from sao.algorithm.corrections import row_keys
 from sao.algorithm.update import SAO, explained_variance
+from sao.core import timeline
 from sao.core.config import Config
 from sao.core.names import POLICY, WARMUP
 from sao.model import artifacts
@@ -147,12 +148,21 @@ class Trainer:
 
     # -- one step, in the order of the data path ---------------------------------------------------------------
 
-    def step(self, g: int) -> dict[str, Any]:
+    def step(self, g: int, clock: timeline.Phases | None = None) -> dict[str, Any]:
+        """Global step ``g``: its log record, with the phase timers of ``clock`` (a fresh one by default; the loop
+        passes its own and times the hooks after the step with it too)."""
+        clock = clock or timeline.Phases()
+        with clock:  # the sources' and environments' phases reach it
+            return self._step(g, clock)
+
+    def _step(self, g: int, clock: timeline.Phases) -> dict[str, Any]:
         phase = WARMUP if self.warmup_length is None or g < self.warmup_length else POLICY
         started = time.perf_counter()
-        batch = self.source.next_batch(g, phase, self.policy_version)  # prompts → source → trajectories
+        with clock.phase("wait"):  # (a source that draws here marks "draw" and "env" inside)
+            batch = self.source.next_batch(g, phase, self.policy_version)  # prompts → source → trajectories
         rollout = batch.rollout
-        rewards, truncation = self.scorer.rewards(rollout, self.rows(batch))  # [B], or [B, R] per turn
+        with clock.phase("score"):
+            rewards, truncation = self.scorer.rewards(rollout, self.rows(batch))  # [B], or [B, R] per turn
         sampled = time.perf_counter()
         policy_step = phase == POLICY
 
@@ -173,42 +183,48 @@ class Trainer:
         own = self.world.shard(len(rewards))  # this rank's rows (every row on one process)
         width = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
         rows = self.micro_batch or auto_micro_batch(self.models.policy, width, own.stop - own.start)
-        result, rows, retries = with_oom_retry(attempt, rows, self._say_oom)
+        with clock.phase("pass"):
+            result, rows, retries = with_oom_retry(attempt, rows, self._say_oom)
         self.micro_batch = rows if retries else self.micro_batch  # a halving holds for the rest of the run
         extras: dict[str, Any] = {}
-        for hook in self.hooks:  # before any update: a hook may refuse what the batch holds
-            extras.update(hook.on_pass(self, batch, result.forward))
+        with clock.phase("checks"):
+            for hook in self.hooks:  # before any update: a hook may refuse what the batch holds
+                extras.update(hook.on_pass(self, batch, result.forward))
         loss, finite = self.world.total(result.loss), self.world.all(result.finite)  # over ranks (as is on one)
         grad_norm, skipped, lr = float("nan"), False, float("nan")
         if policy_step:  # (sum over ranks) → clip → AdamW on LoRA, unless something was not finite
-            if finite:
-                self.world.sum_gradients(self.lora_params)
-            lr = self._set_lr(g - self.warmup_length)
-            grad_norm, skipped = apply_policy_step(self.policy_opt, self.lora_params, self.settings.grad_clip, finite)
+            with clock.phase("update"):
+                if finite:
+                    self.world.sum_gradients(self.lora_params)
+                lr = self._set_lr(g - self.warmup_length)
+                grad_norm, skipped = apply_policy_step(self.policy_opt, self.lora_params, self.settings.grad_clip,
+                                                       finite)  # fmt: skip
             if not skipped:
                 self.policy_version += 1
-                self.source.after_update(self.policy_version)
-                for hook in self.hooks:
-                    hook.on_update(self, self.policy_version)
+                with clock.phase("publish"):  # (a hook that evaluates marks "eval" inside)
+                    self.source.after_update(self.policy_version)
+                    for hook in self.hooks:
+                        hook.on_update(self, self.policy_version)
         targets = result.update.value_targets[own]  # [b, R] Monte Carlo returns of this rank's rows
-        critic_loss = critic_steps(self.models.value_head, self.critic_opt, result.forward.hidden, targets,
-                                   rollout.action_mask[own], self.sao.critic_steps, world=self.world)  # fmt: skip
-        record = step_record(
-            step=g, phase=phase, policy_step=g - self.warmup_length if policy_step else None,
-            policy_version=self.policy_version, staleness=batch.staleness, token_staleness=batch.token_staleness(),
-            rollout=rollout, rewards=rewards,
-            update=result.update, critic_loss=critic_loss, grad_norm=grad_norm, skipped=skipped,
-            band=self.sao.ratio, token_text=self._token_text,
-        )  # fmt: skip
-        if self.sao.baseline != "critic":  # the update's EV is the fixed baseline's: the critic's, beside it
-            record["critic_explained_variance"] = explained_variance(
-                result.critic_values, result.update.value_targets, rollout.action_mask
-            )
+        with clock.phase("critic"):
+            critic_loss = critic_steps(self.models.value_head, self.critic_opt, result.forward.hidden, targets,
+                                       rollout.action_mask[own], self.sao.critic_steps, world=self.world)  # fmt: skip
+        with clock.phase("stats"):
+            record = step_record(
+                step=g, phase=phase, policy_step=g - self.warmup_length if policy_step else None,
+                policy_version=self.policy_version, staleness=batch.staleness, token_staleness=batch.token_staleness(),
+                rollout=rollout, rewards=rewards,
+                update=result.update, critic_loss=critic_loss, grad_norm=grad_norm, skipped=skipped,
+                band=self.sao.ratio, token_text=self._token_text,
+            )  # fmt: skip
+            if self.sao.baseline != "critic":  # the update's EV is the fixed baseline's: the critic's, beside it
+                record["critic_explained_variance"] = explained_variance(
+                    result.critic_values, result.update.value_targets, rollout.action_mask
+                )
         return {
             "arm": self.sao.correction, "seed": self.settings.seed, **record, **batch.info, **extras, "loss": loss,
             **result.extra_stats, "lr": lr, "micro_batch": self.micro_batch, "oom_retries": retries,
-            "world_size": self.world.size, **truncation, "time": time.perf_counter() - started,
-            "time_sample": sampled - started,
+            "world_size": self.world.size, **truncation, **clock.fields(), "time_sample": sampled - started,
         }  # fmt: skip
 
     def _token_text(self, ids: Sequence[int]) -> list[str]:
@@ -254,19 +270,24 @@ class Trainer:
             for hook in self.hooks:
                 hook.on_run_start(self)
             while self.next_step < self.total_steps:
-                g = self.next_step
+                g, version, clock = self.next_step, self.policy_version, timeline.Phases()
                 try:
-                    record = self.step(g)
+                    record = self.step(g, clock)
                 except SourceExhausted as end:  # e.g. a trace log with no further batch: the run ends here
                     self.ended_early = str(end)
                     self.say(f"[{self.label}] stopped after {g} of {self.total_steps} steps: {end}")
                     break
-                if self.warmup_length is None:
-                    self._decide_warmup(record)
-                self.records.append(record)
-                self.next_step = g + 1
-                for hook in self.hooks:
-                    hook.on_step_end(self, record)
+                with clock:  # the hooks after the step (an evaluation marks "eval") are in its time
+                    if self.warmup_length is None:
+                        self._decide_warmup(record)
+                    self.records.append(record)
+                    self.next_step = g + 1
+                    for hook in self.hooks:
+                        hook.on_step_end(self, record)
+                record.update(clock.fields())
+                clock.emit(timeline.TRAINER.format(rank=self.world.rank),
+                           {"step": g, "phase": record["phase"], "version": version, "staleness": record["staleness"],
+                            "staleness_mean": record["staleness_mean"], "time": record["time"]})  # fmt: skip
                 if self.world.is_main:
                     checkpoint.append_log(self.out, record)
                 if self.next_step % self.settings.checkpoint_every == 0 or self.next_step == self.total_steps:
@@ -323,7 +344,9 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         if self.world.is_main:
-            checkpoint.save(self.out, self._state(), self.records, keep=self.settings.keep_checkpoints)
+            track = timeline.TRAINER.format(rank=0)
+            with timeline.span("checkpoint", "checkpoint", track, "step", step=self.next_step):
+                checkpoint.save(self.out, self._state(), self.records, keep=self.settings.keep_checkpoints)
         self._saved_at = self.next_step
 
     def _state(self) -> dict[str, Any]:
