@@ -50,7 +50,7 @@ TIMING_FIELDS = ("time", "time_sample", *(f"time_{p}" for p in PHASES), "time_ot
 
 TRAINER = "trainer rank {rank}"  # a trainer process's track; thread "step" holds its phases
 LOCAL_SAMPLER = "local sampler"  # the local source's trajectories, a thread per row
-VLLM = "vllm requests (as seen from sao)"
+REMOTE = "{engine} requests (as seen from sao)"  # a remote engine's (vLLM's) requests, a thread per sender
 ENV = "environment calls"
 MAX_EVENTS_PER_STEP = 4000  # detail events kept per step (trajectories, requests, calls); the rest are counted
 
@@ -77,6 +77,7 @@ class Phases:
         self.seconds: dict[str, float] = {}
         self.intervals: list[tuple[str, float, float]] = []  # (phase, start, end) in perf_counter seconds
         self.last = self.origin
+        self.env_share: float | None = None  # set by a source whose trajectories were drawn elsewhere
         self._outer: list[Phases | None] = []
 
     def __enter__(self) -> Phases:
@@ -112,7 +113,8 @@ class Phases:
         out.update({f"time_{p}": self.seconds.get(p, 0.0) for p in PHASES})
         out["time_other"] = self.seconds.get(OTHER, 0.0)
         drawn = out["time_draw"] + out["time_env"]
-        out["time_env_share"] = out["time_env"] / drawn if drawn > 0 else None
+        here = out["time_env"] / drawn if drawn > 0 else None
+        out["time_env_share"] = self.env_share if self.env_share is not None else here
         return out
 
     def at(self, t: float) -> float:
@@ -157,6 +159,15 @@ def waiting_on_env() -> Iterator[None]:
             yield
     finally:
         _local.env_waited = getattr(_local, "env_waited", 0.0) + (time.perf_counter() - start)
+
+
+def env_share(draws: list[tuple[float, float, float]]) -> None:
+    """A source whose trajectories were drawn elsewhere (Ray workers, vLLM threads) gives the step on this thread the
+    environment's share of them: the mean over ``draws`` (start, end, seconds on the environment) of each one's."""
+    clock = getattr(_local, "phases", None)
+    shares = [min(env / (end - start), 1.0) for start, end, env in draws if end > start]
+    if clock is not None and shares:
+        clock.env_share = sum(shares) / len(shares)
 
 
 def env_waited() -> float:
@@ -249,6 +260,12 @@ def recording() -> Recorder | None:
     return _recorder
 
 
+def thread(kind: str) -> str:
+    """The calling thread's track name ("<kind> N"), or "" when this process records nothing."""
+    recorder = _recorder
+    return recorder.thread(kind) if recorder is not None else ""
+
+
 def complete(name: str, cat: str, process: str, thread: str, start: float, end: float, **args: Any) -> None:
     """A span from ``start`` to ``end`` (wall-clock seconds), if this process records."""
     recorder = _recorder
@@ -282,7 +299,7 @@ def span(name: str, cat: str, process: str, thread: str | None = None, **args: A
 # --- timeline.json ------------------------------------------------------------------------------------------------
 
 TAIL = b"\n]}\n"  # every write ends the file with it
-KINDS = (("trainer", 0), ("local sampler", 1), ("ray worker", 2), ("vllm", 3), ("environment", 4))
+KINDS = (("trainer", 0), ("local sampler", 1), ("ray worker", 2), ("requests", 3), ("environment", 4))
 
 
 class TraceFile:
@@ -371,7 +388,7 @@ class TraceFile:
         pid = self.pids.get(process)
         if pid is None:
             pid = self.pids[process] = len(self.pids) + 1
-            order = next((rank for prefix, rank in KINDS if process.startswith(prefix)), len(KINDS))
+            order = next((rank for word, rank in KINDS if word in process), len(KINDS))
             for event in ({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": process}},
                           {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
                            "args": {"sort_index": order * 1000 + pid}}):  # fmt: skip

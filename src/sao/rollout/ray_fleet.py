@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from sao.core import timeline
 from sao.core.errors import ConfigError
 from sao.model.policy import POLICY_ADAPTER, add_lora, eos_ids, load_base, lora_state
 from sao.rollout.sources import Episodes, draw_batch, draw_episode_batch, make_decoder
@@ -78,6 +79,7 @@ class RolloutWorker:
         self.sampling = Sampling(settings["max_new_tokens"], settings["temperature"], eos, pad)
         self.version = -1  # nothing received yet: the first call always carries an adapter
         self.load_s = time.perf_counter() - started
+        self.track: str | None = None  # this worker's process on the timeline, while a call records one
 
     def ready(self) -> dict[str, Any]:
         """Answered once the model is loaded: the process id, what the start cost inside the actor, the decoder
@@ -89,18 +91,25 @@ class RolloutWorker:
 
     @torch.no_grad()
     def load_adapter(self, version: int, weights: dict[str, torch.Tensor]) -> None:
-        if set(weights) != set(self.params):
-            missing = sorted(set(self.params) ^ set(weights))[:3]
-            raise ValueError(f"published adapter does not match the worker's LoRA parameters (e.g. {missing})")
-        for name, p in self.params.items():
-            p.copy_(weights[name].to(device=p.device, dtype=p.dtype))
-        self.version = version
+        with timeline.span("adapter load", "adapter", self.track or "ray worker", "calls", version=version) as told:
+            told["loaded"] = False
+            if set(weights) != set(self.params):
+                missing = sorted(set(self.params) ^ set(weights))[:3]
+                raise ValueError(f"published adapter does not match the worker's LoRA parameters (e.g. {missing})")
+            for name, p in self.params.items():
+                p.copy_(weights[name].to(device=p.device, dtype=p.dtype))
+            self.version = version
+            told["loaded"] = True  # every tensor the trainer published, of the worker's own names, copied in
 
     def draw(self, job: dict[str, Any], adapter: list[Any], board: Any = None) -> dict[str, Any]:
         """Draw one reply per prompt of ``job`` with the newest adapter; ``adapter`` is [version, ObjectRef]
         (nested in a list so Ray fetches the weights only when the version is new to this worker). Episodes look
         at ``board`` (an ``AdapterBoard``) between turns and go on under a newer version; the call answers the
         version its first tokens were drawn by."""
+        recorder = timeline.start() if job.get("timeline") else None  # the trainer keeps a timeline
+        if recorder is not None:
+            self.track, recorder.suffix = f"ray worker {job['timeline']}", f" (ray worker {job['timeline']})"
+        started, waited = timeline.now(), timeline.env_waited()
         held = [self._take(adapter)]  # the version held at the call, then at each look at the board
 
         def refresh() -> int:  # the episode loop asks before the first action and between turns
@@ -115,7 +124,13 @@ class RolloutWorker:
         else:
             rollout = draw_batch(self.decoder, self.tokenizer, job["prompts"], self.sampling, generator)
         first = held[1] if len(held) > 1 else held[0]  # the first action's: the board may have had a newer one
-        return {"seqs": job["seqs"], "version": first, "rollout": rollout.to(torch.device("cpu"))}
+        drawn = (started, timeline.now(), timeline.env_waited() - waited)  # and the seconds on the environment
+        out = {"seqs": job["seqs"], "version": first, "rollout": rollout.to(torch.device("cpu")), "drawn": drawn}
+        if recorder is not None:  # the call's events go back with it, each row's span is the trainer's to place
+            timeline.complete("draw call", "call", self.track, "calls", *drawn[:2], rows=len(job["seqs"]),
+                              version=first, pid=os.getpid(), env_s=drawn[2])  # fmt: skip
+            out["timeline"] = recorder.drain()[0]
+        return out
 
     def _take(self, adapter: list[Any] | None) -> int:
         """Load ``adapter`` ([version, ObjectRef]) if it is newer than the one held; the version held."""

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sao.core import timeline
 from sao.core.errors import ConfigError
 from sao.model.policy import lora_state
 from sao.rollout.admission import Admission
@@ -59,6 +60,17 @@ class _Trajectory:
     deadline: int  # the last step whose batch may take it (its call's deadline)
     worker: str  # the actor that drew it ("w0", or "w0.r1" for slot 0's first replacement)
     rollout: Rollout  # one row
+    drawn: tuple[float, float, float, int] | None = None  # its call's (start, end, env seconds) and its row in it
+
+
+def _trajectory_span(t: _Trajectory, version: int, step: int, dropped: bool = False) -> None:
+    """Trajectory ``t``'s draw on the timeline, on its worker's track, once its staleness is known."""
+    if t.drawn is None or timeline.recording() is None:
+        return
+    start, end, env_s, row = t.drawn
+    timeline.complete("trajectory", "trajectory", f"ray worker {t.worker}", f"row {row}", start, end, task=t.task_id,
+                      seq=t.seq, version=t.version, staleness=version - t.version, step=step, env_s=env_s,
+                      dropped=dropped)  # fmt: skip
 
 
 class RaySource:
@@ -89,7 +101,7 @@ class RaySource:
         self.ray = import_ray()
         self.policy, self.pad_token_id, self.prompts, self.order = policy, pad_token_id, prompts, order
         self.device = next(policy.parameters()).device
-        self.label, self.progress = label, progress
+        self.label, self.progress, self.episodes = label, progress, episodes
         self.rollout_batch = rollout_batch_size(c)
         if reserved_gpus is None:
             index = self.device.index if self.device.index is not None else 0
@@ -180,7 +192,7 @@ class RaySource:
         self.calls += 1
         seed = derived_seed(self.config.training.seed, "ray-rollout", self.calls, tuple(seqs))
         prompts = [self.prompts[i] for i in ids]
-        return {"seqs": seqs, "task_ids": ids, "prompts": prompts, "seed": seed, "deadline": deadline}
+        return {"seqs": seqs, "task_ids": ids, "prompts": prompts, "seed": seed, "deadline": deadline, "timeline": None}
 
     # -- admission (under the lock) --------------------------------------------------------------------
 
@@ -198,8 +210,9 @@ class RaySource:
             if room <= 0:
                 return
             share = -(-room // (len(idle) - i))  # ceil: the rest of the room over the workers still idle
-            self.fleet.draw(slot, self._next_job(min(self.rollout_batch, share), self.admission.deadline),
-                            self._adapter)  # fmt: skip
+            job = self._next_job(min(self.rollout_batch, share), self.admission.deadline)
+            job["timeline"] = slot.name if timeline.recording() is not None else None  # the worker records too
+            self.fleet.draw(slot, job, self._adapter)
 
     # -- the pump (a driver thread) --------------------------------------------------------------------
 
@@ -230,12 +243,16 @@ class RaySource:
                 self._cond.notify_all()
 
     def _collect(self, slot: _Slot, result: dict[str, Any]) -> None:
+        recorder = timeline.recording()
+        if result.get("timeline") and recorder is not None:
+            recorder.extend(result["timeline"])
         with self._cond:
             drawn = result["rollout"]
             rows = [drawn.row(i) for i in range(drawn.prompt_ids.shape[0])]
             job = slot.job
-            for seq, task_id, row in zip(result["seqs"], job["task_ids"], rows, strict=True):
-                self._buffer.append(_Trajectory(seq, task_id, result["version"], job["deadline"], slot.name, row))
+            for i, (seq, task_id, row) in enumerate(zip(result["seqs"], job["task_ids"], rows, strict=True)):
+                span = (*result["drawn"], i) if "drawn" in result else None
+                self._buffer.append(_Trajectory(seq, task_id, result["version"], job["deadline"], slot.name, row, span))
             self.counts["received"] += len(rows)
             slot.job = slot.future = None
             slot.delivered, slot.deaths = True, 0
@@ -262,8 +279,9 @@ class RaySource:
     # -- the trainer's side ----------------------------------------------------------------------------
 
     def _publish(self, version: int) -> None:
-        weights = {n: p.detach().cpu().clone() for n, p in lora_state(self.policy).items()}
-        ref = self.ray.put(weights)
+        with timeline.span("adapter publish", "adapter", timeline.TRAINER.format(rank=0), "step", version=version):
+            weights = {n: p.detach().cpu().clone() for n, p in lora_state(self.policy).items()}
+            ref = self.ray.put(weights)
         with self._cond:
             self._adapter = [version, ref]
             if self.fleet.board is not None:
@@ -294,6 +312,7 @@ class RaySource:
                         self.dropped.append(item.seq)
                         self.counts["dropped_stale"] += 1
                         dropped += 1
+                        _trajectory_span(item, version, step, dropped=True)
                     else:
                         keep.append(item)
                 self._buffer = keep
@@ -319,6 +338,7 @@ class RaySource:
             self.counts["admitted_from_replacements"] += sum("." in t.worker for t in chosen)
             for t in chosen:
                 self.admitted_by[t.worker] = self.admitted_by.get(t.worker, 0) + 1
+                _trajectory_span(t, version, step)
             self.batches.append([t.seq for t in chosen])
             per_step = {k: self.counts[k] - self._logged[k] for k in self._logged}
             self._logged = {k: self.counts[k] for k in self._logged}
@@ -341,6 +361,8 @@ class RaySource:
                 "buffered": len(self._buffer),
                 "rollouts_per_s": self.counts["received"] / (time.perf_counter() - self._started_at),
             }
+        if self.episodes is not None:  # drawn on the workers: their environment's share, from each call
+            timeline.env_share([t.drawn[:3] for t in chosen if t.drawn is not None])
         rows = [t.rollout for t in chosen]
         if any(r.versions is not None for r in rows):  # some rows span versions: every row gets its tokens'
             rows = [r if r.versions is not None else dataclasses.replace(r, versions=torch.full_like(

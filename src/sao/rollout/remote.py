@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from sao.core import timeline
 from sao.core.errors import ConfigError, SaoError
 from sao.core.io import write_json
 from sao.core.names import POLICY
@@ -71,6 +72,7 @@ class Fleet:
                                            ).hexdigest()[:8]  # fmt: skip
         self.adapters_dir = Path(self.out) / f"{settings.engine}-adapters"  # v{N}/ a published version's folder
         self.servers_file = Path(self.out) / f"{settings.engine}-servers.json"
+        self.track = timeline.REMOTE.format(engine=settings.engine)  # its requests' process on the timeline
         connection: Connection = settings.connect(context)
         self.keep = connection.resident_adapters
         self.max_model_len = connection.max_model_len
@@ -106,12 +108,17 @@ class Fleet:
         if version in self.loaded:
             return self.loaded[version]
         folder = self.adapters_dir / f"v{version}"
-        if not folder.is_dir():  # a resumed run's sampler: its folder was written when that version was published
-            m = self.models
-            save_adapter(m.policy, m.tokenizer, m.value_head, folder, base_model=m.name)
-        name = f"{self.tag}-v{version}"
-        for client in self.distinct():
-            self._with_restart(client, lambda cl: cl.load_adapter(name, folder))
+        with timeline.span("adapter publish", "adapter", timeline.TRAINER.format(rank=0), "step", version=version):
+            if not folder.is_dir():  # a resumed run's sampler: its folder was written when that version was published
+                m = self.models
+                save_adapter(m.policy, m.tokenizer, m.value_head, folder, base_model=m.name)
+            name = f"{self.tag}-v{version}"
+            for server, client in enumerate(self.distinct()):
+                with timeline.span("adapter load", "adapter", self.track, "adapter loads", version=version,
+                                   server=server, adapter=name) as told:  # fmt: skip
+                    told["loaded"] = False
+                    self._with_restart(client, lambda cl: cl.load_adapter(name, folder))
+                    told["loaded"] = True  # the server answered the load with success
         self.loaded[version] = name
         return name
 
@@ -154,7 +161,12 @@ class Fleet:
         """One completion on server ``index`` (mod the fleet); a launched server that died is restarted once and
         its adapters reloaded, and the request sent again."""
         client = self.clients[index % len(self.clients)]
-        return self._with_restart(client, lambda cl: cl.complete(prompt, **params))
+        with timeline.span("request", "request", self.track, timeline.thread("request thread"),
+                           server=index % len(self.clients), adapter=params.get("model"),
+                           prompt_tokens=len(prompt)) as told:  # fmt: skip
+            reply = self._with_restart(client, lambda cl: cl.complete(prompt, **params))
+            told.update(completion_tokens=len(reply.completion_token_ids), finish=reply.finish_reason)
+        return reply
 
     def _with_restart(self, client: EngineClient, call):
         """``call(client)``; when a server started here has died, it is restarted once (by the first request to find
@@ -215,6 +227,7 @@ class Drawn:
     context_cut: bool = False  # ended because the server's context (max_model_len) was full
     seq: int = 0
     deadline: int = 0
+    drawn: tuple[float, float, float, str] | None = None  # (start, end, seconds on its environment, its thread)
 
 
 class Drawing:
@@ -242,6 +255,25 @@ class Drawing:
 
     def draw(self, task_id: str, version: int, name: str, seed: int, server: int,
              newest: Callable[[], tuple[int, str]] | None = None) -> Drawn:  # fmt: skip
+        """``draw_one``, timed for the timeline (the trajectory's span is placed when its staleness is known)."""
+        started, waited = timeline.now(), timeline.env_waited()
+        d = self.draw_one(task_id, version, name, seed, server, newest)
+        d.drawn = (started, timeline.now(), timeline.env_waited() - waited, timeline.thread("request thread"))
+        return d
+
+    def trajectories(self, rows: Sequence[Drawn], policy_version: int, step: int) -> None:
+        """The batch's trajectories on the timeline, each on the thread that drew it, if one is kept."""
+        if timeline.recording() is None:
+            return
+        for d in rows:
+            if d.drawn is not None:
+                start, end, env_s, thread = d.drawn
+                timeline.complete("trajectory", "trajectory", self.fleet.track, thread, start, end, task=d.task_id,
+                                  seq=d.seq, version=d.version, staleness=policy_version - d.version, step=step,
+                                  env_s=env_s, turns=d.turns)  # fmt: skip
+
+    def draw_one(self, task_id: str, version: int, name: str, seed: int, server: int,
+                 newest: Callable[[], tuple[int, str]] | None = None) -> Drawn:  # fmt: skip
         """One trajectory of ``task_id`` by adapter ``name`` (version ``version``). With ``newest`` (the asynchronous
         source), each later action of an episode is drawn by the adapter ``newest()`` names then: a trajectory in
         flight when a new adapter is published goes on under it, every token recording its version."""
@@ -438,10 +470,14 @@ class RemoteSource(Drawing):
         ids = self.order.batch(step, self.batch_size)
         started = time.perf_counter()
         seeds = [derived_seed(self.seed, step, j, "vllm") for j in range(len(ids))]
-        futures = [self.pool.submit(self.draw, i, self.sampler_version, self.name, seeds[j], j)
-                   for j, i in enumerate(ids)]  # fmt: skip
-        rows = [f.result() for f in futures]
+        with timeline.phase("draw"):  # the trainer waits for the requests it just sent
+            futures = [self.pool.submit(self.draw, i, self.sampler_version, self.name, seeds[j], j)
+                       for j, i in enumerate(ids)]  # fmt: skip
+            rows = [f.result() for f in futures]
         staleness = policy_version - self.sampler_version
+        self.trajectories(rows, policy_version, step)
+        if self.episodes is not None:  # drawn on the pool's threads: their environment's share, from each row
+            timeline.env_share([d.drawn[:3] for d in rows if d.drawn is not None])
         info = {"engine_adapter_version": self.sampler_version, "engine_seconds": time.perf_counter() - started,
                 "engine_restarts_total": self.fleet.restarts}  # fmt: skip
         if phase == POLICY and self.lag > 0 and k % self.lag == 0:
@@ -556,6 +592,9 @@ class RemoteAsyncSource(Drawing):
             needed |= set(self.using.values())  # the versions in-flight actions are drawn by
             needed |= {v for d in chosen for v in d.versions} | set(versions)  # the trainer may re-score under them
         self.fleet.release(needed)
+        self.trajectories(chosen, policy_version, step)
+        if self.episodes is not None:
+            timeline.env_share([d.drawn[:3] for d in chosen if d.drawn is not None])
         info = {"admitted_total": self.counts["admitted"], "received_total": self.counts["received"],
                 "waited_s": time.perf_counter() - started, "engine_versions": sorted({v for d in chosen
                                                                                    for v in d.versions or versions}),
