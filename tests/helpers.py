@@ -38,6 +38,21 @@ def run_log(folder: Path) -> list[dict[str, Any]]:
     return json.loads((folder / "train_log.json").read_text())
 
 
+TRACE_SCHEMA = Path(__file__).resolve().parent / "fixtures" / "trace-event.schema.json"
+
+
+def trace_errors(trace: dict[str, Any]) -> list[str]:
+    """What the trace event format's JSON schema (tests/fixtures) finds wrong with a timeline: none for a trace
+    Perfetto and chrome://tracing read."""
+    import json
+
+    import pytest
+
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(json.loads(TRACE_SCHEMA.read_text()))
+    return [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(trace)]
+
+
 def files_in(folder: Path) -> dict[Path, bytes]:
     """Every file below ``folder`` with its bytes ({} when the folder does not exist): what a refusal must leave."""
     return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()} if folder.exists() else {}

@@ -134,6 +134,11 @@ class Phases:
         recorder.add(_span(label, "step", process, "step", self.epoch, self.at(self.last), args), True)
 
 
+def running() -> Phases | None:
+    """The stopwatch of the step running on this thread, if one is."""
+    return getattr(_local, "phases", None)
+
+
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
     """Phase ``name`` of the step running on this thread, if one is (else nothing)."""

@@ -148,10 +148,10 @@ class Trainer:
 
     # -- one step, in the order of the data path ---------------------------------------------------------------
 
-    def step(self, g: int, clock: timeline.Phases | None = None) -> dict[str, Any]:
-        """Global step ``g``: its log record, with the phase timers of ``clock`` (a fresh one by default; the loop
-        passes its own and times the hooks after the step with it too)."""
-        clock = clock or timeline.Phases()
+    def step(self, g: int) -> dict[str, Any]:
+        """Global step ``g``: its log record, with its phase timers (the loop's clock when the loop runs it, which
+        times the hooks after the step too; else a clock of its own)."""
+        clock = timeline.running() or timeline.Phases()
         with clock:  # the sources' and environments' phases reach it
             return self._step(g, clock)
 
@@ -271,13 +271,13 @@ class Trainer:
                 hook.on_run_start(self)
             while self.next_step < self.total_steps:
                 g, version, clock = self.next_step, self.policy_version, timeline.Phases()
-                try:
-                    record = self.step(g, clock)
-                except SourceExhausted as end:  # e.g. a trace log with no further batch: the run ends here
-                    self.ended_early = str(end)
-                    self.say(f"[{self.label}] stopped after {g} of {self.total_steps} steps: {end}")
-                    break
-                with clock:  # the hooks after the step (an evaluation marks "eval") are in its time
+                with clock:  # the step and the hooks after it (an evaluation marks "eval") are in its time
+                    try:
+                        record = self.step(g)
+                    except SourceExhausted as end:  # e.g. a trace log with no further batch: the run ends here
+                        self.ended_early = str(end)
+                        self.say(f"[{self.label}] stopped after {g} of {self.total_steps} steps: {end}")
+                        break
                     if self.warmup_length is None:
                         self._decide_warmup(record)
                     self.records.append(record)
