@@ -22,8 +22,9 @@ from sao.cli import build_parser, config_from_args, main
 from sao.core.config import Config, read_config_file
 from sao.core.errors import ConfigError
 from sao.core.settings import convert, option
+from sao.core.timeline import TIMING_FIELDS
 
-TIMING_KEYS = {"time", "time_sample", "waited_s", "rollouts_per_s"}
+TIMING_KEYS = {*TIMING_FIELDS, "waited_s", "rollouts_per_s"}
 SMALL_RUN = ["--preset", "tiny", "--steps", "2", "--critic-warmup", "1", "--batch-size", "8",
              "--train-prompts", "32", "--test-prompts", "8", "--quiet"]  # fmt: skip
 

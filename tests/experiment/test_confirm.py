@@ -22,6 +22,7 @@ from sao.core import stats
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.io import clean
+from sao.core.timeline import TIMING_FIELDS
 from sao.experiment import confirm
 from sao.experiment.runner import Grid, dis_shares_by_staleness
 from sao.tiny import arithmetic as tiny
@@ -151,7 +152,7 @@ def test_intermediate_evals_leave_training_unchanged(confirmed, tmp_path):
     config = Config.load("tiny", **{**SETTINGS, "eval_every": 0}, lag=2, lr=3e-3, arm="dis", seed=201)
     plain = build.trainer(config, tmp_path / "run", progress=False).run()
     evaluated = run_log(out / "cells" / CELL / "runs" / "dis-s201")
-    volatile = {"time", "time_sample", "rollouts_per_s"}
+    volatile = {*TIMING_FIELDS, "rollouts_per_s"}
     assert [{k: v for k, v in r.items() if k not in volatile} for r in clean(plain)] == [
         {k: v for k, v in r.items() if k not in volatile} for r in evaluated]  # fmt: skip
 

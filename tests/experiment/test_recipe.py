@@ -10,6 +10,7 @@ import pytest
 
 from helpers import run_log
 from sao.cli import main
+from sao.core.timeline import TIMING_FIELDS
 from sao.experiment.results import checks, curves, fold, mean_over_seeds, numeric_keys
 
 
@@ -142,7 +143,7 @@ def test_recipe_is_the_one_cell_sweep(recipe_run, tmp_path, capsys):
     assert "dis_vs_none verdict:" in capsys.readouterr().out
 
     def strip(obj):
-        volatile = {"time", "time_sample", "seconds", "this_invocation", "wall_time", "command", "rollouts_per_s"}
+        volatile = {*TIMING_FIELDS, "seconds", "this_invocation", "wall_time", "command", "rollouts_per_s"}
         if isinstance(obj, dict):
             return {k: strip(v) for k, v in obj.items() if k not in volatile}
         return [strip(v) for v in obj] if isinstance(obj, list) else obj

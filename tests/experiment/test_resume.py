@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from helpers import run_log, without_keys
+from sao.core.timeline import TIMING_FIELDS
 
 SMALL = [
     "--preset", "tiny", "--batch-size", "16", "--steps", "5", "--critic-warmup", "2", "--lag", "2",
@@ -64,7 +65,7 @@ elif where == "eval":  # while drawing the eval of `label`, after its first deco
 sys.exit(cli.main(sys.argv[4:]))
 """
 
-VOLATILE = {"time", "time_sample", "seconds", "this_invocation", "wall_time", "versions", "command"}
+VOLATILE = {*TIMING_FIELDS, "seconds", "this_invocation", "wall_time", "versions", "command"}
 
 
 def _strip(obj):

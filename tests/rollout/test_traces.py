@@ -24,6 +24,7 @@ import pytest
 from helpers import run_log
 from sao.core.config import Config
 from sao.core.errors import ConfigError, DataError
+from sao.core.timeline import TIMING_FIELDS
 from sao.rollout.sources import SourceExhausted
 from sao.rollout.traces import (
     FEEDBACK_FIELDS,
@@ -526,7 +527,7 @@ def test_a_run_killed_mid_way_resumes_to_the_same_log_using_no_trace_twice(sampl
     assert cli.main([*train_args(sampled["good"], killed, "--steps", "4"), "--resume"]) == 0
 
     def strip(records):
-        return [{k: v for k, v in r.items() if k not in ("time", "time_sample")} for r in records]
+        return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
 
     whole, resumed = (run_log(d) for d in (tmp_path / "whole", killed))
     assert strip(resumed) == strip(whole)

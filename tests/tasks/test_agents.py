@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from helpers import run_log
+from sao.core.timeline import TIMING_FIELDS
 from sao.training import build
 
-TIMING = {"time", "time_sample"}
+TIMING = set(TIMING_FIELDS)  # every step timer
 AGENT_KEYS = {
     "turns_mean",
     "tool_calls_mean",
