@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from helpers import run_log, without_keys
+from helpers import run_log, trace_errors, without_keys
 from sao.core.timeline import TIMING_FIELDS
 
 SMALL = [
@@ -64,6 +64,12 @@ elif where == "eval":  # while drawing the eval of `label`, after its first deco
     evaluate.evaluate = patched  # pass_at_1 calls it there
 sys.exit(cli.main(sys.argv[4:]))
 """
+
+
+def _steps(trace: dict) -> list[int]:
+    """The steps a timeline holds, in the order written."""
+    return [e["args"]["step"] for e in trace["traceEvents"] if e.get("cat") == "step"]
+
 
 VOLATILE = {*TIMING_FIELDS, "seconds", "this_invocation", "wall_time", "versions", "command"}
 
@@ -148,7 +154,8 @@ def test_resume_of_a_finished_trainer_changes_nothing(tiny_config, tmp_path):
 @pytest.mark.slow
 def test_a_killed_multi_turn_run_resumes_to_identical_results(tiny_model_dir, tmp_path, faults):
     """`sao train` on SkyRL-Gym's multi-turn GSM8K environment, SIGKILLed in the middle of a policy step, then
-    resumed: the log is the uninterrupted run's, episode for episode."""
+    resumed: the log is the uninterrupted run's, episode for episode, and the timeline.json the kill left parses as
+    it is and goes on through the resume."""
     pytest.importorskip("skyrl_gym")
     agent = ["--preset", "tiny", "--env", "skyrl:gsm8k_multi_turn", "--max-turns", "2", "--max-new-tokens", "24",
              "--batch-size", "8", "--steps", "4", "--critic-warmup", "1", "--lag", "2", "--train-prompts", "32",
@@ -158,8 +165,14 @@ def test_a_killed_multi_turn_run_resumes_to_identical_results(tiny_model_dir, tm
     killed = subprocess.run([sys.executable, "-c", CHILD, "train-step", "dis seed 17", "3", "train", *agent,
                              "--out", str(out)], capture_output=True, text=True, env=_env(), timeout=600)  # fmt: skip
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    left = json.loads((out / "timeline.json").read_text())  # as the kill left it: no repair needed to read it
+    assert not trace_errors(left) and _steps(left) == [0, 1, 2]
     _run(["train", *agent, "--out", str(out), "--resume"])
     got = _strip(run_log(out))
     want = _strip(run_log(reference))
     assert got == want and any(r["turns_mean"] > 1 for r in got)
+    after = json.loads((out / "timeline.json").read_text())
+    assert not trace_errors(after) and _steps(after) == [0, 1, 2, 3, 4]
+    assert [e["name"] for e in after["traceEvents"] if e.get("cat") == "run"] == ["run start", "resumed at step 3"]
+    assert {e["name"] for e in after["traceEvents"] if e.get("cat") == "env"} >= {"env.init", "env.step"}
     faults.record("killed process", "train-step of a multi-turn agent run")

@@ -7,6 +7,7 @@ installed."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from helpers import trace_errors
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.rollout.types import Rollout, Turns
@@ -446,7 +448,10 @@ def test_synchronous_run_drops_nothing_and_a_resumed_run_uses_no_draw_twice(ray_
 def test_ray_workers_draw_multi_turn_episodes(ray_module, tiny_model_dir, tmp_path):
     """--engine ray --env tiny-calc, synchronous (K = 0): the worker builds calculator environments and draws
     whole episodes; the trainer gets turns, tool calls and observation tokens, and at staleness 0 the
-    teacher-forced log-probs match the worker's at every action token."""
+    teacher-forced log-probs match the worker's at every action token. The run's timeline.json passes the trace
+    event format's JSON schema and holds a track per process (the trainer, the worker, its environment calls),
+    the step's phases, each trajectory with its version and staleness, each tool call, each adapter publish and
+    load, and the delivery check."""
     from sao.tiny import calculator as tiny_calc
     from sao.training import build
 
@@ -462,6 +467,24 @@ def test_ray_workers_draw_multi_turn_episodes(ray_module, tiny_model_dir, tmp_pa
     assert all(r["abs_log_ratio_max"] < 1e-4 for r in records), "workers draw with the published weights"
     assert not ray_module.is_initialized()
     _assert_ray_gone(daemons)
+    trace = json.loads((tmp_path / "run" / "timeline.json").read_text())
+    assert not trace_errors(trace)
+    events = trace["traceEvents"]
+    processes = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert processes == {"trainer rank 0", "ray worker w0", "environment calls (ray worker w0)"}
+    spans = {e["name"] for e in events if e["ph"] == "X"}
+    assert {"wait", "score", "pass", "checks", "update", "publish", "critic", "checkpoint", "draw call"} <= spans
+    rows = [e["args"] for e in events if e["name"] == "trajectory"]
+    assert len(rows) == len(records) * 8 and {(r["version"], r["staleness"]) for r in rows} <= {(0, 0), (1, 0)}
+    assert sorted({r["step"] for r in rows}) == [r["step"] for r in records] and all(r["env_s"] >= 0 for r in rows)
+    steps = [e["args"] for e in events if e["name"] == "env.step"]
+    assert steps and all(s["outcome"] == "ok" and "tool_calls" in s for s in steps)
+    assert {"env.build", "env.init", "env.close"} <= spans
+    assert [e["args"]["version"] for e in events if e["name"] == "adapter publish"] == [0, 1, 2]
+    loads = [e["args"] for e in events if e["name"] == "adapter load"]
+    assert loads and all(a["loaded"] is True for a in loads)
+    checks = [e["args"] for e in events if e["name"] == "delivery check"]
+    assert checks and all(c["passed"] and c["mismatch_fresh"] < c["tolerance"] for c in checks)
 
 
 def test_episodes_in_flight_go_on_under_each_published_adapter(ray_module, tiny_model_dir, tmp_path):
