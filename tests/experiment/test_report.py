@@ -637,3 +637,29 @@ def _nulled_diagnostics() -> tuple[dict, list[dict]]:
             for key in ("ratio_ess_share", "masked_share_low", "masked_share_high"):
                 arm["curves"].pop(key)
     return results, log
+
+
+def test_where_the_time_goes_is_plotted_tabled_and_linked_to_each_run_timeline(tmp_path):
+    """A log with the step timers gets the stacked phases plot and a row per cell and arm of mean seconds per phase
+    (with its share of the step); each run folder's timeline.json is linked. The one-cell fixture has neither."""
+    results, log = _one_cell()
+    for r in log:
+        r.update(time=1.0, time_wait=0.0, time_draw=0.5, time_env=0.1, time_score=0.05, time_pass=0.25,
+                 time_update=0.05 if r["phase"] == "policy" else 0.0, time_critic=0.05, time_other=0.0)  # fmt: skip
+    cell = results["cells"][0]["name"]
+    folder = _write_folder(tmp_path / "timed", (results, log))
+    for run in ("dis-s17", "none-s18"):
+        (folder / "cells" / cell / "runs" / run).mkdir(parents=True)
+        (folder / "cells" / cell / "runs" / run / "timeline.json").write_text('{"traceEvents": []}')
+    text = report.write(folder).read_text(encoding="utf-8")
+    assert_png_linked(folder, text, report.PHASES_PLOT[0], min_bytes=5_000)
+    section = _section(text, "Where the time goes")
+    policy_share = POLICY_STEPS / (WARMUP + POLICY_STEPS)
+    assert _row(section, cell, "dis")[2:] == [
+        "1.0 s", f"draw 0.5 (50%), env 0.1 (10%), score 0.05 (5%), pass 0.25 (25%), update {fmt(0.05 * policy_share)} "
+        f"({0.05 * policy_share:.0%}), critic 0.05 (5%)"]  # fmt: skip
+    for run in ("dis-s17", "none-s18"):
+        link = f"cells/{cell}/runs/{run}/timeline.json"
+        assert f"[{link}]({link})" in section and (folder / link).exists()
+    plain = report.write(_write_folder(tmp_path / "plain", _one_cell())).read_text(encoding="utf-8")
+    assert "Where the time goes" not in plain and "phases.png" not in plain

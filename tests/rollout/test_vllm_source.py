@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import sao
+from helpers import trace_errors
 from sao.core.errors import DataError
 from sao.rollout import remote
 from sao.rollout.vllm import alive, default_vllm_python, group_alive
@@ -97,6 +98,22 @@ def test_multi_turn_episodes_run_an_action_per_request(tiny_vllm, tmp_path):
     assert all(r["turns_mean"] > 1 for r in records) and all(r["observation_share"] > 0 for r in records)
     fresh = [r["mismatch_fresh"] for r in records if r["staleness"] == 0]
     assert max(fresh) < 1e-4, "observation tokens appended by sao, the prefix sent whole: the same distribution"
+    # the timeline: vLLM's requests as sao sees them, a trajectory per row, the environment's calls, the adapters
+    trace = json.loads((tmp_path / "run" / "timeline.json").read_text())
+    assert not trace_errors(trace)
+    events = trace["traceEvents"]
+    processes = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert {"trainer rank 0", "vllm requests (as seen from sao)", "environment calls"} <= processes
+    requests = [e["args"] for e in events if e["name"] == "request"]
+    assert len(requests) >= sum(r["turns_mean"] for r in records) * SMALL["batch_size"] - 1e-6  # an action each
+    tag = trainer.source.fleet.tag  # this run's adapter names
+    assert all(a["completion_tokens"] > 0 and a["adapter"].startswith(f"{tag}-v") for a in requests)
+    rows = [e["args"] for e in events if e["name"] == "trajectory"]
+    assert len(rows) == len(records) * SMALL["batch_size"] and all("staleness" in a for a in rows)
+    assert all(r["time_draw"] > 0 and 0 <= r["time_env_share"] <= 1 for r in records)
+    loads = [e["args"] for e in events if e["name"] == "adapter load"]
+    assert loads and all(a["loaded"] is True for a in loads)
+    assert [e["args"]["passed"] for e in events if e["name"] == "delivery check"] == [True] * len(fresh)
 
 
 class SlowTool(Echo):

@@ -52,7 +52,13 @@ EVAL_CURVE = ("eval_curve", "Held-out pass@1 over policy steps (`--eval-every`; 
 ESS_PLOT = ("ess", "Effective sample size of the trainer/sampler ratios per step, (Σ r)² / (N Σ r²) over the action "
             "tokens: 1 when every ratio is equal, 1/N when one token carries the weight (thin: each seed; thick: the "
             "mean over seeds).")  # fmt: skip
-LOG_PLOTS = ("reward", "ratio_max", "mismatch", "ess")  # drawn from train_log.json; the rest from results.json
+PHASES_PLOT = ("phases", "Where each step's time goes: seconds per phase, stacked, the mean over the cell's runs "
+               "(`other`: the rest of the step; drawing and its environment calls first). Each run's timeline.json "
+               "holds every span behind these sums.")  # fmt: skip
+LOG_PLOTS = ("reward", "ratio_max", "mismatch", "ess", "phases")  # from train_log.json; the rest from results.json
+PHASE_KEYS = ("wait", "draw", "env", "score", "pass", "checks", "update", "publish", "eval", "critic", "stats",
+              "other")  # a record's time_<phase>, in step order (sao.core.timeline.PHASES and the rest)
+TIMELINE = "timeline.json"  # each run's, under cells/<cell>/runs/<run>/
 MISMATCH_PLOT = ("mismatch", "Mean |log r| per action token, split by cause (mean over seeds, log scale): the "
                  "sampling engine's numerics on staleness-0 rows (solid) and on stale rows re-scored under the "
                  "version that drew them (dotted), against the drift staleness made (dashed). A mask that fires on "
@@ -395,6 +401,36 @@ def _mismatch_panel(ax, runs: dict[str, dict[Any, list[dict]]], arms: list[str],
     ax.set_xlabel("step")
 
 
+def _has_phases(log: list[dict[str, Any]] | None) -> bool:
+    return log is not None and any(isinstance(r.get("time_pass"), (int, float)) for r in log)
+
+
+def _phase_means(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds per step of each phase over ``rows`` (phases no row spent time in left out)."""
+    means = {k: _mean(r.get(f"time_{k}") for r in rows) for k in PHASE_KEYS}
+    return {k: v for k, v in means.items() if v}
+
+
+def _phases_panel(ax, runs: dict[str, dict[Any, list[dict]]]) -> None:
+    """Each phase's seconds per step, the mean over every arm and seed of the cell, stacked in step order."""
+    by_step: dict[Any, list[dict[str, Any]]] = {}
+    for seeds in runs.values():
+        for rows in seeds.values():
+            for r in rows:
+                by_step.setdefault(r["step"], []).append(r)
+    steps = sorted(by_step)
+    keys = [k for k in PHASE_KEYS if any(_phase_means(by_step[s]).get(k) for s in steps)]
+    if not steps or not keys:
+        return
+    from matplotlib import colormaps
+
+    palette = colormaps["tab20"]
+    ax.stackplot(steps, [[_num(_mean(r.get(f"time_{k}") for r in by_step[s]), 0.0) for s in steps] for k in keys],
+                 labels=keys, colors=[palette(PHASE_KEYS.index(k) / len(PHASE_KEYS)) for k in keys],
+                 alpha=0.9)  # fmt: skip
+    ax.set_xlabel("step")
+
+
 def _band_axis(ax, band: list[float]) -> None:
     """Log scale with plain tick labels, and the band edges as dashed red lines."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
@@ -537,6 +573,9 @@ def _write_plots(results: dict[str, Any], log: list[dict[str, Any]] | None, plot
         figures[MISMATCH_PLOT[0]] = ("Where the ratio comes from: the engine's numerics against staleness",
                                "mean |log r| per action token",
                                lambda ax, c: _mismatch_panel(ax, runs.get(c["name"], {}), arms, colors))  # fmt: skip
+    if _has_phases(log):
+        figures[PHASES_PLOT[0]] = ("Where each step's time goes (mean over the cell's runs)", "seconds",
+                                   lambda ax, c: _phases_panel(ax, runs.get(c["name"], {})))  # fmt: skip
     if _has_eval_curve(results):
         base = results.get("base") or {}
         figures[EVAL_CURVE[0]] = ("Held-out pass@1 over policy steps", "pass@1",
@@ -839,6 +878,32 @@ def _curves_section(results: dict[str, Any], arms: list[str]) -> list[str]:
     return ["## Training curves", "", note, "", *_table(header, rows, text=3)] if rows else []
 
 
+def _time_section(results: dict[str, Any], log: list[dict[str, Any]] | None, arms: list[str],
+                  timelines: list[str]) -> list[str]:  # fmt: skip
+    """Mean seconds per step of each phase, by cell and arm (from the log, when there is one), and the link to every
+    run's timeline."""
+    if not _has_phases(log) and not timelines:
+        return []
+    runs, rows = _runs(log) if _has_phases(log) else {}, []
+    for cell in results["cells"]:
+        for arm in [a for a in arms if a in runs.get(cell["name"], {})]:
+            records = [r for seed_rows in runs[cell["name"]][arm].values() for r in seed_rows]
+            means, step = _phase_means(records), _mean(r.get("time") for r in records)
+            parts = ", ".join(f"{k} {fmt(v)} ({v / step:.0%})" for k, v in means.items() if step)
+            rows.append([_cell(cell["name"]), arm, fmt_seconds(step), _cell(parts or DASH)])
+    note = ("Mean seconds per step of each phase, over the arm's seeds (train_log.json's `time_*`; they add up to "
+            "`time`, `other` being the rest).")
+    out = ["## Where the time goes", ""]
+    if rows:
+        out += [note, "", *_table(["cell", "arm", "step", "phases"], rows, text=2)]
+    if timelines:
+        out += ["Each run's timeline (Chrome trace event format: open it in Perfetto, ui.perfetto.dev, or "
+                "chrome://tracing): every phase, every trajectory's draw with its version and staleness, every "
+                "environment call, adapter publish and load.", "",
+                *(f"- [{_text(path)}]({path})" for path in timelines), ""]  # fmt: skip
+    return out
+
+
 def _examples_section(results: dict[str, Any], arms: list[str]) -> list[str]:
     cell = results["cells"][0]["arms"]
     firsts = [(results.get("base") or {}).get("evals") or [], *(cell[a].get("evals") or [] for a in arms if a in cell)]
@@ -1112,9 +1177,11 @@ def _config(results: dict[str, Any]) -> dict[str, Any]:
     return flat_view(config) if isinstance(config, dict) else {}
 
 
-def render(results: dict[str, Any], log: list[dict[str, Any]] | None, kept: Iterable[str] = ()) -> str:
+def render(results: dict[str, Any], log: list[dict[str, Any]] | None, kept: Iterable[str] = (),
+           timelines: Iterable[str] = ()) -> str:  # fmt: skip
     """The text of report.md (plots are linked, not embedded); malformed input is a ``DataError``. ``log`` None: no
-    train_log.json, and of the plots drawn from it only those in ``kept`` (stems already in plots/) are linked."""
+    train_log.json, and of the plots drawn from it only those in ``kept`` (stems already in plots/) are linked.
+    ``timelines``: the runs' timeline.json files, relative to the folder, to link."""
     _validate(results, log, "results.json", "train_log.json")
     kept = set(kept)
     arms, cells, config = _arms(results), results["cells"], _config(results)
@@ -1130,16 +1197,17 @@ def render(results: dict[str, Any], log: list[dict[str, Any]] | None, kept: Iter
         lines += ["Regenerate with:", "", "```", str(results["command"]), "```", ""]
     captions = [*PLOTS.items(), *([EVAL_CURVE] if _has_eval_curve(results) else []),
                 *([MISMATCH_PLOT] if log is not None and _has_mismatch(log) else []),
-                *([ESS_PLOT] if _has_ess(log) else [])]  # fmt: skip
+                *([ESS_PLOT] if _has_ess(log) else []), *([PHASES_PLOT] if _has_phases(log) else [])]  # fmt: skip
     if log is None:  # the log's plots where a run left them; the extras in the order the run drew them
         captions = [c for c in captions if c[0] not in LOG_PLOTS or c[0] in kept]
-        captions += [c for c in (MISMATCH_PLOT, ESS_PLOT) if c[0] in kept]
+        captions += [c for c in (MISMATCH_PLOT, ESS_PLOT, PHASES_PLOT) if c[0] in kept]
     plots = ["## Plots", "", *(f"![{stem}](plots/{stem}.png)\n\n*{caption}*\n" for stem, caption in captions)]
     for section in (_plan_section(results), _verdict_section(results), _pass_section(results, arms),
                     _vs_base_section(results, arms),
                     _reach_section(results, arms), _off_policy_section(results, arms),
                     _checks_section(results, arms), _curves_section(results, arms),
-                    plots, _examples_section(results, arms), _tail_sections(results)):  # fmt: skip
+                    plots, _time_section(results, log, arms, list(timelines)), _examples_section(results, arms),
+                    _tail_sections(results)):  # fmt: skip
         lines += section
     return "\n".join(lines).rstrip() + "\n"
 
@@ -1231,7 +1299,8 @@ def write(out_dir: str | os.PathLike) -> Path:
     results, log = load(out_dir)
     plots = Path(out_dir) / "plots"
     kept = {p.stem for p in plots.glob("*.png")} if log is None and plots.is_dir() else set()
-    text = render(results, log, kept)  # before any plot: malformed input fails without touching the folder
+    timelines = sorted(p.relative_to(out_dir).as_posix() for p in Path(out_dir).glob(f"cells/*/runs/*/{TIMELINE}"))
+    text = render(results, log, kept, timelines)  # before any plot: malformed input fails without touching the folder
     _write_plots(results, log, plots)
     atomic_write(Path(out_dir) / "report.md", text.encode("utf-8"))
     return Path(out_dir) / "report.md"
