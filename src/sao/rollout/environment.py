@@ -182,6 +182,7 @@ class _Call:
 @dataclass(eq=False)
 class _Worker:
     abandoned: bool = False  # its call ran past the deadline: the thread ends when (if) the call returns
+    index: int = 0  # its place in the pool (the timeline's "env thread N": a pool made per draw reuses the names)
 
 
 @dataclass
@@ -198,6 +199,7 @@ class EnvCalls:
     _queue: queue.SimpleQueue = field(init=False, repr=False, default_factory=queue.SimpleQueue)
     _calls: dict[Any, _Call] = field(init=False, repr=False, default_factory=dict)  # key -> its call in flight
     _threads: int = field(init=False, default=0)
+    _spawned: int = field(init=False, default=0)
     _loop: asyncio.AbstractEventLoop | None = field(init=False, repr=False, default=None)
     _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
     _slots: set[int] = field(init=False, repr=False, default_factory=set)  # the timeline's tracks of async calls
@@ -238,7 +240,8 @@ class EnvCalls:
     def _spawn(self) -> None:
         """One more worker thread (under the lock)."""
         self._threads += 1
-        threading.Thread(target=self._work, args=(_Worker(),), daemon=True, name="sao-env").start()
+        self._spawned += 1
+        threading.Thread(target=self._work, args=(_Worker(index=self._spawned),), daemon=True, name="sao-env").start()
 
     def _work(self, worker: _Worker) -> None:
         while not worker.abandoned:
@@ -255,11 +258,11 @@ class EnvCalls:
                     raise EnvFault(f"{call.plugin} returned a coroutine without being async def on {call.task}; "
                                    "declare it async def")  # fmt: skip
             except BaseException as error:  # a tool's failure is the trajectory's, not the run's
-                _tell(call, begun, "thread", error=error)
+                _tell(call, begun, f"env thread {worker.index}", error=error)
                 if not call.future.done():
                     call.future.set_exception(error)
             else:
-                _tell(call, begun, "thread", value=value)
+                _tell(call, begun, f"env thread {worker.index}", value=value)
                 if not call.future.done():
                     call.future.set_result(value)
 
@@ -272,12 +275,12 @@ class EnvCalls:
         try:
             value = await fn(*args)
         except BaseException as error:
-            _tell(call, begun, f"async {slot + 1}", error=error)
+            _tell(call, begun, f"env async {slot + 1}", error=error)
             raise
         finally:
             with self._lock:
                 self._slots.discard(slot)
-        _tell(call, begun, f"async {slot + 1}", value=value)
+        _tell(call, begun, f"env async {slot + 1}", value=value)
         return value
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
@@ -388,9 +391,7 @@ def _tell(call: _Call, begun: float, track: str, *, error: BaseException | None 
         if isinstance(value.get("reward"), int | float):
             args["reward"] = value["reward"]
     name = SPAN_NAMES.get(call.what, f"env.{call.what}")
-    process = timeline.ENV + recorder.suffix
-    thread = recorder.thread("env thread") if track == "thread" else track
-    timeline.complete(name, "env", process, thread, begun, timeline.now(), **args)
+    timeline.complete(name, "env", timeline.ENV + recorder.suffix, track, begun, timeline.now(), **args)
 
 
 def _copy_outcome(source: Future, target: Future) -> None:
