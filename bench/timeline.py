@@ -8,9 +8,10 @@ the same seed: no timers at all (a stopwatch that times nothing but the step: th
 (--timeline-steps 0), and the phase timers with timeline.json (the default). A step is the loop's whole iteration,
 from one step's checkpoint to the next's, so the timeline's write after the checkpoint is in it; the first two
 steps of each run are left out (the first draw and pass warm up). Rows: the median and mean step of each condition
-over every round, and its difference from the baseline; then the two costs measured in the process itself, which
-the machine's noise cannot hide: the timers' own work per step (a step's 12 phases and its fields, timed 10,000
-times) and the timeline's (each step's drain, serialisation and write, timed around the hook).
+over every round, and its difference from the baseline; then the costs measured in the process itself, which the
+machine's noise cannot hide: the timers' own work per step (a step's 12 phases and its fields, timed 10,000 times)
+and the timeline's, timed around the code that does it: recording the step's spans (its 64 trajectories and its
+phases) and, after the step, draining, serialising and writing them.
 
 The machine's load average is recorded with the figures: on a shared 2-core machine it moves them more than 2%.
 """
@@ -31,6 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from sao.core import timeline  # noqa: E402
 from sao.core.config import Config, apply_threads  # noqa: E402
+from sao.rollout import sources  # noqa: E402
 from sao.training import build, hooks  # noqa: E402
 from sao.training.trainer import Hook  # noqa: E402
 
@@ -68,25 +70,39 @@ class Laps(Hook):
         self.marks.append(time.perf_counter())
 
 
-def run(condition: str, steps: int, folder: Path, flushes: list[float]) -> list[float]:
-    """One run of the tiny preset under ``condition``: each step's seconds, from checkpoint to checkpoint."""
+def run(condition: str, steps: int, folder: Path, flushes: list[float], spans: list[float]) -> list[float]:
+    """One run of the tiny preset under ``condition``: each step's seconds, from checkpoint to checkpoint.
+    ``flushes`` gets each step's write of the timeline, ``spans`` each step's recording of its spans."""
     config = Config.preset("tiny", steps=steps, critic_warmup=1, timeline_steps=0 if condition != "timeline" else 100)
     apply_threads(config)
     laps = Laps()
     real_phases, real_flush = timeline.Phases, hooks.Timeline._flush
+    real_rows, real_emit = sources.trajectories, timeline.Phases.emit
 
     def timed_flush(self, trainer, gather):  # the timeline's own work after each step
         began = time.perf_counter()
         real_flush(self, trainer, gather)
         flushes.append(time.perf_counter() - began)
 
+    def timed_rows(*args):  # the step's trajectory spans (the sampler's, once per batch)
+        began = time.perf_counter()
+        real_rows(*args)
+        spans.append(time.perf_counter() - began)
+
+    def timed_emit(self, *args):  # the step's phase spans (once per step, after the rows): added to its rows'
+        began = time.perf_counter()
+        real_emit(self, *args)
+        if spans:
+            spans[-1] += time.perf_counter() - began
+
     try:
         if condition == "none":
             timeline.Phases = NoTimers
-        hooks.Timeline._flush = timed_flush
+        hooks.Timeline._flush, sources.trajectories, real_phases.emit = timed_flush, timed_rows, timed_emit
         build.trainer(config, folder, hooks=[laps], progress=False).run()
     finally:
-        timeline.Phases, hooks.Timeline._flush = real_phases, real_flush
+        timeline.Phases, hooks.Timeline._flush, sources.trajectories = real_phases, real_flush, real_rows
+        real_phases.emit = real_emit
     return [b - a for a, b in zip(laps.marks, laps.marks[1:], strict=False)][SKIP:]
 
 
@@ -118,12 +134,14 @@ def table(f: dict) -> str:
         s = f["steps"][key]
         versus = "—" if key == "none" else f"{(s['median'] - base) / base:+.1%}"
         lines.append(f"| {label} | {s['median']:.3f} | {s['mean']:.3f} | {s['n']} | {versus} |")
-    timers, flush = f["timers_s"], f["flush_s"]
+    timers, flush, spans = f["timers_s"], f["flush_s"], f["spans_s"]
     lines += [
         "",
         "| measured in the process | per step | share of the baseline's median step |",
         "| --- | ---: | ---: |",
         f"| phase timers (12 phases and the fields) | {timers * 1e6:.1f} µs | {timers / base:.4%} |",
+        f"| timeline.json: the step's spans recorded (its trajectories and phases) | {spans * 1e3:.2f} ms | "
+        f"{spans / base:.2%} |",
         f"| timeline.json: drain, serialise, write ({f['events']:.0f} events a step) | {flush * 1e3:.2f} ms | "
         f"{flush / base:.2%} |",
     ]
@@ -139,13 +157,15 @@ def main() -> int:
     started, load = time.perf_counter(), os.getloadavg()
     steps: dict[str, list[float]] = {k: [] for k in CONDITIONS}
     flushes: list[float] = []
+    spans: list[float] = []
     events: list[int] = []
     order = list(CONDITIONS)
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for condition in order[r % 3 :] + order[: r % 3]:  # rotated, so drift spreads over every condition
                 folder = Path(tmp) / f"{condition}-{r}"
-                steps[condition] += run(condition, args.steps, folder, flushes if condition == "timeline" else [])
+                timed = (flushes, spans) if condition == "timeline" else ([], [])
+                steps[condition] += run(condition, args.steps, folder, *timed)
                 if condition == "timeline":
                     trace = timeline.read(folder / "timeline.json")["traceEvents"]
                     events.append(sum(e["ph"] != "M" for e in trace) / (args.steps + 1))
@@ -155,6 +175,7 @@ def main() -> int:
         "steps": summary,
         "timers_s": timers_per_step(),
         "flush_s": statistics.median(flushes),
+        "spans_s": statistics.median(spans),
         "events": statistics.fmean(events),
         "rounds": args.rounds,
         "per_run": args.steps + 1 - SKIP,

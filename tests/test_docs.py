@@ -81,7 +81,7 @@ def test_docs_link_to_files_that_exist(doc):
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/vllm.md", "docs/agents.md", "docs/traces-and-serving.md",
-                                 "docs/experiments.md", "docs/scale-out.md"])  # fmt: skip
+                                 "docs/experiments.md", "docs/scale-out.md", "docs/timeline.md"])  # fmt: skip
 def test_every_sao_command_in_the_docs_parses_as_printed(doc):
     """Each ``sao ...`` line of a bash block is a command the CLI accepts: its command and every flag exist and
     take the values shown (running them is the recipe's and the tests' business)."""
