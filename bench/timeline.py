@@ -3,17 +3,18 @@
     python bench/timeline.py                          # prints the table (a few minutes on 2 cores)
     python bench/timeline.py --record BENCHMARKS.md   # and appends it, with date, machine and command
 
-Three runs of the tiny preset (batch 64, the local sampler, one torch thread) per round, in a rotating order, from
-the same seed: no timers at all (a stopwatch that times nothing but the step: the baseline), the phase timers alone
-(--timeline-steps 0), and the phase timers with timeline.json (the default). A step is the loop's whole iteration,
-from one step's checkpoint to the next's, so the timeline's write after the checkpoint is in it; the first two
-steps of each run are left out (the first draw and pass warm up). Rows: the median and mean step of each condition
-over every round, and its difference from the baseline; then the costs measured in the process itself, which the
-machine's noise cannot hide: the timers' own work per step (a step's 12 phases and its fields, timed 10,000 times)
-and the timeline's, timed around the code that does it: recording the step's spans (its 64 trajectories and its
-phases) and, after the step, draining, serialising and writing them.
+One run of the tiny preset (batch 64, the local sampler, one torch thread) whose steps take the three conditions in
+turn, so a change in the machine's load falls on all three alike: no timers at all (a stopwatch that times nothing
+but the step: the baseline), the phase timers alone (timeline.json's recorder off), and the phase timers with
+timeline.json (the default). A step is the loop's whole iteration up to the end of its checkpoint hooks, so the
+timeline's write is in it; the first cycle is left out (warm-up), and the order within a cycle rotates. Rows: each
+condition's median and mean step, and the median over cycles of its step against the baseline's step of the same
+cycle; then the costs measured in the process itself, which the machine's noise cannot hide: the timers' own work
+per step (a step's 12 phases and its fields, timed 10,000 times) and the timeline's, timed around the code that
+does it: recording the step's spans (its 64 trajectories and its phases) and, after the step, draining,
+serialising and writing them.
 
-The machine's load average is recorded with the figures: on a shared 2-core machine it moves them more than 2%.
+The machine's load average is recorded with the figures: on a shared 2-core machine it moves a step by more than 2%.
 """
 
 from __future__ import annotations
@@ -31,17 +32,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from sao.core import timeline  # noqa: E402
-from sao.core.config import Config, apply_threads  # noqa: E402
-from sao.rollout import sources  # noqa: E402
-from sao.training import build, hooks  # noqa: E402
-from sao.training.trainer import Hook  # noqa: E402
 
 CONDITIONS = {
     "none": "no timers, no timeline (baseline)",
-    "timers": "phase timers (--timeline-steps 0)",
+    "timers": "phase timers, no timeline",
     "timeline": "phase timers + timeline.json (default)",
 }
-SKIP = 2  # steps of each run left out
+SKIP = 1  # cycles left out at the start (the first draw and pass warm up)
 
 
 class NoTimers(timeline.Phases):
@@ -55,55 +52,76 @@ class NoTimers(timeline.Phases):
         return {"time": self.last - self.origin}
 
 
-class Laps(Hook):
-    """perf_counter at each step's durable end (the last hook, after the timeline's write)."""
+def measure(steps: int, folder: Path) -> tuple[dict[str, list[float]], dict]:
+    """One run of the tiny preset whose steps cycle through the three conditions (the cycle's order rotating): each
+    condition's step seconds, in cycle order, and the timeline's own costs on its steps."""
+    from sao.core.config import Config, apply_threads
+    from sao.rollout import sources
+    from sao.training import build, hooks
+    from sao.training.trainer import Hook
 
-    name = "laps"
+    real_phases = timeline.Phases
+    flushes: list[float] = []
+    spans: list[float] = []
+    laps: dict[str, list[float]] = {c: [] for c in CONDITIONS}
+    order = list(CONDITIONS)
 
-    def __init__(self) -> None:
-        self.marks: list[float] = []
+    class Turns(Hook):
+        """Sets each step's condition and times it, from the end of the last step's hooks to the end of its own (the
+        last hook of the loop, so the timeline's write is in the step)."""
 
-    def on_run_start(self, trainer) -> None:
-        self.marks.append(time.perf_counter())
+        name = "turns"
 
-    def on_checkpoint(self, trainer, step: int) -> None:
-        self.marks.append(time.perf_counter())
+        def on_run_start(self, trainer) -> None:
+            self.timeline = next(h for h in trainer.hooks if isinstance(h, hooks.Timeline))
+            self.k = 0
+            self.set()
 
+        def set(self) -> None:
+            cycle, place = divmod(self.k, 3)
+            self.condition = order[(place + cycle) % 3]  # the order rotates with the cycle
+            timeline.Phases = NoTimers if self.condition == "none" else real_phases
+            timeline._recorder = self.timeline.recorder if self.condition == "timeline" else None
+            self.began = time.perf_counter()
 
-def run(condition: str, steps: int, folder: Path, flushes: list[float], spans: list[float]) -> list[float]:
-    """One run of the tiny preset under ``condition``: each step's seconds, from checkpoint to checkpoint.
-    ``flushes`` gets each step's write of the timeline, ``spans`` each step's recording of its spans."""
-    config = Config.preset("tiny", steps=steps, critic_warmup=1, timeline_steps=0 if condition != "timeline" else 100)
-    apply_threads(config)
-    laps = Laps()
-    real_phases, real_flush = timeline.Phases, hooks.Timeline._flush
-    real_rows, real_emit = sources.trajectories, timeline.Phases.emit
+        def on_checkpoint(self, trainer, step: int) -> None:
+            laps[self.condition].append(time.perf_counter() - self.began)
+            self.k += 1
+            self.set()
+
+    real_flush, real_rows, real_emit = hooks.Timeline._flush, sources.trajectories, real_phases.emit
 
     def timed_flush(self, trainer, gather):  # the timeline's own work after each step
         began = time.perf_counter()
         real_flush(self, trainer, gather)
-        flushes.append(time.perf_counter() - began)
+        if timeline.recording() is not None:
+            flushes.append(time.perf_counter() - began)
 
     def timed_rows(*args):  # the step's trajectory spans (the sampler's, once per batch)
         began = time.perf_counter()
         real_rows(*args)
-        spans.append(time.perf_counter() - began)
+        if timeline.recording() is not None:
+            spans.append(time.perf_counter() - began)
 
-    def timed_emit(self, *args):  # the step's phase spans (once per step, after the rows): added to its rows'
+    def timed_emit(self, *args):  # the step's phase spans (once per step, after its rows): added to its rows'
         began = time.perf_counter()
         real_emit(self, *args)
-        if spans:
+        if timeline.recording() is not None and spans:
             spans[-1] += time.perf_counter() - began
 
+    config = Config.preset("tiny", steps=steps, critic_warmup=1)  # the default timeline, switched off per step
+    apply_threads(config)
+    hooks.Timeline._flush, sources.trajectories, real_phases.emit = timed_flush, timed_rows, timed_emit
     try:
-        if condition == "none":
-            timeline.Phases = NoTimers
-        hooks.Timeline._flush, sources.trajectories, real_phases.emit = timed_flush, timed_rows, timed_emit
-        build.trainer(config, folder, hooks=[laps], progress=False).run()
+        build.trainer(config, folder, hooks=[Turns()], progress=False).run()
     finally:
         timeline.Phases, hooks.Timeline._flush, sources.trajectories = real_phases, real_flush, real_rows
         real_phases.emit = real_emit
-    return [b - a for a, b in zip(laps.marks, laps.marks[1:], strict=False)][SKIP:]
+    trace = timeline.read(folder / "timeline.json")["traceEvents"]
+    events = sum(e["ph"] != "M" for e in trace) / max(len(laps["timeline"]), 1)
+    cycles = min(len(v) for v in laps.values())
+    laps = {c: v[:cycles][SKIP:] for c, v in laps.items()}
+    return laps, {"flushes": flushes[SKIP:], "spans": spans[SKIP:], "events": events}
 
 
 def timers_per_step(repeat: int = 10_000) -> float:
@@ -125,15 +143,15 @@ def table(f: dict) -> str:
     load = " / ".join(f"{x:.1f}" for x in f["load"])
     lines = [
         f"machine: {f['cores']} CPU cores, load average {load} (1/5/15 min) at the start; tiny preset (batch 64), "
-        f"{f['rounds']} rounds × {f['per_run']} steps per condition; bench took {f['seconds']:.0f}s",
+        f"{f['n']} steps per condition, taken in turn in one run; bench took {f['seconds']:.0f}s",
         "",
-        "| condition | step, s (median) | step, s (mean) | steps | vs baseline (median) |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| condition | step, s (median) | step, s (mean) | against the baseline's step of the same cycle (median) |",
+        "| --- | ---: | ---: | ---: |",
     ]
     for key, label in CONDITIONS.items():
         s = f["steps"][key]
-        versus = "—" if key == "none" else f"{(s['median'] - base) / base:+.1%}"
-        lines.append(f"| {label} | {s['median']:.3f} | {s['mean']:.3f} | {s['n']} | {versus} |")
+        versus = "—" if key == "none" else f"{s['paired']:+.1%}"
+        lines.append(f"| {label} | {s['median']:.3f} | {s['mean']:.3f} | {versus} |")
     timers, flush, spans = f["timers_s"], f["flush_s"], f["spans_s"]
     lines += [
         "",
@@ -150,35 +168,25 @@ def table(f: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three runs (default 3)")
-    parser.add_argument("--steps", type=int, default=8, help="policy steps per run (default 8; +1 warmup step)")
+    parser.add_argument("--steps", type=int, default=90, help="policy steps (default 90: 30 of each condition)")
     parser.add_argument("--record", help="append the table, with date, machine and command, to this file")
     args = parser.parse_args()
     started, load = time.perf_counter(), os.getloadavg()
-    steps: dict[str, list[float]] = {k: [] for k in CONDITIONS}
-    flushes: list[float] = []
-    spans: list[float] = []
-    events: list[int] = []
-    order = list(CONDITIONS)
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for condition in order[r % 3 :] + order[: r % 3]:  # rotated, so drift spreads over every condition
-                folder = Path(tmp) / f"{condition}-{r}"
-                timed = (flushes, spans) if condition == "timeline" else ([], [])
-                steps[condition] += run(condition, args.steps, folder, *timed)
-                if condition == "timeline":
-                    trace = timeline.read(folder / "timeline.json")["traceEvents"]
-                    events.append(sum(e["ph"] != "M" for e in trace) / (args.steps + 1))
-                print(f"round {r + 1} {condition}: median step {statistics.median(steps[condition]):.3f}s", flush=True)
-    summary = {k: {"median": statistics.median(v), "mean": statistics.fmean(v), "n": len(v)} for k, v in steps.items()}
+        laps, costs = measure(args.steps, Path(tmp) / "run")
+    base = laps["none"]
+    summary = {
+        c: {"median": statistics.median(v), "mean": statistics.fmean(v),
+            "paired": statistics.median(x / b - 1 for x, b in zip(v, base, strict=True))}
+        for c, v in laps.items()
+    }  # fmt: skip
     figures = {
         "steps": summary,
         "timers_s": timers_per_step(),
-        "flush_s": statistics.median(flushes),
-        "spans_s": statistics.median(spans),
-        "events": statistics.fmean(events),
-        "rounds": args.rounds,
-        "per_run": args.steps + 1 - SKIP,
+        "flush_s": statistics.median(costs["flushes"]),
+        "spans_s": statistics.median(costs["spans"]),
+        "events": costs["events"],
+        "n": len(base),
         "cores": os.cpu_count(),
         "load": load,
         "seconds": time.perf_counter() - started,

@@ -161,7 +161,15 @@ def test_torchrun_two_processes_take_the_single_process_steps_and_resume(tiny_mo
     assert any(r["phase"] == "policy" and r["grad_norm"] > 0 for r in records), "policy steps took a gradient"
 
     assert json.loads((out / "config.json").read_text())["world_size"] == 2
-    assert sorted(p.name for p in out.iterdir()) == ["adapter", "checkpoints", "config.json", "train_log.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "checkpoints", "config.json", "timeline.json",
+                                                     "train_log.jsonl"]  # fmt: skip
+    trace = json.loads((out / "timeline.json").read_text())  # rank 0 writes every rank's phases, in both runs
+    processes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert set(processes.values()) >= {"trainer rank 0", "trainer rank 1"}
+    for rank in (0, 1):
+        steps = [e["args"]["step"] for e in trace["traceEvents"]
+                 if e.get("cat") == "step" and processes[e["pid"]] == f"trainer rank {rank}"]  # fmt: skip
+        assert set(steps) == {r["step"] for r in records}, (rank, steps)
     ours, theirs = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (out, tmp_path / "single"))
     assert ours.keys() == theirs.keys()
     assert all(torch.allclose(ours[k], theirs[k], atol=1e-6, rtol=1e-4) for k in ours), "the same final adapter"
