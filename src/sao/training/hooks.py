@@ -77,7 +77,9 @@ class Publish(Hook):
 
     def on_update(self, trainer: Trainer, version: int) -> None:
         if trainer.world.is_main:
-            checkpoint.publish(trainer.out, version, trainer.write_adapter)
+            track = timeline.TRAINER.format(rank=0)
+            with timeline.span("adapter publish", "adapter", track, "step", version=version, to="published"):
+                checkpoint.publish(trainer.out, version, trainer.write_adapter)
 
 
 class Tracking(Hook):
