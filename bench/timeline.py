@@ -109,7 +109,7 @@ def measure(steps: int, folder: Path) -> tuple[dict[str, list[float]], dict]:
         if timeline.recording() is not None and spans:
             spans[-1] += time.perf_counter() - began
 
-    config = Config.preset("tiny", steps=steps, critic_warmup=1)  # the default timeline, switched off per step
+    config = Config.load("tiny", steps=steps, critic_warmup=1)  # the default timeline, switched off per step
     apply_threads(config)
     hooks.Timeline._flush, sources.trajectories, real_phases.emit = timed_flush, timed_rows, timed_emit
     try:

@@ -117,7 +117,7 @@ def test_otel_endpoint_without_the_sdk_is_refused_in_one_line(capsys, tmp_path, 
 def test_the_endpoint_comes_from_the_flag_or_the_standard_variables():
     from sao.core.config import Config
 
-    off = Config.preset("tiny")
+    off = Config.load("tiny")
     assert otel.endpoint(off, {}) == (None, "")
     flag = off.replace(otel_endpoint="http://collector:4318/")
     assert otel.endpoint(flag, {}) == ("http://collector:4318/v1/traces", "--otel-endpoint")
