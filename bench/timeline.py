@@ -55,7 +55,8 @@ class NoTimers(timeline.Phases):
 def measure(steps: int, folder: Path) -> tuple[dict[str, list[float]], dict]:
     """One run of the tiny preset whose steps cycle through the three conditions (the cycle's order rotating): each
     condition's step seconds, in cycle order, and the timeline's own costs on its steps."""
-    from sao.core.config import Config, apply_threads
+    from sao.core.config import Config
+    from sao.core.machine import apply_threads
     from sao.rollout import sources
     from sao.training import build, hooks
     from sao.training.trainer import Hook
@@ -171,6 +172,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=90, help="policy steps (default 90: 30 of each condition)")
     parser.add_argument("--record", help="append the table, with date, machine and command, to this file")
     args = parser.parse_args()
+    if args.steps < 6:
+        parser.error("--steps must be at least 6: two cycles of the three conditions, the first left out")
     started, load = time.perf_counter(), os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         laps, costs = measure(args.steps, Path(tmp) / "run")
