@@ -306,6 +306,9 @@ def test_the_upstream_server_switches_back_to_a_version_vllm_still_holds(tmp_pat
     upstream = UpstreamPolicy.__new__(UpstreamPolicy)
     upstream.client, upstream.tag, upstream.keep, upstream.loaded = client, "t", 3, []
     upstream.lock = __import__("threading").Lock()
+    for version in (1, 2):  # published adapters (a folder without adapter_config.json would be full weights)
+        (tmp_path / f"v{version}").mkdir()
+        (tmp_path / f"v{version}" / "adapter_config.json").write_text("{}")
     for version in (1, 2, 1):  # v2 regressed: back to v1, which vLLM still holds
         upstream.take(tmp_path / f"v{version}", version)
     assert calls == [("load", "t-v1"), ("load", "t-v2")]
