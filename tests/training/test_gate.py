@@ -161,7 +161,7 @@ def test_the_gate_publishes_a_normal_adapter_and_holds_back_a_broken_one(tiny_co
     assert len(records) == 5
     gate = next(h for h in trainer.hooks if isinstance(h, Gate))
     gate.held.scores(trainer.models.policy)  # judging a candidate leaves the policy's LoRA trainable
-    assert all(p.requires_grad for p in trainer.lora_params)
+    assert all(p.requires_grad for p in trainer.policy_params)
 
 
 class KillAfter(Hook):

@@ -100,12 +100,12 @@ def test_step_with_an_injected_nan_is_skipped_and_counted(tiny_config, tmp_path,
 
     monkeypatch.setattr(learn_module, "teacher_forced", poisoned)
     trainer = build.trainer(tiny_config, tmp_path / "run", progress=False)
-    before = [p.detach().clone() for p in trainer.lora_params]
+    before = [p.detach().clone() for p in trainer.policy_params]
     trainer.step(0), trainer.step(1), trainer.step(2)
-    mid = [p.detach().clone() for p in trainer.lora_params]
+    mid = [p.detach().clone() for p in trainer.policy_params]
     record = trainer.step(3)
     assert record["skipped"] is True and record["nonfinite"] > 0
-    assert all(torch.equal(a, b) for a, b in zip(mid, trainer.lora_params, strict=True)), "nothing applied"
+    assert all(torch.equal(a, b) for a, b in zip(mid, trainer.policy_params, strict=True)), "nothing applied"
     assert not all(torch.equal(a, b) for a, b in zip(before, mid, strict=True))
     assert trainer.policy_version == 1
     assert trainer.step(4)["skipped"] is False
@@ -205,7 +205,7 @@ def test_micro_batches_give_the_whole_batch_update(tiny_config, tmp_path):
     for rows in (16, 4):
         trainer = build.trainer(tiny_config.replace(micro_batch=rows), tmp_path / f"mb{rows}", progress=False)
         runs[rows] = [trainer.step(g) for g in range(4)]
-        runs[rows].append([p.detach().clone() for p in trainer.lora_params])
+        runs[rows].append([p.detach().clone() for p in trainer.policy_params])
     for whole, parts in zip(runs[16][:-1], runs[4][:-1], strict=True):
         assert whole["reward_mean"] == parts["reward_mean"]
         assert whole["masked_share"] == parts["masked_share"]

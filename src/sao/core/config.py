@@ -124,7 +124,29 @@ class ModelSettings(Section):
         "fraction of the memory, so larger micro-batches fit (the bench measures both).",
     )
     logprob_chunk: int = option(1024, "Rows per full-vocabulary log-softmax chunk (memory only).", check=at_least(1))
-
+    finetune: str = option(
+        "lora",
+        'What the policy trains: "lora" (a LoRA adapter on the frozen base, the page\'s) or "full" (every weight, '
+        "the paper's regime; --preset paper sets the paper's lr 1e-6). With \"full\" the stale sampler is a frozen "
+        "copy of the whole model (one more copy of the weights), the run leaves OUT/model/ (a Hugging Face folder) "
+        "instead of OUT/adapter/, and the weights are kept in float32 (bf16 compute under --shard fsdp on a GPU).",
+        check=one_of("lora", "full"),
+    )
+    critic: str = option(
+        "head",
+        'The critic: "head" (the page\'s override: one linear layer on the policy trunk\'s detached last hidden state) '
+        'or "model" (the paper\'s: a value model of its own, the policy\'s base or --critic-model, its trunk trained '
+        "by the critic loss with its own LoRA or full weights as --finetune says, a zero-initialised linear head, its "
+        "own AdamW at --critic-lr; the same warmup and --critic-steps). \"model\" costs one more forward per step "
+        "and --critic-steps forward+backward passes of the value model.",
+        check=one_of("head", "model"),
+    )
+    critic_model: str | None = option(
+        None,
+        "--critic model: the value model's base (hub id or folder); None: the policy's base. It reads the policy's "
+        "tokens, so its tokenizer must be the policy's (another vocabulary is refused at start).",
+        check=not_blank,
+    )
 
 
 @dataclass(frozen=True)
@@ -472,7 +494,16 @@ class TrainingSettings(Section):
         "they cannot be. Not compared on --resume.",
         check=not_blank,
     )
-
+    shard: str = option(
+        "none",
+        'How the trainer spreads over torchrun\'s processes: "none" (data parallel: every process holds the whole '
+        'model, gradients summed; one process without torchrun) or "fsdp" (FSDP2: the policy, a --critic model and '
+        "their optimizer states sharded over the processes, fully_shard per decoder layer then the root; bf16 "
+        "compute with float32 reduction on GPUs, float32 on the CPU). Either way a step is the single-process step "
+        "on the whole batch. \"fsdp\" writes sharded checkpoints (torch.distributed.checkpoint, safetensors) that "
+        "resume on any number of processes; without torchrun it runs unsharded on one process, with a notice.",
+        check=one_of("none", "fsdp"),
+    )
 
 
 @dataclass(frozen=True)
@@ -863,7 +894,43 @@ def _device_exists(c: Config) -> str | None:
     return device_problem(c.model.device)
 
 
-RULES = (_random_needs_a_share, _seeds_fit, _gate_fits, _device_exists)
+def _critic_model_named(c: Config) -> str | None:
+    if c.model.critic_model is not None and c.model.critic != "model":
+        return "--critic-model names the value model's base: it needs --critic model"
+    return None
+
+
+def _full_finetune_fits(c: Config) -> str | None:
+    if c.model.finetune != "full":
+        return None
+    if c.training.kl_coef > 0:
+        return ("--kl-coef with --finetune full: the KL reference is the base without the adapter, and full "
+                "fine-tuning has no adapter to switch off; leave --kl-coef at 0")  # fmt: skip
+    if c.rollout.source in ("ray", "vllm", "vllm-async"):
+        return (f"--finetune full with --rollout {c.rollout.source}: its samplers load LoRA adapters only; use "
+                "--rollout local, or --finetune lora")  # fmt: skip
+    if getattr(c.source, "sampler_dtype", "auto") != "auto":
+        return "--sampler-dtype with --finetune full is not offered: the stale sampler is a copy of the whole model"
+    if c.training.gate != "off":
+        return "--gate held-out compares LoRA adapters: it needs --finetune lora"
+    return None
+
+
+def _shard_fits(c: Config) -> str | None:
+    if c.training.shard != "fsdp":
+        return None
+    if c.rollout.decoder == "graph":
+        return ("--decoder graph with --shard fsdp: the graph engine keeps pointers to weights that FSDP gathers "
+                "anew for every draw; use --decoder plain or auto")  # fmt: skip
+    if getattr(c.source, "sampler_dtype", "auto") != "auto":
+        return "--sampler-dtype with --shard fsdp is not offered: the cast copy would hold the whole model unsharded"
+    if c.training.gate != "off":
+        return "--gate held-out with --shard fsdp is not offered: the gate draws with unsharded adapter copies"
+    return None
+
+
+RULES = (_random_needs_a_share, _seeds_fit, _gate_fits, _device_exists, _critic_model_named, _full_finetune_fits,
+         _shard_fits)  # fmt: skip
 
 
 # --- settings files ---------------------------------------------------------------------------------------------

@@ -69,7 +69,10 @@ class Registry:
         return f"{where}{name!r} is no {self.kind}{hint}; choose one of {', '.join(self.names())}"
 
 
-PRESETS = Registry("preset", {"protocol": {}, "tiny": "sao.tiny.presets:TINY"})
+# "paper": the regime the recipe page's paper trained in, on the page's model and data: full weights at the paper's lr
+# 1e-6 and a value model of its own at the paper's critic lr 5e-6 (add --shard fsdp under torchrun past one GPU).
+PAPER = {"finetune": "full", "critic": "model", "lr": 1e-6, "critic_lr": 5e-6}
+PRESETS = Registry("preset", {"protocol": {}, "paper": PAPER, "tiny": "sao.tiny.presets:TINY"})
 CORRECTIONS = Registry(
     "correction rule",
     {name: f"sao.algorithm.corrections:{name}" for name in ("dis", "none", "tis", "seqmask", "random")},

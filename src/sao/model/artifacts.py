@@ -2,13 +2,17 @@
 
     adapter folder   PEFT's files for the policy adapter, the tokenizer and the value head (safetensors + JSON);
                      plain ``PeftModel.from_pretrained`` loads it, no pickle anywhere
+    model folder     full fine-tuning: every weight as a Hugging Face folder (``save_full_weights``: config,
+                     safetensors shards and their index, tokenizer; sao's value head and sao_weights.json beside),
+                     a sharded model gathered tensor by tensor; ``AutoModelForCausalLM.from_pretrained`` loads it
+    critic folder    a value model of its own: its trunk (a PEFT adapter folder, or every weight) and its head
     merged model     base + adapter by PEFT's ``merge_and_unload`` in the base's dtype, with ``sao_export.json``
                      recording ``merge_relative_error`` (a bf16 merge can round a small adapter's change away)
     full weights     every weight of a model as safetensors shards + index, config and tokenizer: a version a vLLM
                      server reloads in place (``sao.rollout.vllm_weights``) and ``from_pretrained`` loads
 
-Both are written into a hidden temporary sibling folder and renamed when complete. Deliberately left out: other
-merge dtypes, quantised exports, pushing to a hub, sharded merges, and the value head in the merged folder.
+All are written into a hidden temporary sibling folder and renamed when complete. Deliberately left out: other
+merge dtypes, quantised exports, pushing to a hub, and the value head in the merged folder.
 Design notes: docs/design/artifacts.md.
 """
 
@@ -21,7 +25,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +35,14 @@ from torch import nn
 from sao.core.errors import ConfigError
 from sao.core.io import OutputError, folder_mode, write_json
 from sao.core.reading import read_json_file
-from sao.model.policy import POLICY_ADAPTER, ValueHead
+from sao.model.policy import POLICY_ADAPTER, ValueHead, ValueModel, lora_state
+from sao.model.sharding import full
 
 VALUE_HEAD_WEIGHTS = "value_head.safetensors"
 VALUE_HEAD_INFO = "value_head.json"
 EXPORT_INFO = "sao_export.json"
 ADAPTER_CONFIG = "adapter_config.json"
+WEIGHTS_INFO = "sao_weights.json"  # a model or critic folder: what it holds
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -111,45 +117,115 @@ def _first_line(error: BaseException) -> str:
 def save_adapter(
     policy: nn.Module,
     tokenizer: Any,
-    value_head: ValueHead,
+    value_head: ValueHead | None,
     path: str | os.PathLike[str],
     *,
     base_model: str,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the policy adapter, the tokenizer and the value head to ``path`` (replacing what is there).
 
     Only the "default" adapter is written (a policy may also hold the stale sampler's "sampler" adapter).
     ``base_model`` is the hub id or directory the adapter was trained on; it is recorded in
     ``value_head.json`` and as ``base_model_name_or_path`` in ``adapter_config.json``, so the folder names
-    one base. Returns ``path``.
+    one base. ``weights``: the adapter's whole tensors by parameter name, when the policy holds only its shards
+    (``sharded_lora``). ``value_head`` None (a value model of its own): no value head files. Returns ``path``.
     """
-    from safetensors.torch import save_file
-
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{path} is a file; the adapter is written as a folder")
-    state = {name: t.detach().to("cpu").contiguous() for name, t in value_head.state_dict().items()}
-    weight = state["linear.weight"]  # [1, H]
-    hidden_size = int(weight.shape[-1])
-    info = {
-        "format": "sao value head: V(h) = linear(h) on the base model's last hidden state, one value per token",
-        "hidden_size": hidden_size,
-        "dtype": str(weight.dtype).removeprefix("torch."),
-        "parameters": sum(t.numel() for t in state.values()),
-        "base_model": base_model,
-        "weights": VALUE_HEAD_WEIGHTS,
-    }
+    extra = {} if weights is None else {"state_dict": weights}
     with _staged_folder(path, replace=True) as staging:
         # save_embedding_layers=False: LoRA never targets the embeddings here, and "auto" would look the base
         # model up on the hub to compare vocabulary sizes.
-        policy.save_pretrained(staging, selected_adapters=[POLICY_ADAPTER], save_embedding_layers=False)
+        policy.save_pretrained(staging, selected_adapters=[POLICY_ADAPTER], save_embedding_layers=False, **extra)
         config_file = staging / ADAPTER_CONFIG
         adapter_config = json.loads(config_file.read_text(encoding="utf-8"))
         adapter_config["base_model_name_or_path"] = base_model
         config_file.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         tokenizer.save_pretrained(staging)
-        save_file(state, str(staging / VALUE_HEAD_WEIGHTS), metadata={"format": "pt"})
-        write_json(staging / VALUE_HEAD_INFO, info)
+        if value_head is not None:
+            _write_value_head(value_head, staging, base_model)
+    return path
+
+
+def _write_value_head(value_head: ValueHead, folder: Path, base_model: str, on: str = "the base model's") -> None:
+    """value_head.safetensors and value_head.json in ``folder`` (``load_value_head`` reads them)."""
+    from safetensors.torch import save_file
+
+    state = {name: full(t).detach().to("cpu").contiguous() for name, t in value_head.state_dict().items()}
+    weight = state["linear.weight"]  # [1, H]
+    info = {
+        "format": f"sao value head: V(h) = linear(h) on {on} last hidden state, one value per token",
+        "hidden_size": int(weight.shape[-1]),
+        "dtype": str(weight.dtype).removeprefix("torch."),
+        "parameters": sum(t.numel() for t in state.values()),
+        "base_model": base_model,
+        "weights": VALUE_HEAD_WEIGHTS,
+    }
+    save_file(state, str(folder / VALUE_HEAD_WEIGHTS), metadata={"format": "pt"})
+    write_json(folder / VALUE_HEAD_INFO, info)
+
+
+def sharded_lora(policy: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The policy adapter's whole tensors on the CPU when the policy holds only its shards (a collective: every
+    process calls it), else None (``save_adapter`` reads the live tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    state = lora_state(policy)
+    if not any(isinstance(t, DTensor) for t in state.values()):
+        return None
+    return {name: full(t).detach().to("cpu") for name, t in state.items()}
+
+
+def whole_state(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor] | None:
+    """``model.state_dict()`` with every tensor whole and on the CPU, a sharded one gathered as it is reached (a
+    collective: every process calls this, in step); only a ``keep`` process (the one that writes) keeps the tensors,
+    the others get None. The whole model is then in that process's memory (``save_full_weights``' contract)."""
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        value = full(tensor.detach())
+        if keep:
+            state[name] = value.to("cpu")
+    return state if keep else None
+
+
+def describe_weights(folder: Path, *, base_model: str, value_head: ValueHead | None = None, **info: Any) -> None:
+    """sao's files beside a full-weight folder's weights: the value head (``load_value_head`` reads it) and
+    ``sao_weights.json`` (what the folder holds, its base model, and ``info``: a published one's policy version)."""
+    if value_head is not None:
+        _write_value_head(value_head, folder, base_model)
+    write_json(folder / WEIGHTS_INFO, {"format": "sao full weights: a Hugging Face causal LM folder, every weight "
+                                       "trained", "base_model": base_model, **info})  # fmt: skip
+
+
+def save_value_model(
+    critic: ValueModel, tokenizer: Any, path: str | os.PathLike[str], *, base_model: str, finetune: str,
+    write: bool = True,
+) -> Path:  # fmt: skip
+    """A value model of its own (``critic="model"``) at ``path``: its trunk as a PEFT adapter folder ("lora", on the
+    trunk of ``base_model``) or every trunk weight in safetensors with its config ("full", ``save_pretrained``), and its
+    head (value_head.safetensors), with sao_weights.json saying which. Sharded: every process calls it (the tensors are
+    gathered in turn), and only ``write`` ones write."""
+    path = Path(path)
+    trunk = critic.trunk
+    weights = sharded_lora(trunk) if finetune == "lora" else whole_state(trunk, keep=write)
+    head = {name: full(t) for name, t in critic.head.state_dict().items()}  # (gathered on every process)
+    if not write:
+        return path
+    with _staged_folder(path, replace=True) as staging:
+        extra = {} if weights is None else {"state_dict": weights}
+        if finetune == "lora":
+            trunk.save_pretrained(staging, selected_adapters=[POLICY_ADAPTER], save_embedding_layers=False, **extra)
+        else:
+            trunk.save_pretrained(staging, **extra)
+        tokenizer.save_pretrained(staging)
+        whole_head = ValueHead(int(head["linear.weight"].shape[-1]))
+        whole_head.load_state_dict({k: v.to("cpu") for k, v in head.items()})
+        _write_value_head(whole_head, staging, base_model, on="the value model's own trunk's")
+        write_json(staging / WEIGHTS_INFO, {"format": f"sao value model: its trunk ({finetune}) and a linear value "
+                                            "head on its last hidden state", "base_model": base_model,
+                                            "finetune": finetune})  # fmt: skip
     return path
 
 
@@ -308,6 +384,7 @@ def save_full_weights(
     state: dict[str, torch.Tensor] | None = None,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 << 30,
+    also: Callable[[Path], Any] | None = None,
 ) -> Path:
     """Write every weight of ``model`` (a Hugging Face causal LM) to ``path`` as safetensors shards, replacing what
     is there: ``model.safetensors`` alone or ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``
@@ -316,7 +393,8 @@ def save_full_weights(
     ``state`` replaces ``model.state_dict()`` (a sharded trainer gathers the full state dict on one rank and passes
     it); ``dtype`` casts every floating tensor (write what the server runs: float32 for sao's launched servers). A
     tied output layer is written as ``lm_head.weight`` too, unlike ``save_pretrained``: vLLM's CPU build repacks its
-    output layer on a reload only when the folder carries it. No pickle anywhere. Returns ``path``."""
+    output layer on a reload only when the folder carries it. ``also(folder)`` writes more files into the folder before
+    it appears (sao's value head, ``sao_weights.json``). No pickle anywhere. Returns ``path``."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -366,7 +444,10 @@ def save_full_weights(
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             write_json(staging / "model.safetensors.index.json",
                        {"metadata": {"total_size": total}, "weight_map": weight_map})  # fmt: skip
+        if also is not None:
+            also(staging)
     return path
 
 
-__all__ = ["find_adapter_dir", "load_value_head", "merge", "save_adapter", "save_full_weights"]
+__all__ = ["find_adapter_dir", "load_value_head", "merge", "save_adapter", "save_full_weights", "save_value_model",
+           "whole_state"]

@@ -1,22 +1,26 @@
 """The models a run trains: a Hugging Face causal LM with a LoRA adapter (the policy) and a linear value
-head on its trunk (the critic).
+head on its trunk (the critic), or the paper's regime: every weight trained, a value model of its own.
 
     policy    base LM (hub id or local path) + LoRA rank 16, alpha 32 on every linear layer of attention
-              and MLP (q, k, v, o, gate, up, down projections), built right after ``torch.manual_seed(17)``
+              and MLP (q, k, v, o, gate, up, down projections), built right after ``torch.manual_seed(17)``;
+              ``finetune="full"``: the base itself, every weight trainable, kept in float32
     critic    V(s_t) = w · h_t + b on the trunk's last hidden state h_t, zero-initialised, reading
-              ``h.detach()`` so that the critic never trains the trunk
-    Models    the two together with the tokenizer and the token ids that end a reply
+              ``h.detach()`` so that the critic never trains the trunk; ``critic="model"``: the same head on a
+              trunk of its own (``ValueModel``), which the critic loss trains (its own LoRA, or every weight)
+    Models    the parts together with the tokenizer, the token ids that end a reply, the stale sampler's
+              frozen copy under full fine-tuning, and the FSDP roots once sharded (``sao.model.sharding``)
 
 The pass that feeds both is ``sao.model.forward``; saving and merging adapters is ``sao.model.artifacts``.
-Deliberately left out: value heads with their own trunk, full fine-tuning, quantisation and multi-GPU
-sharding; the fast GPU decoder lives in ``sao.rollout.engine``.
+Deliberately left out: quantisation and tensor parallelism; the fast GPU decoder lives in ``sao.rollout.engine``.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +34,7 @@ DEFAULT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
 # Every linear layer of a Qwen2/Llama-style block; the ones a model lacks are skipped.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 POLICY_ADAPTER = "default"
+SAMPLER_ADAPTER = "sampler"  # the stale sampler's frozen copy of the policy adapter (``sao.rollout.sampler``)
 
 
 def pick_device(device: str | None = None) -> torch.device:
@@ -175,6 +180,14 @@ def lora_state(policy: nn.Module, adapter: str = POLICY_ADAPTER) -> dict[str, to
     return {n: p for n, p in policy.named_parameters() if "lora_" in n and marker in n}
 
 
+def trainable_state(model: nn.Module, finetune: str) -> dict[str, torch.Tensor]:
+    """What an optimizer trains in ``model``, by parameter name (references): the policy adapter's LoRA tensors
+    ("lora"), or every parameter once ("full"; a tied embedding and head are one parameter)."""
+    if finetune == "lora":
+        return lora_state(model)
+    return dict(model.named_parameters())
+
+
 def set_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
     """Recompute each decoder layer in the backward instead of storing its activations.
 
@@ -207,16 +220,75 @@ class ValueHead(nn.Module):
         return self.linear(hidden.float()).squeeze(-1)
 
 
+class ValueModel(nn.Module):
+    """``critic="model"``: V(s_t) = w · h_t + b on a trunk of its own, whose hidden states are not detached, so the
+    critic loss trains the trunk (its LoRA adapter, or every weight). h_t is taken where the policy's pass takes
+    it (the position that predicts response token t), so V(h_t) is the value of the state the token was chosen in."""
+
+    def __init__(self, trunk: nn.Module, hidden_size: int):
+        super().__init__()
+        self.trunk, self.head = trunk, ValueHead(hidden_size)
+
+    def forward(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                response_mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """[B, P] left-padded prompts and [B, R] right-padded responses → [B, R] float32 values."""
+        P, R = prompt_ids.shape[1], response_ids.shape[1]
+        ids = torch.cat([prompt_ids, response_ids], dim=1)  # [B, P+R]
+        mask = torch.cat([prompt_mask, response_mask], dim=1).long()  # [B, P+R]
+        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)  # skip left padding, as the policy's pass does
+        out = self.trunk(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        return self.head(out.last_hidden_state[:, P - 1 : P + R - 1])  # [B, R]
+
+
+def load_value_model(name: str, device: torch.device, tokenizer: Any, *, finetune: str, lora_rank: int,
+                     lora_alpha: int, seed: int, dtype: torch.dtype | None = None) -> ValueModel:  # fmt: skip
+    """The value model of ``critic="model"``: the trunk of the causal LM ``name`` (its head is dropped), with a LoRA
+    adapter built after ``torch.manual_seed(seed)`` ("lora") or every weight trainable ("full"), and a zero head.
+    Its tokenizer must be ``tokenizer`` (it reads the policy's token ids): another vocabulary is a ConfigError."""
+    lm, own = load_base(name, device, dtype)
+    if own.get_vocab() != tokenizer.get_vocab():
+        theirs, ours = len(own.get_vocab()), len(tokenizer.get_vocab())
+        raise ConfigError(f"--critic-model {name}: its tokenizer is not the policy's ({theirs} tokens against "
+                          f"{ours}, or the same count with other ids); the value model reads the policy's tokens, so "
+                          "it needs the same vocabulary")  # fmt: skip
+    trunk = causal_lm(lm).get_decoder()
+    if finetune == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        names = {n.rsplit(".", 1)[-1] for n, m in trunk.named_modules() if isinstance(m, nn.Linear)}
+        config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0, bias="none",
+                            target_modules=[t for t in LORA_TARGETS if t in names])  # fmt: skip
+        torch.manual_seed(seed)
+        trunk = get_peft_model(trunk, config)
+    else:
+        trunk.requires_grad_(True)
+    model = ValueModel(trunk, lm.config.hidden_size).to(device)
+    model.eval()  # no dropout: the values a step's advantages use are the ones the first critic update scores
+    return model
+
+
+def critic_trainable(critic: ValueModel, finetune: str) -> dict[str, torch.Tensor]:
+    """What the critic's optimizer trains in a value model: its LoRA tensors or every trunk weight, and the head."""
+    trunk = {f"trunk.{n}": p for n, p in trainable_state(critic.trunk, finetune).items()}
+    return {**trunk, **{f"head.{n}": p for n, p in critic.head.named_parameters()}}
+
+
 @dataclass
 class Models:
-    """What a run trains: the policy (base + LoRA), its tokenizer, and the value head, on one device."""
+    """What a run trains: the policy (base + LoRA, or every weight), its tokenizer, and the critic (a value head on
+    the policy's trunk, or a ``ValueModel`` of its own), on one device."""
 
     policy: nn.Module
     tokenizer: Any
-    value_head: ValueHead
+    value_head: ValueHead | None  # the critic head on the policy's trunk; None with a value model
     device: torch.device
     eos_token_ids: list[int]
     name: str = ""  # the base model's hub id or folder, as loaded
+    finetune: str = "lora"  # what the policy trains: "lora" or "full"
+    critic: ValueModel | None = None  # critic="model": the value model (its own trunk and head)
+    critic_name: str = ""  # the value model's base, as loaded
+    sampler: nn.Module | None = None  # finetune="full": the stale sampler's frozen copy of the policy
+    roots: dict[str, nn.Module] = field(default_factory=dict)  # once sharded: "policy", "sampler", "critic" roots
 
     @classmethod
     def load(
@@ -228,17 +300,93 @@ class Models:
         lora_alpha: int = 32,
         seed: int = 17,
         grad_checkpoint: bool = False,
+        finetune: str = "lora",
+        critic: str = "head",
+        critic_model: str | None = None,
+        master_float32: bool = False,
     ) -> Models:
         """Base model and tokenizer by ``name`` (hub id, folder or stand-in: ``model_path``), a fresh LoRA adapter
-        (seeded), a zero value head."""
+        (seeded) or every weight trainable, and a zero value head: on the policy's trunk, or on a value model of
+        its own (``critic="model"``: ``critic_model`` or the policy's base). ``master_float32``: load in float32
+        even on a GPU (sharding computes in bf16 from float32 weights); full fine-tuning always does (an AdamW step at
+        lr 1e-6 is below bf16's resolution)."""
         torch_device = pick_device(device)
         path = model_path(name)
-        base, tokenizer = load_base(path, torch_device)
-        policy = add_lora(base, rank=lora_rank, alpha=lora_alpha, seed=seed)
+        dtype = torch.float32 if master_float32 or finetune == "full" else None
+        base, tokenizer = load_base(path, torch_device, dtype)
+        if finetune == "lora":
+            policy = add_lora(base, rank=lora_rank, alpha=lora_alpha, seed=seed)
+        else:
+            policy = base.requires_grad_(True)
         if grad_checkpoint:
             set_activation_checkpointing(policy, True)
-        value_head = ValueHead(base.config.hidden_size).to(torch_device)
-        return cls(policy, tokenizer, value_head, torch_device, eos_ids(tokenizer, base), path)
+        value_head, value_model, critic_path = None, None, ""
+        if critic == "model":
+            critic_path = model_path(critic_model) if critic_model is not None else path
+            value_model = load_value_model(critic_path, torch_device, tokenizer, finetune=finetune,
+                                           lora_rank=lora_rank, lora_alpha=lora_alpha, seed=seed, dtype=dtype)
+            if grad_checkpoint:
+                set_activation_checkpointing(value_model.trunk, True)
+        else:
+            value_head = ValueHead(base.config.hidden_size).to(torch_device)
+        return cls(policy, tokenizer, value_head, torch_device, eos_ids(tokenizer, base), path, finetune=finetune,
+                   critic=value_model, critic_name=critic_path)  # fmt: skip
+
+    # -- what trains ---------------------------------------------------------------------------------------------
+
+    def trainable(self) -> dict[str, torch.Tensor]:
+        """The policy's trained parameters by name (``trainable_state``)."""
+        return trainable_state(self.policy, self.finetune)
+
+    def critic_trainable(self) -> dict[str, torch.Tensor]:
+        """The critic's trained parameters by name: the value head's, or the value model's (``critic_trainable``)."""
+        if self.critic is None:
+            assert self.value_head is not None
+            return dict(self.value_head.named_parameters())
+        return critic_trainable(self.critic, self.finetune)
+
+    def add_stale_sampler(self) -> None:
+        """Make room for the stale sampler before the models are sharded: a second LoRA adapter ("sampler"), or
+        under full fine-tuning a frozen copy of the whole policy (one more copy of the weights)."""
+        if self.finetune == "full":
+            if self.sampler is None:
+                self.sampler = copy.deepcopy(self.policy).requires_grad_(False)
+        elif SAMPLER_ADAPTER not in self.policy.peft_config:
+            self.policy.add_adapter(SAMPLER_ADAPTER, self.policy.peft_config[POLICY_ADAPTER])
+            self.policy.set_adapter(POLICY_ADAPTER)
+            for p in lora_state(self.policy, SAMPLER_ADAPTER).values():
+                p.requires_grad_(False)
+
+    # -- sharding --------------------------------------------------------------------------------------------
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.roots)
+
+    def shard(self) -> None:
+        """FSDP2 over the process group (``sao.model.sharding.shard``): the policy, the stale sampler's copy and the
+        value model each get a root; the value head on the policy's trunk stays whole on every process (its
+        gradients are summed, as in data parallel: H + 1 numbers)."""
+        from sao.model.sharding import shard
+
+        self.roots["policy"] = shard(self.policy, self.device)
+        if self.sampler is not None:
+            self.roots["sampler"] = shard(self.sampler, self.device)
+        if self.critic is not None:
+            self.roots["critic"] = shard(self.critic, self.device)
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, through the policy's FSDP root when sharded (every process must call it)."""
+        root = self.roots.get("policy")
+        return fn(*args, **kwargs) if root is None else root(fn, *args, **kwargs)
+
+    def values(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+               response_mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """The value model's [b, R] values (``critic="model"``), through its FSDP root when sharded."""
+        assert self.critic is not None
+        root = self.roots.get("critic")
+        args = (prompt_ids, prompt_mask, response_ids, response_mask)
+        return self.critic(*args) if root is None else root(self.critic, *args)
 
 
 def parameter_count(model: nn.Module, trainable_only: bool = False) -> int:

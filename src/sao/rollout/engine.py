@@ -353,8 +353,10 @@ class Engine:
         eos_token_ids: Sequence[int],
         pad_token_id: int,
         generator: torch.Generator,
+        share: tuple[slice, int] | None = None,
     ) -> Rollout:
-        """Sample up to ``max_new_tokens`` per left-padded prompt; the same contract as ``sampler.draw``."""
+        """Sample up to ``max_new_tokens`` per left-padded prompt; the same contract as ``sampler.draw`` (``share``
+        included: these rows' part of each step's whole-batch noise)."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
         B, P = prompt_ids.shape
@@ -362,7 +364,7 @@ class Engine:
         key = (_bucket(B), _round_up(P + max_new_tokens, 64), float(temperature), tuple(eos_token_ids), pad_token_id)
         with self._kernels():
             entry = self._entry(key)
-            return entry.run(prompt_ids, prompt_mask.bool(), max_new_tokens, generator)
+            return entry.run(prompt_ids, prompt_mask.bool(), max_new_tokens, generator, share)
 
     @contextlib.contextmanager
     def stepper(self, rows: int, capacity: int) -> Iterator[EngineStepper]:
@@ -508,12 +510,17 @@ class _Graph:
             torch.cuda.set_stream(caller)  # torch.cuda.graph leaves its stream current if the capture's end fails
         self.graph = graph
 
-    def run(self, prompt_ids, prompt_mask, max_new_tokens: int, generator: torch.Generator) -> Rollout:
+    def run(self, prompt_ids, prompt_mask, max_new_tokens: int, generator: torch.Generator,
+            share: tuple[slice, int] | None = None) -> Rollout:  # fmt: skip
         B = prompt_ids.shape[0]
         self._prefill(prompt_ids, prompt_mask)
         steps = 0
+        whole = None if share is None else torch.empty(share[1], self.noise.shape[1], device=self.noise.device)
         for steps in range(1, max_new_tokens + 1):
-            self.noise[:B].uniform_(generator=generator)  # one [B, V] draw per step, as the plain loop draws
+            if whole is None:
+                self.noise[:B].uniform_(generator=generator)  # one [B, V] draw per step, as the plain loop draws
+            else:  # the whole batch's draw, these rows' part of it
+                self.noise[:B].copy_(whole.uniform_(generator=generator)[share[0]])
             if self.rows > B:
                 self.noise[B:].fill_(0.5)  # the padding rows: any finite noise (their tokens are discarded)
             if self.graph is not None:

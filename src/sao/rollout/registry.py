@@ -282,8 +282,18 @@ SOURCES = Registry(
 def build_source(name: str, context: Any) -> Any:
     """The source registered as ``name``, built from a ``sao.rollout.sources.SourceContext`` by its implementation's
     ``build`` (its module imported now)."""
+    return _implementation(name).build(context)
+
+
+def builds_on_every_rank(name: str) -> bool:
+    """Whether the source registered as ``name`` is built on every torchrun process (its class sets
+    ``every_rank = True``: each process draws its rows), rather than on rank 0 alone."""
+    return bool(getattr(_implementation(name), "every_rank", False))
+
+
+def _implementation(name: str) -> Any:
     module, _, attribute = SOURCES.get(name).implementation.partition(":")
     found: Any = importlib.import_module(module)
     for part in attribute.split("."):
         found = getattr(found, part)
-    return found.build(context)
+    return found

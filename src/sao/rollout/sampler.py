@@ -21,10 +21,8 @@ import torch
 from torch import nn
 
 from sao.model.forward import cache_keyword, logits_fp32, position_ids_from, trunk_and_head
-from sao.model.policy import POLICY_ADAPTER, context_length, lora_state
+from sao.model.policy import POLICY_ADAPTER, SAMPLER_ADAPTER, context_length, lora_state
 from sao.rollout.types import Rollout
-
-SAMPLER_ADAPTER = "sampler"
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +72,12 @@ def draw(
     eos_token_ids: Sequence[int],
     pad_token_id: int,
     generator: torch.Generator,
+    share: tuple[slice, int] | None = None,
 ) -> Rollout:
-    """Sample up to ``max_new_tokens`` per prompt with the model's active adapter (the plain path)."""
+    """Sample up to ``max_new_tokens`` per prompt with the model's active adapter (the plain path). ``share``: these
+    prompts are rows ``share[0]`` of a batch of ``share[1]`` (one process's part of a batch the processes draw
+    together): each step draws the whole batch's [B, V] noise and these rows take theirs, so every row gets the
+    tokens one call over the whole batch gives it."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
     from transformers import DynamicCache
@@ -97,7 +99,11 @@ def draw(
     alive_masks = []
     for _ in range(max_new_tokens):
         logits = logits_fp32(head, hidden, temperature)  # [B, V]
-        noise = torch.rand(logits.shape, generator=generator, device=device, dtype=torch.float32)  # [B, V]
+        if share is None:
+            noise = torch.rand(logits.shape, generator=generator, device=device, dtype=torch.float32)  # [B, V]
+        else:  # the whole batch's draw, these rows' part of it
+            noise = torch.rand((share[1], logits.shape[1]), generator=generator, device=device,
+                               dtype=torch.float32)[share[0]]  # fmt: skip
         token, token_logp = gumbel_sample_(logits, noise)  # [B], [B]
         alive = ~done
         tokens.append(torch.where(alive, token, torch.full_like(token, pad_token_id)))
@@ -196,28 +202,37 @@ class StaleSampler:
     ``policy_version − sampler.version`` at the time of the draw.
     """
 
-    def __init__(self, policy: nn.Module, lag: int):
+    def __init__(self, policy: nn.Module, lag: int, copy: nn.Module | None = None):
+        """``copy``: full fine-tuning's frozen copy of the whole policy (``Models.sampler``), refreshed weight by
+        weight; without it the sampler is a second LoRA adapter on the policy's base."""
         if lag < 0:
             raise ValueError(f"lag must be >= 0, got {lag}")
-        self.policy = policy
+        self.policy, self.copy = policy, copy
         self.lag = lag
         self.version = 0
-        if SAMPLER_ADAPTER not in policy.peft_config:
+        if copy is None and SAMPLER_ADAPTER not in policy.peft_config:
             policy.add_adapter(SAMPLER_ADAPTER, policy.peft_config[POLICY_ADAPTER])
             policy.set_adapter(POLICY_ADAPTER)
-        self._pairs = self._pair_parameters()
+        self.names, self._pairs = self._pair_parameters()
         self.refresh(version=0)
 
-    def _pair_parameters(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        src = lora_state(self.policy, POLICY_ADAPTER)
-        dst = lora_state(self.policy, SAMPLER_ADAPTER)
-        pairs = []
-        for name, p in src.items():
-            twin = name.replace(f".{POLICY_ADAPTER}.", f".{SAMPLER_ADAPTER}.")
-            pairs.append((p, dst[twin]))
+    def _pair_parameters(self) -> tuple[list[str], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The sampler's tensors by name, each with the policy's tensor it copies."""
+        if self.copy is not None:
+            theirs = dict(self.copy.named_parameters())
+            names = list(theirs)
+            pairs = [(p, theirs[name]) for name, p in self.policy.named_parameters()]
+        else:
+            src = lora_state(self.policy, POLICY_ADAPTER)
+            dst = lora_state(self.policy, SAMPLER_ADAPTER)
+            names, pairs = [], []
+            for name, p in src.items():
+                twin = name.replace(f".{POLICY_ADAPTER}.", f".{SAMPLER_ADAPTER}.")
+                names.append(twin)
+                pairs.append((p, dst[twin]))
         for _, q in pairs:
             q.requires_grad_(False)
-        return pairs
+        return names, pairs
 
     @torch.no_grad()
     def refresh(self, version: int) -> None:
@@ -226,10 +241,20 @@ class StaleSampler:
             q.copy_(p)
         self.version = version
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """A copy of the sampler's LoRA tensors under PEFT's saved names (the adapter's name left out)."""
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """A copy of the sampler's LoRA tensors under PEFT's saved names (the adapter's name left out); None for a
+        full copy (nothing to re-score it with) or a sharded adapter (each process holds a part)."""
+        from torch.distributed.tensor import DTensor
+
+        if self.copy is not None or any(isinstance(q, DTensor) for _, q in self._pairs):
+            return None
         return {n.replace(f".{SAMPLER_ADAPTER}.", "."): p.detach().clone()
                 for n, p in lora_state(self.policy, SAMPLER_ADAPTER).items()}  # fmt: skip
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The sampler's tensors by name (references, not copies): a sharded checkpoint saves and loads them in
+        place (``sao.training.checkpoint``)."""
+        return {name: q.detach() for name, (_, q) in zip(self.names, self._pairs, strict=True)}
 
     def refresh_before_draw(self, step: int) -> bool:
         """LAG = 0: the sampler is the current policy for every draw."""

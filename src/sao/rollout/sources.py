@@ -12,8 +12,11 @@
                    against a float32 trainer: the engine-mismatch regime); the default draws with the policy itself.
 
 Step g's local batch is a pure function of (seed, g) and the adapters, so a run resumed from a checkpoint
-continues exactly as if it had never stopped. Deliberately left out: rewards (the task's scorer grades what a
-source returns) and the update itself.
+continues exactly as if it had never stopped. Under torchrun the local source runs on every process (``every_rank``)
+and each draws its rows of the batch from the whole batch's noise, so the batch is the one a single process draws
+(a multi-turn batch is drawn by rank 0: its noise follows the whole batch's turns); every other source runs on rank
+0 and its batches are broadcast (``sao.training.distributed``). Deliberately left out: rewards (the task's scorer
+grades what a source returns) and the update itself.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.names import POLICY
 from sao.model.policy import Models, lora_state
+from sao.model.sharding import gathered
 from sao.rollout.engine import Engine
 from sao.rollout.environment import EnvCalls, EnvFactory, EnvFault, Message
 from sao.rollout.episodes import DEFAULT_CONCURRENCY, draw_episodes
 from sao.rollout.sampler import SAMPLER_ADAPTER, PlainDecoder, StaleSampler, decode, derived_seed, encode_prompts
-from sao.rollout.types import Batch, Decoder, Rollout, Sampling
+from sao.rollout.types import Batch, Decoder, Ranks, Rollout, Sampling
 
 
 class SourceExhausted(Exception):
@@ -45,7 +49,8 @@ class SourceExhausted(Exception):
 
 
 class Source(Protocol):
-    """Where the trainer's batches come from."""
+    """Where the trainer's batches come from. A source whose class sets ``every_rank = True`` is built on every
+    torchrun process and hands every process the whole batch itself; any other is built on rank 0 alone."""
 
     max_staleness: int  # the largest staleness a batch can have (the reachability checks read it)
     tasks: dict[str, Any]  # the training tasks (``sao.tasks.base.Task``) its task ids name, for the scorer
@@ -102,6 +107,7 @@ class SourceContext:
     progress: bool = True
     world_size: int = 1  # training processes (torchrun)
     warn: Callable[[str], None] = print
+    world: Ranks | None = None  # those processes, for a source built on every one of them (``every_rank``)
 
     def check_batch(self) -> None:
         """A source that draws the training prompts needs a batch's worth of them."""
@@ -201,18 +207,28 @@ def sampler_dtype(policy: nn.Module, name: str) -> torch.dtype | None:
     return None if dtype is None or dtype == next(policy.parameters()).dtype else dtype
 
 
-def draw_batch(decoder: Decoder, tokenizer: Any, prompts: list[str], sampling: Sampling, generator) -> Rollout:
-    """Encode chat-formatted prompt strings, draw one reply each, and keep the decoded texts."""
+def draw_batch(decoder: Decoder, tokenizer: Any, prompts: list[str], sampling: Sampling, generator,
+               rows: slice | None = None) -> Rollout:  # fmt: skip
+    """Encode chat-formatted prompt strings, draw one reply each, and keep the decoded texts. ``rows``: draw only
+    those rows of the batch, each as the whole batch's draw would give it (the decoder's ``share``; the prompts
+    keep the whole batch's padding)."""
     device = generator.device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)  # [B, P]
-    rollout = decoder.generate(prompt_ids, prompt_mask, generator=generator, **sampling.as_kwargs())
+    share: dict[str, Any] = {}
+    if rows is not None:
+        share["share"] = (rows, len(prompts))
+        prompt_ids, prompt_mask = prompt_ids[rows], prompt_mask[rows]  # [b, P]
+    rollout = decoder.generate(prompt_ids, prompt_mask, generator=generator, **sampling.as_kwargs(), **share)
     rollout.texts = decode(tokenizer, rollout)
     return rollout
 
 
 class LocalStaleSource:
-    """The default source: the stale sampler (a frozen second adapter, refreshed every ``lag`` policy steps)
-    drawing the seeded prompt stream in this process. Staleness 0 at the first policy step, then 1..LAG."""
+    """The default source: the stale sampler (a frozen second adapter, or a frozen copy of the whole policy under
+    full fine-tuning, refreshed every ``lag`` policy steps) drawing the seeded prompt stream in this process.
+    Staleness 0 at the first policy step, then 1..LAG. Under torchrun one runs on every process (``ranks``)."""
+
+    every_rank = True
 
     def __init__(
         self,
@@ -229,16 +245,26 @@ class LocalStaleSource:
         decoder: str = "auto",
         episodes: Episodes | None = None,
         dtype: str = "auto",
+        copy: nn.Module | None = None,
+        root: nn.Module | None = None,
+        ranks: Ranks | None = None,
+        sharded: bool = False,
     ):
-        """``dtype``: ``--sampler-dtype`` ("auto": the policy's own; another dtype draws with a ``CastSampler``)."""
+        """``dtype``: ``--sampler-dtype`` ("auto": the policy's own; another dtype draws with a ``CastSampler``).
+        ``copy``: full fine-tuning's frozen copy of the policy, which then draws. ``root``: the FSDP root of the
+        model that draws, gathered around each draw. ``ranks``: the torchrun processes, each drawing its rows.
+        ``sharded`` (``--shard fsdp``): the sampler's tensors go to the sharded checkpoint (``tensors``), not to
+        ``state_dict``."""
         self.tokenizer, self.prompts, self.order, self.episodes = tokenizer, prompts, order, episodes
         self.batch_size, self.sampling, self.seed = batch_size, sampling, seed
         self.first_policy_step = critic_warmup if isinstance(critic_warmup, int) else None  # "auto": the trainer's
-        self.sampler = StaleSampler(policy, lag)
+        self.sampler = StaleSampler(policy, lag, copy)
         cast = sampler_dtype(policy, dtype)
         self.cast = CastSampler(policy, cast) if cast is not None else None
-        drawer = policy if self.cast is None else self.cast.model
-        self.decoder = make_decoder(drawer, SAMPLER_ADAPTER, decoder)  # reads the sampler's adapter
+        drawer = copy if copy is not None else policy if self.cast is None else self.cast.model
+        adapter = None if copy is not None else SAMPLER_ADAPTER  # reads the sampler's adapter, or is the copy
+        self.decoder = make_decoder(drawer, adapter, decoder)
+        self.root, self.ranks, self.sharded = root, ranks, sharded
         self.device = next(policy.parameters()).device
         self.max_staleness = lag
         self.tasks: dict[str, Any] = {}
@@ -249,11 +275,13 @@ class LocalStaleSource:
         """``--rollout local``: the stale sampler over the context's policy, prompts and environment."""
         context.check_batch()
         c, m = context.config, context.models
+        m.add_stale_sampler()  # a no-op when the builder made room for it before sharding
         source = cls(
             m.policy, m.tokenizer, context.prompts, context.order, lag=c.source.lag, batch_size=c.training.batch_size,
             critic_warmup=c.algorithm.critic_warmup, sampling=context.sampling, seed=c.training.seed,
-            decoder=c.rollout.decoder,
-            episodes=context.episodes, dtype=c.source.sampler_dtype,
+            decoder=c.rollout.decoder, episodes=context.episodes, dtype=c.source.sampler_dtype, copy=m.sampler,
+            root=m.roots.get("sampler" if m.sampler is not None else "policy"), ranks=context.world,
+            sharded=c.training.shard == "fsdp",
         )  # fmt: skip
         source.tasks = context.tasks
         return source
@@ -271,18 +299,39 @@ class LocalStaleSource:
             self.cast.sync()
         started = timeline.now()
         with timeline.phase("draw"):
-            if self.episodes is not None:
-                decoder, episodes = self.decoder, self.episodes
-                rollout = draw_episode_batch(decoder, self.tokenizer, task_ids, episodes, self.sampling, generator)
-            else:
-                prompts = [self.prompts[i] for i in task_ids]
-                rollout = draw_batch(self.decoder, self.tokenizer, prompts, self.sampling, generator)
+            rollout = self._draw(task_ids, generator)
         trajectories(task_ids, started, timeline.now(), self.sampler.version, staleness, step)
         if self.sampler.version not in self.drawn_with:  # kept for re-scoring this batch under its own version
-            self.drawn_with = {self.sampler.version: self.sampler.weights()}
+            weights = self.sampler.weights()
+            self.drawn_with = {self.sampler.version: weights} if weights is not None else {}
         if phase == POLICY and self.sampler.refresh_after_draw(k):
             self.sampler.refresh(policy_version)
         return Batch(task_ids=task_ids, rollout=rollout, staleness=[staleness] * len(task_ids))
+
+    def _draw(self, task_ids: list[str], generator: torch.Generator) -> Rollout:
+        """The batch's trajectories, with the drawing model gathered when sharded. Over several processes each
+        draws its rows of a single reply per prompt and they swap them; a multi-turn batch is drawn by rank 0."""
+        ranks = self.ranks if self.ranks is not None and self.ranks.size > 1 else None
+        with gathered(self.root):
+            if self.episodes is not None:
+                rollout = None
+                if ranks is None or ranks.rank == 0:
+                    rollout = draw_episode_batch(self.decoder, self.tokenizer, task_ids, self.episodes, self.sampling,
+                                                 generator)  # fmt: skip
+            else:
+                prompts = [self.prompts[i] for i in task_ids]
+                own = ranks.shard(len(prompts)) if ranks is not None else None
+                rollout = draw_batch(self.decoder, self.tokenizer, prompts, self.sampling, generator, rows=own)
+        if ranks is None:
+            return rollout
+        if self.episodes is not None:
+            return ranks.broadcast(rollout.to("cpu") if rollout is not None else None).to(self.device)
+        parts = ranks.all_gather_objects(rollout.to("cpu"))  # every rank's rows, in rank order
+        return Rollout.concat(parts, self.sampling.pad_token_id).to(self.device)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """``sharded``: the sampler's tensors by name (references), for the sharded checkpoint; else nothing."""
+        return {f"sampler.{name}": t for name, t in self.sampler.tensors().items()} if self.sharded else {}
 
     def adapter(self, version: int) -> dict[str, torch.Tensor] | None:
         """The LoRA tensors (PEFT's saved names) of the sampler version that drew the last batch, if it is
@@ -293,7 +342,7 @@ class LocalStaleSource:
         """Nothing to publish: the sampler copies the policy on its own schedule at draw time."""
 
     def state_dict(self) -> dict[str, Any]:
-        state = self.sampler.state_dict()
+        state = {"version": self.sampler.version} if self.sharded else self.sampler.state_dict()
         if self.first_policy_step is not None:
             state["first_policy_step"] = self.first_policy_step
         return state
@@ -301,7 +350,10 @@ class LocalStaleSource:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
         self.first_policy_step = state.pop("first_policy_step", self.first_policy_step)
-        self.sampler.load_state_dict(state)
+        if "weights" in state:
+            self.sampler.load_state_dict(state)
+        else:  # sharded: the weights were loaded in place from the sharded checkpoint (``tensors``)
+            self.sampler.version = int(state["version"])
 
     def close(self) -> None:
         pass

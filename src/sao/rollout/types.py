@@ -207,6 +207,25 @@ class Sampling:
         }
 
 
+class Ranks(Protocol):
+    """The training processes that draw one batch together (``sao.training.distributed.World``): rank r of ``size``."""
+
+    size: int
+    rank: int
+
+    def shard(self, rows: int) -> slice:
+        """This process's rows of a batch of ``rows``."""
+        ...
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Every process's ``obj`` (picklable), in rank order, on every process."""
+        ...
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every process."""
+        ...
+
+
 class Stepper(Protocol):
     """The network as the episode loop drives it: columns in, hidden states out, the cache kept inside."""
 
@@ -236,6 +255,7 @@ class Decoder(Protocol):
         eos_token_ids: list[int],
         pad_token_id: int,
         generator: torch.Generator,
+        share: tuple[slice, int] | None = None,  # these rows' part of a batch of share[1] (``sampler.draw``)
     ) -> Rollout: ...
 
     def stepper(self, rows: int, capacity: int) -> AbstractContextManager[Stepper]:

@@ -11,6 +11,7 @@ Deliberately left out: what the parts do (each lives in its own layer).
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.model.policy import Models
 from sao.rollout.environment import EnvFactory
-from sao.rollout.registry import build_source
+from sao.rollout.registry import build_source, builds_on_every_rank
 from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import Source, SourceContext
 from sao.tasks import setup
@@ -52,22 +53,23 @@ def trainer(
     every part is built, so a mistake found on the way leaves the folder as it was."""
     otel.check(config)  # --otel-endpoint without the SDK: one line, nothing loaded
     world = World.from_env(config.model.device)  # one process, or this rank of a torchrun group
+    if config.training.shard == "fsdp" and world.size == 1 and progress:
+        print("notice: --shard fsdp without torchrun: one process trains the unsharded models (its checkpoints are "
+              "sharded ones, which torchrun can resume on any number of processes)", file=sys.stderr)  # fmt: skip
     tasks = tasks or setup.task_set(config, dataset)  # a bad --data fails here, before a model is loaded
     held = gate_tasks(config, tasks)  # and a held-out split too small for the gate's margin
     record = checkpoint.run_record(config, tasks, world.size, dataset=dataset, reward_fn=reward_fn,
                                    env_factory=env_factory, source=source)  # fmt: skip
     run = checkpoint.RunDir.open(out_dir, record, resume=resume)  # another run's folder, a damaged checkpoint: now
     try:
-        m = config.model
-        models = Models.load(m.name, device=world.device(m.device), lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
-                             seed=config.training.seed, grad_checkpoint=m.grad_checkpoint)  # fmt: skip
+        models = load_models(config, world, stale_sampler=source is None and config.rollout.source == "local")
         task_parts = setup.parts(config, models.tokenizer, tasks, reward_fn=reward_fn, env_factory=env_factory,
                                  eos_token_ids=models.eos_token_ids)  # fmt: skip
         label = label or f"{config.algorithm.correction} seed {config.training.seed}"
-        if source is None and world.is_main:
+        if source is None and (world.is_main or builds_on_every_rank(config.rollout.source)):
             context = SourceContext(config, models, {t.id: t for t in tasks.train}, task_parts.prompts,
                                     task_parts.episodes, Path(out_dir), task_parts.sampling(), world.training_gpus(),
-                                    label, progress, world_size=world.size)  # fmt: skip
+                                    label, progress, world_size=world.size, world=world)  # fmt: skip
             source = build_source(config.rollout.source, context)  # a launched vLLM fleet writes into out_dir
         gate = [held_aside_gate(config, models, held, task_parts)] if held else []
         return Trainer(models, source, task_parts.scorer, config, run, hooks=[*default_hooks(config), *gate, *hooks],
@@ -76,6 +78,22 @@ def trainer(
         if world.is_main:
             run.undo()  # a new run's folder as it was found, so that the corrected command is not refused
         raise
+
+
+def load_models(config: Config, world: World, *, stale_sampler: bool = False) -> Models:
+    """The models the config names on this process's device: the policy (LoRA or every weight), the critic (a head or
+    a value model), with room for the stale sampler when ``stale_sampler`` (its adapter, or its copy of the whole
+    policy), sharded over the processes with --shard fsdp under torchrun."""
+    m = config.model
+    sharded = config.training.shard == "fsdp" and world.size > 1
+    models = Models.load(m.name, device=world.device(m.device), lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
+                         seed=config.training.seed, grad_checkpoint=m.grad_checkpoint, finetune=m.finetune,
+                         critic=m.critic, critic_model=m.critic_model, master_float32=sharded)  # fmt: skip
+    if stale_sampler:
+        models.add_stale_sampler()  # before sharding: the sampler's tensors are sharded with the policy's
+    if sharded:
+        models.shard()
+    return models
 
 
 def gate_tasks(config: Config, tasks: TaskSet) -> list[Task]:

@@ -1,7 +1,9 @@
 """A run folder: claiming it, checkpoints, the step log, and reading them back.
 
     OUT/config.json          the settings the run started with; a folder holding one needs --resume, same settings
-    OUT/checkpoints/step-N/  tensors.safetensors + state.json, the newest K kept, no pickle
+    OUT/checkpoints/step-N/  tensors.safetensors + state.json, the newest K kept, no pickle; with --shard fsdp also
+                             sharded/: each process's shards of the models and optimizer states, written and read by
+                             torch.distributed.checkpoint as safetensors, read back on any number of processes
     OUT/train_log.jsonl      one record per step, appended; on --resume made to hold exactly the checkpoint's records
 
 A checkpoint appears whole or not at all (written into a hidden folder, fsynced, renamed). A damaged folder is a
@@ -29,6 +31,7 @@ from sao.core.config import Config, flatten, recorded
 from sao.core.errors import ConfigError, DataError
 from sao.core.io import (
     DamagedFileError,
+    OutputError,
     as_json,
     atomic_write,
     check_output_path,
@@ -39,8 +42,10 @@ from sao.core.io import (
     write_json,
 )
 from sao.core.reading import iter_jsonl, read_json_file
+from sao.training.distributed import World
 
 LOG_FILE, CONFIG_FILE, CHECKPOINTS_DIR = "train_log.jsonl", "config.json", "checkpoints"
+SHARDED_DIR = "sharded"  # a checkpoint's torch.distributed.checkpoint part (--shard fsdp)
 LEGACY_CHECKPOINT, LEGACY_LOG = "checkpoint.pt", "train_log.json"  # folders written by sao 0.1 before sections
 TENSORS_FILE, STATE_FILE = "tensors.safetensors", "state.json"
 # What a checkpoint holds; one without these keys was not written by sao.
@@ -140,6 +145,9 @@ class RunDir:
 # stops it, not what a step computes: a resume may change them.
 NOT_COMPARED_ON_RESUME = ("track", "follow", "follow_timeout", "skip_bad_traces", "log_every", "timeline_steps",
                           "otel_endpoint")  # fmt: skip
+# Parts of the run record a resume may change: the number of training processes (a step is the single-process step
+# on the whole batch whatever the count; a sharded checkpoint is read back on any count).
+RECORD_NOT_COMPARED_ON_RESUME = ("world_size",)
 
 
 def same_settings(saved: Any, record: dict[str, Any]) -> bool:
@@ -148,6 +156,8 @@ def same_settings(saved: Any, record: dict[str, Any]) -> bool:
 
     def comparable(value: Any) -> Any:
         value = as_json(value)
+        if isinstance(value, dict):
+            value = {k: v for k, v in value.items() if k not in RECORD_NOT_COMPARED_ON_RESUME}
         if isinstance(value, dict) and isinstance(value.get("config"), dict):
             with contextlib.suppress(ConfigError):
                 value["config"] = Config.load(**recorded(flatten(value["config"]))).flat()
@@ -255,24 +265,37 @@ def _step_folders(out: Path) -> list[Path]:
 def save(out: Path, state: dict[str, Any], records: list[dict[str, Any]], keep: int = 1) -> Path:
     """OUT/checkpoints/step-N/ (N = ``state["next_step"]``), whole or not at all; then the newest ``keep`` are kept.
     ``records`` are the log's (saved with the state, so a damaged log can be rebuilt exactly)."""
+    staging, final = _stage(out, int(state["next_step"]))
+    return _finish(out, staging, final, state, records, keep)
+
+
+def _stage(out: Path, step: int) -> tuple[Path, Path]:
+    """A fresh hidden staging folder for step ``step``'s checkpoint, and the folder it becomes."""
+    root = out / CHECKPOINTS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    staging = root / f".{final.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(mode=folder_mode())
+    return staging, final
+
+
+def _finish(out: Path, staging: Path, final: Path, state: dict[str, Any], records: list[dict[str, Any]],
+            keep: int) -> Path:  # fmt: skip
+    """Write the state into ``staging``, flush everything in it to disk, rename it to ``final``, prune."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     encoded = _encode({**state, "records": records}, tensors, "state")
-    root = out / CHECKPOINTS_DIR
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{int(state['next_step']):06d}"
-    staging = root / f".{final.name}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(mode=folder_mode())
     save_file(tensors, str(staging / TENSORS_FILE))
     atomic_write(staging / STATE_FILE, json.dumps(encoded).encode())
-    for synced in (staging / TENSORS_FILE, staging):  # the tensors' data, then the folder's entries
-        fd = os.open(synced, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    for folder, _, files in os.walk(staging, topdown=False):  # the tensors' data, then the folders' entries
+        for synced in [*(Path(folder) / name for name in files), Path(folder)]:
+            fd = os.open(synced, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     if final.exists():
         shutil.rmtree(final)
     os.replace(staging, final)
@@ -281,6 +304,96 @@ def save(out: Path, state: dict[str, Any], records: list[dict[str, Any]], keep: 
     with contextlib.suppress(FileNotFoundError):
         (out / LEGACY_CHECKPOINT).unlink()  # superseded once a folder checkpoint exists
     return final
+
+
+def save_sharded(out: Path, state: dict[str, Any], records: list[dict[str, Any]], shards: dict[str, torch.Tensor],
+                 world: World, keep: int = 1) -> None:  # fmt: skip
+    """``save`` for a sharded run (``--shard fsdp``), called by every process: ``shards`` (each process's tensors,
+    DTensor shards or whole tensors, by name) go to step-N/sharded/ through torch.distributed.checkpoint as
+    safetensors, each process writing its own; rank 0 writes the rest and renames the folder once every process's
+    part is in it. A failure anywhere (a full disk) leaves the previous checkpoint as it was and raises the same
+    ``OutputError`` on every process."""
+    import torch.distributed.checkpoint as dcp
+
+    step, problem, space = int(state["next_step"]), None, False
+    root = out / CHECKPOINTS_DIR
+    staging, final = root / f".step-{step:06d}.partial", root / f"step-{step:06d}"
+    if world.is_main:
+        try:
+            _stage(out, step)
+        except OSError as error:
+            problem, space = f"could not create {staging}: {error.strerror or error}", _is_space(error)
+    problem, space = world.broadcast((problem, space))
+    if problem is None:
+        try:
+            dcp.save(shards, storage_writer=dcp.HuggingFaceStorageWriter(str(staging / SHARDED_DIR),
+                                                                        save_distributed=True))  # fmt: skip
+        except Exception as error:  # a CheckpointException on every process when any one of them failed
+            problem, space = f"could not write {staging / SHARDED_DIR}: {_reason(error)}", _is_space(error)
+        found = [(p, s) for p, s in world.all_gather_objects((problem, space)) if p is not None]  # any rank's, first
+        problem, space = found[0] if found else (None, False)
+    if problem is None and world.is_main:
+        try:
+            _finish(out, staging, final, state, records, keep)
+        except OSError as error:
+            problem, space = f"could not write {staging}: {getattr(error, 'strerror', None) or error}", _is_space(error)
+    problem, space = world.broadcast((problem, space))
+    if problem is not None:
+        if world.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise OutputError(f"{problem}; the previous checkpoint is intact", space=space)
+
+
+def _is_space(error: BaseException) -> bool:
+    """Whether a failure (torch.distributed.checkpoint's wrapper included) was for room on the disk."""
+    import errno
+
+    for found in (error, *_failures(error), getattr(error, "__cause__", None)):
+        if isinstance(found, OSError) and found.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return True
+        if isinstance(found, OutputError) and found.space:
+            return True
+    return False
+
+
+def _failures(error: BaseException) -> list[BaseException]:
+    """The per-rank exceptions torch.distributed.checkpoint's CheckpointException carries."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict):
+        return []
+    return [f[0] if isinstance(f, tuple) else f for f in failures.values() if isinstance(f, BaseException | tuple)]
+
+
+def _reason(error: BaseException) -> str:
+    """One line of an error, through torch.distributed.checkpoint's wrapper (which lists every rank's failure)."""
+    error = next(iter(_failures(error)), error)
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+
+
+def newest(out: Path) -> Path | None:
+    """The newest checkpoint folder, or None."""
+    folders = _step_folders(out)
+    return folders[-1] if folders else None
+
+
+def load_sharded(out: Path, shards: dict[str, torch.Tensor], fix: str | None = None) -> None:
+    """Read the newest checkpoint's sharded part into ``shards`` in place (this process's tensors by name: DTensor
+    shards of any sharding, or whole tensors on one process): torch.distributed.checkpoint reshards as it reads.
+    A missing part, a missing name or a shape that does not fit is a DamagedFileError ending in ``fix``."""
+    import torch.distributed.checkpoint as dcp
+
+    fix = fix or start_again(out)
+    folder = newest(out)
+    where = folder / SHARDED_DIR if folder is not None else out / CHECKPOINTS_DIR
+    if folder is None or not where.is_dir():
+        raise DamagedFileError(f"{where} is missing: the checkpoint holds no sharded part (written without "
+                               f"--shard fsdp?); {fix}")  # fmt: skip
+    try:
+        dcp.load(shards, storage_reader=dcp.HuggingFaceStorageReader(str(where)))
+    except Exception as error:  # a name or a shape the checkpoint lacks, a damaged file
+        raise DamagedFileError(f"{where} does not fit this run's models ({_reason(error)}); {fix}") from None
 
 
 def load(out: Path, fix: str | None = None) -> dict[str, Any] | None:
@@ -386,17 +499,22 @@ PUBLISHED_DIR, LATEST_FILE, KEEP_PUBLISHED = "published", "LATEST.json", 3
 
 
 def publish(
-    out: Path, version: int, write_adapter: Callable[[Path], Any], protect: Iterable[int] | None = None
-) -> Path:
-    """Publish the adapter after ``version`` policy updates: ``write_adapter(folder)`` writes OUT/published/v{N}/
+    out: Path, version: int, write_adapter: Callable[[Path], Any], protect: Iterable[int] | None = None, *,
+    kind: str = "adapter", write: bool = True,
+) -> Path:  # fmt: skip
+    """Publish the policy after ``version`` policy updates: ``write_adapter(folder)`` writes OUT/published/v{N}/
     (staged and fsynced, so it appears complete or not at all), then LATEST.json is replaced atomically to point
     at it, then all but the newest ``KEEP_PUBLISHED`` versions are removed (with ``protect``: every version but
     those). A server that reads LATEST.json and then the folder it names always finds a complete adapter (a reader
-    slower than 2 updates may lose it)."""
+    slower than 2 updates may lose it). ``kind``: what the folder holds, recorded in LATEST.json: "adapter" (a PEFT
+    folder) or "model" (every weight, ``artifacts.save_full_model``). ``write`` False: a sharded run's other
+    processes, which take part in ``write_adapter``'s gathers and write nothing."""
     root = out / PUBLISHED_DIR
     folder = root / f"v{version}"
     write_adapter(folder)
-    write_json(root / LATEST_FILE, {"version": version, "path": folder.name})
+    if not write:
+        return folder
+    write_json(root / LATEST_FILE, {"version": version, "path": folder.name, "kind": kind})
     versions = sorted(int(p.name[1:]) for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit())
     kept = set(versions[-KEEP_PUBLISHED:]) if protect is None else set(protect)
     for old in (v for v in versions if v not in kept):

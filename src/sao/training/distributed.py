@@ -1,14 +1,16 @@
-"""Data-parallel training over ``torch.distributed``: one process per device, launched by torchrun.
+"""Training over ``torch.distributed``: one process per device, launched by torchrun.
 
 The policy step is a sum over trajectories, so rank r trains rows [r·B/N, (r+1)·B/N) with the whole batch's
-action-token count in the coefficients, and the sum of the ranks' gradients is the whole batch's. Rank 0 owns the
-source and broadcasts each batch; the LoRA gradients are summed in one flat all-reduce before the clip (written
-out, not DDP, which averages and cannot hold back a non-finite step); log-probabilities and values are gathered so
-every rank logs what a single process logs; rank 0 alone writes files. Without torchrun every collective is the
-identity.
+action-token count in the coefficients, and the sum of the ranks' gradients is the whole batch's. The local source
+runs on every rank, each drawing its rows of the batch; any other source runs on rank 0, which broadcasts each batch
+(``BroadcastSource``; its failure, or its end, reaches every rank). Unsharded (``--shard none``) the trained
+gradients are summed in one flat all-reduce before the clip (written out, not DDP, which averages and cannot hold
+back a non-finite step); sharded (``--shard fsdp``, ``sao.model.sharding``) FSDP2 sums them. Log-probabilities and
+values are gathered so every rank logs what a single process logs; rank 0 alone writes files (each rank writes its
+own shards of a sharded checkpoint). Without torchrun every collective is the identity.
 
-Deliberately left out: sharding the decode, FSDP and tensor parallelism, overlapping the all-reduce with the
-backward, and ``sao recipe``/``sweep`` under torchrun. Design notes: docs/design/distributed.md.
+Deliberately left out: tensor and pipeline parallelism, overlapping the all-reduce with the backward, and
+``sao recipe``/``sweep`` under torchrun. Design notes: docs/design/distributed.md.
 """
 
 from __future__ import annotations
@@ -156,6 +158,22 @@ class World:
         dist.gather_object(obj, out, dst=0)
         return out
 
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (pickled; tensors in it should be on the CPU), in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def smallest(self, value: int) -> int:
+        """The smallest of the ranks' ``value``s."""
+        if self.size == 1:
+            return value
+        return min(self.all_gather_objects(value))
+
     def barrier(self) -> None:
         if self.size > 1:
             import torch.distributed as dist
@@ -178,10 +196,11 @@ class BroadcastSource:
     ranks hold no source (``source`` None) and receive. The publish hook, the state and close reach the real
     source on rank 0 only, so only rank 0 starts Ray workers or keeps a stale sampler."""
 
-    def __init__(self, world: World, source: Source | None, device: torch.device | str):
+    def __init__(self, world: World, source: Source | None, device: torch.device | str, root: nn.Module | None = None):
+        """``root``: the policy's FSDP root when sharded (gathered around the publish hook)."""
         if world.is_main and source is None:
             raise ValueError("rank 0 needs the real source")
-        self.world, self.source, self.device = world, source, torch.device(device)
+        self.world, self.source, self.device, self.root = world, source, torch.device(device), root
         # what every rank reads of the source: its training tasks by id (for the scorer; a source that grades its own
         # rows has none) and its staleness bound (for the hooks)
         shared = {"tasks": getattr(source, "tasks", None), "max_staleness": getattr(source, "max_staleness", None)}
@@ -196,16 +215,30 @@ class BroadcastSource:
         return getattr(source, name)
 
     def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:
-        batch = None
+        """Rank 0's batch on every rank. When rank 0's source fails or has no further batch, every rank raises the
+        same error (``SourceExhausted`` ends the run cleanly everywhere) instead of waiting for a batch."""
+        batch, failure = None, None
         if self.source is not None:
-            batch = self.source.next_batch(step, phase, policy_version)
-            batch = dataclasses.replace(batch, rollout=batch.rollout.to("cpu"))
-        batch = self.world.broadcast(batch)
+            try:
+                batch = self.source.next_batch(step, phase, policy_version)
+                batch = dataclasses.replace(batch, rollout=batch.rollout.to("cpu"))
+            except Exception as error:
+                failure = error
+        batch, sent = self.world.broadcast((batch, _picklable(failure)))
+        if failure is not None:
+            raise failure
+        if sent is not None:
+            raise sent
         return dataclasses.replace(batch, rollout=batch.rollout.to(self.device))
 
     def after_update(self, policy_version: int) -> None:
-        if self.source is not None:
-            self.source.after_update(policy_version)
+        """The real source's publish hook on rank 0; sharded, with the policy gathered on every rank around it (the
+        source reads the whole adapter to publish it)."""
+        from sao.model.sharding import gathered
+
+        with gathered(self.root):
+            if self.source is not None:
+                self.source.after_update(policy_version)
 
     def state_dict(self) -> dict[str, Any]:
         return self.source.state_dict() if self.source is not None else {}
@@ -217,3 +250,16 @@ class BroadcastSource:
     def close(self) -> None:
         if self.source is not None:
             self.source.close()
+
+
+def _picklable(error: Exception | None) -> Exception | None:
+    """``error`` as it can cross to the other ranks: itself when it pickles, else a RuntimeError with its line."""
+    if error is None:
+        return None
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"rank 0's source failed: {type(error).__name__}: {error}")

@@ -67,19 +67,25 @@ class Reachability(Hook):
 
 class Publish(Hook):
     """OUT/published/v{N}/ after every policy update (and v0, or the resumed version, at the start), with
-    LATEST.json pointing at the newest, for a server to reload (``checkpoint.publish``)."""
+    LATEST.json pointing at the newest, for a server to reload (``checkpoint.publish``): the adapter, or under full
+    fine-tuning every weight as safetensors shards (``artifacts.save_full_model``). Sharded, every process takes
+    part in gathering the weights; rank 0 writes."""
 
     name = "publish"
 
     def on_run_start(self, trainer: Trainer) -> None:
-        if trainer.world.is_main and checkpoint.latest_published(trainer.out) < trainer.policy_version:
+        latest = checkpoint.latest_published(trainer.out) if trainer.world.is_main else None
+        if trainer.models.sharded:
+            latest = trainer.world.broadcast(latest)
+        if latest is not None and latest < trainer.policy_version:
             self.on_update(trainer, trainer.policy_version)
 
     def on_update(self, trainer: Trainer, version: int) -> None:
-        if trainer.world.is_main:
-            track = timeline.TRAINER.format(rank=0)
+        if trainer.world.is_main or trainer.models.sharded:
+            kind = "model" if trainer.models.finetune == "full" else "adapter"
+            track = timeline.TRAINER.format(rank=trainer.world.rank)
             with timeline.span("adapter publish", "adapter", track, "step", version=version, to="published"):
-                checkpoint.publish(trainer.out, version, trainer.write_adapter)
+                checkpoint.publish(trainer.out, version, trainer.write_adapter, kind=kind, write=trainer.world.is_main)
 
 
 class Tracking(Hook):
@@ -136,16 +142,19 @@ class FootingAudit(Hook):
     def on_pass(self, trainer: Trainer, batch: Batch, forward: TeacherForced) -> dict[str, Any]:
         if self.footing is not None or self.temperature == 1.0:
             return {}
-        rollout = batch.rollout
+        rollout, world = batch.rollout, trainer.world
         mask = rollout.action_mask & (batch.token_staleness() == 0)  # [B, R] action tokens at staleness 0
         if not bool(mask.any()):
             return {}
-        recorded = rollout.sampler_logprobs[mask]  # [N]
+        own = world.shard(len(mask))  # the pass's rows: this process's (all of them on one)
+        mine = mask[own]  # [b, R]
+        recorded = rollout.sampler_logprobs[own][mine]  # [n]
         with torch.no_grad():
             head = trunk_and_head(trainer.models.policy)[1]
-            at_one = token_logprobs(head, forward.hidden[mask], rollout.response_ids[mask], 1.0, self.logprob_chunk)
-        at_t = float((forward.logprobs[mask] - recorded).abs().mean())
-        at_1 = float((at_one - recorded).abs().mean())
+            at_one = trainer.models.call(token_logprobs, head, forward.hidden[mine], rollout.response_ids[own][mine],
+                                         1.0, self.logprob_chunk)  # fmt: skip
+        at_t = _mean_over_ranks(world, forward.logprobs[mine] - recorded)
+        at_1 = _mean_over_ranks(world, at_one - recorded)
         self.footing = {"footing_abs_log_ratio_at_T": at_t, "footing_abs_log_ratio_at_1": at_1}
         closer_to_1 = at_1 * FOOTING_MARGIN < at_t and at_t > FOOTING_FLOOR
         if closer_to_1 and at_1 <= FOOTING_TOLERANCE:
@@ -252,6 +261,13 @@ class Mismatch(Hook):
                 policy.set_adapter(POLICY_ADAPTER)
                 for p in lora_state(policy, self.RESCORE).values():
                     p.requires_grad_(False)
+
+
+def _mean_over_ranks(world: Any, difference: torch.Tensor) -> float:
+    """mean |difference| over every process's entries (one process: this one's)."""
+    if world.size == 1:
+        return float(difference.abs().mean())
+    return world.total(float(difference.abs().sum())) / world.total(float(difference.numel()))
 
 
 def _mean_abs(difference: torch.Tensor, mask: torch.Tensor) -> float:

@@ -4,10 +4,14 @@
              the accumulated gradient is exactly the whole batch's
     update   the whole batch's ``SAO.update`` from the kept log-probabilities and values (no second forward)
     step     clip to ``grad_clip`` and step AdamW, unless the loss or the gradient norm is not finite (skipped)
-    critic   ``critic_steps`` squared-error updates of the value head on the stored hidden states
+    critic   ``critic_steps`` squared-error updates of the value head on the stored hidden states, or of a value
+             model of its own (``critic="model"``: its values come from a pass of its own, and each update runs
+             it forward and backward again, micro-batch by micro-batch)
     retry    on out-of-memory the micro-batch halves and the pass is retried from its start
 
-Under torchrun each rank passes only its rows (``sao.training.distributed``). This is the only micro-batching in sao.
+Under torchrun each rank passes only its rows (``sao.training.distributed``); sharded (``--shard fsdp``) the passes
+run through the models' FSDP roots, FSDP sums the gradients, and the ranks agree on each micro-batch's loss being
+finite before any backward (each backward is a collective). This is the only micro-batching in sao.
 Deliberately left out: gradient accumulation across batches, learning-rate schedules and mixed-precision loss
 scaling. Design notes: docs/design/learn.md.
 """
@@ -24,6 +28,7 @@ from sao.algorithm.update import SAO, Update
 from sao.core.registry import BASELINES
 from sao.model.forward import TeacherForced, teacher_forced
 from sao.model.policy import Models
+from sao.model.sharding import full
 from sao.rollout.types import Rollout
 from sao.training.distributed import SINGLE, World
 
@@ -32,7 +37,7 @@ from sao.training.distributed import SINGLE, World
 class PassResult:
     forward: TeacherForced  # logprobs [b, R] (detached) and hidden [b, R, H] of this process's rows (all on one)
     update: Update  # the whole batch's SAO.update (all ranks' rows)
-    critic_values: torch.Tensor  # [B, R] the value head's V(s_t) before this step's critic updates (all ranks' rows)
+    critic_values: torch.Tensor  # [B, R] the critic's V(s_t) before this step's critic updates (all ranks' rows)
     loss: float  # Σ over micro-batches of −Σ c·logprobs (+ the optional terms; NaN on critic-only steps)
     finite: bool  # False: a micro-batch's loss was not finite, so no gradient may be applied
     extra_stats: dict[str, float] = field(default_factory=dict)  # kl_ref_mean, entropy_mean when they are on
@@ -82,10 +87,11 @@ def policy_gradient_pass(
         part = slice(start, min(start + rows, own.stop))
         pass_args = (rollout.prompt_ids[part], rollout.prompt_mask[part], rollout.response_ids[part], mask[part])
         with torch.set_grad_enabled(with_policy_gradient):
-            forward = teacher_forced(models.policy, *pass_args, temperature=temperature, logprob_chunk=logprob_chunk,
-                                     entropy=entropy_coef > 0 and with_policy_gradient)  # fmt: skip
-        with torch.no_grad():
-            part_critic = models.value_head(forward.hidden)  # [b, R] V(s_t)
+            forward = models.call(teacher_forced, models.policy, *pass_args, temperature=temperature,
+                                  logprob_chunk=logprob_chunk,
+                                  entropy=entropy_coef > 0 and with_policy_gradient)  # fmt: skip
+        with torch.no_grad():  # [b, R] V(s_t): the value model's own pass, or the head on the policy's hidden states
+            part_critic = models.values(*pass_args) if models.critic is not None else models.value_head(forward.hidden)
         part_values = part_critic if fixed is None else fixed[part].to(part_critic)  # [b, R] the update's baseline
         if with_policy_gradient and finite:
             part_batch = {
@@ -100,8 +106,8 @@ def policy_gradient_pass(
             on = actions[part]  # [b, R] the terms below are means over the whole batch's action tokens, like c_t
             if kl_coef > 0:  # β · KL(policy‖reference), k3 per token: exp(ref − lp) − (ref − lp) − 1 ≥ 0
                 with torch.no_grad(), models.policy.disable_adapter():
-                    reference = teacher_forced(models.policy, *pass_args, temperature=temperature,
-                                               logprob_chunk=logprob_chunk).logprobs  # fmt: skip
+                    reference = models.call(teacher_forced, models.policy, *pass_args, temperature=temperature,
+                                            logprob_chunk=logprob_chunk).logprobs  # fmt: skip
                 gap = (reference - forward.logprobs)[on]  # [n]
                 kl = (gap.exp() - gap - 1).sum() / n_tokens
                 loss = loss + kl_coef * kl
@@ -111,10 +117,12 @@ def policy_gradient_pass(
                 loss = loss - entropy_coef * entropy
                 entropy_total += entropy.item()
             loss_total += loss.item()
-            if torch.isfinite(loss):
+            finite = bool(torch.isfinite(loss))
+            if models.sharded:  # every rank runs the same backwards (each one a collective), or none
+                finite = world.all(finite)
+            if finite:
                 loss.backward()
-            else:
-                finite = False  # the step will be skipped; finish the pass for the stats and the critic
+            # else: the step will be skipped; finish the pass for the stats and the critic
         logprobs.append(forward.logprobs.detach())
         hidden.append(forward.hidden)
         values.append(part_values)
@@ -146,8 +154,8 @@ def apply_policy_step(
     """Clip and step on the accumulated gradient, unless the loss or the gradient norm is not finite.
     Returns (grad_norm, skipped); the gradient is cleared either way."""
     grad_norm, skipped = float("nan"), True
-    if loss_finite:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    if loss_finite:  # sharded: the norm over every rank's shards (a collective), the same on every rank
+        grad_norm = float(full(torch.nn.utils.clip_grad_norm_(params, grad_clip)))
         if math.isfinite(grad_norm):
             optimizer.step()
             skipped = False
@@ -155,17 +163,22 @@ def apply_policy_step(
     return grad_norm, skipped
 
 
-def critic_optimizer(value_head: nn.Module, lr: float, bias_lr: float | None = None) -> torch.optim.Optimizer:
-    """AdamW on the value head, no weight decay; the bias at ``bias_lr`` when given (``--critic-bias-lr``).
+def critic_optimizer(
+    value_head: nn.Module | dict[str, nn.Parameter], lr: float, bias_lr: float | None = None
+) -> torch.optim.Optimizer:
+    """AdamW on the value head (or the named trained parameters of a value model, ``Models.critic_trainable``), no
+    weight decay; the head's bias at ``bias_lr`` when given (``--critic-bias-lr``).
 
     Why a rate of its own: Adam moves each parameter by about its rate per step whatever the gradient's scale, and
     the change in the mean value is Σ_i Δw_i · mean(h_i) + Δb. Hidden states share a large common component, so
     the weight term is many times the bias term: at one rate the head fits the batch mean through w · h, which
     varies token by token along a reply where a terminal return does not, and explains less than the mean does."""
+    named = dict(value_head.named_parameters()) if isinstance(value_head, nn.Module) else value_head
     if bias_lr is None:
-        return torch.optim.AdamW(value_head.parameters(), lr=lr, weight_decay=0.0)
-    biases = [p for name, p in value_head.named_parameters() if name.endswith("bias")]
-    weights = [p for name, p in value_head.named_parameters() if not name.endswith("bias")]
+        return torch.optim.AdamW(list(named.values()), lr=lr, weight_decay=0.0)
+    head_bias = ("linear.bias", "head.linear.bias")  # the head's alone: a value model's trunk has biases too
+    biases = [p for name, p in named.items() if name in head_bias]
+    weights = [p for name, p in named.items() if name not in head_bias]
     groups = [{"params": weights, "lr": lr}, {"params": biases, "lr": bias_lr}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, weight_decay=0.0)
 
@@ -197,6 +210,48 @@ def critic_steps(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+    return first
+
+
+def value_model_steps(
+    models: Models,
+    optimizer: torch.optim.Optimizer,
+    rollout: Rollout,
+    targets: torch.Tensor,  # [B, R] Monte Carlo returns of the whole batch
+    steps: int,
+    *,
+    rows: int,
+    world: World = SINGLE,
+) -> float:
+    """``critic="model"``: ``steps`` squared-error updates of the value model (its trunk and head) toward the
+    targets on action tokens, ``rows`` trajectories of this rank's share at a time; returns the first loss (the
+    error of the values this step's advantages were computed with). As ``critic_steps``: one update even at 0, and
+    the mean is over the whole batch's action tokens, so the ranks' summed gradients are one process's. A step whose
+    loss is not finite is not taken (every rank sees the same whole-batch loss)."""
+    actions = rollout.action_mask  # [B, R]
+    n_tokens = float(actions.sum())  # N of the whole batch
+    own = world.shard(len(actions))  # this rank's rows
+    params = list(models.critic_trainable().values())
+    first = float("nan")
+    for i in range(max(steps, 1)):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for start in range(own.start, own.stop, rows):
+            part = slice(start, min(start + rows, own.stop))
+            values = models.values(rollout.prompt_ids[part], rollout.prompt_mask[part], rollout.response_ids[part],
+                                   rollout.response_mask[part])[actions[part]]  # [n] this part's action tokens
+            loss = ((values - targets[part][actions[part]].float()) ** 2).sum() / n_tokens  # its share of the mean
+            total += loss.item()
+            loss.backward()  # even when not finite: under FSDP every rank runs every backward (a collective)
+        whole = world.total(total)  # the whole batch's mean squared error, the same on every rank
+        if i == 0:
+            first = whole
+        if not math.isfinite(whole):
+            break
+        if not models.sharded:
+            world.sum_gradients(params)  # data parallel: Σ over ranks (FSDP has summed them already)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     return first
 
 

@@ -13,11 +13,17 @@ by name: where a batch comes from is the source's business, and everything besid
 warnings, evaluation) is a hook's. A killed run resumes from its last checkpoint; with the local source it ends with the
 same numbers as one that never stopped. Assembling the parts from a config is ``sao.training.build``.
 
+Full fine-tuning trains every policy weight and leaves OUT/model/ (a Hugging Face folder) instead of OUT/adapter/; a
+value model of its own (``critic="model"``) trains beside the policy and leaves OUT/critic/. Sharded (``--shard
+fsdp``: the models sharded by the builder, ``sao.model.sharding``) every process saves its shards in each checkpoint
+and gathers the weights it publishes and exports, tensor by tensor.
+
 Deliberately left out: evaluation and the two-arm experiment (``sao.experiment``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -32,17 +38,25 @@ from sao.algorithm.corrections import row_keys
 from sao.algorithm.update import SAO, explained_variance
 from sao.core import timeline
 from sao.core.config import Config
+from sao.core.errors import ConfigError
 from sao.core.names import POLICY, WARMUP
 from sao.model import artifacts
 from sao.model.forward import TeacherForced
 from sao.model.memory import auto_micro_batch, with_oom_retry
-from sao.model.policy import Models, describe, lora_state
+from sao.model.policy import Models, causal_lm, describe
 from sao.rollout.sources import Source, SourceExhausted
 from sao.rollout.types import Batch
 from sao.tasks.base import Scorer
 from sao.training import checkpoint
 from sao.training.distributed import SINGLE, BroadcastSource, World
-from sao.training.learn import apply_policy_step, critic_optimizer, critic_steps, lr_factor, policy_gradient_pass
+from sao.training.learn import (
+    apply_policy_step,
+    critic_optimizer,
+    critic_steps,
+    lr_factor,
+    policy_gradient_pass,
+    value_model_steps,
+)
 from sao.training.records import step_record
 
 log = logging.getLogger("sao.training")
@@ -97,8 +111,8 @@ class Trainer:
         progress: bool = True,
         label: str | None = None,
     ):
-        if world.size > 1:  # rank 0 reads the source and broadcasts each batch; the other ranks hold none
-            source = BroadcastSource(world, source, models.device)
+        if world.size > 1 and not getattr(source, "every_rank", False):  # rank 0's source, broadcast
+            source = BroadcastSource(world, source, models.device, models.roots.get("policy"))
         self.models, self.source, self.scorer, self.config = models, source, scorer, config
         self.settings, self.sao = config.training, SAO.of(config.algorithm)
         world.shard(config.training.batch_size)  # a batch that does not split evenly over the ranks is refused here
@@ -107,10 +121,20 @@ class Trainer:
         self.run_dir, self.out, self.hooks, self.world = run, run.out, list(hooks), world
         self.progress = progress and world.is_main
         self.label = label or f"{config.algorithm.correction} seed {config.training.seed}"
-        self.lora_params = list(lora_state(models.policy).values())
-        self.policy_opt = torch.optim.AdamW(self.lora_params, lr=self.settings.lr,
+        resumed = run.state  # the checkpoint the builder read on --resume (None: a new run)
+        self.sharded = config.training.shard == "fsdp"  # sharded checkpoints, whatever the number of processes
+        if self.sharded and resumed is not None and not resumed.get("sharded"):
+            raise ConfigError(f"--resume: the checkpoint in {self.out} was written without --shard fsdp; resume it "
+                              "with the settings it was started with")  # fmt: skip
+        # What trains, by name: the LoRA adapter or every weight, and the value head or the value model's trained
+        # part. Taken now, before any pass: sharded, these are the shards the optimizers step (a pass may leave a
+        # root's whole tensors registered in the modules for a while).
+        self.policy_named = models.trainable()
+        self.policy_params = list(self.policy_named.values())
+        self.policy_opt = torch.optim.AdamW(self.policy_params, lr=self.settings.lr,
                                             weight_decay=self.settings.weight_decay)  # fmt: skip
-        self.critic_opt = critic_optimizer(models.value_head, self.settings.critic_lr, self.settings.critic_bias_lr)
+        self.critic_params = models.critic_trainable()  # the value head, or the value model's trained part
+        self.critic_opt = critic_optimizer(self.critic_params, self.settings.critic_lr, self.settings.critic_bias_lr)
         auto = self.sao.critic_warmup == "auto"
         self.warmup_length: int | None = None if auto else int(self.sao.critic_warmup)  # W; None: not yet decided
         self.policy_version = 0  # policy updates applied so far
@@ -184,7 +208,11 @@ class Trainer:
         width = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
         rows = self.micro_batch or auto_micro_batch(self.models.policy, width, own.stop - own.start)
         with clock.phase("pass"):
-            result, rows, retries = with_oom_retry(attempt, rows, self._say_oom)
+            if self.models.sharded:  # every rank runs as many passes (each one a collective)
+                rows = self.world.smallest(rows)
+                result, retries = attempt(rows), 0
+            else:
+                result, rows, retries = with_oom_retry(attempt, rows, self._say_oom)
         self.micro_batch = rows if retries else self.micro_batch  # a halving holds for the rest of the run
         extras: dict[str, Any] = {}
         with clock.phase("checks"):
@@ -192,12 +220,12 @@ class Trainer:
                 extras.update(hook.on_pass(self, batch, result.forward))
         loss, finite = self.world.total(result.loss), self.world.all(result.finite)  # over ranks (as is on one)
         grad_norm, skipped, lr = float("nan"), False, float("nan")
-        if policy_step:  # (sum over ranks) → clip → AdamW on LoRA, unless something was not finite
+        if policy_step:  # (sum over ranks) → clip → AdamW, unless something was not finite
             with clock.phase("update"):
-                if finite:
-                    self.world.sum_gradients(self.lora_params)
+                if finite and not self.models.sharded:  # sharded, FSDP has summed them in the backward
+                    self.world.sum_gradients(self.policy_params)
                 lr = self._set_lr(g - self.warmup_length)
-                grad_norm, skipped = apply_policy_step(self.policy_opt, self.lora_params, self.settings.grad_clip,
+                grad_norm, skipped = apply_policy_step(self.policy_opt, self.policy_params, self.settings.grad_clip,
                                                        finite)  # fmt: skip
             if not skipped:
                 self.policy_version += 1
@@ -205,10 +233,15 @@ class Trainer:
                     self.source.after_update(self.policy_version)
                     for hook in self.hooks:
                         hook.on_update(self, self.policy_version)
-        targets = result.update.value_targets[own]  # [b, R] Monte Carlo returns of this rank's rows
         with clock.phase("critic"):
-            critic_loss = critic_steps(self.models.value_head, self.critic_opt, result.forward.hidden, targets,
-                                       rollout.action_mask[own], self.sao.critic_steps, world=self.world)  # fmt: skip
+            if self.models.critic is not None:  # the value model: its own passes, forward and backward
+                critic_loss = value_model_steps(self.models, self.critic_opt, rollout, result.update.value_targets,
+                                                self.sao.critic_steps, rows=rows, world=self.world)  # fmt: skip
+            else:
+                targets = result.update.value_targets[own]  # [b, R] Monte Carlo returns of this rank's rows
+                critic_loss = critic_steps(self.models.value_head, self.critic_opt, result.forward.hidden, targets,
+                                           rollout.action_mask[own], self.sao.critic_steps,
+                                           world=self.world)  # fmt: skip
         with clock.phase("stats"):
             record = step_record(
                 step=g, phase=phase, policy_step=g - self.warmup_length if policy_step else None,
@@ -297,11 +330,10 @@ class Trainer:
                 progress.update(record)
             if self._saved_at != self.next_step:  # a run that ended early: its last steps made durable
                 self.save_checkpoint()
-            if self.world.is_main:
-                if self.records and checkpoint.ensure_log(self.out, self.records):
-                    self.say(f"[{self.label}] {self.out / checkpoint.LOG_FILE} was missing, damaged or behind its "
-                             "checkpoint: rewrote it from the checkpoint's records", always=True)  # fmt: skip
-                self.save_adapter()
+            if self.world.is_main and self.records and checkpoint.ensure_log(self.out, self.records):
+                self.say(f"[{self.label}] {self.out / checkpoint.LOG_FILE} was missing, damaged or behind its "
+                         "checkpoint: rewrote it from the checkpoint's records", always=True)  # fmt: skip
+            self.save_adapter()  # every process: sharded, each one's shards are gathered
             for hook in self.hooks:
                 hook.on_run_end(self)
             failed = False
@@ -343,38 +375,79 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------------------------------
 
     def save_checkpoint(self) -> None:
-        if self.world.is_main:
-            track = timeline.TRAINER.format(rank=0)
+        keep = self.settings.keep_checkpoints
+        track = timeline.TRAINER.format(rank=self.world.rank)
+        if self.sharded:  # every process writes its shards; rank 0 the rest
+            shards = self._shards()
+            state = self._state() if self.world.is_main else {"next_step": self.next_step}
             with timeline.span("checkpoint", "checkpoint", track, "step", step=self.next_step):
-                checkpoint.save(self.out, self._state(), self.records, keep=self.settings.keep_checkpoints)
+                checkpoint.save_sharded(self.out, state, self.records, shards, self.world, keep=keep)
+        elif self.world.is_main:
+            with timeline.span("checkpoint", "checkpoint", track, "step", step=self.next_step):
+                checkpoint.save(self.out, self._state(), self.records, keep=keep)
         self._saved_at = self.next_step
 
     def _state(self) -> dict[str, Any]:
-        return {
+        """What a checkpoint holds beside the log's records. Sharded, the models' and optimizers' tensors are in
+        ``_shards`` instead, and the optimizers' hyperparameters here."""
+        m = self.models
+        state = {
             "next_step": self.next_step,
             "policy_version": self.policy_version,
             "critic_warmup_steps": self.warmup_length,
             "micro_batch": self.micro_batch,
-            "policy": {n: p.detach().cpu().clone() for n, p in lora_state(self.models.policy).items()},
+            "policy": {} if self.sharded else {n: p.detach().cpu().clone() for n, p in self.policy_named.items()},
             "source": self.source.state_dict(),
-            "value_head": self.models.value_head.state_dict(),
-            "policy_opt": self.policy_opt.state_dict(),
+            "value_head": m.value_head.state_dict() if m.value_head is not None else {},
+            "policy_opt": _layout(self.policy_named, self.policy_opt) if self.sharded else self.policy_opt.state_dict(),
             "critic_opt": self.critic_opt.state_dict(),
             "records": self.records,
             "warnings": self.warnings,
             "hooks": {hook.name: hook.state_dict() for hook in self.hooks},
         }
+        if m.critic is not None:  # a value model: its trained tensors, and their optimizer
+            state["critic_opt"] = _layout(self.critic_params, self.critic_opt) if self.sharded else \
+                self.critic_opt.state_dict()
+            if not self.sharded:
+                state["critic_model"] = {n: p.detach().cpu().clone() for n, p in self.critic_params.items()}
+        if self.sharded:
+            state["sharded"] = True
+        return state
+
+    def _shards(self) -> dict[str, torch.Tensor]:
+        """Sharded runs: every tensor of the models and optimizers by name, this process's shards of each (whole
+        tensors on one process), as references: a checkpoint saves them and a resume loads them in place. The
+        optimizers' moments are keyed by their parameter's name, so any number of processes reads them back."""
+        m = self.models
+        shards = {f"policy.{n}": p.detach() for n, p in self.policy_named.items()}
+        shards.update(_moments("policy_opt", self.policy_named, self.policy_opt))
+        shards.update(getattr(self.source, "tensors", dict)())
+        if m.critic is not None:
+            shards.update({f"critic.{n}": p.detach() for n, p in self.critic_params.items()})
+            shards.update(_moments("critic_opt", self.critic_params, self.critic_opt))
+        return shards
 
     def _restore(self, state: dict[str, Any] | None) -> None:
         if state is None:
             return
-        with torch.no_grad():
-            for name, p in lora_state(self.models.policy).items():
-                p.copy_(state["policy"][name].to(p.device))
+        m = self.models
+        if self.sharded:  # the optimizers' moments made room for, then every tensor read in place, resharded
+            _make_moments(self.policy_named, self.policy_opt, state["policy_opt"])
+            if m.critic is not None:
+                _make_moments(self.critic_params, self.critic_opt, state["critic_opt"])
+            checkpoint.load_sharded(self.out, self._shards())
+        else:
+            with torch.no_grad():
+                for name, p in self.policy_named.items():
+                    p.copy_(state["policy"][name].to(p.device))
+                for name, p in self.critic_params.items() if m.critic is not None else ():
+                    p.copy_(state["critic_model"][name].to(p.device))
+            self.policy_opt.load_state_dict(state["policy_opt"])
+        if m.critic is None or not self.sharded:
+            self.critic_opt.load_state_dict(state["critic_opt"])
         self.source.load_state_dict(state["source"])
-        self.models.value_head.load_state_dict(state["value_head"])
-        self.policy_opt.load_state_dict(state["policy_opt"])
-        self.critic_opt.load_state_dict(state["critic_opt"])
+        if m.value_head is not None:
+            m.value_head.load_state_dict(state["value_head"])
         self.policy_version = state["policy_version"]
         if self.warmup_length is None:  # an automatic warmup the checkpoint may have decided
             self.warmup_length = state.get("critic_warmup_steps")
@@ -391,15 +464,46 @@ class Trainer:
 
     def save_adapter(self) -> Path:
         """OUT/adapter/: the policy adapter (PEFT), the tokenizer and the value head (safetensors + its size),
-        loadable with plain ``PeftModel.from_pretrained`` and ``AutoTokenizer``; ``sao export`` merges it."""
-        return self.write_adapter(self.out / "adapter")
+        loadable with plain ``PeftModel.from_pretrained`` and ``AutoTokenizer``; ``sao export`` merges it. Under full
+        fine-tuning OUT/model/ (a Hugging Face folder, ``artifacts.save_full_weights``); with a value model of its own
+        OUT/critic/ beside it. Every process calls it (sharded, each one's shards are gathered); rank 0 writes."""
+        path = self.write_adapter(self.out / policy_folder(self.models))
+        m = self.models
+        if m.critic is not None and (m.sharded or self.world.is_main):
+            artifacts.save_value_model(m.critic, m.tokenizer, self.out / CRITIC_DIR, base_model=m.critic_name,
+                                       finetune=m.finetune, write=self.world.is_main)  # fmt: skip
+        return path
 
     def write_adapter(self, path: Path) -> Path:
-        m = self.models
-        return artifacts.save_adapter(m.policy, m.tokenizer, m.value_head, path, base_model=m.name)
+        """The policy as a sampler loads it, at ``path``: the adapter folder, or the full model folder. Unsharded,
+        the calling process writes (the publishers call it on rank 0); sharded, every process must call it (each
+        tensor is gathered in turn) and rank 0 writes."""
+        m, write = self.models, self.world.is_main
+        if not m.sharded and not write:
+            return path
+        if m.finetune == "full":  # every tensor gathered in turn; the writing process keeps them and writes
+            lm = causal_lm(m.policy)
+            state = artifacts.whole_state(lm, keep=write)
+            if write:
+                also = functools.partial(artifacts.describe_weights, base_model=m.name, value_head=m.value_head,
+                                         policy_version=self.policy_version)  # fmt: skip
+                artifacts.save_full_weights(lm, path, tokenizer=m.tokenizer, state=state, also=also)
+            return path
+        weights = artifacts.sharded_lora(m.policy)  # the whole adapter, when each process holds a part
+        if write:
+            artifacts.save_adapter(m.policy, m.tokenizer, m.value_head, path, base_model=m.name, weights=weights)
+        return path
 
     def describe(self) -> str:
         return describe(self.models.policy)
+
+
+CRITIC_DIR = "critic"  # OUT/critic/: a value model of its own, beside the policy's folder
+
+
+def policy_folder(models: Models) -> str:
+    """The run folder's name for the trained policy: "adapter" (LoRA) or "model" (every weight)."""
+    return "model" if models.finetune == "full" else "adapter"
 
 
 class _Progress:
@@ -425,3 +529,36 @@ class _Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+# -- an optimizer's state in a sharded checkpoint: the moments with the shards, the rest in state.json ---------------
+
+
+def _moments(prefix: str, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter tensors (AdamW: step, exp_avg, exp_avg_sq) as ``prefix.<param>.<key>``, by
+    reference; parameters it holds no state for yet (before their first step) have none."""
+    return {f"{prefix}.{name}.{key}": value for name, p in params.items()
+            for key, value in optimizer.state.get(p, {}).items() if isinstance(value, torch.Tensor)}  # fmt: skip
+
+
+def _layout(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What ``_make_moments`` needs to rebuild the optimizer's state before its tensors are read in place: each
+    parameter's state keys (a 0-d tensor or one shaped like the parameter, and its dtype), and the hyperparameters
+    of each group."""
+    state = {name: {key: [value.dim() == 0, str(value.dtype).removeprefix("torch.")]
+                    for key, value in optimizer.state[p].items() if isinstance(value, torch.Tensor)}
+             for name, p in params.items() if p in optimizer.state}  # fmt: skip
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def _make_moments(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, layout: dict[str, Any]) -> None:
+    """Zeroed state tensors where ``_layout`` says the checkpoint has some (this process's shards of each), and the
+    saved hyperparameters: a checkpoint's moments are then read into them in place."""
+    for group, saved in zip(optimizer.param_groups, layout["param_groups"], strict=True):
+        group.update(saved)
+    for name, keys in layout["state"].items():
+        p = params[name]
+        optimizer.state[p] = {key: torch.zeros((), dtype=getattr(torch, dtype)) if scalar
+                              else torch.zeros_like(p, dtype=getattr(torch, dtype))
+                              for key, (scalar, dtype) in keys.items()}  # fmt: skip
