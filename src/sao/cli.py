@@ -245,7 +245,12 @@ def print_summary(trainer: Any, config: Any, out: Path, records: list[dict[str, 
         print(summarize_traces(trainer.source.summary()))
     if trainer.ended_early:
         print(f"  stopped after {len(records)} of {trainer.total_steps} steps: {trainer.ended_early}")
-    print(f"  wrote {out / 'train_log.jsonl'} and the adapter in {out / 'adapter'}")
+    from sao.training.trainer import CRITIC_DIR, policy_folder
+
+    folder = policy_folder(trainer.models)
+    what = "the adapter" if folder == "adapter" else "the model"
+    critic = f", the value model in {out / CRITIC_DIR}" if trainer.models.critic is not None else ""
+    print(f"  wrote {out / 'train_log.jsonl'}, {what} in {out / folder}{critic}")
     for message in trainer.warnings:
         print("  warning: " + message)
 
@@ -454,8 +459,17 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from sao.core.io import read_json
-    from sao.model.artifacts import EXPORT_INFO, find_adapter_dir, merge
+    from sao.model.artifacts import EXPORT_INFO, export_model, find_adapter_dir, find_model_dir, merge
 
+    model_dir = find_model_dir(args.run)
+    if model_dir is not None:  # --finetune full: every weight trained, nothing to merge
+        if args.base_model:
+            raise ConfigError(f"--base-model: {model_dir} holds every weight of a full fine-tuning run; leave it out")
+        out = export_model(model_dir, args.merge)
+        info = read_json(out / EXPORT_INFO)
+        print(f"sao export: wrote the model ({info['dtype']}, {info['parameters'] / 1e6:.2f}M parameters, every weight "
+              f"trained) and tokenizer to {out} from {model_dir}")  # fmt: skip
+        return 0
     adapter_dir = find_adapter_dir(args.run)
     out = merge(adapter_dir, args.merge, base_model_path=args.base_model)
     info = read_json(out / EXPORT_INFO)
@@ -572,7 +586,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_compare)
 
     p = sub.add_parser("export", help="merge a trained adapter into its base model: a plain HF model folder")
-    p.add_argument("run", help="a sao train output folder (holding adapter/), or an adapter folder itself")
+    p.add_argument("run", help="a sao train output folder (holding adapter/, or model/ after --finetune full), or an "
+                   "adapter folder itself")  # fmt: skip
     p.add_argument("--merge", required=True, metavar="OUT", help="new or empty folder for the merged model")
     p.add_argument(
         "--base-model", metavar="PATH", help="the base model's hub id or folder (default: the one the adapter names)"

@@ -272,6 +272,46 @@ def find_adapter_dir(run: str | os.PathLike[str]) -> Path:
     raise ConfigError(f"{run} holds neither adapter/{ADAPTER_CONFIG} nor {ADAPTER_CONFIG}; pass a sao train folder")
 
 
+def find_model_dir(run: str | os.PathLike[str]) -> Path | None:
+    """The full-weight model folder of ``run`` (``run/model`` of a ``--finetune full`` run, or ``run`` itself), or
+    None when it holds none."""
+    run = Path(run)
+    return next((c for c in (run / "model", run) if (c / WEIGHTS_INFO).is_file() and (c / "config.json").is_file()),
+                None)  # fmt: skip
+
+
+def export_model(model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
+    """A full fine-tuning run's weights (``save_full_weights``' folder) as a plain Hugging Face folder in ``out_dir``
+    (missing or empty): loaded with ``AutoModelForCausalLM`` in their own dtype, so a folder that does not load
+    fails here, and saved with the tokenizer and ``sao_export.json``. Returns ``out_dir``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConfigError(f"{out_dir} exists and is not empty; pass a new or empty folder for the model")
+    written = read_json_file(model_dir / WEIGHTS_INFO, error=ConfigError)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"could not load the model in {model_dir} ({_first_line(error)})") from None
+    dtype = next(model.parameters()).dtype
+    info = {
+        "base_model": written.get("base_model"),
+        "from": model_dir.name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "finetune": "full",
+        "merge_relative_error": 0.0,
+        "merge_relative_error_means": "every weight was trained: nothing to merge, the weights are written as they are",
+    }
+    with _staged_folder(out_dir, replace=False) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        write_json(staging / EXPORT_INFO, info)
+    return out_dir
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The merged model.
 
@@ -449,5 +489,5 @@ def save_full_weights(
     return path
 
 
-__all__ = ["find_adapter_dir", "load_value_head", "merge", "save_adapter", "save_full_weights", "save_value_model",
-           "whole_state"]
+__all__ = ["export_model", "find_adapter_dir", "find_model_dir", "load_value_head", "merge", "save_adapter",
+           "save_full_weights", "save_value_model", "whole_state"]

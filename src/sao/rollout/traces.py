@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from sao.core.errors import ConfigError, DataError
+from sao.core.errors import DataError
 from sao.core.reading import TEMPERATURE_RANGE, Limits, parse_jsonl_line, reward_problem
 from sao.model.policy import context_length
 from sao.rollout.registry import TRACE_FORMATS
@@ -524,8 +524,6 @@ class TraceSource:
     @classmethod
     def build(cls, context: SourceContext) -> TraceSource:
         """``--rollout traces`` (or ``--traces LOG`` alone): the log the config names, read for the context's model."""
-        if context.world_size > 1:
-            raise ConfigError("--traces under torchrun is not supported yet: train on a trace log in one process")
         c, m = context.config, context.models
         r, s = c.rollout, c.source
         return cls(

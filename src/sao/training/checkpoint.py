@@ -105,9 +105,12 @@ def claim(out: Path, record: dict[str, Any], resume: bool) -> Claim:
                 f"output folder {out} already holds a run; pass --resume to continue it or choose another --out"
             )
         fix = "it records the settings the run was started with: restore it, or start again with a new --out"
-        if same_settings(read_saved_json(config_file, fix, expect=dict), record):
+        saved = read_saved_json(config_file, fix, expect=dict)
+        if same_settings(saved, record):
             return Claim(out)
-        raise ConfigError(f"--resume: the run in {out} was started with other settings; use a new --out")
+        changed = changed_settings(saved, record)
+        which = f" ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})" if changed else ""
+        raise ConfigError(f"--resume: the run in {out} was started with other settings{which}; use a new --out")
     if resume:
         if _has_steps(out) or (out / LOG_FILE).exists() or (out / LEGACY_LOG).exists():
             raise DamagedFileError(f"{config_file} is missing beside the run's checkpoint and log; restore it, "
@@ -165,6 +168,17 @@ def same_settings(saved: Any, record: dict[str, Any]) -> bool:
         return value
 
     return comparable(saved) == comparable(record)
+
+
+def changed_settings(saved: Any, record: dict[str, Any]) -> list[str]:
+    """The settings (flat names) whose value in ``record`` is not the saved one, as "--name saved -> now"."""
+    try:
+        before = Config.from_mapping(saved["config"]).flat()
+        now = Config.from_mapping(record["config"]).flat()
+    except (ConfigError, KeyError, TypeError):
+        return []
+    return [f"--{name.replace('_', '-')} {as_json(before[name])!r} -> {as_json(now[name])!r}" for name in now
+            if name not in NOT_COMPARED_ON_RESUME and as_json(before.get(name)) != as_json(now[name])]  # fmt: skip
 
 
 def import_path(obj: Any) -> str | None:
@@ -326,8 +340,9 @@ def save_sharded(out: Path, state: dict[str, Any], records: list[dict[str, Any]]
     problem, space = world.broadcast((problem, space))
     if problem is None:
         try:
-            dcp.save(shards, storage_writer=dcp.HuggingFaceStorageWriter(str(staging / SHARDED_DIR),
-                                                                        save_distributed=True))  # fmt: skip
+            writer = dcp.HuggingFaceStorageWriter(str(staging / SHARDED_DIR), save_distributed=True)
+            with _one_process_is_intended():
+                dcp.save(shards, storage_writer=writer, no_dist=world.size == 1)
         except Exception as error:  # a CheckpointException on every process when any one of them failed
             problem, space = f"could not write {staging / SHARDED_DIR}: {_reason(error)}", _is_space(error)
         found = [(p, s) for p, s in world.all_gather_objects((problem, space)) if p is not None]  # any rank's, first
@@ -372,6 +387,22 @@ def _reason(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
 
 
+@contextlib.contextmanager
+def _one_process_is_intended() -> Any:
+    """Without a process group torch.distributed.checkpoint warns that it assumes one process: that is the intent."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _in_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def newest(out: Path) -> Path | None:
     """The newest checkpoint folder, or None."""
     folders = _step_folders(out)
@@ -391,7 +422,8 @@ def load_sharded(out: Path, shards: dict[str, torch.Tensor], fix: str | None = N
         raise DamagedFileError(f"{where} is missing: the checkpoint holds no sharded part (written without "
                                f"--shard fsdp?); {fix}")  # fmt: skip
     try:
-        dcp.load(shards, storage_reader=dcp.HuggingFaceStorageReader(str(where)))
+        with _one_process_is_intended():
+            dcp.load(shards, storage_reader=dcp.HuggingFaceStorageReader(str(where)), no_dist=not _in_group())
     except Exception as error:  # a name or a shape the checkpoint lacks, a damaged file
         raise DamagedFileError(f"{where} does not fit this run's models ({_reason(error)}); {fix}") from None
 
@@ -506,15 +538,16 @@ def publish(
     (staged and fsynced, so it appears complete or not at all), then LATEST.json is replaced atomically to point
     at it, then all but the newest ``KEEP_PUBLISHED`` versions are removed (with ``protect``: every version but
     those). A server that reads LATEST.json and then the folder it names always finds a complete adapter (a reader
-    slower than 2 updates may lose it). ``kind``: what the folder holds, recorded in LATEST.json: "adapter" (a PEFT
-    folder) or "model" (every weight, ``artifacts.save_full_model``). ``write`` False: a sharded run's other
-    processes, which take part in ``write_adapter``'s gathers and write nothing."""
+    slower than 2 updates may lose it). ``kind``: what the folder holds: "adapter" (a PEFT folder), or "model"
+    (every weight, ``artifacts.save_full_weights``), which LATEST.json then says (``"kind": "model"``). ``write``
+    False: a sharded run's other processes, which take part in ``write_adapter``'s gathers and write nothing."""
     root = out / PUBLISHED_DIR
     folder = root / f"v{version}"
     write_adapter(folder)
     if not write:
         return folder
-    write_json(root / LATEST_FILE, {"version": version, "path": folder.name, "kind": kind})
+    latest = {"version": version, "path": folder.name, **({"kind": kind} if kind != "adapter" else {})}
+    write_json(root / LATEST_FILE, latest)
     versions = sorted(int(p.name[1:]) for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit())
     kept = set(versions[-KEEP_PUBLISHED:]) if protect is None else set(protect)
     for old in (v for v in versions if v not in kept):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sao.core.errors import ConfigError
+from sao.core.errors import ConfigError, SaoError
 from sao.rollout.sources import Source
 from sao.rollout.types import Batch
 
@@ -174,6 +174,17 @@ class World:
             return value
         return min(self.all_gather_objects(value))
 
+    def lost(self, error: RuntimeError, saved_at: int) -> RuntimeError:
+        """What to raise for ``error`` from a step: a ``GroupLost`` (one line) when a collective failed because
+        another process of the group stopped, else ``error`` itself. ``saved_at``: the newest checkpoint's step."""
+        text = str(error)
+        if self.size == 1 or not (_is_dist_error(error) or any(sign in text for sign in LOST_PEER_SIGNS)):
+            return error
+        first = (text.strip().splitlines() or [type(error).__name__])[0][:160]
+        return GroupLost(f"training process {self.rank} of {self.size}: another process of the group stopped "
+                         f"({first}); the checkpoint after step {saved_at} is intact: run the same command with "
+                         "--resume")  # fmt: skip
+
     def barrier(self) -> None:
         if self.size > 1:
             import torch.distributed as dist
@@ -185,6 +196,20 @@ class World:
 
 
 SINGLE = World()
+
+# What a collective says when the process at the other end is gone (gloo's transport, nccl's watchdog).
+LOST_PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                   "NCCL communicator was aborted", "gloo/transport")  # fmt: skip
+
+
+class GroupLost(SaoError, RuntimeError):
+    """A training process could not go on because another one of its group stopped (killed, crashed, lost)."""
+
+
+def _is_dist_error(error: BaseException) -> bool:
+    import torch.distributed as dist
+
+    return isinstance(error, getattr(dist, "DistError", ()))
 
 
 # ---------------------------------------------------------------------------------------------------------

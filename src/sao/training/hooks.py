@@ -68,7 +68,7 @@ class Reachability(Hook):
 class Publish(Hook):
     """OUT/published/v{N}/ after every policy update (and v0, or the resumed version, at the start), with
     LATEST.json pointing at the newest, for a server to reload (``checkpoint.publish``): the adapter, or under full
-    fine-tuning every weight as safetensors shards (``artifacts.save_full_model``). Sharded, every process takes
+    fine-tuning every weight as safetensors shards (``artifacts.save_full_weights``). Sharded, every process takes
     part in gathering the weights; rank 0 writes."""
 
     name = "publish"

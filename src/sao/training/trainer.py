@@ -13,10 +13,9 @@ by name: where a batch comes from is the source's business, and everything besid
 warnings, evaluation) is a hook's. A killed run resumes from its last checkpoint; with the local source it ends with the
 same numbers as one that never stopped. Assembling the parts from a config is ``sao.training.build``.
 
-Full fine-tuning trains every policy weight and leaves OUT/model/ (a Hugging Face folder) instead of OUT/adapter/; a
-value model of its own (``critic="model"``) trains beside the policy and leaves OUT/critic/. Sharded (``--shard
-fsdp``: the models sharded by the builder, ``sao.model.sharding``) every process saves its shards in each checkpoint
-and gathers the weights it publishes and exports, tensor by tensor.
+Full fine-tuning leaves OUT/model/ (a Hugging Face folder) instead of OUT/adapter/, a value model OUT/critic/ beside
+it. Sharded (``--shard fsdp``, ``sao.model.sharding``) every process saves its shards in each checkpoint and takes
+part in gathering what is published and exported, tensor by tensor.
 
 Deliberately left out: evaluation and the two-arm experiment (``sao.experiment``).
 """
@@ -311,6 +310,8 @@ class Trainer:
                         self.ended_early = str(end)
                         self.say(f"[{self.label}] stopped after {g} of {self.total_steps} steps: {end}")
                         break
+                    except RuntimeError as error:  # another process died mid-step: one line, not the collective's
+                        raise self.world.lost(error, self._saved_at) from None
                     if self.warmup_length is None:
                         self._decide_warmup(record)
                     self.records.append(record)
