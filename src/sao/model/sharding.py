@@ -13,6 +13,7 @@ over the ranks, gathered layer by layer when a pass needs them.
 
 Without a process group nothing here is used: a single process trains the unsharded models. Deliberately left out:
 tensor and pipeline parallelism, CPU offload, and decoding layer by layer (a draw holds the whole model).
+Design notes: docs/design/sharding.md.
 """
 
 from __future__ import annotations

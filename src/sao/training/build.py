@@ -53,6 +53,7 @@ def trainer(
     every part is built, so a mistake found on the way leaves the folder as it was."""
     otel.check(config)  # --otel-endpoint without the SDK: one line, nothing loaded
     world = World.from_env(config.model.device)  # one process, or this rank of a torchrun group
+    world.shard(config.training.batch_size)  # a batch that does not split over the processes: refused before loading
     if config.training.shard == "fsdp" and world.size == 1:
         print("notice: --shard fsdp without torchrun: one process trains the unsharded models (its checkpoints are "
               "sharded ones, which torchrun can resume on any number of processes)", file=sys.stderr)  # fmt: skip

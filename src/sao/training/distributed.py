@@ -226,6 +226,7 @@ class BroadcastSource:
         if world.is_main and source is None:
             raise ValueError("rank 0 needs the real source")
         self.world, self.source, self.device, self.root = world, source, torch.device(device), root
+        self.first = True  # the first batch: sharded, the policy is gathered around it (see ``next_batch``)
         # what every rank reads of the source: its training tasks by id (for the scorer; a source that grades its own
         # rows has none) and its staleness bound (for the hooks)
         shared = {"tasks": getattr(source, "tasks", None), "max_staleness": getattr(source, "max_staleness", None)}
@@ -241,14 +242,19 @@ class BroadcastSource:
 
     def next_batch(self, step: int, phase: str, policy_version: int) -> Batch:
         """Rank 0's batch on every rank. When rank 0's source fails or has no further batch, every rank raises the
-        same error (``SourceExhausted`` ends the run cleanly everywhere) instead of waiting for a batch."""
+        same error (``SourceExhausted`` ends the run cleanly everywhere) instead of waiting for a batch. Sharded, the
+        first call runs with the policy gathered on every rank: a source publishes its first adapter from it."""
+        from sao.model.sharding import gathered
+
         batch, failure = None, None
-        if self.source is not None:
-            try:
-                batch = self.source.next_batch(step, phase, policy_version)
-                batch = dataclasses.replace(batch, rollout=batch.rollout.to("cpu"))
-            except Exception as error:
-                failure = error
+        with gathered(self.root if self.first else None):  # a source publishes its first adapter in its first call
+            self.first = False
+            if self.source is not None:
+                try:
+                    batch = self.source.next_batch(step, phase, policy_version)
+                    batch = dataclasses.replace(batch, rollout=batch.rollout.to("cpu"))
+                except Exception as error:
+                    failure = error
         batch, sent = self.world.broadcast((batch, _picklable(failure)))
         if failure is not None:
             raise failure
