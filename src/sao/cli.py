@@ -245,11 +245,10 @@ def print_summary(trainer: Any, config: Any, out: Path, records: list[dict[str, 
         print(summarize_traces(trainer.source.summary()))
     if trainer.ended_early:
         print(f"  stopped after {len(records)} of {trainer.total_steps} steps: {trainer.ended_early}")
-    from sao.training.trainer import CRITIC_DIR, policy_folder
+    from sao.training.trainer import CRITIC_DIR
 
-    folder = policy_folder(trainer.models)
-    what = "the adapter" if folder == "adapter" else "the model"
-    critic = f", the value model in {out / CRITIC_DIR}" if trainer.models.critic is not None else ""
+    folder, what = ("model", "the model") if config.model.finetune == "full" else ("adapter", "the adapter")
+    critic = f", the value model in {out / CRITIC_DIR}" if config.model.critic == "model" else ""
     print(f"  wrote {out / 'train_log.jsonl'}, {what} in {out / folder}{critic}")
     for message in trainer.warnings:
         print("  warning: " + message)

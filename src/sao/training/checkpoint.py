@@ -304,7 +304,8 @@ def _finish(out: Path, staging: Path, final: Path, state: dict[str, Any], record
     save_file(tensors, str(staging / TENSORS_FILE))
     atomic_write(staging / STATE_FILE, json.dumps(encoded).encode())
     for folder, _, files in os.walk(staging, topdown=False):  # the tensors' data, then the folders' entries
-        for synced in [*(Path(folder) / name for name in files), Path(folder)]:
+        written = [Path(folder) / name for name in files if Path(folder) / name != staging / STATE_FILE]
+        for synced in [*written, Path(folder)]:  # (the state was flushed as it was written)
             fd = os.open(synced, os.O_RDONLY)
             try:
                 os.fsync(fd)
