@@ -61,7 +61,7 @@ def test_full_weights_and_a_value_model_train_every_weight_and_resume_exactly(ti
     from sao import cli
     from sao.core.config import Config
 
-    config = Config.preset("tiny", **SETTINGS, finetune="full", critic="model")
+    config = Config.load("tiny", **SETTINGS, finetune="full", critic="model")
     _train(config, tmp_path / "whole")
     whole = run_log(tmp_path / "whole")
     assert _strip(_interrupted_then_resumed(config, tmp_path / "resumed")) == _strip(whole)
@@ -93,8 +93,8 @@ def test_fsdp_without_torchrun_is_the_unsharded_step_and_resumes_from_its_sharde
     from sao.core.config import Config
     from sao.core.io import OutputError
 
-    _train(Config.preset("tiny", **SETTINGS, critic="model"), tmp_path / "plain")
-    config = Config.preset("tiny", **SETTINGS, critic="model", shard="fsdp")
+    _train(Config.load("tiny", **SETTINGS, critic="model"), tmp_path / "plain")
+    config = Config.load("tiny", **SETTINGS, critic="model", shard="fsdp")
     _train(config, tmp_path / "fsdp")
     plain, sharded = run_log(tmp_path / "plain"), run_log(tmp_path / "fsdp")
     assert "notice: --shard fsdp without torchrun" in capsys.readouterr().err
@@ -149,12 +149,12 @@ def test_resuming_with_another_finetune_names_the_setting_and_another_process_co
     from sao.training import checkpoint
 
     out = tmp_path / "run"
-    started = {"config": Config.preset("tiny", shard="fsdp").to_dict(), "world_size": 2}
+    started = {"config": Config.load("tiny", shard="fsdp").to_dict(), "world_size": 2}
     checkpoint.claim(out, started, resume=False)
     out.mkdir()
     checkpoint.write_config(out, started)
     assert checkpoint.claim(out, {**started, "world_size": 1}, resume=True).out == out  # on one process
-    other = {"config": Config.preset("tiny", shard="fsdp", finetune="full").to_dict(), "world_size": 2}
+    other = {"config": Config.load("tiny", shard="fsdp", finetune="full").to_dict(), "world_size": 2}
     with pytest.raises(ConfigError) as caught:
         checkpoint.claim(out, other, resume=True)
     assert "started with other settings (--finetune 'lora' -> 'full')" in str(caught.value)

@@ -93,7 +93,7 @@ def test_fsdp_on_two_processes_takes_the_single_process_steps_and_resumes_on_one
     from sao import cli
     from sao.core.config import Config
 
-    single = _single(Config.preset("tiny", **SETTINGS), tmp_path / "single")  # --shard none, one process
+    single = _single(Config.load("tiny", **SETTINGS), tmp_path / "single")  # --shard none, one process
     whole = tmp_path / "fsdp"
     done = _torchrun(tmp_path, ["train", *FLAGS, "--out", str(whole)])
     assert done.returncode == 0, done.stderr[-3000:]
@@ -117,7 +117,7 @@ def test_fsdp_on_two_processes_takes_the_single_process_steps_and_resumes_on_one
     again = _tensors(killed / "adapter" / "adapter_model.safetensors")
     assert again.keys() == adapter.keys() and all(torch.equal(again[k], adapter[k]) for k in adapter)
 
-    config = Config.preset("tiny", **SETTINGS, shard="fsdp")
+    config = Config.load("tiny", **SETTINGS, shard="fsdp")
     _same_steps(_single(config, on_one, resume=True), sharded)  # one process reads the two ranks' shards
     assert [r["world_size"] for r in run_log(on_one)] == [2, 2, 1]
     assert _all_close(_tensors(on_one / "adapter" / "adapter_model.safetensors"), adapter)
@@ -133,7 +133,7 @@ def test_full_weights_and_a_value_model_on_two_processes_take_the_single_process
     from sao.core.config import Config
 
     regime = {"finetune": "full", "critic": "model"}
-    single = _single(Config.preset("tiny", **SETTINGS, **regime), tmp_path / "single")
+    single = _single(Config.load("tiny", **SETTINGS, **regime), tmp_path / "single")
     out = tmp_path / "fsdp"
     done = _torchrun(tmp_path, ["train", *FLAGS, "--finetune", "full", "--critic", "model", "--out", str(out)])
     assert done.returncode == 0, done.stderr[-3000:]

@@ -228,7 +228,7 @@ class LocalStaleSource:
     full fine-tuning, refreshed every ``lag`` policy steps) drawing the seeded prompt stream in this process.
     Staleness 0 at the first policy step, then 1..LAG. Under torchrun one runs on every process (``ranks``)."""
 
-    every_rank = True
+    every_rank = True  # built on every torchrun process, drawing with the trainer's own models (each its rows)
 
     def __init__(
         self,

@@ -63,11 +63,13 @@ def trainer(
                                    env_factory=env_factory, source=source)  # fmt: skip
     run = checkpoint.RunDir.open(out_dir, record, resume=resume)  # another run's folder, a damaged checkpoint: now
     try:
-        models = load_models(config, world, stale_sampler=source is None and config.rollout.source == "local")
+        # a source built on every process draws with the trainer's own models: room for its stale sampler first
+        every_rank = source is None and builds_on_every_rank(config.rollout.source)
+        models = load_models(config, world, stale_sampler=every_rank)
         task_parts = setup.parts(config, models.tokenizer, tasks, reward_fn=reward_fn, env_factory=env_factory,
                                  eos_token_ids=models.eos_token_ids)  # fmt: skip
         label = label or f"{config.algorithm.correction} seed {config.training.seed}"
-        if source is None and (world.is_main or builds_on_every_rank(config.rollout.source)):
+        if source is None and (world.is_main or every_rank):
             context = SourceContext(config, models, {t.id: t for t in tasks.train}, task_parts.prompts,
                                     task_parts.episodes, Path(out_dir), task_parts.sampling(), world.training_gpus(),
                                     label, progress, world_size=world.size, world=world)  # fmt: skip

@@ -173,8 +173,8 @@ def same_settings(saved: Any, record: dict[str, Any]) -> bool:
 def changed_settings(saved: Any, record: dict[str, Any]) -> list[str]:
     """The settings (flat names) whose value in ``record`` is not the saved one, as "--name saved -> now"."""
     try:
-        before = Config.from_mapping(saved["config"]).flat()
-        now = Config.from_mapping(record["config"]).flat()
+        before = Config.load(**recorded(flatten(saved["config"]))).flat()
+        now = Config.load(**recorded(flatten(record["config"]))).flat()
     except (ConfigError, KeyError, TypeError):
         return []
     return [f"--{name.replace('_', '-')} {as_json(before[name])!r} -> {as_json(now[name])!r}" for name in now
