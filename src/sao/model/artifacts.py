@@ -4,7 +4,7 @@
                      plain ``PeftModel.from_pretrained`` loads it, no pickle anywhere
     model folder     full fine-tuning: every weight as a Hugging Face folder (``save_full_weights``: config,
                      safetensors shards and their index, tokenizer; sao's value head and sao_weights.json beside),
-                     a sharded model gathered tensor by tensor; ``AutoModelForCausalLM.from_pretrained`` loads it
+                     a sharded model gathered tensor by tensor onto rank 0; ``AutoModelForCausalLM`` loads it
     critic folder    a value model of its own: its trunk (a PEFT adapter folder, or every weight) and its head
     merged model     base + adapter by PEFT's ``merge_and_unload`` in the base's dtype, with ``sao_export.json``
                      recording ``merge_relative_error`` (a bf16 merge can round a small adapter's change away)
