@@ -150,6 +150,29 @@ def test_the_fleet_loads_a_version_into_every_server_and_samples_with_it(version
     assert all(_gap(versions["models"]["v2"], r).max() < 1e-3 for r in replies)
 
 
+def test_a_full_weight_run_on_vllm_serves_each_synced_version_exactly(versions, tmp_path):
+    """--rollout vllm --finetune full: every refresh writes the policy's weights and reloads them into the server in
+    place, and the next rows drawn at staleness 0 agree with the trainer's own pass (else the run would stop at
+    --sampler-tolerance); the weights really moved between syncs."""
+    import sao
+
+    config = {"preset": "tiny", "rollout": "vllm", "vllm_url": versions["client"].url, "finetune": "full", "lag": 0,
+              "lr": 1e-3, "steps": 3, "critic_warmup": 1, "batch_size": 8, "train_prompts": 32, "test_prompts": 8}
+    trainer = sao.train(config, tmp_path / "run", progress=False)
+    policy = [r for r in trainer.records if r["phase"] == "policy"]
+    assert [r["engine_adapter_version"] for r in policy] == [0, 1, 2]  # a sync before every draw (LAG 0)
+    assert all(r["staleness"] == 0 for r in policy)
+    fresh = [r["mismatch_fresh"] for r in policy]
+    assert max(fresh) < 1e-4, fresh  # the server drew with exactly the weights the trainer had published
+    published = tmp_path / "run" / "vllm-weights"
+    assert trainer.records[-1]["policy_version"] == 3 and sorted(p.name for p in published.iterdir()) == ["v1", "v2"]
+    from safetensors.torch import load_file
+
+    moved = load_file(str(published / "v2" / "model.safetensors"))
+    base = versions["models"]["base"].state_dict()
+    assert any(not torch.equal(moved[n], base[n]) for n in moved if n in base)  # the synced weights had trained
+
+
 def test_serve_upstream_takes_a_published_full_weight_version(versions, tiny_vllm, tmp_path):
     from sao.serve.server import Server
     from sao.training.checkpoint import publish

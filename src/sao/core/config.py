@@ -906,9 +906,9 @@ def _full_finetune_fits(c: Config) -> str | None:
     if c.training.kl_coef > 0:
         return ("--kl-coef with --finetune full: the KL reference is the base without the adapter, and full "
                 "fine-tuning has no adapter to switch off; leave --kl-coef at 0")  # fmt: skip
-    if c.rollout.source in ("ray", "vllm", "vllm-async"):
-        return (f"--finetune full with --rollout {c.rollout.source}: its samplers load LoRA adapters only; use "
-                "--rollout local, or --finetune lora")  # fmt: skip
+    if not type(c.source).full_weights:
+        return (f"--finetune full with --rollout {c.rollout.source}: its sampler takes LoRA adapters only; use "
+                "--rollout local or vllm, or --finetune lora")  # fmt: skip
     if getattr(c.source, "sampler_dtype", "auto") != "auto":
         return "--sampler-dtype with --finetune full is not offered: the stale sampler is a copy of the whole model"
     if c.training.gate != "off":

@@ -67,7 +67,8 @@ class SourceSection(Section):
     """A rollout source's own settings section (``sao.rollout.registry``), chosen by ``--rollout NAME``.
 
     ``implementation`` names the source class (``"module:Class"``, built by ``Class.build(context)``);
-    ``implied_by`` a setting every source shares that, given alone, picks this source (``--traces LOG``). A section
+    ``implied_by`` a setting every source shares that, given alone, picks this source (``--traces LOG``);
+    ``full_weights`` whether its sampler can take a full-weight version (``--finetune full``). A section
     checks what it needs of the other sections (``check``) and says what the trainer adds beside the step for it
     (``needs``): "footing_audit" (the logged log-probs' footing checked once), "sampler_tolerance" (fresh rows must
     agree with the trainer within it, else the run stops), "summary" (its totals written at the end), "publish"
@@ -75,6 +76,7 @@ class SourceSection(Section):
 
     implementation: ClassVar[str] = ""
     implied_by: ClassVar[str | None] = None
+    full_weights: ClassVar[bool] = False  # whether its sampler can take a full-weight version (--finetune full)
 
     def check(self, config: Any) -> str | None:
         return None

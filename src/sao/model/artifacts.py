@@ -427,8 +427,9 @@ def save_full_weights(
     also: Callable[[Path], Any] | None = None,
 ) -> Path:
     """Write every weight of ``model`` (a Hugging Face causal LM) to ``path`` as safetensors shards, replacing what
-    is there: ``model.safetensors`` alone or ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``
-    (shards of at most ``max_shard_bytes``, a tensor never split), its ``config.json`` and, when given, the tokenizer.
+    is there: ``model.safetensors`` or ``model-0000i-of-0000n.safetensors``, always beside
+    ``model.safetensors.index.json`` (shards of at most ``max_shard_bytes``, a tensor never split), its
+    ``config.json`` and, when given, the tokenizer.
 
     ``state`` replaces ``model.state_dict()`` (a sharded trainer gathers the full state dict on one rank and passes
     it); ``dtype`` casts every floating tensor (write what the server runs: float32 for sao's launched servers). A
@@ -473,17 +474,15 @@ def save_full_weights(
             config.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        if len(shards) == 1:
-            save_file(shards[0], str(staging / "model.safetensors"), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards, start=1):
-                file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(staging / file), metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, file))
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            write_json(staging / "model.safetensors.index.json",
-                       {"metadata": {"total_size": total}, "weight_map": weight_map})  # fmt: skip
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            file = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(staging / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+        # the index even for one shard: a loader (vLLM's) then reads the files it names and not sao's value head
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        write_json(staging / "model.safetensors.index.json",
+                   {"metadata": {"total_size": total}, "weight_map": weight_map})  # fmt: skip
         if also is not None:
             also(staging)
     return path

@@ -36,6 +36,7 @@ class LocalSettings(SourceSection):
     and the adapters, so a run and its resume draw the same numbers."""
 
     implementation: ClassVar[str] = "sao.rollout.sources:LocalStaleSource"
+    full_weights: ClassVar[bool] = True  # the stale sampler is then a frozen copy of the whole model
     lag: int = option(4, LAG_HELP, check=at_least(0, " (0 = always fresh)"))
     sampler_dtype: str = option(
         "auto",
@@ -100,6 +101,7 @@ class TraceSettings(SourceSection):
 
     implementation: ClassVar[str] = "sao.rollout.traces:TraceSource"
     implied_by: ClassVar[str | None] = "traces"
+    full_weights: ClassVar[bool] = True  # the server that wrote the log takes the published weights
     max_staleness: int = _staleness(
         "Traces older than this (policy updates since their version) are dropped and counted."
     )
@@ -249,6 +251,7 @@ class VllmSettings(VllmServers):
     """``--rollout vllm``: vLLM as the recipe's stale sampler (its adapter refreshed every LAG policy steps)."""
 
     implementation: ClassVar[str] = "sao.rollout.remote:RemoteSource"
+    full_weights: ClassVar[bool] = True  # each refresh reloads the policy's weights into the servers in place
     lag: int = option(4, LAG_HELP, check=at_least(0, " (0 = always fresh)"))
 
 

@@ -40,7 +40,8 @@ from sao.core.errors import ConfigError, SaoError
 from sao.core.io import write_json
 from sao.core.names import POLICY
 from sao.core.plugins import PluginError, describe
-from sao.model.artifacts import save_adapter
+from sao.model.artifacts import save_adapter, save_full_weights
+from sao.model.policy import causal_lm
 from sao.rollout.admission import Admission
 from sao.rollout.engines import Connection, EngineClient
 from sao.rollout.environment import (
@@ -71,6 +72,7 @@ class Fleet:
         self.tag = "sao-" + hashlib.sha256(f"{Path(context.out_dir).resolve()}:{os.getpid()}:{time.time()}".encode()
                                            ).hexdigest()[:8]  # fmt: skip
         self.adapters_dir = Path(self.out) / f"{settings.engine}-adapters"  # v{N}/ a published version's folder
+        self.weights_dir = Path(self.out) / f"{settings.engine}-weights"  # v{N}/ under full fine-tuning
         self.servers_file = Path(self.out) / f"{settings.engine}-servers.json"
         self.track = timeline.REMOTE.format(engine=settings.engine)  # its requests' process on the timeline
         connection: Connection = settings.connect(context)
@@ -78,6 +80,7 @@ class Fleet:
         self.max_model_len = connection.max_model_len
         self.loaded: OrderedDict[int, str] = OrderedDict()  # version → adapter name, oldest first
         self.weights: tuple[Path, int] | None = None  # the full-weight version every server holds, if any
+        self.weights_name: str | None = None  # the model name requests use once full weights are loaded
         self.weights_loader = connection.load_weights
         self.servers = connection.servers
         self.clients: list[EngineClient] = connection.clients
@@ -104,7 +107,10 @@ class Fleet:
 
     def publish(self, version: int) -> str:
         """The policy's adapter now, written as OUT/<engine>-adapters/v{version}/ and loaded into every server; returns
-        its name. A fresh folder per version: vLLM keys its prefix cache by adapter name and path."""
+        its name. A fresh folder per version: vLLM keys its prefix cache by adapter name and path. Under full
+        fine-tuning, the policy's weights instead (``publish_weights``)."""
+        if self.models.finetune == "full":
+            return self.publish_weights(version)
         if version in self.loaded:
             return self.loaded[version]
         folder = self.adapters_dir / f"v{version}"
@@ -121,6 +127,27 @@ class Fleet:
                     told["loaded"] = True  # the server answered the load with success
         self.loaded[version] = name
         return name
+
+    def publish_weights(self, version: int) -> str:
+        """Full fine-tuning: the policy's weights now, written as OUT/<engine>-weights/v{version}/ (safetensors shards,
+        no value head beside them) and reloaded into every server (``load_weights``); the folders before the previous
+        version are removed (the previous one is what a failed reload falls back to). Returns the model name."""
+        if self.weights is not None and self.weights[1] == version:
+            return self.weights_name
+        m = self.models
+        if m.sharded:
+            raise ConfigError("--finetune full with a remote engine needs the whole model in the process that "
+                              "publishes: leave out --shard fsdp (or use --rollout local)")  # fmt: skip
+        folder = self.weights_dir / f"v{version}"
+        with timeline.span("weights publish", "adapter", timeline.TRAINER.format(rank=0), "step", version=version):
+            if not folder.is_dir():  # a resumed run's sampler: its folder was written when that version was published
+                save_full_weights(causal_lm(m.policy), folder, tokenizer=m.tokenizer)
+            previous = self.weights[1] if self.weights is not None else None
+            self.weights_name = self.load_weights(folder, version)
+        for old in self.weights_dir.glob("v*"):  # keep this version and the one before it
+            if old.name[1:].isdigit() and int(old.name[1:]) not in (version, previous):
+                shutil.rmtree(old, ignore_errors=True)
+        return self.weights_name
 
     def load_weights(self, folder: str | os.PathLike[str], version: int) -> str:
         """Full weights: the version ``folder`` (safetensors shards, ``sao.model.artifacts.save_full_weights``) reloaded
