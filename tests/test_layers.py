@@ -151,7 +151,9 @@ def test_no_module_tests_a_source_by_name_outside_its_own():
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Compare) and re.search(r"rollout|source|engine", ast.unparse(node)):
-                values = [c.value for c in (node.left, *node.comparators) if isinstance(c, ast.Constant)]
+                sides = [node.left, *node.comparators]
+                sides += [e for c in sides if isinstance(c, ast.Tuple | ast.List | ast.Set) for e in c.elts]
+                values = [c.value for c in sides if isinstance(c, ast.Constant)]
                 assert not set(values) & kinds, f"{path.relative_to(PACKAGE)}:{node.lineno} tests a source by name"
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith":
                 args = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
