@@ -191,7 +191,8 @@ def settings_reference() -> str:
              ""]  # fmt: skip
     tables = [(name, cls, "") for name, cls in SECTIONS.items()]
     at = [name for name, _, _ in tables].index("rollout") + 1
-    tables[at:at] = [(f"rollout.{kind}", sources().get(kind), sources().get(kind).__doc__) for kind in sources()]
+    own = [kind for kind in sources() if sources().get(kind).__module__.startswith("sao.")]  # not a plug-in's
+    tables[at:at] = [(f"rollout.{kind}", sources().get(kind), sources().get(kind).__doc__) for kind in own]
     for name, cls, doc in tables:
         lines += [f"## {name}", ""] + ([" ".join(doc.replace("``", "`").split()), ""] if doc else [])
         lines += ["| flag | default | what it is |", "| --- | --- | --- |"]
