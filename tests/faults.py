@@ -160,9 +160,9 @@ KINDS: dict[str, tuple[str, str]] = {
     ),
     "rewards in parallel": (
         "a per-completion reward that hangs on every row of a batch, one that only returns when a whole batch calls "
-        "it at once, an async reward hung under a running event loop",
-        "the batch scored concurrently (bounded), its timeout paid once, the rows scored 0 and counted; an abandoned "
-        "call never keeps the process from exiting",
+        "it at once",
+        "the batch scored concurrently, its timeout paid once, the rows scored 0 and counted as cut; no more hung "
+        "calls left behind than --reward-concurrency",
     ),
     "log files": (
         "sao eval and sao export with stderr to a file (transformers' weight loading, sao's eval bar)",
