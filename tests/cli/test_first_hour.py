@@ -26,7 +26,8 @@ def test_sao_eval_takes_eval_samples_and_the_old_spelling_with_a_notice(capsys, 
                                                  "still works"]  # fmt: skip
     assert main([*EVAL, "--samples", "1", "--eval-samples", "2"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "sao eval: error: --samples and --eval-samples set the same setting; give one (--eval-samples)"]
+        "sao eval: error: --samples and --eval-samples set the same setting; give one (--eval-samples)"
+    ]
     faults.record("first hour", "sao eval --eval-samples, and --samples as before with a notice")
 
 
