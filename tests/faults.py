@@ -150,6 +150,64 @@ KINDS: dict[str, tuple[str, str]] = {
         "one-line error naming the field path, the file and row and the flag, or the hub id and why, exit code 2, in "
         "seconds (no hub retries); nothing printed by any rank but 0",
     ),
+    "run folders": (
+        "two sao train on one --out at once; a full disk (a file-size limit) while safetensors are written; a run, "
+        "an adapter and a merged export under umask 022; sao export and sao.evaluate of a truncated "
+        "adapter_model.safetensors",
+        "the second run refused in one line (the folder's lock), the first's files whole; one line, no staging "
+        "folder left, the last checkpoint intact and --resume finishing the run; every file and folder with the "
+        "umask's mode, safetensors too; one line naming the file, exit code 2, before any model loads",
+    ),
+    "rewards in parallel": (
+        "a per-completion reward that hangs on every row of a batch, one that only returns when a whole batch calls "
+        "it at once",
+        "the batch scored concurrently, its timeout paid once, the rows scored 0 and counted as cut; no more hung "
+        "calls left behind than --reward-concurrency",
+    ),
+    "log files": (
+        "sao eval and sao export with stderr to a file (transformers' weight loading, sao's eval bar)",
+        "no progress bar and no carriage return in the log; the result lines as on a terminal",
+    ),
+    "first hour": (
+        "sao eval --samples, sao.evaluate with the arguments sao.train took, rows with chat messages under "
+        "messages_field, a chat row without a prompt",
+        "--eval-samples as train and recipe spell it (--samples still works, said in one line); the run's adapter "
+        "evaluated; the messages read from the field named; one line saying chat messages go under 'prompt' or "
+        "messages_field",
+    ),
+    "failing environments": (
+        "an environment whose constructor, factory or init raises, hangs past --env-timeout or answers the wrong "
+        "shape on every row; a factory returning None or 0; a factory that is not callable or is an environment; "
+        "done given as the string \"false\"",
+        "one line naming the environment and the first row's fault, exit code 2, --out left as found; a factory "
+        "refused as a TypeError before anything loads; \"false\" a fault of that trajectory, never read as done",
+    ),
+    "hooks and sources": (
+        "on_pass returning None, a list or an object JSON cannot hold, extras named like the record's own fields, a "
+        "hook class or a function where an instance belongs, an object that is not a source, next_batch returning "
+        "None, an on_close that raises after a failure, stateful hooks named alike or like a built-in",
+        "a TypeError or ValueError naming the hook or source, --out left as found so the corrected call runs; the "
+        "first error kept, the close error noted on it; each hook's own state back on --resume",
+    ),
+    "plug-in modules": (
+        "a --reward, --env or --env skyrl: module that calls sys.exit(0) while imported; --env skyrl:module:id with "
+        "the module in the working folder",
+        "one line naming the flag and the module, exit code 2, never 0; the module found as --env module:Class "
+        "finds its own",
+    ),
+    "the gate's live reader": (
+        "a trace line nested 100,000 deep, a line longer than any record, rewards past 1e6, NaN and inf and a "
+        "turn reward past 1e6, in the log the gate reads live",
+        "the line skipped as the trace reader skips it, no exception; the refused rewards not counted in the live "
+        "comparison",
+    ),
+    "vLLM behind sao": (
+        "a server that accepts and never answers, one that answers a byte at a time, an endless reply, a server "
+        "listing no model, a server restarted behind sao serve --upstream",
+        "every call given up within --vllm-timeout (--upstream-timeout) in one line naming the server, not retried; "
+        "a reply read to a bound on its size; one line for no model; the served adapter loaded again once and the "
+        "request answered",
+    ),
 }
 
 _recorded: dict[str, set[str]] = defaultdict(set)

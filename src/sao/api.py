@@ -1,7 +1,7 @@
 """sao as a library: objects in, the same runs the CLI makes from strings.
 
     sao.train(config, out_dir, *, dataset=None, reward_fn=None, env_factory=None, source=None, hooks=())
-    sao.evaluate(config, adapter=None, *, dataset=None, reward_fn=None, env_factory=None, seed=0)
+    sao.evaluate(config, out_dir=None, *, dataset=None, reward_fn=None, env_factory=None, adapter=None, seed=0)
     sao.recipe(config, out_dir, *, dataset=None, reward_fn=None, env_factory=None)
 
 ``config`` is a ``sao.Config`` or a mapping of settings as a --config file takes them (flat or in sections; a
@@ -9,13 +9,15 @@
 any other fields, a ``{"train": rows, "test": rows}`` mapping, a Hugging Face dataset, or a path. ``reward_fn``:
 ``reward(completion, row) -> float`` (or batched, or async; ``sao.tasks.base``). ``env_factory``:
 ``(task_id, fields) -> env`` with SkyRL-Gym's text interface. config.json records what was passed, by import path
-when it has one, and says when a run cannot be replayed from it.
+when it has one, and says when a run cannot be replayed from it. ``sao.evaluate`` takes the arguments ``sao.train``
+took and evaluates what it trained (the adapter in ``out_dir``; the untrained base without one), or ``adapter=DIR``.
 
 Deliberately left out: argument parsing and printing (``sao.cli``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -86,21 +88,37 @@ def train(
 
 def evaluate(
     config: Config | Mapping[str, Any],
-    adapter: str | Path | None = None,
+    out_dir: str | Path | None = None,
     *,
     dataset: Any = None,
     reward_fn: Callable[..., Any] | None = None,
     env_factory: Callable[..., Any] | None = None,
+    adapter: str | Path | None = None,
     seed: int = 0,
     progress: bool = True,
 ):
-    """pass@1 on the held-out tasks of the base model, or of a trained ``adapter`` folder (``out_dir/adapter``), with
-    the config's eval settings; ``seed`` picks the sampling draw. Returns an ``EvalResult``."""
+    """pass@1 on the held-out tasks, with the config's eval settings, of what ``sao.train`` trained into ``out_dir``
+    (its ``adapter/``; the same arguments train took), of an ``adapter`` folder, or, with neither, of the untrained
+    base model; ``seed`` picks the sampling draw. Returns an ``EvalResult``."""
     from sao.experiment.evaluate import load_adapter, pass_at_1
+    from sao.model.artifacts import check_adapter_files, find_adapter_dir
     from sao.model.policy import eos_ids, load_base, pick_device
     from sao.rollout.sampler import derived_seed
     from sao.tasks import setup
 
+    for name, value in (("out_dir", out_dir), ("adapter", adapter)):
+        if value is not None and not isinstance(value, str | os.PathLike):
+            raise TypeError(f"sao.evaluate: {name} must be a folder (a str or a path), got {type(value).__name__}")
+    if out_dir is not None and adapter is not None:
+        raise TypeError("sao.evaluate: give out_dir (a run sao.train wrote) or adapter (an adapter folder), not both")
+    if out_dir is not None:
+        adapter = find_adapter_dir(out_dir)  # a folder with no adapter: one line now, before a model is loaded
+    elif adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
+        from sao.core.errors import ConfigError
+
+        raise ConfigError(f"adapter {adapter} holds no adapter_config.json; point it at a run's adapter/ folder")
+    if adapter is not None:
+        check_adapter_files(adapter, "restore the adapter folder, or train the run again")
     config = as_config(config)
     tasks = setup.task_set(config, dataset)
     if not tasks.test:

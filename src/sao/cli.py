@@ -310,10 +310,15 @@ def _eval(args: argparse.Namespace) -> int:
     from sao import api
     from sao.core.io import check_output_path, write_json
 
+    if args.old_samples is not None:
+        if args.eval_samples is not None:
+            raise ConfigError("--samples and --eval-samples set the same setting; give one (--eval-samples)")
+        print("notice: --samples is now --eval-samples (same values); --samples still works", file=sys.stderr)
+        args.eval_samples = args.old_samples
     config = config_from_args(args)
     if args.out:
         check_output_path(args.out, folder=False)  # a folder or a device as --out fails now, not after the eval
-    result = api.evaluate(config, args.adapter, seed=args.eval_seed, progress=not args.quiet)
+    result = api.evaluate(config, adapter=args.adapter, seed=args.eval_seed, progress=not args.quiet)
     print(
         f"sao eval: pass@1 {result.pass_at_1:.4f} over {len(result.per_task)} tasks x {result.samples} samples "
         f"at temperature {result.temperature} ({result.seconds:.1f}s, mean reply {result.mean_reply_tokens:.1f} tokens)"
@@ -523,12 +528,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", help="a run's adapter/ folder (from sao train); default: the untrained base")
     p.add_argument("--out", help="write the result (pass@1, per-task scores, examples) to this JSON file")
     p.add_argument("--eval-seed", type=int, default=0, help="which sampling seed (repeat with 0, 1, 2 for a floor)")
-    p.add_argument("--samples", dest="eval_samples", type=int, default=None, help="samples per task (default 4)")
+    # --samples: the spelling before eval took --eval-samples as train, recipe and the settings page do
+    p.add_argument("--samples", dest="old_samples", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--temperature", dest="eval_temperature", type=float, default=None, help="sampling temperature (default 0.7)"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_config_flags(p, "eval", skip=("eval_samples", "eval_temperature"))
+    _add_config_flags(p, "eval", skip=("eval_temperature",))
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("recipe", help="the experiment (a one-cell sweep): both arms, base evals, compare, report")

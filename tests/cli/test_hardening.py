@@ -304,7 +304,7 @@ def test_eval_on_a_full_disk_says_to_run_again_not_to_resume(tmp_path, capsys, m
 
     monkeypatch.setattr(io.os, "fsync", full)
     out = tmp_path / "eval.json"
-    argv = ["eval", "--preset", "tiny", "--test-prompts", "8", "--samples", "1", "--quiet", "--out", str(out)]
+    argv = ["eval", "--preset", "tiny", "--test-prompts", "8", "--eval-samples", "1", "--quiet", "--out", str(out)]
     line = _refused(capsys, argv, tmp_path, str(out), "free space, then run the same command again")
     assert "--resume" not in line
     assert list(tmp_path.iterdir()) == [], "no temporary file left"

@@ -200,6 +200,14 @@ class DataSettings(Section):
         "reward that raises or calls sys.exit is a one-line error naming it and the row.",
         check=between(0, MAX_TIMEOUT, " seconds (0 = no limit)"),
     )
+    reward_concurrency: int = option(
+        16,
+        "Calls of a per-completion reward in flight at once (a pool of threads, as environment steps have): a batch's "
+        "replies are scored together, so a reward that waits on a judge or a sandbox costs its slowest call per "
+        "batch, and one that hangs costs --reward-timeout once per batch, not once per reply. 1 = one after "
+        "another (for a reward that is not safe to call from several threads at once).",
+        check=at_least(1),
+    )
     env_timeout: float = option(
         300.0,
         "Seconds one call of an environment (building it, init, step, close) may run; past it the trajectory ends "

@@ -22,6 +22,7 @@ import functools
 import json
 import math
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Callable
@@ -147,6 +148,40 @@ def file_mode() -> int:
 def folder_mode() -> int:
     """The mode a plain ``mkdir`` would give a new folder: 0o777 less the umask (``mkdtemp`` gives 0o700)."""
     return 0o777 & ~_umask()
+
+
+def follow_umask(root: str | os.PathLike[str]) -> None:
+    """Give ``root`` and everything below it the modes a plain ``open()`` and ``mkdir`` would: files 0o666 and folders
+    0o777, less the umask. For what a library wrote with a mode of its own (safetensors writes 0o600, ``mkdtemp``
+    0o700); symbolic links are left alone."""
+    root = Path(root)
+    if root.is_symlink():
+        return
+    if not root.is_dir():
+        os.chmod(root, file_mode())
+        return
+    for folder, folders, files in os.walk(root):
+        os.chmod(folder, folder_mode())
+        for name in files:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                os.chmod(path, file_mode())
+        folders[:] = [f for f in folders if not os.path.islink(os.path.join(folder, f))]
+
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def os_error_of(error: BaseException) -> OSError | None:
+    """The operating-system error behind ``error``: itself when it is an ``OSError``, or the one a library written in
+    Rust names in its text (safetensors: "I/O error: No space left on device (os error 28)"); None for any other."""
+    if isinstance(error, OSError):
+        return error
+    found = _OS_ERROR.search(str(error))
+    if found is None:
+        return None
+    number = int(found.group(1))
+    return OSError(number, os.strerror(number))
 
 
 def atomic_write(path: str | os.PathLike[str], write: bytes | Callable[[BinaryIO], Any], durable: bool = True) -> None:

@@ -3,6 +3,8 @@
     device_problem   "auto", or a device this machine has ("cpu", "cuda", "cuda:N" with a GPU torch can use, "mps")
     torch_threads    the thread count a config asks for (1 for the tiny stand-ins on the CPU, else torch's default)
     apply_threads    set it, once, where a command starts
+    on_terminal      whether stderr is a terminal: progress bars only there, never in a log file
+    quiet_libraries  the Hugging Face libraries' own bars off (weight loading, downloads)
 
 torch is imported inside the functions, so that reading settings costs nothing. Deliberately left out: picking a
 device for a model (``sao.model.policy.pick_device``).
@@ -11,7 +13,26 @@ device for a model (``sao.model.policy.pick_device``).
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
+
+
+def on_terminal() -> bool:
+    """Whether stderr is a terminal: a progress bar redraws itself there with ``\r``, which in a log file (a pipe, a
+    redirect, CI) is a line of junk per redraw."""
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False
+
+
+def quiet_libraries() -> None:
+    """The Hugging Face libraries' progress bars off (transformers' weight loading, the hub's downloads): for
+    ``--quiet``, and wherever stderr is not a terminal (``on_terminal``)."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def device_problem(device: str) -> str | None:

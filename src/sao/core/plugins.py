@@ -4,8 +4,10 @@ timeout raises ``PluginTimeout`` for the caller to end that trajectory as cut an
 
 A call with a timeout runs on a daemon thread that no other call is using (idle ones are kept for the next call,
 so a server grading every reply starts no thread per reply); one that never returns is abandoned there (Python
-cannot stop a thread), so a plug-in that hangs costs a thread, not the run. ``KeyboardInterrupt`` is not
-contained: Ctrl-C stops sao as it would without plug-ins.
+cannot stop a thread, and a daemon thread never keeps the process alive past the run), so a plug-in that hangs
+costs a thread, not the run. ``call_each`` calls one plug-in for many rows at once, bounded, so that a plug-in that
+hangs on every row costs its timeout once per batch, not once per row. ``KeyboardInterrupt`` is not contained:
+Ctrl-C stops sao as it would without plug-ins.
 
 Deliberately left out: processes (a plug-in that corrupts the interpreter is beyond containment), retries.
 """
@@ -14,7 +16,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sao.core.errors import SaoError
@@ -54,6 +57,61 @@ def call(fn: Callable[..., Any], *args: Any, plugin: str, row: str, timeout: flo
     if not ok:
         raise value
     return value
+
+
+def call_each(fn: Callable[[Any], Any], items: Sequence[Any], *, plugin: str, rows: Sequence[str],
+              timeout: float = 0.0, concurrency: int = 16) -> list[Any]:  # fmt: skip
+    """``fn(item)`` for every item, at most ``concurrency`` at once, the results in item order. A call past ``timeout``
+    seconds (counted from when it started; 0: no limit) is abandoned and its place holds a ``PluginTimeout``; once one
+    has timed out, the items not yet started are given up the same way (every worker may be held by a hung call: a
+    batch pays its timeout once, not once per row). What a call raises or its ``sys.exit`` is a ``PluginError`` naming
+    ``plugin`` and the row (``rows[i]``): no further call is started, and the first in item order is raised once the
+    calls in flight have ended or timed out. With ``concurrency`` 1 and no timeout the calls run here, in order."""
+    if len(rows) != len(items):
+        raise ValueError(f"{len(rows)} row names for {len(items)} items")
+    if concurrency <= 1 and timeout <= 0:
+        return [call(fn, item, plugin=plugin, row=row) for item, row in zip(items, rows, strict=True)]
+    results: list[Any] = [None] * len(items)
+    outcome: queue.SimpleQueue[tuple[int, bool, Any]] = queue.SimpleQueue()
+    running: dict[int, float] = {}  # item → when its call started
+    started, stop = 0, False
+
+    def job(i: int) -> None:
+        try:
+            outcome.put((i, True, _contained(fn, (items[i],), plugin, rows[i])))
+        except BaseException as error:  # PluginError, or KeyboardInterrupt: handed to the caller's thread
+            outcome.put((i, False, error))
+
+    while True:
+        while not stop and started < len(items) and len(running) < max(concurrency, 1):
+            running[started] = time.monotonic()
+            _WORKERS.run(lambda i=started: job(i))
+            started += 1
+        if not running:
+            break
+        wait = None if timeout <= 0 else max(0.0, min(running.values()) + timeout - time.monotonic())
+        try:
+            i, ok, value = outcome.get(timeout=wait)
+        except queue.Empty:  # the oldest calls are past their deadline: abandoned, and the rest given up
+            now = time.monotonic()
+            for i in [i for i, began in running.items() if now - began >= timeout]:
+                del running[i]
+                results[i] = PluginTimeout(plugin, rows[i], timeout)
+            stop = True
+            continue
+        if i not in running:  # the late answer of a call already abandoned
+            continue
+        del running[i]
+        if not ok and not isinstance(value, PluginError):
+            raise value  # KeyboardInterrupt
+        results[i] = value
+        stop = stop or not ok
+    for i in range(started, len(items)):
+        results[i] = PluginTimeout(plugin, rows[i], timeout)
+    failed = next((r for r in results if isinstance(r, PluginError)), None)
+    if failed is not None:
+        raise failed
+    return results
 
 
 class _Workers:
@@ -109,4 +167,4 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
-__all__ = ["PluginError", "PluginTimeout", "call", "describe", "failure"]
+__all__ = ["PluginError", "PluginTimeout", "call", "call_each", "describe", "failure"]

@@ -24,6 +24,7 @@ import math
 import numbers
 import os
 import re
+import struct
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -325,6 +326,37 @@ def read_json_file(
         wanted = " or ".join(_KINDS.get(t, t.__name__) for t in (expect if isinstance(expect, tuple) else (expect,)))
         raise error(f"{where}: holds {_kind(value)} at the top level, not {wanted}")
     return value
+
+
+SAFETENSORS_HEADER_LIMITS = Limits(max_bytes=100 << 20)  # safetensors refuses headers over 100 MB itself
+
+
+def safetensors_problem(path: str | os.PathLike[str]) -> str | None:
+    """None when ``path`` is a whole safetensors file: an 8-byte header length, a JSON header that long, and the
+    bytes every tensor's ``data_offsets`` reach; otherwise what is wrong, in words (truncated, not safetensors)."""
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size < 8:
+                return f"truncated: {size} bytes, less than a header"
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > SAFETENSORS_HEADER_LIMITS.max_bytes:
+                return f"not a safetensors file (its first 8 bytes give a header of {length} bytes)"
+            if 8 + length > size:
+                return f"truncated: its header needs {8 + length} bytes, the file holds {size}"
+            header = parse_json(handle.read(length), where=os.fspath(path), limits=SAFETENSORS_HEADER_LIMITS)
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+    except DataError:
+        return "not a safetensors file (its header is not JSON)"
+    if not isinstance(header, dict):
+        return "not a safetensors file (its header is not a JSON object)"
+    ends = [info.get("data_offsets", [0, 0])[-1] for name, info in header.items()
+            if name != "__metadata__" and isinstance(info, dict)]  # fmt: skip
+    need = 8 + length + max((e for e in ends if isinstance(e, int)), default=0)
+    if need > size:
+        return f"truncated: its tensors need {need} bytes, the file holds {size}"
+    return None
 
 
 def read_bounded_line(handle: IO[bytes], max_bytes: int) -> tuple[bytes, bool]:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from sao.core.errors import ConfigError
+from sao.core.machine import on_terminal
 from sao.model.memory import with_oom_retry
 from sao.model.policy import POLICY_ADAPTER
 from sao.rollout.episodes import render_segments, segments
@@ -125,7 +126,8 @@ def _evaluate_once(
     cut_off = cut_off_credited = 0
     examples: list[dict[str, Any]] = []
     chunks = range(0, len(rows), batch)
-    for c, first in enumerate(tqdm(chunks, desc=f"eval {label}", disable=not progress, leave=False)):
+    bar = progress and on_terminal()  # a bar redraws with \r: only on a terminal, never into a log file
+    for c, first in enumerate(tqdm(chunks, desc=f"eval {label}", disable=not bar, leave=False)):
         chunk = rows[first : first + batch]
         generator = torch.Generator(device=decoder.device).manual_seed(derived_seed(seed, c))
         if episodes is not None:

@@ -33,8 +33,9 @@ import torch
 from torch import nn
 
 from sao.core.errors import ConfigError
-from sao.core.io import OutputError, folder_mode, write_json
-from sao.core.reading import read_json_file
+from sao.core.io import OutputError, folder_mode, follow_umask, os_error_of, output_problem, write_json
+from sao.core.machine import on_terminal, quiet_libraries
+from sao.core.reading import read_json_file, safetensors_problem
 from sao.model.policy import POLICY_ADAPTER, ValueHead, ValueModel, lora_state
 from sao.model.sharding import full
 
@@ -81,6 +82,7 @@ def _staged_folder(final: Path, *, replace: bool) -> Iterator[Path]:
         raise OutputError(f"could not create a folder beside {final}: {error.strerror or error}") from None
     try:
         yield staging
+        follow_umask(staging)  # safetensors writes its files 0o600; everything sao writes follows the umask
         _fsync_tree(staging)
         if final.is_dir() and any(final.iterdir()):
             if not replace:
@@ -95,11 +97,14 @@ def _staged_folder(final: Path, *, replace: bool) -> Iterator[Path]:
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.replace(staging, final)  # onto a missing path or an empty folder
-    except OSError as error:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
-        raise OutputError(f"could not write {final}: {error.strerror or error}") from None
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        # an OS error (a full disk) from Python or from a library's own writer (safetensors): one line naming
+        # ``final``, with what to do about it; anything else is not about the disk and goes on as it is
+        inner = error.__cause__ if isinstance(error, OutputError) else error
+        cause = None if inner is None or isinstance(error, ConfigError) else os_error_of(inner)
+        if cause is not None:
+            raise output_problem(final, cause) from None
         raise
 
 
@@ -263,6 +268,15 @@ def load_value_head(path: str | os.PathLike[str]) -> ValueHead:
     return head
 
 
+def check_adapter_files(adapter_dir: str | os.PathLike[str], fix: str) -> None:
+    """Every safetensors file of an adapter (or full-weight) folder whole (a truncated copy, a disk that filled): a
+    one-line ConfigError naming the file and ending in ``fix``, before any model is loaded."""
+    for file in sorted(Path(adapter_dir).glob("*.safetensors")):
+        problem = safetensors_problem(file)
+        if problem is not None:
+            raise ConfigError(f"{file} is damaged ({problem}); {fix}")
+
+
 def find_adapter_dir(run: str | os.PathLike[str]) -> Path:
     """The adapter folder of ``run``: ``run/adapter`` for a ``sao train`` output folder, or ``run`` itself."""
     run = Path(run)
@@ -290,6 +304,9 @@ def export_model(model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[s
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ConfigError(f"{out_dir} exists and is not empty; pass a new or empty folder for the model")
     written = read_json_file(model_dir / WEIGHTS_INFO, error=ConfigError)
+    check_adapter_files(model_dir, "restore the run's weights folder, or train the run again")
+    if not on_terminal():
+        quiet_libraries()  # transformers' weight-loading bar draws with \r: kept out of a log file
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -353,6 +370,7 @@ def merge(
     as in runs saved before the folder carried one). Returns ``out_dir``.
     """
     from peft import PeftModel
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
@@ -365,6 +383,7 @@ def merge(
     recorded_base = adapter_config.get("base_model_name_or_path")
     if recorded_base is not None and not isinstance(recorded_base, str):
         raise ConfigError(f"{config_file} is malformed (base_model_name_or_path is not a string)")
+    check_adapter_files(adapter_dir, "restore the adapter folder, or train the run again")
     base = base_model_path or recorded_base
     if not base:
         raise ConfigError(f"{config_file} names no base model; pass --base-model PATH")
@@ -373,6 +392,8 @@ def merge(
     if not os.path.isdir(local) and (base.startswith(("/", ".", "~")) or base.count("/") > 1):
         raise ConfigError(f"the base model folder {base!r} does not exist; {hint}")
 
+    if not on_terminal():
+        quiet_libraries()  # transformers' weight-loading bar draws with \r: kept out of a log file
     try:
         base_lm = AutoModelForCausalLM.from_pretrained(local if os.path.isdir(local) else base, dtype="auto")
     except (OSError, ValueError) as error:
@@ -380,7 +401,7 @@ def merge(
     dtype = next(base_lm.parameters()).dtype
     try:
         peft_model = PeftModel.from_pretrained(base_lm, adapter_dir)
-    except (OSError, ValueError, RuntimeError, KeyError) as error:
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as error:
         detail = _first_line(error)
         raise ConfigError(f"the adapter in {adapter_dir} does not fit {base!r} ({detail}); {hint}") from None
     relative_error, lora_layers = _merge_error(peft_model)
@@ -488,5 +509,5 @@ def save_full_weights(
     return path
 
 
-__all__ = ["export_model", "find_adapter_dir", "find_model_dir", "load_value_head", "merge", "save_adapter",
-           "save_full_weights", "save_value_model", "whole_state"]
+__all__ = ["check_adapter_files", "export_model", "find_adapter_dir", "find_model_dir", "load_value_head", "merge",
+           "save_adapter", "save_full_weights", "save_value_model", "whole_state"]

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from sao.core.errors import ConfigError
+from sao.core.machine import on_terminal, quiet_libraries
 from sao.core.registry import MODELS
 
 HUB_PROBE_SECONDS = 3.0  # how long an uncached hub id waits to learn whether the hub can be reached at all
@@ -75,6 +76,8 @@ def load_base(model: str | os.PathLike[str], device: torch.device, dtype: torch.
     if not os.path.isdir(path):
         check_hub_reachable(name)
     dtype = dtype or default_dtype(device)
+    if not on_terminal():
+        quiet_libraries()  # transformers' weight-loading bar draws with \r: kept out of a log file
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

@@ -145,7 +145,53 @@ def checked_step(result, name: str, task: str) -> dict:
                           f"got {preview(observations)}")  # fmt: skip
     if result.get("metadata") is not None and not isinstance(result["metadata"], dict):
         raise PluginError(f"{name} (step) on {task}: metadata must be a dict, got {preview(result['metadata'])}")
-    return {**result, "reward": float(reward), "observations": observations}
+    done = result.get("done", False)  # absent: the episode goes on
+    if not (isinstance(done, bool) or type(done).__name__ == "bool_"):  # a string "false" is not false
+        raise PluginError(f"{name} (step) on {task}: done must be true or false, got {preview(done)}")
+    return {**result, "reward": float(reward), "observations": observations, "done": bool(done)}
+
+
+ENV_METHODS = ("init", "step", "close")
+
+
+def every_row_failed(name: str, rows: int, first: str | None) -> PluginError:
+    """The one line for a batch in which the environment failed on every trajectory before the model could act
+    (building it, ``init``, a hang past --env-timeout): nothing in it to train on or score, so the run stops."""
+    what = f": {first}" if first else ""
+    return PluginError(f"{name} failed on all {rows} trajectories of a batch before the model could act{what}")
+
+
+def check_factory(factory: Any, where: str = "env_factory") -> None:
+    """An environment factory passed in from Python: an environment class, or a callable ``(task_id, fields) ->
+    environment``. An environment itself (an instance: each trajectory needs its own), or anything that cannot be
+    called so, is a TypeError naming ``where``, before a run starts (None: no environment)."""
+    if factory is None:
+        return
+    if not isinstance(factory, type) and all(callable(getattr(factory, m, None)) for m in ENV_METHODS):
+        raise TypeError(f"{where} is an environment (a {type(factory).__qualname__}), not a factory: each trajectory "
+                        f"needs its own; pass its class, {type(factory).__qualname__}, or a function (task_id, fields) "
+                        "-> a new environment")  # fmt: skip
+    if not callable(factory):
+        raise TypeError(f"{where} is {preview(factory)} ({type(factory).__name__}), not callable; pass an environment "
+                        "class or a function (task_id, fields) -> environment")  # fmt: skip
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # some builtins have no signature: trust them
+        return
+    try:
+        signature.bind("task-id", {})
+    except TypeError as error:
+        raise TypeError(f"{where} {getattr(factory, '__qualname__', type(factory).__qualname__)} cannot be called as "
+                        f"(task_id, fields): {error}") from None  # fmt: skip
+
+
+def checked_env(env: Any, name: str, task: str) -> Any:
+    """What a factory built for ``task``: an environment (``init``, ``step`` and ``close``), or an ``EnvFault`` naming
+    the environment and the task (a factory that returned None, a number, ...)."""
+    if isinstance(env, type) or not all(callable(getattr(env, m, None)) for m in ENV_METHODS):
+        raise EnvFault(f"{name} (building it) returned {preview(env)} on {task}; a factory returns an environment "
+                       "with init, step and close")  # fmt: skip
+    return env
 
 
 def tool_count(meta: dict, key: str, name: str, task: str) -> int:

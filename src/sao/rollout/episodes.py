@@ -37,6 +37,7 @@ from sao.rollout.environment import (
     checked_init,
     checked_step,
     encode_bounded,
+    every_row_failed,
     render_observation,
     tool_count,
 )
@@ -170,6 +171,8 @@ def draw_episodes(
                 rollout = _run(session, rows, tokenizer, prompt_ids, prompt_mask, limits, calls, generator, refresh)
         finally:
             session.close()
+        if not bool(rollout.action_mask.any()):  # every row failed before it acted: nothing to train on or score
+            raise every_row_failed(name, len(rows), next((r.fault for r in rows if r.fault), None))
         _tell_faults(rows, name)
         return rollout
     finally:

@@ -193,12 +193,20 @@ class VllmServers(RemoteSettings):
         64, "Requests in flight per vLLM server at most (vLLM batches them continuously).", check=at_least(1)
     )
     vllm_timeout: float = option(
-        120.0, "Seconds a vLLM server may stay unreachable before the run stops with one line.", check=positive
+        120.0,
+        "Seconds a vLLM server may stay unreachable, and the most one request to it may take (connecting, the "
+        "headers and the whole reply), before the run stops with one line.",
+        check=positive,
     )
 
     @property
     def concurrency(self) -> int:
         return self.vllm_concurrency
+
+    @property
+    def client_options(self) -> dict[str, Any]:
+        """How each request honours --vllm-timeout: connecting, the headers and the whole reply."""
+        return {"timeout": self.vllm_timeout, "connect_deadline": self.vllm_timeout, "setting": "--vllm-timeout"}
 
     def connect(self, context: Any) -> Any:
         import logging
@@ -212,7 +220,7 @@ class VllmServers(RemoteSettings):
         urls = [u.strip() for u in (self.vllm_url or "").split(",") if u.strip()]
         resident = max(2, self.vllm_max_loras - 1)  # adapters per server at once (one slot spare)
         if urls:
-            clients = [VllmClient(u, connect_deadline=self.vllm_timeout) for u in urls]
+            clients = [VllmClient(u, **self.client_options) for u in urls]
             remote = sorted({client.url for client in clients if not client.local})
             if remote:  # vLLM loads adapters and weights by path: those servers must see this run's folder
                 logging.getLogger("sao.rollout").warning(
@@ -241,7 +249,7 @@ class VllmServers(RemoteSettings):
             )
             for i in range(self.vllm_servers)
         ]
-        options = {"connect_deadline": self.vllm_timeout}
+        options = self.client_options
         return Connection([], servers, max_model_len=max_len, resident_adapters=resident, client_options=options,
                           load_weights=reload_into)  # fmt: skip
 

@@ -48,9 +48,11 @@ from sao.rollout.environment import (
     EnvCalls,
     EnvFault,
     check_env,
+    checked_env,
     checked_init,
     checked_step,
     encode_bounded,
+    every_row_failed,
     render_observation,
     tool_count,
 )
@@ -251,6 +253,7 @@ class Drawn:
     unfinished: bool = False
     faults: int = 0  # 1: the environment raised, ran past --env-timeout, or answered what sao cannot use or fit
     timed_out: bool = False  # the fault was a call past --env-timeout
+    fault: str | None = None  # what ended it by a fault: one line naming the environment and the task
     context_cut: bool = False  # ended because the server's context (max_model_len) was full
     seq: int = 0
     deadline: int = 0
@@ -325,11 +328,13 @@ class Drawing:
 
         def fault(error: BaseException | str) -> Drawn:  # the trajectory ends here, counted
             d.faults, d.unfinished, d.timed_out = 1, True, bool(getattr(error, "timed_out", False))
+            d.fault = str(error)
             log.warning("%s", error)
             return d
 
         try:
-            env = calls.call(e.env_factory, task_id, e.fields[task_id], task=task_id, what="building it")
+            env = checked_env(calls.call(e.env_factory, task_id, e.fields[task_id], task=task_id, what="building it"),
+                              env_name, task_id)  # fmt: skip
         except EnvFault as error:
             d.prompt = self.prompt_ids(task_id)
             return fault(error)
@@ -418,7 +423,11 @@ class Drawing:
                 log.warning("%s", error)
 
     def rollout(self, rows: Sequence[Drawn]) -> Rollout:
-        """The trajectories as the trainer's batch: prompts left-padded, responses right-padded."""
+        """The trajectories as the trainer's batch: prompts left-padded, responses right-padded. A batch in which no
+        trajectory got to act (its environment failed on every one before the first action) is one line naming the
+        environment: there is nothing in it to train on."""
+        if self.episodes is not None and rows and not any(any(d.action) for d in rows):
+            raise every_row_failed(self.env_calls.name, len(rows), next((d.fault for d in rows if d.fault), None))
         B, P = len(rows), max(len(d.prompt) for d in rows)
         R = max(max(len(d.response) for d in rows), 1)
         pad = self.tokenizer.pad_token_id

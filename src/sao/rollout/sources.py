@@ -37,7 +37,7 @@ from sao.core.names import POLICY
 from sao.model.policy import Models, lora_state
 from sao.model.sharding import gathered
 from sao.rollout.engine import Engine
-from sao.rollout.environment import EnvCalls, EnvFactory, EnvFault, Message
+from sao.rollout.environment import EnvCalls, EnvFactory, EnvFault, Message, checked_env
 from sao.rollout.episodes import DEFAULT_CONCURRENCY, draw_episodes
 from sao.rollout.sampler import SAMPLER_ADAPTER, PlainDecoder, StaleSampler, decode, derived_seed, encode_prompts
 from sao.rollout.types import Batch, Decoder, Ranks, Rollout, Sampling
@@ -147,7 +147,8 @@ def draw_episode_batch(
     try:
         for i in task_ids:  # built under the same containment and timeout as every later call
             try:
-                envs.append(builder.call(episodes.env_factory, i, episodes.fields[i], task=i, what="building it"))
+                env = builder.call(episodes.env_factory, i, episodes.fields[i], task=i, what="building it")
+                envs.append(checked_env(env, episodes.name, i))
             except EnvFault as fault:
                 envs.append(fault)  # the row ends before it acts, counted
     finally:

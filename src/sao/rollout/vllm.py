@@ -5,7 +5,8 @@
                    log_softmax(logits / T) at the sampled token, the footing sao's ratio needs; stdout and stderr go
                    to a log file; ``start`` waits for ``/health``; ``stop`` ends the whole process group
     VllmClient     ``/health``, ``/v1/models``, runtime adapter load / unload, and ``complete``: a token-id prompt in,
-                   token ids and one log-prob per completion token out, every reply checked; the development
+                   token ids and one log-prob per completion token out, every reply checked, each call within its
+                   ``timeout`` (connect, headers and body) and its reply within a size bound; the development
                    routes a full-weight reload goes through (``sao.rollout.vllm_weights`` strings them together)
     complete_many  many completions at once from a bounded pool of threads (vLLM batches them continuously)
 
@@ -50,10 +51,42 @@ COMPILE_MODES: dict[str, tuple[str, ...]] = {
 }
 FINISH_REASONS = ("stop", "length")
 REPLY_LIMITS = Limits(max_bytes=256 << 20)  # a reply of the vLLM server: token ids and log-probs of a batch
+MAX_REPLY_BYTES = 16 << 20  # the most a reply other than a completion may hold (a model list, an error)
+REPLY_BYTES_PER_TOKEN = 4 << 10  # a completion's reply: its prompt echoed, and each token's id, text and log-prob
 
 
 class VllmError(SaoError):
-    """The vLLM server could not be started, reached, or refused a request; the message is one line."""
+    """The vLLM server could not be started, reached, or refused a request; the message is one line. ``status``: the
+    HTTP status of a refusal (None when there was no reply)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class _Late(Exception):
+    """A call ran past its deadline (the watchdog closed its socket)."""
+
+
+class _Watchdog:
+    """Ends a call at its deadline whatever it is waiting for (connect, headers, a body that trickles): the socket
+    is shut down, so the read that blocks returns at once."""
+
+    def __init__(self, connection: http.client.HTTPConnection, seconds: float):
+        self.connection, self.fired = connection, False
+        self.timer = threading.Timer(max(seconds, 0.0), self._fire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _fire(self) -> None:
+        self.fired = True
+        sock = self.connection.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def cancel(self) -> None:
+        self.timer.cancel()
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -120,10 +153,13 @@ class VllmClient:
     """A client for one vLLM OpenAI-compatible server at ``url``.
 
     Every request retries connection failures until ``connect_deadline`` seconds have passed since it began, then
-    raises one ``VllmError`` naming the URL; ``timeout`` bounds each attempt. ``alive`` (a server sao started):
-    once it says the process is gone, a connection failure is raised at once instead of waited out. Each thread keeps
-    its connection open between requests (HTTP keep-alive: no connect per completion). No proxy is ever used (the
-    server is local), whatever the environment says.
+    raises one ``VllmError`` naming the URL. ``timeout`` bounds each attempt as a whole: connecting, the headers and
+    the whole body (a server that accepts and never answers, or answers a byte at a time, is given up on then, with
+    one line, never retried); a reply is read to a bound on its size (``MAX_REPLY_BYTES``, more for a completion in
+    proportion to its tokens), never whole when it is endless. ``setting``: the flag that sets ``timeout``, named in
+    that line. ``alive`` (a server sao started): once it says the process is gone, a connection failure is raised at
+    once instead of waited out. Each thread keeps its connection open between requests (HTTP keep-alive: no connect
+    per completion). No proxy is ever used (the server is local), whatever the environment says.
     """
 
     def __init__(
@@ -133,9 +169,11 @@ class VllmClient:
         timeout: float = 300.0,
         connect_deadline: float = 30.0,
         alive: Callable[[], bool] | None = None,
+        setting: str | None = None,
     ):
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.setting = setting
         self.connect_deadline = connect_deadline
         self.alive = alive
         parts = urllib.parse.urlsplit(self.url)
@@ -164,41 +202,91 @@ class VllmClient:
         if connection is not None:
             connection.close()
 
-    def _exchange(self, method: str, path: str, data: bytes | None, headers: dict[str, str]) -> tuple[int, bytes]:
-        """One request on this thread's connection. A connection the server closed while it lay idle (its
-        keep-alive ran out) fails before any reply: that is tried once more on a new connection."""
+    def _exchange(self, method: str, path: str, data: bytes | None, headers: dict[str, str],
+                  limit: int) -> tuple[int, bytes]:  # fmt: skip
+        """One request on this thread's connection, connecting, sending and reading the whole reply within
+        ``timeout`` seconds (``_Late`` past it) and at most ``limit`` bytes of body. A connection the server closed
+        while it lay idle (its keep-alive ran out) fails before any reply: that is tried once more on a new one."""
         for attempt in (0, 1):
             connection = self._connection()
             reused = connection.sock is not None
+            connection.timeout = self.timeout  # a fresh connection's connect; the watchdog bounds the whole call
+            if reused:
+                connection.sock.settimeout(self.timeout)
+            watchdog = _Watchdog(connection, self.timeout)
             try:
                 connection.request(method, self._prefix + path, body=data, headers=headers)
                 response = connection.getresponse()
-                status, raw = response.status, response.read()
+                status, raw = response.status, self._body(response, path, limit)
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 self._drop_connection()
+                if watchdog.fired:
+                    raise _Late() from None
                 if reused and attempt == 0:
                     continue
+                raise
+            except (OSError, http.client.HTTPException) as error:
+                connected = connection.sock is not None  # a timeout after connecting: the server is there, silent
+                self._drop_connection()
+                if watchdog.fired or (isinstance(error, TimeoutError) and connected):
+                    raise _Late() from None
+                if isinstance(error, http.client.HTTPException):  # garbage where a status line or body should be
+                    raise VllmError(f"vLLM server at {self.url} sent a malformed reply to {path} "
+                                    f"({_one_line(repr(error))}); is it a vLLM server?") from None  # fmt: skip
                 raise
             except BaseException:
                 self._drop_connection()
                 raise
+            finally:
+                watchdog.cancel()
+            if watchdog.fired:  # the reply ended because its socket was closed at the deadline
+                self._drop_connection()
+                raise _Late()
             if response.will_close:
                 self._drop_connection()
             return status, raw
         raise AssertionError("unreachable")
 
+    def _body(self, response: http.client.HTTPResponse, path: str, limit: int) -> bytes:
+        """The reply's body, read in pieces up to ``limit`` bytes: a longer one (or one that says it is) is one line,
+        never held whole."""
+        declared = response.length
+        if declared is not None and declared > limit:
+            raise VllmError(f"vLLM server at {self.url} sent a reply of {declared} bytes to {path}, more than the "
+                            f"{limit} bytes such a reply can need; is it a vLLM server?")  # fmt: skip
+        pieces, size = [], 0
+        while True:
+            piece = response.read(1 << 16)
+            if not piece:
+                return b"".join(pieces)
+            size += len(piece)
+            if size > limit:
+                self._drop_connection()
+                raise VllmError(f"vLLM server at {self.url} sent a reply to {path} longer than the {limit} bytes such "
+                                "a reply can need; is it a vLLM server?")  # fmt: skip
+            pieces.append(piece)
+
+    def _late(self, path: str) -> VllmError:
+        flag = f" ({self.setting})" if self.setting else ""
+        return VllmError(f"vLLM server at {self.url} did not answer {path} within {self.timeout:g} s{flag}; is it "
+                         "overloaded or stuck?")  # fmt: skip
+
     def _request(
-        self, method: str, path: str, body: Mapping[str, Any] | None = None, *, deadline: float | None = None
-    ) -> tuple[int, Any]:
-        """(status, decoded JSON or text). HTTP error statuses are returned; connection failures are retried."""
+        self, method: str, path: str, body: Mapping[str, Any] | None = None, *, deadline: float | None = None,
+        limit: int = MAX_REPLY_BYTES,
+    ) -> tuple[int, Any]:  # fmt: skip
+        """(status, decoded JSON or text). HTTP error statuses are returned; connection failures are retried; a call
+        past ``timeout`` is one ``VllmError``, not retried (the server got the request)."""
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if body is not None else {}
         wait = self.connect_deadline if deadline is None else deadline
         give_up, pause = time.monotonic() + wait, 0.1
         while True:
             try:
-                status, raw = self._exchange(method, path, data, headers)
+                status, raw = self._exchange(method, path, data, headers, limit)
                 break
+            except _Late:
+                raise self._late(path) from None
             except OSError as error:  # refused, reset, timed out, unresolvable: the server is not (yet) there
                 reason = error
                 if self.alive is not None and not self.alive():
@@ -235,11 +323,15 @@ class VllmClient:
         """The names the server answers to: the base model (its path or ``--served-model-name``), then adapters."""
         status, reply = self._request("GET", "/v1/models")
         if status != 200:
-            raise VllmError(f"vLLM server at {self.url} refused /v1/models: {self._reason(reply)}")
+            raise VllmError(f"vLLM server at {self.url} refused /v1/models: {self._reason(reply)}", status)
         try:
-            return [str(card["id"]) for card in reply["data"]]
+            names = [str(card["id"]) for card in reply["data"]]
         except (KeyError, TypeError) as error:
             raise DataError(f"vLLM /v1/models reply has no data[].id ({_one_line(error)})") from None
+        if not names:
+            raise VllmError(f"vLLM server at {self.url} lists no model (/v1/models is empty); start it with --model, "
+                            "or wait until it has loaded one")  # fmt: skip
+        return names
 
     def load_adapter(self, name: str, path: str | os.PathLike[str], *, load_inplace: bool = False) -> None:
         """Load a PEFT adapter folder under ``name`` (``load_inplace``: replace the weights of a loaded ``name``).
@@ -253,14 +345,14 @@ class VllmClient:
         if status != 200:
             where = "" if self.local else " (the server reads it on its own node: is it on a filesystem both share?)"
             raise VllmError(
-                f"vLLM refused to load adapter {name!r} from {os.fspath(path)}: {self._reason(reply)}{where}"
+                f"vLLM refused to load adapter {name!r} from {os.fspath(path)}: {self._reason(reply)}{where}", status
             )
 
     def unload_adapter(self, name: str) -> None:
         """Unload adapter ``name``; one ``VllmError`` with vLLM's reason when it is not loaded."""
         status, reply = self._request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
         if status != 200:
-            raise VllmError(f"vLLM refused to unload adapter {name!r}: {self._reason(reply)}")
+            raise VllmError(f"vLLM refused to unload adapter {name!r}: {self._reason(reply)}", status)
 
     def complete(
         self,
@@ -300,9 +392,10 @@ class VllmClient:
         }
         if seed is not None:
             body["seed"] = int(seed)
-        status, reply = self._request("POST", "/v1/completions", body)
+        limit = MAX_REPLY_BYTES + REPLY_BYTES_PER_TOKEN * (len(prompt) + int(max_tokens))
+        status, reply = self._request("POST", "/v1/completions", body, limit=limit)
         if status != 200:
-            raise VllmError(f"vLLM refused a completion for {model!r}: {self._reason(reply)}")
+            raise VllmError(f"vLLM refused a completion for {model!r}: {self._reason(reply)}", status)
         return parse_completion(reply, prompt, max_tokens=int(max_tokens))
 
     # -- full weights: vLLM's development routes (the server runs with VLLM_SERVER_DEV_MODE=1) ---------------

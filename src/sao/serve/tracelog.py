@@ -75,7 +75,7 @@ class TraceLog:
         check_free(self.path)  # not a FIFO or a device: opening one for writing could block or discard
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o666)
         except OSError as error:
             raise ConfigError(f"cannot open the trace log {self.path}: {error.strerror or error}") from None
         try:

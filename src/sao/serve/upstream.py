@@ -10,7 +10,8 @@ loads it again otherwise: the same watcher drives both servers. A published full
 safetensors shards, no adapter_config.json) is reloaded into vLLM in place (``sao.rollout.vllm_weights``: the
 server runs with VLLM_SERVER_DEV_MODE=1 and reads the folder itself) and replies go to the base model's name; the
 swap waits for the replies in flight and holds new ones back until it is done, so each reply records the version
-whose weights drew it.
+whose weights drew it. A vLLM that restarts forgets every adapter loaded into it: the first request it answers
+"no such model" loads the served one again (once) and is sent again. Every call honours ``--upstream-timeout``.
 
 Deliberately left out: launching vLLM (start it, or let ``sao train --rollout vllm --vllm-launch`` do so) and
 checking that the server logs processed log-probs (the trainer's footing audit does, before any step trains).
@@ -80,7 +81,8 @@ class UpstreamPolicy:
 
         self.config, self.url, self.keep = config, url, keep
         self.tokenizer = AutoTokenizer.from_pretrained(model_path(config.model.name))
-        self.client = VllmClient(url, connect_deadline=config.serve.upstream_timeout)
+        wait = config.serve.upstream_timeout
+        self.client = VllmClient(url, timeout=wait, connect_deadline=wait, setting="--upstream-timeout")
         models = self.client.models()
         self.base = models[0]  # vLLM lists the base model first
         self.tag = "serve-" + hashlib.sha256(f"{url}:{os.getpid()}:{time.time()}".encode()).hexdigest()[:8]
@@ -88,6 +90,7 @@ class UpstreamPolicy:
         self.gate = SwapGate()  # full-weight swaps: no reply in flight while the weights change
         self.model = model_path(config.model.name)
         self.weights: WeightFolder | None = None  # the full weights vLLM holds, once a version was swapped in
+        self.reload_lock = threading.Lock()  # one reload after a restart, whoever finds it first
         self.version, self.adapter, self.name = 0, "initial", self.base
         self.loaded: list[str] = []
         self.eos = sorted({i for i in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id) if i is not None}
@@ -101,8 +104,15 @@ class UpstreamPolicy:
         with self.gate.reply():
             with self.lock:
                 name, version, adapter = self.name, self.version, self.adapter
-            reply = self.client.complete(prompt_ids, model=name, max_tokens=max_tokens, temperature=temperature,
-                                         seed=seed, stop_token_ids=self.eos)  # fmt: skip
+            try:
+                reply = self.client.complete(prompt_ids, model=name, max_tokens=max_tokens, temperature=temperature,
+                                             seed=seed, stop_token_ids=self.eos)  # fmt: skip
+            except VllmError as error:
+                if name == self.base or not _unknown_model(error):
+                    raise
+                self._load_again(name, adapter)  # the server restarted and forgot it: loaded again, the request resent
+                reply = self.client.complete(prompt_ids, model=name, max_tokens=max_tokens, temperature=temperature,
+                                             seed=seed, stop_token_ids=self.eos)  # fmt: skip
         return Completion(
             prompt_token_ids=list(reply.prompt_token_ids),
             completion_token_ids=list(reply.completion_token_ids),
@@ -112,6 +122,17 @@ class UpstreamPolicy:
             policy_version=version,
             adapter=adapter,
         )
+
+    def _load_again(self, name: str, folder: str) -> None:
+        """Load adapter ``name`` from ``folder`` into the server again, unless it already holds it (another request
+        got here first); what it no longer holds is forgotten here too."""
+        with self.reload_lock:
+            held = set(self.client.models())
+            if name not in held:
+                self.client.load_adapter(name, folder)
+                held.add(name)
+            with self.lock:
+                self.loaded = [n for n in self.loaded if n in held]
 
     def take(self, folder: Path, version: int) -> None:
         """Serve the adapter or the full weights in ``folder`` as ``version`` from the next request on (vLLM reads
@@ -137,3 +158,8 @@ class UpstreamPolicy:
 
     def describe(self) -> dict[str, Any]:
         return {"upstream": self.url, "base": self.base}
+
+
+def _unknown_model(error: VllmError) -> bool:
+    """Whether vLLM refused a request for naming a model it does not hold (its 404 "The model ... does not exist")."""
+    return error.status == 404 or "does not exist" in str(error)

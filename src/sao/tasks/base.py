@@ -7,7 +7,9 @@ task's fields (``id``, ``question``, ``answer`` and whatever the record held), o
 ``reward(completions, rows) -> list[float]`` (first parameter named ``completions``, or ``fn.batched = True``),
 sync or ``async``. Every value it returns is checked by the one rule for rewards (``sao.core.reading``); what it
 raises (``SystemExit`` too) is a one-line error naming the reward and the row, and a call past its timeout scores
-its rows 0 as cut trajectories, counted (``sao.core.plugins``).
+its rows 0 as cut trajectories, counted (``sao.core.plugins``). A per-completion reward scores a batch's rows
+concurrently (``concurrency`` calls at once, as environment steps run), so one that hangs costs its timeout once per
+batch, not once per row.
 
 Deliberately left out: loading (each source loads its own: ``gsm8k``, ``custom``, ``sao.tiny``) and drawing.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,7 +131,7 @@ class Scorer:
 
     def __init__(
         self, reward: Callable[..., Any], *, truncated_reward: str = "zero", name: str | None = None,
-        timeout: float = 0.0,
+        timeout: float = 0.0, concurrency: int = 16,
     ):  # fmt: skip
         if not callable(reward):
             raise ConfigError(f"a reward must be callable, got {preview(reward)}")
@@ -138,6 +141,7 @@ class Scorer:
         self.name = name or _name_of(reward)
         self.batched = is_batched(reward)
         self.timeout = timeout  # seconds per call (a batch, for a batched reward); 0: no limit
+        self.concurrency = max(1, int(concurrency))  # per-completion calls in flight at once
 
     def score(self, completions: Sequence[str], rows: Sequence[dict[str, Any]]) -> list[float]:
         """The reward of each completion against its row (no cut-off rule applied). A reward that raises or exits
@@ -175,18 +179,12 @@ class Scorer:
                 raise ConfigError(f"reward {self.name} returned {preview(values)} for {len(rows)} completions; a "
                                   "batched reward returns one number per completion")  # fmt: skip
             return [self._checked(v, row) for v, row in zip(values, rows, strict=True)], [False] * len(rows)
-        out, timed_out = [], []
-        for completion, row in zip(completions, rows, strict=True):
-            try:
-                value = plugins.call(lambda c=completion, r=row: _run(self.reward(c, r)), plugin=plugin,
-                                     row=str(row.get("id", "a row")), timeout=self.timeout)  # fmt: skip
-            except PluginTimeout:
-                out.append(0.0)
-                timed_out.append(True)
-                continue
-            out.append(self._checked(value, row))
-            timed_out.append(False)
-        return out, timed_out
+        # one call per completion, ``concurrency`` at once: a reward that hangs on every row costs one timeout a batch
+        values = plugins.call_each(lambda pair: _run(self.reward(*pair)), list(zip(completions, rows, strict=True)),
+                                   plugin=plugin, rows=[str(row.get("id", "a row")) for row in rows],
+                                   timeout=self.timeout, concurrency=self.concurrency)  # fmt: skip
+        late = [isinstance(v, PluginTimeout) for v in values]
+        return [0.0 if t else self._checked(v, row) for v, t, row in zip(values, late, rows, strict=True)], late
 
     def cut_off(self, scores: Sequence[float], cut: Sequence[bool]) -> tuple[list[float], dict[str, int]]:
         """The cut-off rule, the one place it is written: a reply cut at the token limit without finishing scores 0
@@ -252,8 +250,17 @@ def _run(value: Any) -> Any:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(_awaited(value))
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, _awaited(value)).result()
+    # a daemon thread of its own (a pool's thread is joined at exit: an abandoned call would keep the process alive)
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def work() -> None:
+        try:
+            done.set_result(asyncio.run(_awaited(value)))
+        except BaseException as error:
+            done.set_exception(error)
+
+    threading.Thread(target=work, name="sao-reward-loop", daemon=True).start()
+    return done.result()
 
 
 async def _awaited(value: Any) -> Any:

@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 DEFAULT_PROMPT_FIELD = "question"
+ROW_PROMPT_FIELD = "prompt"  # rows passed in from Python: the prompt's text or its chat messages
 DEFAULT_ANSWER_FIELD = "answer"
 FILE_SUFFIXES = (".jsonl", ".parquet")
 RECORD_LIMITS = Limits(max_bytes=16 << 20)  # one record of --data: a prompt, an answer and its fields
@@ -538,16 +539,21 @@ def load_custom(
 # --- rows given as objects ------------------------------------------------------------------------------------
 
 
-def from_rows(dataset: Any, *, n_train: int, n_test: int, seed: int) -> TaskSet:
+def from_rows(dataset: Any, *, n_train: int, n_test: int, seed: int, prompt_field: str | None = None,
+              answer_field: str | None = None, messages_field: str | None = None) -> TaskSet:  # fmt: skip
     """A task set from rows given in Python: a list of dicts (every row a training prompt; no held-out tasks), a
     mapping ``{"train": rows, "test": rows}``, or a Hugging Face ``Dataset`` / ``DatasetDict`` of the same. A row is
     a dict with a ``prompt`` (text, or chat messages as a list of ``{"role", "content"}``) and any other fields
-    (``answer`` for the default reward); its fields reach the reward and the environment as they are. Up to
+    (``answer`` for the default reward); its fields reach the reward and the environment as they are. The fields are
+    named as ``--data`` names them: ``prompt_field`` (default ``prompt``), ``messages_field`` (chat messages instead
+    of the prompt) and ``answer_field`` (default ``answer``), dotted paths into nested objects allowed. Up to
     ``n_train`` training rows are used (in order; a held-out set is decontaminated against them first), ``n_test``
     held-out ones drawn with ``random.Random(seed)``. The prompt is sent as given: no instruction is added."""
+    fields = _field_names(prompt_field, answer_field, messages_field)
+    fields = dataclasses.replace(fields, prompt=prompt_field or ROW_PROMPT_FIELD)
     splits = _splits(dataset)
-    train = [_row_task(row, f"rows/train/{i}") for i, row in enumerate(splits["train"])]
-    test = [_row_task(row, f"rows/test/{i}") for i, row in enumerate(splits.get("test", []))]
+    train = [_row_task(row, f"rows/train/{i}", fields) for i, row in enumerate(splits["train"])]
+    test = [_row_task(row, f"rows/test/{i}", fields) for i, row in enumerate(splits.get("test", []))]
     if not train:
         raise DataError("the dataset has no rows to train on")
     test = _sample(test, min(n_test, len(test)), random.Random(seed)) if test else []
@@ -574,19 +580,46 @@ def _splits(dataset: Any) -> dict[str, list[Any]]:
                       f"path, got {type(dataset).__name__}")  # fmt: skip
 
 
-def _row_task(row: Any, task_id: str) -> Task:
+def _row_task(row: Any, task_id: str, fields: _Fields | None = None) -> Task:
+    fields = fields or _Fields(prompt=ROW_PROMPT_FIELD, answer=DEFAULT_ANSWER_FIELD, messages=None)
     where = f"dataset row {task_id.rsplit('/', 2)[1]} {task_id.rsplit('/', 1)[1]}"
     if not isinstance(row, Mapping):
-        raise DataError(f"{where}: expected a dict with a 'prompt', got {type(row).__name__}")
-    prompt = _get(row, "prompt", where, "a 'prompt' key")
+        raise DataError(f"{where}: expected a dict with a {fields.messages or fields.prompt!r}, got "
+                        f"{type(row).__name__}")  # fmt: skip
     messages = None
-    if isinstance(prompt, str):
-        question = _text(prompt, where, "prompt")
+    if fields.messages:
+        messages, question = _messages(_get(row, fields.messages, where, "messages_field"), where, fields.messages)
     else:
-        messages, question = _messages(prompt, where, "prompt")
-    answer = row.get("answer")
-    answer = "" if answer is None else _answer(answer, where, "answer")
+        if fields.prompt not in row and "." not in fields.prompt:
+            raise DataError(_no_prompt(row, where, fields.prompt))
+        prompt = _get(row, fields.prompt, where, "prompt_field")
+        if isinstance(prompt, str):
+            question = _text(prompt, where, fields.prompt)
+        else:
+            messages, question = _messages(prompt, where, fields.prompt)
+    answer = row[fields.answer] if fields.answer in row else _get_or_none(row, fields.answer)  # optional for rows
+    answer = "" if answer is None else _answer(answer, where, fields.answer)
     return Task(id=task_id, question=question, answer=answer, fields=dict(row), messages=messages)
+
+
+def _get_or_none(row: Mapping[str, Any], path: str) -> Any:
+    """The value at a dotted path into a row, or None where the path ends (the answer is optional for rows)."""
+    value: Any = row
+    for part in path.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _no_prompt(row: Mapping[str, Any], where: str, name: str) -> str:
+    """A row without its prompt: what it has, that the prompt's text or its chat messages go under ``name``, and
+    the field that would name a list of chat messages the row does hold."""
+    chat = next((k for k, v in row.items() if isinstance(k, str) and isinstance(v, list | tuple) and v
+                 and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in v)), None)  # fmt: skip
+    hint = f"; or name the field that holds them: messages_field={chat!r}" if chat is not None else ""
+    return (f"{where}: no {name!r} field (the record has: {_listing(row)}); the prompt goes there, as text or as chat "
+            f"messages (a list of {{'role', 'content'}}){hint}")
 
 
 # --- your reward and your environment --------------------------------------------------------------------
@@ -671,14 +704,15 @@ def _resolve(spec: str, flag: str, what: str) -> Any:
 
 def _import(module_name: str, spec: str, flag: str) -> ModuleType:
     """importlib.import_module, then, only if the module itself was not found, once more with the current
-    directory appended to sys.path (removed again if that does not help)."""
+    directory appended to sys.path (removed again if that does not help). A module that raises or calls
+    ``sys.exit`` while it is imported is one ConfigError naming it."""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if not _is_missing(e, module_name):
-            raise ConfigError(f"{flag} {spec!r}: importing {module_name!r} failed ({_first_line(e)})") from None
-    except Exception as e:  # a syntax error, or the module raising while it runs
-        raise ConfigError(f"{flag} {spec!r}: importing {module_name!r} failed ({_first_line(e)})") from None
+            raise _import_failed(e, module_name, spec, flag) from None
+    except (Exception, SystemExit) as e:  # a syntax error, or the module raising or exiting while it runs
+        raise _import_failed(e, module_name, spec, flag) from None
     cwd = os.getcwd()
     if any(os.path.abspath(entry or os.curdir) == cwd for entry in sys.path):
         raise ConfigError(f"{flag} {spec!r}: no module named {module_name!r} (not in {cwd} nor on sys.path)")
@@ -692,10 +726,23 @@ def _import(module_name: str, spec: str, flag: str) -> ModuleType:
             raise ConfigError(
                 f"{flag} {spec!r}: no module named {module_name!r} (not in {cwd} nor on sys.path)"
             ) from None
-        raise ConfigError(f"{flag} {spec!r}: importing {module_name!r} failed ({_first_line(e)})") from None
-    except Exception as e:
+        raise _import_failed(e, module_name, spec, flag) from None
+    except (Exception, SystemExit) as e:
         sys.path.remove(cwd)
-        raise ConfigError(f"{flag} {spec!r}: importing {module_name!r} failed ({_first_line(e)})") from None
+        raise _import_failed(e, module_name, spec, flag) from None
+
+
+def import_plugin_module(module_name: str, spec: str, flag: str) -> ModuleType:
+    """The module a plug-in spec names, found as ``--reward``/``--env module:Class`` find theirs (the current
+    directory as a last resort); every failure one ConfigError naming ``flag`` and ``spec``."""
+    return _import(module_name, spec, flag)
+
+
+def _import_failed(error: BaseException, module_name: str, spec: str, flag: str) -> ConfigError:
+    if isinstance(error, SystemExit):
+        return ConfigError(f"{flag} {spec!r}: importing {module_name!r} called sys.exit({error.code!r}); a plug-in "
+                           "module must not exit when it is imported")  # fmt: skip
+    return ConfigError(f"{flag} {spec!r}: importing {module_name!r} failed ({_first_line(error)})")
 
 
 def _is_missing(error: ModuleNotFoundError, module_name: str) -> bool:

@@ -17,7 +17,6 @@ configuration files (an environment reads what it needs from the task's fields).
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from sao.core.errors import ConfigError
@@ -97,14 +96,9 @@ def _skyrl_factory(env_id: str, max_turns: int) -> EnvFactory:
         from skyrl_gym.envs.registration import registry
     except ImportError:
         raise ConfigError(f"--env skyrl:{given} needs SkyRL-Gym: pip install 'sao[agents]'") from None
-    if ":" in env_id:
+    if ":" in env_id:  # found as --env module:Class finds its module (the working folder last), failures one line
         module, env_id = env_id.rsplit(":", 1)
-        try:
-            importlib.import_module(module)
-        except Exception as error:  # its import failing is the user's module's error, said in one line
-            first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-            raise ConfigError(f"--env skyrl:{given}: importing {module!r} failed ({type(error).__name__}: {first})"
-                              ) from None  # fmt: skip
+        custom.import_plugin_module(module, f"skyrl:{given}", "--env")
     if env_id not in registry:
         known = ", ".join(sorted(registry)[:12])
         raise ConfigError(f"--env skyrl:{env_id}: SkyRL-Gym has no such environment (it has {known}, ...)")

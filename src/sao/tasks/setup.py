@@ -19,7 +19,7 @@ from typing import Any
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.registry import TASK_SETS
-from sao.rollout.environment import EnvFactory
+from sao.rollout.environment import EnvFactory, check_factory
 from sao.rollout.sources import Episodes
 from sao.rollout.types import Sampling
 from sao.tasks import custom, environments, gsm8k
@@ -32,7 +32,9 @@ def task_set(config: Config, dataset: Any = None) -> TaskSet:
     dataset, or a path read as ``--data``), else what ``--data`` names."""
     d = config.data
     if dataset is not None and not isinstance(dataset, str | Path):
-        return custom.from_rows(dataset, n_train=d.train_prompts, n_test=d.test_prompts, seed=d.data_seed)
+        return custom.from_rows(dataset, n_train=d.train_prompts, n_test=d.test_prompts, seed=d.data_seed,
+                                prompt_field=d.prompt_field, answer_field=d.answer_field,
+                                messages_field=d.messages_field)  # fmt: skip
     name = str(dataset) if dataset is not None else d.dataset
     if name in TASK_SETS:
         given = [f for f, v in (("--prompt-field", d.prompt_field), ("--answer-field", d.answer_field),
@@ -55,7 +57,9 @@ def scorer(config: Config, tasks: TaskSet | None = None, reward_fn: Callable[...
         reward, name = custom.load_reward(config.data.reward), config.data.reward
     if reward is None:
         reward = (tasks.reward if tasks is not None else None) or gsm8k.reward
-    return Scorer(reward, truncated_reward=config.data.truncated_reward, name=name, timeout=config.data.reward_timeout)
+    d = config.data
+    return Scorer(reward, truncated_reward=d.truncated_reward, name=name, timeout=d.reward_timeout,
+                  concurrency=d.reward_concurrency)  # fmt: skip
 
 
 @dataclass
@@ -103,6 +107,7 @@ def parts(
 ) -> TaskParts:
     """The scorer, the environment (the factory you pass, else ``--env``) and the training prompts of ``tasks``;
     ``eos_token_ids``: the model's (default: the tokenizer's EOS)."""
+    check_factory(env_factory)  # an environment instance, or something that cannot build one: a TypeError now
     factory = env_factory
     if factory is None:
         factory = environments.env_factory(config.data.env, tokenizer, config.rollout.max_turns)

@@ -28,7 +28,8 @@ import torch
 
 from sao.core import hashing
 from sao.core.errors import DataError
-from sao.core.io import folder_mode
+from sao.core.io import folder_mode, follow_umask
+from sao.core.machine import on_terminal
 from sao.rollout.sampler import decode, draw, encode_prompts
 from sao.tasks.base import Task, TaskSet
 from sao.tasks.gsm8k import format_prompt, grading
@@ -234,6 +235,7 @@ def ensure_model(settings: WarmStart = WarmStart(), progress: bool = True) -> Pa
     os.chmod(scratch, folder_mode())  # the cached model folder keeps the user's umask, not mkdtemp's 0o700
     try:
         build_from_shipped(settings, scratch)
+        follow_umask(scratch)  # safetensors writes 0o600: the cache follows the umask as other files do
         try:
             os.rename(scratch, target)
         except OSError:  # another process finished first: theirs is as good as ours
@@ -323,7 +325,7 @@ def train_warm_start(settings: WarmStart, out: Path, progress: bool = True) -> N
     losses = []
     start = time.time()
     model.train()
-    for _ in tqdm(range(settings.steps), desc="tiny warm start", disable=not progress, leave=False):
+    for _ in tqdm(range(settings.steps), desc="tiny warm start", disable=not (progress and on_terminal()), leave=False):
         rows, labels = [], []
         for task in rng.choices(tasks, k=settings.batch_size):
             p = prompts[task.id]

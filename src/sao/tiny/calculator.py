@@ -30,7 +30,8 @@ import torch
 
 from sao.core import hashing
 from sao.core.errors import DataError
-from sao.core.io import folder_mode
+from sao.core.io import folder_mode, follow_umask
+from sao.core.machine import on_terminal
 from sao.rollout.environment import EnvFactory, render_observation
 from sao.rollout.sampler import draw
 from sao.tasks.base import Task, TaskSet
@@ -352,6 +353,7 @@ def ensure_calc_model(settings: CalcWarmStart = CalcWarmStart(), progress: bool 
             build_from_shipped(scratch)
         else:
             train_calc_warm_start(settings, scratch, progress)
+        follow_umask(scratch)  # safetensors writes 0o600: the cache follows the umask as other files do
         try:
             os.rename(scratch, target)
         except OSError:  # another process finished first: theirs is as good as ours
@@ -490,7 +492,8 @@ def train_calc_warm_start(settings: CalcWarmStart, out: Path, progress: bool = T
         reached = None  # the step at which the probe first reached the target
         start, cpu_start = time.time(), time.process_time()
         model.train()
-        bar = tqdm(total=settings.max_steps, desc="tiny-calc warm start", disable=not progress, leave=False)
+        bar = tqdm(total=settings.max_steps, desc="tiny-calc warm start", disable=not (progress and on_terminal()),
+                   leave=False)
         for step in range(settings.max_steps):
             if reached is not None and step >= reached + settings.decay_steps:
                 break

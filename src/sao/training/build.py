@@ -20,7 +20,7 @@ from sao.core import stats
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.model.policy import Models
-from sao.rollout.environment import EnvFactory
+from sao.rollout.environment import EnvFactory, check_factory
 from sao.rollout.registry import build_source, builds_on_every_rank
 from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import Source, SourceContext
@@ -30,7 +30,7 @@ from sao.training import checkpoint, otel
 from sao.training.distributed import World
 from sao.training.gate import Gate, HeldAside, LiveRewards
 from sao.training.hooks import FootingAudit, Mismatch, Publish, Reachability, SourceSummary, Timeline, Tracking
-from sao.training.trainer import Hook, Trainer
+from sao.training.trainer import Hook, Trainer, check_hooks, check_source
 
 log = logging.getLogger("sao.training")
 
@@ -57,11 +57,15 @@ def trainer(
     if config.training.shard == "fsdp" and world.size == 1:
         print("notice: --shard fsdp without torchrun: one process trains the unsharded models (its checkpoints are "
               "sharded ones, which torchrun can resume on any number of processes)", file=sys.stderr)  # fmt: skip
+    hooks = check_hooks(hooks)  # a class or a function where an instance belongs: before anything is claimed
+    check_source(source)
+    check_factory(env_factory)
     tasks = tasks or setup.task_set(config, dataset)  # a bad --data fails here, before a model is loaded
     held = gate_tasks(config, tasks)  # and a held-out split too small for the gate's margin
     record = checkpoint.run_record(config, tasks, world.size, dataset=dataset, reward_fn=reward_fn,
                                    env_factory=env_factory, source=source)  # fmt: skip
-    run = checkpoint.RunDir.open(out_dir, record, resume=resume)  # another run's folder, a damaged checkpoint: now
+    # another run's folder, one in use, a damaged checkpoint: now (rank 0 holds the folder's lock)
+    run = checkpoint.RunDir.open(out_dir, record, resume=resume, lock=world.is_main)
     try:
         # a source built on every process draws with the trainer's own models: room for its stale sampler first
         every_rank = source is None and builds_on_every_rank(config.rollout.source)
@@ -80,6 +84,7 @@ def trainer(
     except BaseException:
         if world.is_main:
             run.undo()  # a new run's folder as it was found, so that the corrected command is not refused
+        run.release()
         raise
 
 

@@ -37,6 +37,9 @@ from sao.core.io import (
     check_output_path,
     clean,
     folder_mode,
+    follow_umask,
+    os_error_of,
+    output_problem,
     read_json,
     read_saved_json,
     write_json,
@@ -67,37 +70,106 @@ def _has_steps(out: Path) -> bool:
     return (out / CHECKPOINTS_DIR).is_dir() or (out / LEGACY_CHECKPOINT).exists()
 
 
-@dataclass(frozen=True)
+class FolderLock:
+    """An exclusive lock on a run folder while a run holds it: ``flock`` on the folder itself, so nothing is written
+    for it, and the lock ends with the process however the process ends (a killed run leaves no stale lock). A
+    second process asking for it is refused at once (``acquire``)."""
+
+    def __init__(self, out: Path):
+        self.out, self._fd = out, None
+
+    def acquire(self) -> FolderLock:
+        import fcntl
+
+        fd = os.open(self.out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(f"output folder {self.out} is in use by another sao run right now; wait for it to end "
+                              "(then --resume continues it), or choose another --out") from None  # fmt: skip
+        except OSError:  # a file system without locks (some network mounts): the run goes on unlocked
+            os.close(fd)
+            return self
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor ends the flock
+
+    def __del__(self) -> None:
+        self.release()
+
+
+@dataclass
 class Claim:
     """A claimed run folder. ``fresh``: a new run in a folder that was absent (``created``) or empty, so that a
     run failing before its first checkpoint can be ``undone``: nothing it wrote there was worth keeping, and the
-    corrected command must find the folder as the first one did."""
+    corrected command must find the folder as the first one did. ``lock``: held while the run may write there
+    (``release``); ``made``: the folders created to hold it (``out`` and any missing parent), removed by ``undo``."""
 
     out: Path
     fresh: bool = False
     created: bool = False
+    lock: FolderLock | None = None
+    made: tuple[Path, ...] = ()
 
     def undo(self) -> bool:
-        """Put a fresh folder back as it was found, unless a checkpoint is already in it; whether it did."""
-        if not self.fresh or _has_steps(self.out) or not self.out.is_dir():
-            return False
-        for entry in self.out.iterdir():
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    entry.unlink()
-        if self.created:
-            with contextlib.suppress(OSError):
-                self.out.rmdir()
-        return True
+        """Put a fresh folder back as it was found, unless a checkpoint is already in it; whether it did. The lock
+        ends either way."""
+        try:
+            if not self.fresh or _has_steps(self.out) or not self.out.is_dir():
+                return False
+            for entry in self.out.iterdir():
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        entry.unlink()
+            if self.created:
+                for folder in self.made or (self.out,):  # out first, then the parents made for it
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()
+            return True
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """End the lock (the run is over; another may take the folder)."""
+        if self.lock is not None:
+            self.lock.release()
 
 
-def claim(out: Path, record: dict[str, Any], resume: bool) -> Claim:
+def claim(out: Path, record: dict[str, Any], resume: bool, *, lock: bool = False) -> Claim:
     """Refuse to mix runs: a folder with a config.json needs --resume and the same settings; a folder with
-    other files is not ours to write into; --resume needs a run to continue. Writes nothing; the ``Claim`` can
-    undo what a new run writes later (``Claim.undo``)."""
+    other files is not ours to write into; --resume needs a run to continue. With ``lock`` (the process that writes
+    the run), the folder is locked first, so a second run on it at the same time is refused (a new run's folder is
+    created for that, and removed again by ``Claim.undo``); nothing else is written. The ``Claim`` can undo what a
+    new run writes later."""
     check_output_path(out, folder=True)
+    held = FolderLock(out).acquire() if lock and out.is_dir() else None
+    try:
+        found = _claim(out, record, resume)
+        if lock and held is None:  # a new run's folder: made now, so that it is locked before anything is written
+            made = [p for p in (out, *out.parents) if not os.path.lexists(p)]
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise output_problem(out, error) from None
+            held = FolderLock(out).acquire()
+            _claim(out, record, resume)  # another run may have made it in the meantime: what is there now
+            found.made = tuple(made)
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
+    found.lock = held
+    return found
+
+
+def _claim(out: Path, record: dict[str, Any], resume: bool) -> Claim:
     config_file = out / CONFIG_FILE
     if config_file.exists():
         if not resume:
@@ -135,13 +207,23 @@ class RunDir:
     state: dict[str, Any] | None = None  # the checkpoint to resume from; None: a new run (or none completed yet)
 
     @classmethod
-    def open(cls, out: str | os.PathLike[str], record: dict[str, Any], *, resume: bool = False) -> RunDir:
+    def open(cls, out: str | os.PathLike[str], record: dict[str, Any], *, resume: bool = False,
+             lock: bool = True) -> RunDir:  # fmt: skip
+        """``lock``: the process that writes the run (rank 0 of a torchrun group) holds the folder's lock."""
         out = Path(out)
-        claimed = claim(out, record, resume)
-        return cls(out, record, claimed, load(out) if resume else None)
+        claimed = claim(out, record, resume, lock=lock)
+        try:
+            return cls(out, record, claimed, load(out) if resume else None)
+        except BaseException:
+            claimed.release()
+            raise
 
     def undo(self) -> bool:
         return self.claim.undo()
+
+    def release(self) -> None:
+        """End the folder's lock: the run is over (``Trainer.run`` ends it)."""
+        self.claim.release()
 
 
 # Settings that change how a run is watched, how long it waits for a trace log or whether a malformed trace line
@@ -279,8 +361,19 @@ def _step_folders(out: Path) -> list[Path]:
 def save(out: Path, state: dict[str, Any], records: list[dict[str, Any]], keep: int = 1) -> Path:
     """OUT/checkpoints/step-N/ (N = ``state["next_step"]``), whole or not at all; then the newest ``keep`` are kept.
     ``records`` are the log's (saved with the state, so a damaged log can be rebuilt exactly)."""
-    staging, final = _stage(out, int(state["next_step"]))
-    return _finish(out, staging, final, state, records, keep)
+    step = int(state["next_step"])
+    root = out / CHECKPOINTS_DIR
+    staging, final = root / f".step-{step:06d}.partial", root / f"step-{step:06d}"
+    try:
+        _stage(out, step)
+        return _finish(out, staging, final, state, records, keep)
+    except BaseException as error:
+        shutil.rmtree(staging, ignore_errors=True)  # no half-written checkpoint left: the previous one stands
+        inner = error.__cause__ if isinstance(error, OutputError) else error
+        cause = None if inner is None else os_error_of(inner)
+        if cause is not None:  # a full disk, from Python or from safetensors' own writer: one line
+            raise output_problem(final, cause) from None
+        raise
 
 
 def _stage(out: Path, step: int) -> tuple[Path, Path]:
@@ -303,6 +396,7 @@ def _finish(out: Path, staging: Path, final: Path, state: dict[str, Any], record
     encoded = _encode({**state, "records": records}, tensors, "state")
     save_file(tensors, str(staging / TENSORS_FILE))
     atomic_write(staging / STATE_FILE, json.dumps(encoded).encode())
+    follow_umask(staging)  # safetensors writes 0o600; every file sao writes follows the umask
     for folder, _, files in os.walk(staging, topdown=False):  # the tensors' data, then the folders' entries
         written = [Path(folder) / name for name in files if Path(folder) / name != staging / STATE_FILE]
         for synced in [*written, Path(folder)]:  # (the state was flushed as it was written)
@@ -351,8 +445,11 @@ def save_sharded(out: Path, state: dict[str, Any], records: list[dict[str, Any]]
     if problem is None and world.is_main:
         try:
             _finish(out, staging, final, state, records, keep)
-        except OSError as error:
-            problem, space = f"could not write {staging}: {getattr(error, 'strerror', None) or error}", _is_space(error)
+        except Exception as error:  # a full disk, from Python or from safetensors' own writer
+            cause = os_error_of(error.__cause__ if isinstance(error, OutputError) and error.__cause__ else error)
+            if cause is None:
+                raise
+            problem, space = f"could not write {staging}: {cause.strerror or cause}", _is_space(cause)
     problem, space = world.broadcast((problem, space))
     if problem is not None:
         if world.is_main:

@@ -31,10 +31,13 @@ from typing import Any
 import torch
 
 from sao.core import stats, timeline
+from sao.core.errors import DataError
 from sao.core.io import atomic_write, write_json
+from sao.core.reading import parse_jsonl_line, reward_problem
 from sao.model.policy import POLICY_ADAPTER, lora_state
 from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import Episodes, draw_batch, draw_episode_batch, make_decoder
+from sao.rollout.traces import MAX_LINE_BYTES, TRACE_LIMITS
 from sao.rollout.types import Sampling
 from sao.tasks.base import Scorer, Task
 from sao.tasks.environments import prompt_text
@@ -84,9 +87,22 @@ class HeldAside:
         return [float(x) for x in out]
 
 
+def _skip_line(handle: Any) -> int | None:
+    """Read past the rest of the current line in chunks; the offset after its newline, or None at the end of the
+    file before one."""
+    while True:
+        rest = handle.readline(1 << 16)
+        if not rest:
+            return None
+        if rest.endswith(b"\n"):
+            return handle.tell()
+
+
 class LiveRewards:
     """The rewards a trace log holds for each policy version's replies, read incrementally (complete lines only;
-    a line that is not a trace or feedback record is skipped: the trace source reports malformed lines)."""
+    a line that is not a trace or feedback record is skipped: the trace source reports malformed lines). Lines are
+    read as the trace reader reads them (``sao.rollout.traces``): through the bounded reader (too long, too deep, NaN
+    or 1e400: skipped), and a reward it refuses (not a finite number of magnitude at most 1e6) is not counted."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.root = Path(path)
@@ -110,18 +126,25 @@ class LiveRewards:
                 if os.fstat(handle.fileno()).st_size < offset:
                     offset = 0  # a new log at the same path
                 handle.seek(offset)
-                for line in handle:
-                    if not line.endswith(b"\n"):
+                while True:
+                    line = handle.readline(MAX_LINE_BYTES + 1)
+                    if line.endswith(b"\n"):
+                        offset += len(line)
+                        added += self._line(line)
+                        continue
+                    if len(line) <= MAX_LINE_BYTES:
                         break  # a writer mid-line: read it next time
-                    offset += len(line)
-                    added += self._line(line)
+                    end = _skip_line(handle)  # longer than any record: skipped whole, never held
+                    if end is None:
+                        break  # its end not written yet
+                    offset = end
                 self.offsets[key] = offset
         return added
 
     def _line(self, line: bytes) -> int:
-        try:
-            record = json.loads(line)
-        except (ValueError, UnicodeDecodeError):
+        try:  # as the trace reader parses a line: nesting, long integers, NaN and 1e400 are refused, not read
+            record = parse_jsonl_line(line.strip(), where=str(self.root), limits=TRACE_LIMITS)
+        except DataError:
             return 0
         if not isinstance(record, dict) or not isinstance(record.get("id"), str):
             return 0
@@ -138,9 +161,8 @@ class LiveRewards:
             return 0
         reward = record.get("reward")
         turns = record.get("turn_rewards")
-        if reward is None and isinstance(turns, list) and turns:
-            reward = sum(x for x in turns if isinstance(x, int | float)) if all(
-                isinstance(x, int | float) and not isinstance(x, bool) for x in turns) else None  # fmt: skip
+        if reward is None and isinstance(turns, list) and turns:  # every turn's reward a reward, or none counted
+            reward = sum(turns) if all(reward_problem(x) is None for x in turns) else math.nan
         if reward is None:
             if len(self.pending) >= MAX_PENDING:
                 self.pending.pop(next(iter(self.pending)))
@@ -149,7 +171,7 @@ class LiveRewards:
         return self._add(version, reward)
 
     def _add(self, version: int, reward: Any) -> int:
-        if not isinstance(reward, int | float) or isinstance(reward, bool) or reward != reward:
+        if reward_problem(reward) is not None:  # what the trace reader refuses is not counted here either
             return 0
         if not 0.0 <= reward <= 1.0:
             self.out_of_range += 1

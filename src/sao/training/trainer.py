@@ -26,7 +26,7 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ from sao.core import timeline
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.names import POLICY, WARMUP
+from sao.core.plugins import describe as describe_error
+from sao.core.reading import preview
 from sao.model import artifacts
 from sao.model.forward import TeacherForced
 from sao.model.memory import auto_micro_batch, with_oom_retry
@@ -90,6 +92,115 @@ class Hook:
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+HOOK_METHODS = ("on_run_start", "on_pass", "on_update", "on_step_end", "on_checkpoint", "on_eval", "on_run_end",
+                "on_close", "state_dict", "load_state_dict")  # fmt: skip
+SOURCE_METHODS = ("next_batch", "after_update", "state_dict", "load_state_dict", "close")
+
+
+def _what(obj: Any) -> str:
+    """How an error names an object a caller passed: its kind and its name."""
+    if isinstance(obj, type):
+        return f"the class {obj.__qualname__}"
+    if callable(obj) and hasattr(obj, "__qualname__"):
+        return f"the function {obj.__qualname__}"
+    return f"a {type(obj).__qualname__}"
+
+
+def check_hooks(hooks: Any) -> list[Hook]:
+    """``hooks`` as a list, each an object with the ``Hook`` events (a subclass's instance); anything else is a
+    TypeError naming the entry, before any folder is claimed or model loaded."""
+    if isinstance(hooks, Hook | type | str | bytes | dict) or callable(hooks):
+        raise TypeError(f"hooks must be a list of hooks, got {_what(hooks)}; pass hooks=[MyHook()]")
+    try:
+        hooks = list(hooks)
+    except TypeError:
+        raise TypeError(f"hooks must be a list of hooks, got {_what(hooks)}") from None
+    for i, hook in enumerate(hooks):
+        if isinstance(hook, type):
+            fix = f"pass an instance, {hook.__qualname__}()"
+            fix += "" if issubclass(hook, Hook) else ", of a subclass of sao.training.trainer.Hook"
+            raise TypeError(f"hooks[{i}] is {_what(hook)}, not a hook; {fix}")
+        missing = [m for m in HOOK_METHODS if not callable(getattr(hook, m, None))]
+        if missing:
+            raise TypeError(f"hooks[{i}] is {_what(hook)}, not a hook (it has no {', '.join(missing[:3])}"
+                            f"{', ...' if len(missing) > 3 else ''}); subclass sao.training.trainer.Hook and "
+                            "pass an instance")  # fmt: skip
+        if not isinstance(getattr(hook, "name", None), str) or not hook.name:
+            raise TypeError(f"hooks[{i}] ({type(hook).__qualname__}): its name must be a non-empty string, got "
+                            f"{getattr(hook, 'name', None)!r}")  # fmt: skip
+    return hooks
+
+
+def check_source(source: Any) -> None:
+    """A source passed in is an object with the ``Source`` methods and attributes; anything else (a class, a
+    function, another object) is a TypeError naming it, before any folder is claimed or model loaded."""
+    if source is None:
+        return
+    if isinstance(source, type):
+        raise TypeError(f"source is {_what(source)}, not a source; pass an instance, {source.__qualname__}(...)")
+    missing = [m for m in SOURCE_METHODS if not callable(getattr(source, m, None))]
+    missing += [a for a in ("max_staleness", "tasks") if not hasattr(source, a)]
+    if missing:
+        raise TypeError(f"source is {_what(source)}, not a source (it has no {', '.join(missing)}); a source has the "
+                        "methods and attributes of sao.rollout.sources.Source")  # fmt: skip
+
+
+def hook_label(hook: Any) -> str:
+    """How an error names a hook: its class and, when it is not the default, its name."""
+    kind = type(hook).__qualname__
+    return kind if getattr(hook, "name", "hook") in ("hook", kind) else f"{kind} ({hook.name!r})"
+
+
+def state_keys(hooks: Sequence[Any]) -> list[str]:
+    """Each hook's key for its state in a checkpoint, so that no two hooks can take each other's: a built-in's (sao's
+    own) is its name; a hook of yours is keyed by its class and name (``user:module.Class:name``), numbered when two
+    are alike (``#2``), so a hook named like a built-in never takes the built-in's state."""
+    keys: list[str] = []
+    for hook in hooks:
+        kind = type(hook)
+        base = hook.name if _builtin(hook) else f"user:{kind.__module__}.{kind.__qualname__}:{hook.name}"
+        key, n = base, 1
+        while key in keys:
+            n += 1
+            key = f"{base}#{n}"
+        keys.append(key)
+    return keys
+
+
+def _builtin(hook: Any) -> bool:
+    return type(hook).__module__.split(".")[0] == "sao"
+
+
+def _plain(value: Any, where: str) -> Any:
+    """A hook's record extra as JSON holds it (tensors and numpy values become numbers, tuples lists); anything else
+    a log line cannot hold is a TypeError naming ``where``."""
+    if hasattr(value, "tolist") and callable(value.tolist) and not isinstance(value, str | bytes):
+        value = value.tolist()
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [_plain(v, where) for v in value]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"{where} holds a dict with a key that is not a string; the step log (JSON) has string "
+                            "keys")
+        return {k: _plain(v, where) for k, v in value.items()}
+    raise TypeError(f"{where} is {preview(value)} ({type(value).__name__}), which the step log (JSON) cannot hold; "
+                    "return numbers, strings, booleans, None, or lists and dicts of them")
+
+
+def pass_extras(hook: Any, got: Any) -> dict[str, Any]:
+    """What ``hook.on_pass`` returned, checked: a dict of string keys and values the step log can hold."""
+    label = f"hook {hook_label(hook)}: on_pass"
+    if not isinstance(got, Mapping):
+        raise TypeError(f"{label} returned {preview(got)}; it returns a dict of fields for the step's record ({{}} for "
+                        "none)")  # fmt: skip
+    for key in got:
+        if not isinstance(key, str):
+            raise TypeError(f"{label} returned the key {preview(key)}; the step's record has string keys")
+    return {key: _plain(value, f"{label} returned {key!r}, which") for key, value in got.items()}
+
+
 class Trainer:
     """Trains ``models`` on ``source``'s batches, graded by ``scorer``, into the run folder ``run``; ``run()``
     returns the log records. ``config`` supplies the algorithm and training settings (and the rollout temperature
@@ -110,14 +221,16 @@ class Trainer:
         progress: bool = True,
         label: str | None = None,
     ):
+        hooks = check_hooks(hooks)
+        check_source(source)
         if world.size > 1 and not getattr(source, "every_rank", False):  # rank 0's source, broadcast
             source = BroadcastSource(world, source, models.device, models.roots.get("policy"))
         self.models, self.source, self.scorer, self.config = models, source, scorer, config
         self.settings, self.sao = config.training, SAO.of(config.algorithm)
         world.shard(config.training.batch_size)  # a batch that does not split evenly over the ranks is refused here
         if not isinstance(run, checkpoint.RunDir):
-            run = checkpoint.RunDir.open(run, {"config": config.to_dict()})
-        self.run_dir, self.out, self.hooks, self.world = run, run.out, list(hooks), world
+            run = checkpoint.RunDir.open(run, {"config": config.to_dict()}, lock=world.is_main)
+        self.run_dir, self.out, self.hooks, self.world = run, run.out, hooks, world
         self.progress = progress and world.is_main
         self.label = label or f"{config.algorithm.correction} seed {config.training.seed}"
         resumed = run.state  # the checkpoint the builder read on --resume (None: a new run)
@@ -183,6 +296,10 @@ class Trainer:
         started = time.perf_counter()
         with clock.phase("wait"):  # (a source that draws here marks "draw" and "env" inside)
             batch = self.source.next_batch(g, phase, self.policy_version)  # prompts → source → trajectories
+        if not isinstance(batch, Batch):
+            raise TypeError(f"source {type(self.source).__qualname__}: next_batch returned {preview(batch)} on step "
+                            f"{g}; it returns a sao.rollout.types.Batch (or raises SourceExhausted when it has no "
+                            "more)")  # fmt: skip
         rollout = batch.rollout
         with clock.phase("score"):
             rewards, truncation = self.scorer.rewards(rollout, self.rows(batch))  # [B], or [B, R] per turn
@@ -214,9 +331,14 @@ class Trainer:
                 result, rows, retries = with_oom_retry(attempt, rows, self._say_oom)
         self.micro_batch = rows if retries else self.micro_batch  # a halving holds for the rest of the run
         extras: dict[str, Any] = {}
+        owners: dict[str, Any] = {}  # field → the hook that returned it
         with clock.phase("checks"):
             for hook in self.hooks:  # before any update: a hook may refuse what the batch holds
-                extras.update(hook.on_pass(self, batch, result.forward))
+                for key, value in pass_extras(hook, hook.on_pass(self, batch, result.forward)).items():
+                    if key in owners:
+                        raise ValueError(f"hooks {hook_label(owners[key])} and {hook_label(hook)} both return {key!r} "
+                                         "from on_pass; name one of them otherwise")  # fmt: skip
+                    owners[key], extras[key] = hook, value
         loss, finite = self.world.total(result.loss), self.world.all(result.finite)  # over ranks (as is on one)
         grad_norm, skipped, lr = float("nan"), False, float("nan")
         if policy_step:  # (sum over ranks) → clip → AdamW, unless something was not finite
@@ -253,11 +375,18 @@ class Trainer:
                 record["critic_explained_variance"] = explained_variance(
                     result.critic_values, result.update.value_targets, rollout.action_mask
                 )
-        return {
-            "arm": self.sao.correction, "seed": self.settings.seed, **record, **batch.info, **extras, "loss": loss,
+        head = {"arm": self.sao.correction, "seed": self.settings.seed, **record, **batch.info}
+        tail = {
+            "loss": loss,
             **result.extra_stats, "lr": lr, "micro_batch": self.micro_batch, "oom_retries": retries,
             "world_size": self.world.size, **truncation, **clock.fields(), "time_sample": sampled - started,
         }  # fmt: skip
+        taken = [key for key in extras if key in head or key in tail]
+        if taken:  # the log's own fields are never overwritten (a reader would trust a hook's number as sao's)
+            hook = owners[taken[0]]
+            raise ValueError(f"hook {hook_label(hook)}: on_pass returned {', '.join(map(repr, taken))}, a field the "
+                             f"step's record holds itself; name it otherwise (e.g. {hook.name}_{taken[0]})")
+        return {**head, **extras, **tail}
 
     def _token_text(self, ids: Sequence[int]) -> list[str]:
         """Each token id as the text it decodes to alone (for the log's tokens outside the band)."""
@@ -291,7 +420,7 @@ class Trainer:
         """Every remaining step, a checkpoint every ``checkpoint_every`` steps (and after the last), then the
         adapter. A run killed between checkpoints repeats the steps since the last one."""
         progress = _Progress(self, self.total_steps, self.next_step)
-        failed = True
+        failed: BaseException | None = None
         try:
             self.world.barrier()  # every rank has claimed the folder before rank 0 writes into it
             if self.world.is_main:
@@ -337,16 +466,42 @@ class Trainer:
             self.save_adapter()  # every process: sharded, each one's shards are gathered
             for hook in self.hooks:
                 hook.on_run_end(self)
-            failed = False
+        except BaseException as error:
+            failed = error
+            raise
         finally:
-            progress.close()
-            self.source.close()  # rollout workers stop even when a step fails
-            for hook in self.hooks:
-                hook.on_close(self)
-            if failed and self.world.is_main:
-                self.run_dir.undo()  # a new run that failed before its first checkpoint leaves its folder as found
+            self._close(progress, failed)
         self.world.barrier()  # no rank returns before rank 0 has written the adapter
         return self.records
+
+    def _close(self, progress: _Progress, failed: BaseException | None) -> None:
+        """The run's end, whatever happened: the progress bar, the source (rollout workers stop even when a step
+        fails) and every hook's ``on_close``, each whatever the others do. After a failure the run's own error goes
+        on, what a close raised noted on it (never in its place); a new run that failed before its first checkpoint
+        leaves its folder as found; the folder's lock ends."""
+        closing = [("the progress bar", progress.close), (f"source {type(self.source).__qualname__}: close",
+                                                          self.source.close)]  # fmt: skip
+        closing += [(f"hook {hook_label(h)}: on_close", lambda h=h: h.on_close(self)) for h in self.hooks]
+        errors: list[tuple[str, Exception]] = []
+        try:
+            for what, close in closing:
+                try:
+                    close()
+                except Exception as error:  # each part closes whatever the others raise
+                    errors.append((what, error))
+        finally:
+            try:
+                if failed is not None and self.world.is_main:
+                    self.run_dir.undo()  # a new run that failed before its first checkpoint: its folder as found
+            finally:
+                self.run_dir.release()
+        if not errors:
+            return
+        if failed is None:
+            raise errors[0][1]
+        for what, error in errors:
+            failed.add_note(f"while closing after it: {what} raised {describe_error(error)}")
+            log.info("while closing after an error: %s raised %s", what, describe_error(error))
 
     def warn(self, message: str) -> None:
         """A warning for the run's summary and results, shown now (by rank 0 alone)."""
@@ -404,7 +559,7 @@ class Trainer:
             "critic_opt": self.critic_opt.state_dict(),
             "records": self.records,
             "warnings": self.warnings,
-            "hooks": {hook.name: hook.state_dict() for hook in self.hooks},
+            "hooks": dict(zip(state_keys(self.hooks), (hook.state_dict() for hook in self.hooks), strict=True)),
         }
         if m.critic is not None:  # a value model: its trained tensors, and their optimizer
             state["critic_opt"] = _layout(self.critic_params, self.critic_opt) if self.sharded else \
@@ -458,8 +613,13 @@ class Trainer:
         saved = state.get("hooks") or {}
         if "footing" in state and "footing" not in saved:  # a checkpoint from before hooks: the audit's state
             saved["footing"] = {"footing": state["footing"]}
-        for hook in self.hooks:
-            hook.load_state_dict(saved.get(hook.name, {}))
+        names = [hook.name for hook in self.hooks]
+        builtin_names = {hook.name for hook in self.hooks if _builtin(hook)}
+        for hook, key in zip(self.hooks, state_keys(self.hooks), strict=True):
+            alone = names.count(hook.name) == 1 and hook.name not in builtin_names
+            if key not in saved and not _builtin(hook) and alone:
+                key = hook.name  # a checkpoint from before hooks of yours were keyed by class: its name alone
+            hook.load_state_dict(saved.get(key, {}))
 
     # -- the adapter -------------------------------------------------------------------------------------------
 
