@@ -344,6 +344,7 @@ def _sweep(args: argparse.Namespace) -> int:
         lrs=tuple(args.lrs or saved.get("lrs") or defaults.lrs),
         bands=tuple(_band(t) for t in args.bands) if args.bands else tuple(saved.get("bands") or defaults.bands),
         arms=tuple(args.arms or saved.get("arms") or defaults.arms),
+        define=saved.get("define") or {},
     )
     return _experiment(args, config, grid)
 
