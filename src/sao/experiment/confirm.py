@@ -40,6 +40,7 @@ CLAIMS = (*EXPECT, *stats.COLLAPSE_VERDICTS)  # what a row of the family can cla
 DECISION_RULES = ("direction", "minimum-effect", "observed-above-delta")
 OLD_RULE = "observed-above-delta"  # a plan that states no decision_rule: the rule it was written under
 COLLAPSE = "collapse:"  # a secondary comparison of collapse rates: collapse:dis_vs_none
+INTERACTION = "interaction:"  # a comparison's per-seed delta in the primary cell against the same in another cell
 PLAN_SET = ("lag", "lr", "ratio", "correction", "seed", "train_runs")  # the plan sets these, not its settings
 KEYS = {"question", "written", "preset", "settings", "grid", "arms", "primary", "secondary", "seeds", "exploratory",
         "correction", "alpha", "smallest_effect", "expected_sd", "gatekeeping", "decision_rule", "expected_effect",
@@ -109,7 +110,8 @@ class Plan:
     @property
     def family(self) -> list[tuple[str, str]]:
         first = (self.primary["cell"], self.primary["comparison"])
-        rest = [(c["name"], k) for c in self.grid.cells() for k in self.secondary if (c["name"], k) != first]
+        rest = [(c["name"], k) for c in self.grid.cells() for k in self.secondary if (c["name"], k) != first
+                and not (k.startswith(INTERACTION) and c["name"] == first[0])]  # fmt: skip
         return [first, *rest]
 
     def to_dict(self) -> dict[str, Any]:
@@ -158,7 +160,7 @@ def _comparison(path: Path, text: Any, arms: tuple[str, ...], where: str) -> tup
     is not it, so ``dis_vs_dis+batch-mean`` is (dis, dis+batch-mean). A ``collapse:`` in front (collapse rates, in
     secondary) is not part of the arms."""
     if where == "secondary" and isinstance(text, str):
-        text = text.removeprefix(COLLAPSE)
+        text = text.removeprefix(COLLAPSE).removeprefix(INTERACTION)
     parts = text.split("_vs_") if isinstance(text, str) else []
     if len(parts) != 2 or not all(parts) or parts[0] == parts[1]:
         raise _fail(path, f"{where} must be a comparison like dis_vs_none (after_vs_before), got {text!r}")
@@ -249,6 +251,8 @@ def read_plan(path: str | Path) -> Plan:
         raise _fail(path, "'secondary' must be a list of comparisons like dis_vs_random")
     for key in secondary:
         _comparison(path, key, grid.arms, "secondary")
+        if str(key).startswith(INTERACTION) and len(grid.cells()) < 2:
+            raise _fail(path, f"secondary {key} compares the primary cell with the others: the grid has one cell")
     collapse_floor = data.get("collapse_floor")
     if collapse_floor is not None and (isinstance(collapse_floor, bool) or not isinstance(collapse_floor, (int, float))
                                        or not 0 < collapse_floor <= 1):  # fmt: skip
@@ -657,6 +661,9 @@ def family_rows(summary: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
     rows = []
     for cell_name_, key in plan.family:
         cell = cells[cell_name_]
+        if key.startswith(INTERACTION):
+            rows.append(_interaction_row(cells[plan.primary["cell"]], cell, key, plan))
+            continue
         after, before = key.removeprefix(COLLAPSE).split("_vs_")
         passes = [[float(x) for x in cell["arms"][arm]["pass_at_1"]] for arm in (after, before)]
         collapse = None
@@ -683,6 +690,29 @@ def family_rows(summary: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
             row["collapse"] = collapse.to_dict()
         rows.append(row)
     return rows
+
+
+def _interaction_row(home: dict[str, Any], cell: dict[str, Any], key: str, plan: Plan) -> dict[str, Any]:
+    """``interaction:A_vs_B`` in ``cell``: the per-seed delta A − B in the primary cell (``home``) against the same in
+    ``cell``, seeds paired by index (every cell trains the same seeds), as ``stats.compare`` over seeds under the
+    plan's δ, alpha and verdict rule. Positive: A gains more over B in the primary cell than in this one."""
+    after, before = key.removeprefix(INTERACTION).split("_vs_")
+
+    def deltas(c: dict[str, Any]) -> list[list[float]]:
+        a, b = (c["arms"][arm]["pass_at_1"] for arm in (after, before))
+        return [[float(x) - float(y)] for x, y in zip(a, b, strict=True)]
+
+    c = stats.compare(deltas(cell), deltas(home), smallest_effect=plan.smallest_effect, alpha=plan.alpha,
+                      verdict_rule=plan.verdict_rule).to_dict()  # fmt: skip
+    row = {"cell": cell["name"], "comparison": key, "kind": "interaction", **{k: c.get(k) for k in ROW_KEYS},
+           "after": f"{after} − {before} in {home['name']}", "before": f"{after} − {before} in {cell['name']}",
+           "verdict_unadjusted": c["verdict"], "reason_unadjusted": c["reason"]}  # fmt: skip
+    if plan.verdict_rule != OLD_RULE:
+        row.update({k: c.get(k) for k in MAGNITUDE_KEYS}, magnitude_unadjusted=c.get("magnitude"))
+    if plan.rank_estimand:
+        d = [x[0] - y[0] for x, y in zip(deltas(home), deltas(cell), strict=True)]
+        row["rank"] = stats.rank_estimate(d, plan.alpha).to_dict() if len(d) >= 2 else None
+    return row
 
 
 def _success(row: dict[str, Any], plan: Plan) -> bool:
