@@ -46,16 +46,26 @@ def test_the_ceiling_matches_its_formulas_row_by_row():
     total = returns.var()
     # 0/1 returns: the unbiased within-prompt variance is K/(K − 1) p̂(1 − p̂)
     assert got.prompt_level == pytest.approx(1 - np.mean(k / (k - 1) * p_hat * (1 - p_hat)) / total, rel=1e-12)
-    # per token: each rollout's leave-one-out residual, scaled by (K − 1)/K, weighted by its length (a slow loop)
-    num = den = mean_w = 0.0
+    # per token: each rollout against the token-weighted mean of the others, its squared residual shrunk by the
+    # others' own noise (1 + Σ L² / (Σ L)²), weighted by its length (a slow loop)
+    num = den = 0.0
     mean_w = (lengths * returns).sum() / lengths.sum()
     for i in range(returns.shape[0]):
         for j in range(k):
-            others = (returns[i].sum() - returns[i, j]) / (k - 1)
-            num += lengths[i, j] * (returns[i, j] - others) ** 2 * (k - 1) / k
+            rest = [m for m in range(k) if m != j]
+            weights = lengths[i, rest]
+            others = (weights * returns[i, rest]).sum() / weights.sum()
+            noise = (weights**2).sum() / weights.sum() ** 2
+            num += lengths[i, j] * (returns[i, j] - others) ** 2 / (1 + noise)
             den += lengths[i, j] * (returns[i, j] - mean_w) ** 2
     assert got.token_level == pytest.approx(1 - num / den, rel=1e-12)
     assert ceiling(returns).token_level == pytest.approx(got.prompt_level, rel=1e-12)  # equal lengths: the same
+    # every prompt succeeds half the time, but on half the prompts the long rollouts are the successes: per token
+    # those prompts' value is 0.8 and the others' 0.2, which a prompt-level baseline counted per token can know
+    tilted = np.repeat([[1.0, 1.0, 0.0, 0.0]], 400, axis=0)
+    tilted[200:] = 1 - tilted[200:]
+    long_first = np.tile([40.0, 40.0, 10.0, 10.0], (400, 1))
+    assert ceiling(tilted, long_first).token_level > 0.2 > 0.0 > ceiling(tilted).prompt_level
 
 
 def test_the_ceiling_refuses_what_it_cannot_measure():

@@ -8,9 +8,9 @@ sets as a ceiling, and a probe of whether a representation carries it. Pure math
                   baseline than the batch mean
     ceiling       the explained variance a prompt-level baseline could reach, 1 − E[Var(R | prompt)] / Var(R), which
                   for 0/1 returns is Var(p) / p̄(1 − p̄): per trajectory (each rollout counts once) and per token (each
-                  rollout counts by its action tokens, as the critic's explained variance counts them), both without
-                  the K-sample bias (leave-one-out residuals scaled by (K − 1) / K; for one rollout per prompt the
-                  in-sample p̂ would explain everything)
+                  rollout counts by its action tokens, as the critic's explained variance counts them, the prompt's
+                  value its token-weighted mean), both without the K-sample bias (leave-one-out residuals, scaled by
+                  (K − 1) / K per trajectory; the in-sample p̂ would explain part of its own noise)
     ridge_probe   a ridge regression from features to targets, cross-validated by group (a prompt's rows never sit
                   in the fold that scores them), its ridge penalty chosen inside each training fold: out-of-fold R²
 
@@ -84,8 +84,14 @@ def ceiling(
         raise ConfigError(f"lengths must be [prompts, K] like returns, finite, >= 0 and not all 0; got {w.shape}")
     total = float(r.var())
     within = float(r.var(axis=1, ddof=1).mean())  # E[s_i²], unbiased for E[Var(R | prompt)]
-    loo = (r.sum(axis=1, keepdims=True) - r) / (k - 1)  # [P, K] each rollout's prompt mean without itself
-    residual = (r - loo) ** 2 * (k - 1) / k  # unbiased for Var(R | prompt) rollout by rollout
+    # per token: the best constant for a prompt is its token-weighted mean; each rollout is scored against the mean
+    # of the others (weighted), and its squared residual divided by 1 + Σ L_k² / (Σ L_k)² over the others, the part
+    # the others' own noise adds (with equal lengths: (K − 1) / K, the per-trajectory correction)
+    s1 = w.sum(axis=1, keepdims=True) - w  # [P, K] Σ of the other rollouts' lengths
+    s2 = (w**2).sum(axis=1, keepdims=True) - w**2
+    others = np.divide((w * r).sum(axis=1, keepdims=True) - w * r, s1, out=np.zeros_like(r), where=s1 > 0)
+    residual = np.where(s1 > 0, (r - others) ** 2 / (1 + np.divide(s2, s1**2, out=np.zeros_like(r), where=s1 > 0)),
+                        0.0)  # fmt: skip
     mean_w = float((w * r).sum() / w.sum())
     total_w = float((w * (r - mean_w) ** 2).sum() / w.sum())
     nan = float("nan")
