@@ -686,5 +686,5 @@ def test_the_critic_against_what_was_reachable_and_the_defined_arms_are_reported
     assert _row(section, _name(4, 1e-3), "dis", "40")[6:8] == ["0.39", "0.02"]  # the median of two runs
     assert _row(section, _name(4, 1e-3), "dis", "4")[3:6] == ["0.6", "0.3", "0.25"]
     assert _row(section, "warmup-end", "2")[2:] == ["-0.03", "0.01", "0.3"]
-    assert _row(_section(text, "Arms defined by the plan"), "dis") == ["dis", "dis", "—", "sampler_logit_noise 1"]
+    assert _row(_section(text, "Arms defined by the plan"), "dis") == ["dis", "dis", "—", "sampler_logit_noise 1.0"]
     assert "The critic against what was reachable" not in report.render(*_one_cell()), "only where runs measured it"

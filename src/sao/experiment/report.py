@@ -852,7 +852,8 @@ def _defined_section(results: dict[str, Any], arms: list[str]) -> list[str]:
         if isinstance(arm.get("settings"), dict) and name not in seen:
             seen.add(name)
             extra = {k: v for k, v in arm["settings"].items() if k not in ("correction", "baseline")}
-            rows.append([name, _text(arm.get("correction")), _text(arm.get("baseline")),
+            rule, baseline = (arm.get(k) or arm["settings"].get(k) for k in ("correction", "baseline"))
+            rows.append([name, _cell(fmt(rule)), _cell(fmt(baseline)),
                          _cell(", ".join(f"{k} {fmt(v)}" for k, v in extra.items()) or DASH)])  # fmt: skip
     if not rows:
         return []
