@@ -29,9 +29,10 @@ from sao.algorithm.oracle import ceiling, share_of
 from sao.algorithm.update import explained_variance, monte_carlo_returns
 from sao.core.errors import ConfigError
 from sao.core.io import atomic_write
+from sao.core.names import WARMUP
 from sao.model.forward import teacher_forced
 from sao.rollout.sampler import derived_seed
-from sao.rollout.sources import WARMUP, PromptOrder
+from sao.rollout.sources import PromptOrder
 from sao.training.trainer import Hook, Trainer
 
 FOLDER = "oracle"
