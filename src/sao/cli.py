@@ -7,6 +7,7 @@
     sao sweep  --preset tiny --lags 1 4 8 16 --lrs 1e-3 3e-3 --train-runs 2 --out DIR   where the ratio breaks
     sao confirm PLAN --out DIR          a confirmation planned in a file before it runs: fresh seeds, Holm
     sao report DIR                      rebuild report.md (or sweep.md) and the plots from the JSON
+    sao probe RUN                       does the trunk's hidden state carry the difficulty? (--ceiling-every)
     sao compare BEFORE AFTER --out DIR  sao's verdict on anyone's per-task scores (lm-eval samples, a CSV)
     sao export RUN --merge OUT          fold a run's adapter into its base: a plain HF model folder to serve
     sao serve  --preset tiny --traces LOG [--watch RUN]      OpenAI-style chat endpoint that logs every trace
@@ -350,6 +351,7 @@ def _sweep(args: argparse.Namespace) -> int:
         lrs=tuple(args.lrs or saved.get("lrs") or defaults.lrs),
         bands=tuple(_band(t) for t in args.bands) if args.bands else tuple(saved.get("bands") or defaults.bands),
         arms=tuple(args.arms or saved.get("arms") or defaults.arms),
+        define=saved.get("define") or {},
     )
     return _experiment(args, config, grid)
 
@@ -428,6 +430,14 @@ def _confirm(args: argparse.Namespace) -> int:
     for message in [*results["warnings"], *results["provenance"]["warnings"]]:
         print("  warning: " + message)
     print(f"  report: {Path(args.out) / 'report.md'}")
+    return 0
+
+
+def _probe(args: argparse.Namespace) -> int:
+    """A ridge probe from the snapshots' hidden states to the prompts' oracle rates (``sao.experiment.probe``)."""
+    from sao.experiment import probe
+
+    print(probe.probe(args.run)[1])
     return 0
 
 
@@ -566,6 +576,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the confirmation in --out where it stopped")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_confirm)
+
+    p = sub.add_parser("probe", help="does the trunk's hidden state carry the difficulty? (runs with --ceiling-every)")
+    p.add_argument("run", help="a run's folder (with oracle/ snapshots), or an experiment's: every run in it")
+    p.set_defaults(func=_probe)
 
     p = sub.add_parser("report", help="rebuild report.md and plots/ from an experiment folder's JSON files")
     p.add_argument("dir", help="the experiment folder (holds results.json and train_log.json)")

@@ -312,7 +312,7 @@ def test_an_old_config_json_replays_and_its_rewrite_replays_bit_for_bit(tiny_mod
     written = json.loads((first / "config.json").read_text())["config"]
     assert {"model", "data", "algorithm", "rollout", "training"} <= set(written)
     assert written["algorithm"]["correction"] == "dis" and written["algorithm"]["ratio"] == [0.7, 6.0]
-    assert written["rollout"]["local"] == {"lag": 4, "sampler_dtype": "auto"}
+    assert written["rollout"]["local"] == {"lag": 4, "sampler_dtype": "auto", "sampler_logit_noise": 0.0}
     assert "max_staleness" not in written["rollout"]  # another source's setting: not part of this run
     assert main(["train", "--quiet", "--config", str(first / "config.json"), "--out", str(second)]) == 0
     original, replayed = run_log(first), run_log(second)

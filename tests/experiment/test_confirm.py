@@ -24,7 +24,7 @@ from sao.core.errors import ConfigError
 from sao.core.io import clean
 from sao.core.timeline import TIMING_FIELDS
 from sao.experiment import confirm
-from sao.experiment.runner import Grid, dis_shares_by_staleness
+from sao.experiment.runner import Experiment, Grid, dis_shares_by_staleness
 from sao.tiny import arithmetic as tiny
 
 CELL = "lag2-lr0.003-band0.7-6"
@@ -577,3 +577,86 @@ def test_the_family_carries_the_rank_estimand_and_the_collapse_rates_beside_the_
     assert collapse["verdict"] == "unresolved" and "dis collapsed in 3 of 12 seeds" in collapse["reason_unadjusted"]
     assert block["realised_power"]["sd"] == pytest.approx(statistics.stdev(deltas))
     assert block["realised_power"]["mixture"]["collapse_after"] == pytest.approx(3 / 12)
+
+
+def test_a_plan_defines_arms_by_name_and_each_trains_with_its_settings(tiny_model_dir, tmp_path):
+    define = {"dis-lambda1": {"correction": "dis", "gae_lambda": 1.0},
+              "none-bf16": {"correction": "none", "sampler_dtype": "bfloat16"}}  # fmt: skip
+    path = write_plan(tmp_path / "plan", arms=["dis", "none", "dis-lambda1", "none-bf16"], define=define,
+                      primary={"lag": 2, "lr": 3.0e-3, "comparison": "dis-lambda1_vs_dis"},
+                      secondary=["none-bf16_vs_none"])  # fmt: skip
+    plan = confirm.read_plan(path)
+    assert plan.grid.define == define and plan.to_dict()["grid"]["define"] == define
+    assert plan.grid.rule_of("none-bf16") == "none" and plan.grid.settings_of("dis+batch-mean") == {
+        "correction": "dis", "baseline": "batch-mean"}  # fmt: skip
+    experiment = Experiment(plan.config, plan.grid, tmp_path / "out", seeds=plan.seeds)  # settings checked, no run
+    cell = plan.grid.cells()[0]
+    assert experiment._run_config(cell, "dis-lambda1", 201).algorithm.gae_lambda == 1.0
+    assert experiment._run_config(cell, "none-bf16", 201).source.sampler_dtype == "bfloat16"
+    assert experiment._run_config(cell, "dis", 201).algorithm.gae_lambda is None
+    assert experiment._arm_record(cell, "dis-lambda1")["settings"] == define["dis-lambda1"]
+    assert "define" not in Grid().to_dict(), "a grid without defined arms is recorded as before"
+
+
+@pytest.mark.parametrize(
+    ("define", "arms", "needle"),
+    [
+        ({"dis+x": {"correction": "dis"}}, ["dis", "none", "dis+x"], "must be letters"),
+        ({"tis": {"correction": "dis"}}, ["dis", "none", "tis"], "already an arm's name"),
+        ({"a": {"gae_lambda": 1}}, ["dis", "none", "a"], "needs its settings with a correction rule"),
+        ({"a": {"correction": "dis", "lag": 3}}, ["dis", "none", "a"], "which the grid's cells and the seeds set"),
+        ({"a": {"correction": "dis"}}, ["dis", "none"], "defined but not among the arms"),
+        ({"a": {"correction": "dis", "gae_lamda": 1}}, ["dis", "none", "a"], "did you mean 'gae_lambda'"),
+    ],
+)
+def test_a_defined_arm_is_checked_before_anything_trains(tmp_path, capsys, define, arms, needle):
+    plan = write_plan(tmp_path / "plan", arms=arms, define=define, secondary=[])
+    with pytest.raises(ConfigError, match=needle):
+        confirm.read_plan(plan)
+    assert main(["confirm", plan, "--out", str(tmp_path / "out")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_the_power_model_is_fitted_to_the_comparison_power_fit_names(tmp_path):
+    """A primary whose arms no cited run trained: the mixture's sd and healthy pass@1 come from the comparison the
+    plan names instead, its collapse probabilities from the plan."""
+    define = {"dis-lambda1": {"correction": "dis", "gae_lambda": 1.0}}
+    fit = {"cell": CELL, "comparison": "dis_vs_none"}
+    path = write_plan(tmp_path / "plan", arms=["dis", "none", "dis-lambda1"], define=define, secondary=[],
+                      primary={"lag": 2, "lr": 3.0e-3, "comparison": "dis-lambda1_vs_dis"}, expected_sd=None,
+                      smallest_effect=0.05, decision_rule="direction", collapse_floor=0.05, seeds=SEEDS_30,
+                      power_model={"collapse": 0.05}, power_fit=fit)  # fmt: skip
+    dis = [0.60, 0.0, 0.64, 0.58, 0.66, 0.62, 0.61, 0.63]
+    none = [0.55, 0.57, 0.50, 0.56, 0.54, 0.58, 0.57, 0.55]
+    _explored(path, dis, none)
+    plan = confirm.read_plan(path)
+    fitted = stats.fit_mixture(none, dis, 0.05)
+    assert plan.power["mixture"] == stats.Mixture(0.05, 0.05, fitted.sd, fitted.healthy, fitted.collapsed).to_dict()
+    assert f"(dis − none in {CELL})" in plan.power["mixture_source"] and plan.to_dict()["power_fit"] == fit
+    for bad, needle in [({"cell": CELL}, "power_fit must be"), ({**fit, "comparison": "dis_vs_tis"}, "lack")]:
+        bad_path = write_plan(tmp_path / "bad", arms=["dis", "none", "dis-lambda1"], define=define, secondary=[],
+                              expected_sd=None, smallest_effect=0.05, collapse_floor=0.05,
+                              power_model={"collapse": 0.05}, power_fit=bad)  # fmt: skip
+        _explored(bad_path, dis, none)
+        with pytest.raises(ConfigError, match=needle):
+            confirm.read_plan(bad_path)
+
+
+def test_the_lag_interaction_compares_a_comparisons_per_seed_delta_across_cells(tmp_path):
+    path = write_plan(tmp_path / "plan", grid={"lags": [2, 4], "lrs": [3.0e-3]}, smallest_effect=0.05,
+                      decision_rule="direction", rank_estimand=True, seeds=list(range(201, 209)),
+                      secondary=["dis_vs_none", "interaction:dis_vs_none"])  # fmt: skip
+    plan = confirm.read_plan(path)
+    other = "lag4-lr0.003-band0.7-6"
+    assert plan.family == [(CELL, "dis_vs_none"), (other, "dis_vs_none"), (other, "interaction:dis_vs_none")]
+    here = {"dis": [0.70, 0.72, 0.69, 0.71, 0.73, 0.70, 0.68, 0.72], "none": [0.50] * 8, "random": [0.5] * 8}
+    there = {"dis": [0.52, 0.55, 0.50, 0.51, 0.53, 0.54, 0.50, 0.52], "none": [0.50] * 8, "random": [0.5] * 8}
+    summary = _summary(here)
+    summary["cells"].append({**_summary(there)["cells"][0], "name": other})
+    row = confirm.confirmation(summary, plan)["family"][2]
+    gap = [(a - 0.5) - (b - 0.5) for a, b in zip(here["dis"], there["dis"], strict=True)]
+    assert row["kind"] == "interaction" and row["delta"] == pytest.approx(statistics.fmean(gap))
+    assert row["verdict"] == "improved" and row["rank"] == stats.rank_estimate(gap).to_dict()
+    assert row["after"] == f"dis − none in {CELL}" and row["before"] == f"dis − none in {other}"
+    with pytest.raises(ConfigError, match="the grid has one cell"):
+        confirm.read_plan(write_plan(tmp_path / "one", secondary=["interaction:dis_vs_none"]))

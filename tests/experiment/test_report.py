@@ -663,3 +663,28 @@ def test_where_the_time_goes_is_plotted_tabled_and_linked_to_each_run_timeline(t
         assert f"[{link}]({link})" in section and (folder / link).exists()
     plain = report.write(_write_folder(tmp_path / "plain", _one_cell())).read_text(encoding="utf-8")
     assert "Where the time goes" not in plain and "phases.png" not in plain
+
+
+def test_the_critic_against_what_was_reachable_and_the_defined_arms_are_reported():
+    results, log = _one_cell()
+    dis = results["cells"][0]["arms"]["dis"]
+    dis["settings"] = {"correction": "dis", "sampler_logit_noise": 1.0}
+    for i, run in enumerate(dis["runs"].values()):
+        run["checks"]["ceiling"] = [
+            {"snapshot": "warmup-end", "step": 9, "mean": 0.3, "prompt_level": 0.05 + 0.02 * i, "token_level": 0.04,
+             "critic_ev": 0.01, "critic_share": 0.25},
+            {"snapshot": "40", "step": 49, "mean": 0.5, "prompt_level": 0.4, "token_level": 0.38 + 0.02 * i,
+             "critic_ev": 0.02, "critic_share": 0.05},
+        ]  # fmt: skip
+        run["checks"]["oracle_baseline"] = {"samples": 4, "shrinkage_mean": 0.6, "batch_ceiling_mean": 0.3,
+                                            "rate_mean": 0.4, "ev_last10": 0.2 + 0.1 * i}  # fmt: skip
+    probe = {"summary": [{"snapshot": "warmup-end", "runs": 2, "prompt_token_r2": -0.03, "per_token_r2": 0.01,
+                          "signal_share": 0.3}]}  # fmt: skip
+    text = report.render(results, log, probe=probe)
+    section = _section(text, "The critic against what was reachable")
+    assert _row(section, _name(4, 1e-3), "dis", "warmup-end")[3:] == ["2", "0.3", "0.06", "0.04", "0.01", "0.25"]
+    assert _row(section, _name(4, 1e-3), "dis", "40")[6:8] == ["0.39", "0.02"]  # the median of two runs
+    assert _row(section, _name(4, 1e-3), "dis", "4")[3:6] == ["0.6", "0.3", "0.25"]
+    assert _row(section, "warmup-end", "2")[2:] == ["-0.03", "0.01", "0.3"]
+    assert _row(_section(text, "Arms defined by the plan"), "dis") == ["dis", "dis", "—", "sampler_logit_noise 1.0"]
+    assert "The critic against what was reachable" not in report.render(*_one_cell()), "only where runs measured it"

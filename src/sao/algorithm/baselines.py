@@ -7,16 +7,24 @@ Each entry of ``sao.core.registry.BASELINES`` maps a batch's ``rewards`` ([B] te
     batch-mean  V_i = (Σ_j R_j − R_i) / (B − 1) on every action token of trajectory i: the mean return of the
                 other trajectories of the batch (leave-one-out, so that a trajectory's own reward never enters its
                 baseline), R_i its total reward
+    oracle      V_i = prompt i's success rate under the sampler, from ``oracle_samples`` fresh rollouts of it that
+                are never trained on, shrunk toward their grand mean (``sao.algorithm.oracle.shrunk_rates``): the
+                positive control. The caller passes the rates as ``oracle_rates`` [B] (the trainer draws them)
     none        V = 0: the advantage is the λ-weighted return itself
 
 With a constant V along a trajectory, GAE leaves A_k = λ^(L−k) (R − V) on a terminal reward: the batch-mean
-baseline is the cheapest one a single rollout per prompt allows. Left out: per-prompt group baselines (they need
-several rollouts of one prompt, which this method does without).
+baseline is the cheapest one a single rollout per prompt allows; the oracle is the best a prompt-level one could be
+(if it does not beat the batch mean on a task, no critic of the prompt can). A baseline that reads more than the
+rewards names it as a keyword (``oracle_rates``); the trainer passes only what a baseline's signature asks for.
+Left out: per-prompt group baselines trained on (they need several trained rollouts of one prompt, which this method
+does without).
 """
 
 from __future__ import annotations
 
 import torch
+
+from sao.core.errors import ConfigError
 
 Tensor = torch.Tensor
 
@@ -38,3 +46,15 @@ def batch_mean(rewards: Tensor, action_mask: Tensor) -> Tensor:
 
 def none(rewards: Tensor, action_mask: Tensor) -> Tensor:
     return torch.zeros(action_mask.shape, dtype=torch.float64, device=action_mask.device)
+
+
+def oracle(rewards: Tensor, action_mask: Tensor, oracle_rates: Tensor | None = None) -> Tensor:
+    if oracle_rates is None:
+        raise ConfigError("the oracle baseline needs each row's oracle rate (oracle_rates [B]): the local source draws "
+                          "them beside every batch (--rollout local)")  # fmt: skip
+    rates = oracle_rates.to(device=action_mask.device, dtype=torch.float64)  # [B]
+    if tuple(rates.shape) != (action_mask.shape[0],):
+        raise ConfigError(f"oracle_rates must have one rate per row, shape [{action_mask.shape[0]}], got "
+                          f"{list(rates.shape)}")  # fmt: skip
+    values = rates[:, None].expand(action_mask.shape)  # [B, T]
+    return torch.where(action_mask, values, torch.zeros_like(values))

@@ -3,7 +3,7 @@
 B stale trajectories (padded to T tokens) become per-token coefficients. Trajectory i has L_i action tokens a_k and
 reward r_k on a_k (``rewards`` [B]: terminal, on a_{L_i}; [B, T]: per turn, on each turn's last action token):
 
-    λ_i  = max(0, 1 − 1 / (α L_i)),  α = 1.5,  γ = 1               length-adaptive GAE
+    λ_i  = max(0, 1 − 1 / (α L_i)),  α = 1.5,  γ = 1               length-adaptive GAE (or one fixed λ)
     A_k  = δ_k + λ_i A_{k+1},  δ_k = r_k + V(a_{k+1}) − V(a_k)     V(a_{L_i+1}) = 0; the bootstrap skips observations
     G_t  = Σ_{action tokens a_k at or after t} r_k                 value target: return-to-go
     ρ_t  = exp(logprobs_t − sampler_logprobs_t)                    against the sampler's own recorded probability
@@ -64,7 +64,7 @@ class SAO(AlgorithmSettings):
         micro-batch) and ``staleness`` (integers: each row's level, for a share per staleness level).
         """
         logprobs, sampler_logprobs, values, rewards, action_mask = _validate(batch)
-        advantages, lam = gae(values, rewards, action_mask, self.gae_alpha)
+        advantages, lam = gae(values, rewards, action_mask, self.gae_alpha, self.gae_lambda)
         value_targets = monte_carlo_returns(rewards, action_mask)
         correction = self._correct(logprobs, sampler_logprobs, advantages, action_mask, normalizer, batch)
 
@@ -162,8 +162,11 @@ def gae_lambda(lengths: Tensor, alpha: float, dtype: torch.dtype = torch.float64
     return torch.where(lengths > 0, lam.clamp(min=0.0), torch.zeros_like(lam))
 
 
-def gae(values: Tensor, rewards: Tensor, action_mask: Tensor, alpha: float) -> tuple[Tensor, Tensor]:
+def gae(
+    values: Tensor, rewards: Tensor, action_mask: Tensor, alpha: float, fixed: float | None = None
+) -> tuple[Tensor, Tensor]:
     """Length-adaptive GAE with γ = 1 over the action tokens only. Returns (advantages [B,T], λ [B]).
+    ``fixed``: one λ for every trajectory instead of λ(L) (``--gae-lambda``; 1: no bootstrapping).
 
     ``rewards`` is [B] (R_i on the last action token) or [B, T] (r_k read at each action token; entries
     on non-action tokens are ignored here, ``SAO.update`` rejects non-zero ones). The action tokens of
@@ -175,6 +178,8 @@ def gae(values: Tensor, rewards: Tensor, action_mask: Tensor, alpha: float) -> t
     B, T = values.shape
     lengths = action_mask.sum(dim=1)  # [B] L_i
     lam = gae_lambda(lengths, alpha, values.dtype)  # [B]
+    if fixed is not None:  # one λ for every trajectory that has an action token
+        lam = torch.where(lengths > 0, torch.full_like(lam, float(fixed)), torch.zeros_like(lam))
     rank = action_mask.cumsum(dim=1) - 1  # [B, T] k of each action token (0-based)
     slot = torch.where(action_mask, rank, torch.full_like(rank, T))  # non-actions go to a spill column
 

@@ -242,6 +242,14 @@ class AlgorithmSettings(Section):
         aliases=("band",),
     )
     gae_alpha: float = option(1.5, "λ_i = 1 − 1/(α L_i). SAO's α (VAPO used 0.05).", check=positive)
+    gae_lambda: float | None = option(
+        None,
+        "None: each trajectory's λ_i = max(0, 1 − 1/(α L_i)) (the recipe's length-adaptive GAE). A number in [0, 1]: "
+        "that λ for every trajectory, whatever its length. 1 is no bootstrapping: with γ = 1 every action token's "
+        "advantage is its return-to-go minus V(s_t), so the critic is only a baseline and its errors at later tokens "
+        "never enter an earlier token's advantage (the ablation of λ(L)).",
+        check=lambda v: None if v is None or (math.isfinite(v) and 0.0 <= v <= 1.0) else "must be in [0, 1] (or None)",
+    )
     correction: str = option(
         "dis",
         'Correction rule f(ratio): "dis" (the recipe: mask outside the band), "none" (the baseline: the plain ratio), '
@@ -267,9 +275,21 @@ class AlgorithmSettings(Section):
         "critic",
         'What the advantages are taken against: "critic" (the value head V(s_t), the method), "batch-mean" (each '
         "trajectory's return against the mean return of the other trajectories in its batch, one constant per "
-        'trajectory: what the critic buys over the cheapest baseline a single rollout allows), or "none" (V = 0). '
-        "The critic trains in every case; only the advantages change.",
+        'trajectory: what the critic buys over the cheapest baseline a single rollout allows), "oracle" (each '
+        "prompt's success rate under the sampler, from --oracle-samples fresh rollouts of it drawn beside the batch "
+        "and never trained on: the positive control, the best a prompt-level baseline can do; local source only; "
+        'it costs those rollouts every step), or "none" (V = 0). The critic trains in every case; only the '
+        "advantages change.",
         check=_in_registry(BASELINES),
+    )
+    oracle_samples: int = option(
+        8,
+        'Fresh rollouts per prompt behind each oracle rate: the "oracle" baseline\'s (every step, for every prompt '
+        "of the batch) and the oracle ceiling's (--ceiling-every). The baseline shrinks each prompt's rate toward "
+        "the mean of all of them by the empirical-Bayes weight (between-prompt variance against the K-sample noise), "
+        "so that a few samples never make it worse than the batch mean. Drawing them costs K batches' rows of "
+        "sampling (on the CPU about K/2 batches' time: the rows are drawn together).",
+        check=at_least(2),
     )
     critic_steps: int = option(2, "Critic updates per policy update. The page's 2.", check=at_least(0))
     critic_warmup: int | str = option(
@@ -464,6 +484,21 @@ class TrainingSettings(Section):
         "--gate: the error rate of each decision: the one-sided level of the non-inferiority test, and of the "
         "rollback's confidence sequence (which holds at every check at once).",
         check=lambda v: None if math.isfinite(v) and 0 < v < 0.5 else "must be a number in (0, 0.5)",
+    )
+    ceiling_every: int = option(
+        0,
+        "The oracle ceiling: what a prompt-level baseline could reach, against what the critic reached. K > 0: at the "
+        "critic warmup's end, every K policy steps and after the last, --ceiling-prompts training prompts (the same "
+        "ones each time) are each rolled out --oracle-samples times by the sampler at the rollout temperature; the "
+        "step's record gets their success rates' ceiling, Var(p)/p̄(1 − p̄) per trajectory and its token-weighted "
+        "twin (the way the critic's explained variance counts), the critic's explained variance on those same "
+        "rollouts and its share of the ceiling; OUT/oracle/ keeps the rates and the trunk's hidden states for `sao "
+        "probe`. Each snapshot costs prompts × samples rollouts (64 × 8: about 4 batches' sampling on the CPU) and "
+        "one teacher-forced pass over them. 0: off, and a run pays nothing. Local source, one process.",
+        check=at_least(0, " (0 = off)"),
+    )
+    ceiling_prompts: int = option(
+        64, "--ceiling-every: the training prompts rolled out at each snapshot.", check=at_least(3)
     )
     dead_band_share: float = option(
         0.001,
@@ -917,8 +952,9 @@ def _full_finetune_fits(c: Config) -> str | None:
     if not type(c.source).full_weights:
         return (f"--finetune full with --rollout {c.rollout.source}: its sampler takes LoRA adapters only; use "
                 "--rollout local or vllm, or --finetune lora")  # fmt: skip
-    if getattr(c.source, "sampler_dtype", "auto") != "auto":
-        return "--sampler-dtype with --finetune full is not offered: the stale sampler is a copy of the whole model"
+    if getattr(c.source, "sampler_dtype", "auto") != "auto" or getattr(c.source, "sampler_logit_noise", 0.0):
+        return ("--sampler-dtype with --finetune full is not offered (nor --sampler-logit-noise): the stale sampler "
+                "is a copy of the whole model")  # fmt: skip
     if c.training.gate != "off":
         return "--gate held-out compares LoRA adapters: it needs --finetune lora"
     return None
@@ -930,15 +966,28 @@ def _shard_fits(c: Config) -> str | None:
     if c.rollout.decoder == "graph":
         return ("--decoder graph with --shard fsdp: the graph engine keeps pointers to weights that FSDP gathers "
                 "anew for every draw; use --decoder plain or auto")  # fmt: skip
-    if getattr(c.source, "sampler_dtype", "auto") != "auto":
-        return "--sampler-dtype with --shard fsdp is not offered: the cast copy would hold the whole model unsharded"
+    if getattr(c.source, "sampler_dtype", "auto") != "auto" or getattr(c.source, "sampler_logit_noise", 0.0):
+        return ("--sampler-dtype with --shard fsdp is not offered (nor --sampler-logit-noise): the sampler's copy "
+                "would hold the whole model unsharded")  # fmt: skip
     if c.training.gate != "off":
         return "--gate held-out with --shard fsdp is not offered: the gate draws with unsharded adapter copies"
     return None
 
 
+def _oracle_draws_locally(c: Config) -> str | None:
+    if c.source.draws_on_demand:
+        return None
+    if c.algorithm.baseline == "oracle":
+        return (f"--baseline oracle draws --oracle-samples more rollouts of every prompt beside each batch, which only "
+                f"--rollout local does; --rollout {c.rollout.source} cannot")  # fmt: skip
+    if c.training.ceiling_every:
+        return (f"--ceiling-every rolls out prompts by the sampler at each snapshot, which only --rollout local does; "
+                f"--rollout {c.rollout.source} cannot")  # fmt: skip
+    return None
+
+
 RULES = (_random_needs_a_share, _seeds_fit, _gate_fits, _device_exists, _critic_model_named, _full_finetune_fits,
-         _shard_fits)  # fmt: skip
+         _shard_fits, _oracle_draws_locally)  # fmt: skip
 
 
 # --- settings files ---------------------------------------------------------------------------------------------

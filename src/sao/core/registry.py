@@ -7,7 +7,8 @@ rollout sources have their registry in their own layer (``sao.rollout.registry``
 
     PRESETS       defaults a run starts from: a mapping of settings as a --config file takes them
     CORRECTIONS   the rule f(ratio) an update applies (``sao.algorithm.corrections``)
-    BASELINES     what advantages are taken against, ``(rewards, action_mask) -> values or None`` (None: the critic's)
+    BASELINES     what advantages are taken against, ``(rewards, action_mask, **rows) -> values or None`` (None: the
+                  critic's; ``rows``: the batch's per-row extras a baseline names, e.g. ``oracle_rates``)
     MODELS        stand-in models built on this machine, ``ensure() -> folder`` (any other name: hub id or folder)
     TASK_SETS     generated task sets, ``make(n_train, n_test, seed) -> TaskSet`` (others: GSM8K or your data)
     ENVIRONMENTS  environments by name, ``factory(tokenizer, settings) -> (task_id, fields) -> env``
@@ -78,7 +79,8 @@ CORRECTIONS = Registry(
     {name: f"sao.algorithm.corrections:{name}" for name in ("dis", "none", "tis", "seqmask", "random")},
 )
 BASELINES = Registry(
-    "baseline", {name: f"sao.algorithm.baselines:{name.replace('-', '_')}" for name in ("critic", "batch-mean", "none")}
+    "baseline",
+    {name: f"sao.algorithm.baselines:{name.replace('-', '_')}" for name in ("critic", "batch-mean", "oracle", "none")},
 )
 MODELS = Registry(
     "stand-in model", {"tiny": "sao.tiny.arithmetic:ensure_model", "tiny-calc": "sao.tiny.calculator:ensure_calc_model"}

@@ -72,11 +72,13 @@ class SourceSection(Section):
     checks what it needs of the other sections (``check``) and says what the trainer adds beside the step for it
     (``needs``): "footing_audit" (the logged log-probs' footing checked once), "sampler_tolerance" (fresh rows must
     agree with the trainer within it, else the run stops), "summary" (its totals written at the end), "publish"
-    (every update published for a server)."""
+    (every update published for a server). ``draws_on_demand``: the source can roll out given prompts again when
+    asked (``draw_more``), which the oracle baseline and the oracle ceiling need."""
 
     implementation: ClassVar[str] = ""
     implied_by: ClassVar[str | None] = None
     full_weights: ClassVar[bool] = False  # whether its sampler can take a full-weight version (--finetune full)
+    draws_on_demand: ClassVar[bool] = False  # whether it rolls out given prompts again on request (draw_more)
 
     def check(self, config: Any) -> str | None:
         return None

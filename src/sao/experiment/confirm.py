@@ -21,7 +21,7 @@ import json
 import math
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from sao.core.io import write_json
 from sao.core.reading import parse_json, parse_yaml, read_json_file
 from sao.core.registry import PRESETS
 from sao.experiment import report, results
-from sao.experiment.runner import Experiment, Grid, arm_settings, cell_name
+from sao.experiment.runner import Experiment, Grid, cell_name
 
 CORRECTIONS = ("holm",)
 EXPECT = ("improved", "regressed")
@@ -40,10 +40,11 @@ CLAIMS = (*EXPECT, *stats.COLLAPSE_VERDICTS)  # what a row of the family can cla
 DECISION_RULES = ("direction", "minimum-effect", "observed-above-delta")
 OLD_RULE = "observed-above-delta"  # a plan that states no decision_rule: the rule it was written under
 COLLAPSE = "collapse:"  # a secondary comparison of collapse rates: collapse:dis_vs_none
+INTERACTION = "interaction:"  # a comparison's per-seed delta in the primary cell against the same in another cell
 PLAN_SET = ("lag", "lr", "ratio", "correction", "seed", "train_runs")  # the plan sets these, not its settings
 KEYS = {"question", "written", "preset", "settings", "grid", "arms", "primary", "secondary", "seeds", "exploratory",
         "correction", "alpha", "smallest_effect", "expected_sd", "gatekeeping", "decision_rule", "expected_effect",
-        "rank_estimand", "collapse_floor", "power_model"}  # fmt: skip
+        "rank_estimand", "collapse_floor", "power_model", "define", "power_fit"}  # fmt: skip
 # The fields this module adds to a plan (docs/design/confirm.md has the whole plan):
 #   smallest_effect: δ > 0, the smallest delta of pass@1 that would matter, fixed before the run. Every comparison of
 #     the family uses it: improved/regressed need |delta| > δ, flat needs the 1 − 2·alpha interval inside ± δ. Absent:
@@ -67,6 +68,10 @@ KEYS = {"question", "written", "preset", "settings", "grid", "arms", "primary", 
 #     number or [after, before], sd: the sd of the per-seed deltas where neither collapsed, healthy: a healthy run's
 #     pass@1, collapsed: a collapsed run's}; any field left out is fitted (stats.fit_mixture, with collapse_floor) to
 #     the primary cell of the cited exploratory run with the most seeds there. Needs collapse_floor.
+#   power_fit: {cell: NAME, comparison: A_vs_B}: fit the mixture's missing fields to that comparison of the cited runs
+#     instead of the primary (for a primary whose arms no cited run trained; the plan says why it stands in).
+#   define: arms of the plan's own, name → settings over the preset's (a correction rule among them): ablations
+#     (dis-lambda1: {correction: dis, gae_lambda: 1}) and doses (dis-bf16: {correction: dis, sampler_dtype: bfloat16})
 POWER_TARGET = 0.8  # a plan whose power for δ is below this is warned about in words (not refused)
 
 
@@ -95,6 +100,7 @@ class Plan:
     rank_estimand: bool = False  # Hodges–Lehmann and the sign test beside every mean comparison
     collapse_floor: float | None = None  # a run below this pass@1 collapsed; collapse rates and McNemar
     power_model: dict[str, Any] | None = None  # the mixture's fields the plan gives (None: a normal sd)
+    power_fit: dict[str, str] | None = None  # the cited runs' cell and comparison the mixture is fitted to
 
     @property
     def verdict_rule(self) -> str:
@@ -104,7 +110,8 @@ class Plan:
     @property
     def family(self) -> list[tuple[str, str]]:
         first = (self.primary["cell"], self.primary["comparison"])
-        rest = [(c["name"], k) for c in self.grid.cells() for k in self.secondary if (c["name"], k) != first]
+        rest = [(c["name"], k) for c in self.grid.cells() for k in self.secondary if (c["name"], k) != first
+                and not (k.startswith(INTERACTION) and c["name"] == first[0])]  # fmt: skip
         return [first, *rest]
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,7 +124,7 @@ class Plan:
             "secondary": self.secondary,
             "family": [{"cell": cell, "comparison": key} for cell, key in self.family],
             "arms": list(self.grid.arms),
-            "grid": asdict(self.grid),
+            "grid": self.grid.to_dict(),
             "seeds": self.seeds,
             "correction": self.correction,
             "alpha": self.alpha,
@@ -136,7 +143,7 @@ class Plan:
         out: dict[str, Any] = {}
         if self.decision_rule != OLD_RULE:
             out["decision_rule"] = self.decision_rule
-        for key in ("expected_effect", "collapse_floor", "power_model"):
+        for key in ("expected_effect", "collapse_floor", "power_model", "power_fit"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.rank_estimand:
@@ -153,7 +160,7 @@ def _comparison(path: Path, text: Any, arms: tuple[str, ...], where: str) -> tup
     is not it, so ``dis_vs_dis+batch-mean`` is (dis, dis+batch-mean). A ``collapse:`` in front (collapse rates, in
     secondary) is not part of the arms."""
     if where == "secondary" and isinstance(text, str):
-        text = text.removeprefix(COLLAPSE)
+        text = text.removeprefix(COLLAPSE).removeprefix(INTERACTION)
     parts = text.split("_vs_") if isinstance(text, str) else []
     if len(parts) != 2 or not all(parts) or parts[0] == parts[1]:
         raise _fail(path, f"{where} must be a comparison like dis_vs_none (after_vs_before), got {text!r}")
@@ -222,9 +229,10 @@ def read_plan(path: str | Path) -> Plan:
             lrs=tuple(float(x) for x in grid_spec.get("lrs") or (primary["lr"],)),
             bands=tuple(tuple(b) for b in grid_spec.get("bands") or (band,)),
             arms=tuple(arms),
+            define=data.get("define") or {},
         )
         for arm in arms:
-            Config.load(preset, **{**settings, **arm_settings(arm)},
+            Config.load(preset, **{**settings, **grid.settings_of(arm)},
                           random_mask_share=config.algorithm.random_mask_share or 0.0)  # fmt: skip
     except (ConfigError, TypeError, ValueError) as error:
         raise _fail(path, f"grid or arms: {error}") from None
@@ -243,6 +251,8 @@ def read_plan(path: str | Path) -> Plan:
         raise _fail(path, "'secondary' must be a list of comparisons like dis_vs_random")
     for key in secondary:
         _comparison(path, key, grid.arms, "secondary")
+        if str(key).startswith(INTERACTION) and len(grid.cells()) < 2:
+            raise _fail(path, f"secondary {key} compares the primary cell with the others: the grid has one cell")
     collapse_floor = data.get("collapse_floor")
     if collapse_floor is not None and (isinstance(collapse_floor, bool) or not isinstance(collapse_floor, (int, float))
                                        or not 0 < collapse_floor <= 1):  # fmt: skip
@@ -256,6 +266,12 @@ def read_plan(path: str | Path) -> Plan:
     if not isinstance(rank_estimand, bool):
         raise _fail(path, f"rank_estimand must be true or false, got {rank_estimand!r}")
     power_model = _power_model(path, data.get("power_model"), collapse_floor)
+    power_fit = data.get("power_fit")
+    if power_fit is not None and (not isinstance(power_fit, dict) or set(power_fit) != {"cell", "comparison"}
+                                  or not all(isinstance(v, str) for v in power_fit.values())):  # fmt: skip
+        raise _fail(path, f"power_fit must be {{cell: NAME, comparison: A_vs_B}} of a cited run, got {power_fit!r}")
+    if power_fit is not None and power_model is None:
+        raise _fail(path, "power_fit says what the power model is fitted to: it needs power_model")
 
     correction = data["correction"]
     if correction not in CORRECTIONS:
@@ -293,6 +309,7 @@ def read_plan(path: str | Path) -> Plan:
         exploratory=exploratory, smallest_effect=smallest_effect, expected_sd=expected_sd, gatekeeping=gatekeeping,
         decision_rule=decision_rule, expected_effect=expected_effect, rank_estimand=rank_estimand,
         collapse_floor=None if collapse_floor is None else float(collapse_floor), power_model=power_model,
+        power_fit=power_fit,
     )  # fmt: skip
     return replace(plan, power=plan_power(plan, [(record["path"], got) for record, got in cited]))
 
@@ -354,10 +371,14 @@ def _mixture(plan: Plan, cited: list[tuple[str, dict[str, Any]]]) -> tuple[stats
     """The plan's mixture: its ``power_model`` fields, the rest fitted to the primary cell of the cited run with the
     most seeds there; and where it came from, in words."""
     after, before, cell = plan.primary["after"], plan.primary["before"], plan.primary["cell"]
+    if plan.power_fit is not None:  # another comparison of the cited runs stands in for the primary
+        cell = plan.power_fit["cell"]
+        after, before = _comparison(plan.path, plan.power_fit["comparison"], _arms_in(cited, cell),
+                                    "power_fit.comparison")  # fmt: skip
     given = plan.power_model or {}
     runs = [(where, got) for where, data in cited if (got := _primary_pass(data, cell, after, before))]
     where, got = max(runs, key=lambda r: len(r[1][0]), default=(None, None))
-    fitted, fit_error = None, "no exploratory run it cites holds both arms' per-seed pass@1 in " + cell
+    fitted, fit_error = None, f"no exploratory run it cites holds both arms' per-seed pass@1 in {cell}"
     if got is not None and len(given) < len(MODEL_KEYS):
         try:
             fitted = stats.fit_mixture(got[1], got[0], plan.collapse_floor)
@@ -378,10 +399,21 @@ def _mixture(plan: Plan, cited: list[tuple[str, dict[str, Any]]]) -> tuple[stats
     except ConfigError as error:
         raise _fail(plan.path, f"power_model: {error}") from None
     left = [k for k in MODEL_KEYS if k not in given]
+    fit_to = f" ({after} − {before} in {cell})" if plan.power_fit is not None else ""
     source = ("the plan's power_model" if not left or fitted is None else
-              f"{', '.join(left)} fitted to {len(got[0])} seeds of {where} (collapsed: pass@1 below "
+              f"{', '.join(left)} fitted to {len(got[0])} seeds of {where}{fit_to} (collapsed: pass@1 below "
               f"{plan.collapse_floor:g}){', the rest from the plan' if given else ''}")  # fmt: skip
     return model, source
+
+
+def _arms_in(cited: list[tuple[str, dict[str, Any]]], cell: str) -> tuple[str, ...]:
+    """Every arm the cited runs trained in ``cell``."""
+    arms: dict[str, None] = {}
+    for _, data in cited:
+        for c in data.get("cells") or []:
+            if isinstance(c, dict) and c.get("name") == cell and isinstance(c.get("arms"), dict):
+                arms.update(dict.fromkeys(c["arms"]))
+    return tuple(arms)
 
 
 MIXTURE_MOST_SEEDS = 1000  # the search for the seeds a mixture's power needs stops here (each step simulates)
@@ -629,6 +661,9 @@ def family_rows(summary: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
     rows = []
     for cell_name_, key in plan.family:
         cell = cells[cell_name_]
+        if key.startswith(INTERACTION):
+            rows.append(_interaction_row(cells[plan.primary["cell"]], cell, key, plan))
+            continue
         after, before = key.removeprefix(COLLAPSE).split("_vs_")
         passes = [[float(x) for x in cell["arms"][arm]["pass_at_1"]] for arm in (after, before)]
         collapse = None
@@ -655,6 +690,29 @@ def family_rows(summary: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
             row["collapse"] = collapse.to_dict()
         rows.append(row)
     return rows
+
+
+def _interaction_row(home: dict[str, Any], cell: dict[str, Any], key: str, plan: Plan) -> dict[str, Any]:
+    """``interaction:A_vs_B`` in ``cell``: the per-seed delta A − B in the primary cell (``home``) against the same in
+    ``cell``, seeds paired by index (every cell trains the same seeds), as ``stats.compare`` over seeds under the
+    plan's δ, alpha and verdict rule. Positive: A gains more over B in the primary cell than in this one."""
+    after, before = key.removeprefix(INTERACTION).split("_vs_")
+
+    def deltas(c: dict[str, Any]) -> list[list[float]]:
+        a, b = (c["arms"][arm]["pass_at_1"] for arm in (after, before))
+        return [[float(x) - float(y)] for x, y in zip(a, b, strict=True)]
+
+    c = stats.compare(deltas(cell), deltas(home), smallest_effect=plan.smallest_effect, alpha=plan.alpha,
+                      verdict_rule=plan.verdict_rule).to_dict()  # fmt: skip
+    row = {"cell": cell["name"], "comparison": key, "kind": "interaction", **{k: c.get(k) for k in ROW_KEYS},
+           "after": f"{after} − {before} in {home['name']}", "before": f"{after} − {before} in {cell['name']}",
+           "verdict_unadjusted": c["verdict"], "reason_unadjusted": c["reason"]}  # fmt: skip
+    if plan.verdict_rule != OLD_RULE:
+        row.update({k: c.get(k) for k in MAGNITUDE_KEYS}, magnitude_unadjusted=c.get("magnitude"))
+    if plan.rank_estimand:
+        d = [x[0] - y[0] for x, y in zip(deltas(home), deltas(cell), strict=True)]
+        row["rank"] = stats.rank_estimate(d, plan.alpha).to_dict() if len(d) >= 2 else None
+    return row
 
 
 def _success(row: dict[str, Any], plan: Plan) -> bool:

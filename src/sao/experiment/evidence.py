@@ -7,8 +7,10 @@ markers in DOCS/README.md: every arm's divergence count per cell and in all; the
 and the best of them beside the confirmation's interval for the same cell (the winner's curse); the arms against
 the base model in the first sweep; the random − none deltas (unplanned: outside the confirmation's family); and
 a post-hoc estimand, dis − none over the whole grid with seeds as the unit; and for each finished plan of the
-second confirmation (DOCS/confirm-v2/) the critic's explained variance, every arm's divergence count and the
-post-hoc whole-grid estimands. Nothing here runs a model.
+second confirmation (DOCS/confirm-v2/) the critic's explained variance per cell, every arm's divergence count and
+the post-hoc whole-grid estimands; what the tiny task's held-out split shares with training (counted from the
+split); and for each finished plan of the third (DOCS/confirm-v3/) its family, the oracle ceiling against the critic
+and the probe, and the masked share and effective sample size of the arms it defines. Nothing here runs a model.
 Deliberately left out: new statistics (``sao.core.stats`` is the one place for them) and the plots.
 """
 
@@ -196,19 +198,144 @@ def block(docs: Path) -> str:
         f"[{_signed(grid['ci_low'])}, {_signed(grid['ci_high'])}] (95% t interval over {grid['n']} seeds). "
         "It describes this grid of step sizes and lags as a whole; it tests no cell.",
         *second_confirmation(docs),
+        *split_facts(),
+        *third_confirmation(docs),
         "",
         END,
     ]
     return "\n".join(lines)
 
 
-def critic_ev(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per arm, over every cell and seed: the critic's explained variance at the end of its warmup and over the last
-    10 steps (medians, the smallest), and how many runs end above 0."""
-    out: dict[str, dict[str, Any]] = {}
+def split_facts() -> list[str]:
+    """What "held out" means on the tiny task of the second confirmation, counted from its split (the preset's 480
+    training prompts and 120 held out, data seed 0) and its warm start's question pool."""
+    from sao.tiny.arithmetic import WarmStart, all_questions, make_split, problem
+
+    split = make_split(480, 120, 0)
+    index = lambda task: int(task.id.split("/")[1])  # noqa: E731
+    trained = {problem(index(t)) for t in split.train}
+    held = [problem(index(t)) for t in split.test]
+    plus = [p for p in held if p[1] == "+"]
+    twins = [p for p in plus if (p[2], "+", p[0]) in trained]
+    pool = {t.question for t in all_questions()}  # what the warm start's demonstrations are drawn from
+    inside = sum(t.question in pool for t in split.test)
+    warm = WarmStart()
+    each = warm.steps * warm.batch_size / len(pool)  # demonstrations per question, on average
+    return ["", f"The tiny task's held-out split (split version 2, the second confirmation's): {len(held)} held-out "
+            f"questions ask {len(set(held))} problems (a, op, b) that no training prompt asks; {len(plus)} of them "
+            f"are sums, and {len(twins)} of those have their commuted twin (b + a) among the training problems. The "
+            f"warm start draws its {warm.steps} × {warm.batch_size} demonstrations (the careless tutor's answers) "
+            f"from all {len(pool)} questions, {inside} of the {len(held)} held-out ones among them: about "
+            f"{each:.0f} demonstrations of each question before any RL."]  # fmt: skip
+
+
+THIRD = Path("confirm-v3")  # the third confirmation: one folder per plan
+
+
+def _median(values: list[Any]) -> float | None:
+    kept = [float(v) for v in values if isinstance(v, (int, float)) and v == v]
+    return statistics.median(kept) if kept else None
+
+
+def _opt(x: float | None, form: str = "+.3f") -> str:
+    return "—" if x is None else format(x, form)
+
+
+def third_confirmation(docs: Path) -> list[str]:
+    """Lines on each plan of the third confirmation: nothing for a plan still training; for a finished one its
+    family (delta with its interval, the Hodges–Lehmann shift, the collapses, the finding after the correction), the
+    oracle ceiling against the critic where its runs measured it (and the probe, where probe.json exists), and
+    the masked share and effective sample size of every arm it defines."""
+    root = docs / THIRD
+    plans = sorted(p.stem for p in root.glob("*.yaml")) if root.is_dir() else []
+    if not plans:
+        return []
+    lines = ["", f"The third confirmation ([{THIRD}/]({THIRD}/)), plan by plan:"]
+    for plan in plans:
+        path = root / plan / "results.json"
+        if not path.exists():
+            lines += ["", f"- `{plan}`: still training; nothing of it is quoted before every seed has trained."]
+            continue
+        results = json.loads(path.read_text())
+        done = results["confirmation"]
+        first = done["primary"]
+        power = done.get("realised_power") or {}
+        lines += ["", f"`{plan}` ({len(results['seeds'])} seeds per arm, {len(results['cells'])} cells): primary "
+                  f"{first['comparison']} at {first['cell']}: {_signed(first['delta'])} {_interval(first)}, "
+                  f"{first.get('finding') or first['verdict']}; outcome {done['outcome']}"
+                  + (f"; realised power {power['power']:.2f}" if isinstance(power.get("power"), float) else "")
+                  + ".", "", "| cell | comparison | delta [95%] | Hodges–Lehmann [95%] | collapsed (after, before) | "
+                  "adjusted p | finding |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+        for row in done["family"]:
+            rank, fell = row.get("rank") or {}, row.get("collapse") or {}
+            shift = (f"{_signed(rank['hodges_lehmann'])} [{_signed(rank['low'])}, {_signed(rank['high'])}]"
+                     if rank.get("hodges_lehmann") is not None else "—")  # fmt: skip
+            delta = (f"{_signed(row['delta'])} {_interval(row)}" if row.get("ci_low") is not None
+                     else _opt(row.get("delta")))  # fmt: skip
+            lines.append(f"| {row['cell']} | {row['comparison']} | {delta} | {shift} | "
+                         f"{fell.get('after_collapsed', '—')}, {fell.get('before_collapsed', '—')} | "
+                         f"{row['p_holm']:.3g} | {row.get('finding') or row['verdict']} |")  # fmt: skip
+        lines += _ceiling_lines(results, root / plan / "probe.json")
+        lines += _defined_lines(results)
+    return lines
+
+
+def _ceiling_lines(results: dict[str, Any], probe: Path) -> list[str]:
+    rows = []
     for cell in results["cells"]:
         for arm, block in cell["arms"].items():
-            entry = out.setdefault(arm, {"warmup": [], "last10": []})
+            shots: dict[str, list[dict[str, Any]]] = {}
+            for run in block["runs"].values():
+                for shot in (run.get("checks") or {}).get("ceiling") or []:
+                    shots.setdefault(str(shot["snapshot"]), []).append(shot)
+            for label, got in shots.items():
+                rows.append(f"| {cell['name']} | `{arm}` | {label} | "
+                            + " | ".join(_opt(_median([g.get(k) for g in got])) for k in
+                                         ("mean", "prompt_level", "token_level", "critic_ev", "critic_share"))
+                            + " |")  # fmt: skip
+    if not rows:
+        return []
+    lines = ["", "The oracle ceiling against the critic (medians over each arm's runs; the critic's explained "
+             "variance on the snapshot's own rollouts, its share of the per-token ceiling):", "",
+             "| cell | arm | snapshot | success rate | ceiling per trajectory | ceiling per token | critic EV | "
+             "critic's share |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |", *rows]  # fmt: skip
+    if probe.exists():
+        summary = json.loads(probe.read_text()).get("summary") or []
+        lines += ["", "`sao probe` (medians over the probed runs): "
+                  + "; ".join(f"{s['snapshot']}: R² {_opt(s['prompt_token_r2'])} at the last prompt token, "
+                              f"{_opt(s['per_token_r2'])} per token, of at most {_opt(s['signal_share'])} "
+                              "that is signal" for s in summary) + "."]  # fmt: skip
+    return lines
+
+
+def _defined_lines(results: dict[str, Any]) -> list[str]:
+    define = (results.get("grid") or {}).get("define") or {}
+    if not define:
+        return []
+    rows = []
+    for cell in results["cells"]:
+        for arm, block in cell["arms"].items():
+            curves = block.get("curves") or {}
+            mean = lambda key, curves=curves: (curves.get(key) or {}).get("mean")  # noqa: E731
+            settings = ", ".join(f"{k} {v}" for k, v in (define.get(arm) or {}).items() if k != "correction") or "—"
+            rows.append(f"| {cell['name']} | `{arm}` | {settings} | {_opt(mean('would_be_masked_share'), '.4f')} | "
+                        f"{_opt(mean('would_be_masked_share_low'), '.4f')} | "
+                        f"{_opt(mean('would_be_masked_share_high'), '.4f')} | {_opt(mean('ratio_ess_share'), '.4f')} "
+                        f"| {block['pass_at_1_mean']:.3f} |")  # fmt: skip
+    return ["", "Every arm's would-be masked share (what the band leaves out, on any rule) and the ratios' effective "
+            "sample size, policy steps, the step-wise mean over seeds, with its mean pass@1:", "",
+            "| cell | arm | settings | would-be masked | low side | high side | ESS share | pass@1 |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |", *rows]  # fmt: skip
+
+
+def critic_ev(results: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (cell, arm), over its seeds: the critic's explained variance at the end of its warmup and over the last 10
+    steps (medians, the smallest), and how many runs end above 0. Cells apart: a lag whose critic ends below 0 and
+    one whose critic ends above it do not pool into one number."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for cell in results["cells"]:
+        for arm, block in cell["arms"].items():
+            entry = out.setdefault((cell["name"], arm), {"warmup": [], "last10": []})
             for run in block["runs"].values():
                 checks = run.get("checks") or {}
                 if checks.get("critic_ev_last10") is not None:
@@ -240,10 +367,10 @@ def second_confirmation(docs: Path) -> list[str]:
                   f"`{plan}`:", ""]  # fmt: skip
         ev = critic_ev(results)
         if ev:
-            lines += ["| arm | critic EV at warmup end (median) | EV over the last 10 steps (median, smallest) | "
-                      "runs ending above 0 |", "| --- | ---: | ---: | ---: |"]  # fmt: skip
-            for arm, e in ev.items():
-                lines.append(f"| `{arm}` | {e['warmup_median']:+.4f} | {e['last10_median']:+.4f}, "
+            lines += ["| cell | arm | critic EV at warmup end (median) | EV over the last 10 steps (median, smallest) "
+                      "| runs ending above 0 |", "| --- | --- | ---: | ---: | ---: |"]  # fmt: skip
+            for (cell, arm), e in ev.items():
+                lines.append(f"| {cell} | `{arm}` | {e['warmup_median']:+.4f} | {e['last10_median']:+.4f}, "
                              f"{e['last10_min']:+.4f} | {e['above_0']} of {e['runs']} |")  # fmt: skip
         _, total, seeds = divergence(results)
         runs = seeds * len(results["cells"])

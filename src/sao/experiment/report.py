@@ -840,6 +840,84 @@ def _off_policy_section(results: dict[str, Any], arms: list[str]) -> list[str]:
     return out
 
 
+def _median(values: Iterable[Any]) -> float | None:
+    kept = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v]
+    return statistics.median(kept) if kept else None
+
+
+def _defined_section(results: dict[str, Any], arms: list[str]) -> list[str]:
+    """The arms a plan or grid defined by name, with the settings each trained with (doses, ablations)."""
+    rows, seen = [], set()
+    for _, name, arm in _each(results, arms):
+        if isinstance(arm.get("settings"), dict) and name not in seen:
+            seen.add(name)
+            extra = {k: v for k, v in arm["settings"].items() if k not in ("correction", "baseline")}
+            rule, baseline = (arm.get(k) or arm["settings"].get(k) for k in ("correction", "baseline"))
+            rows.append([name, _cell(fmt(rule)), _cell(fmt(baseline)),
+                         _cell(", ".join(f"{k} {fmt(v)}" for k, v in extra.items()) or DASH)])  # fmt: skip
+    if not rows:
+        return []
+    return ["## Arms defined by the plan", "", "Each trains with these settings over the shared configuration, with "
+            "the same seeds as the other arms of its cell; its masked share and effective sample size are in the "
+            "tables above.", "", *_table(["arm", "rule", "baseline", "settings"], rows, text=4)]  # fmt: skip
+
+
+def _ceiling_section(results: dict[str, Any], arms: list[str], probe: dict[str, Any] | None) -> list[str]:
+    """The oracle ceiling's snapshots against the critic (``--ceiling-every``), the oracle baseline's draws, and the
+    probe (``sao probe``, where the folder holds its probe.json): medians over each arm's runs."""
+    rows, oracle_rows = [], []
+    for cell, name, arm in _each(results, arms):
+        shots: dict[str, list[dict[str, Any]]] = {}
+        drawn = []
+        for run in (arm.get("runs") or {}).values():
+            c = run.get("checks") or {}
+            for shot in c.get("ceiling") or []:
+                if isinstance(shot, dict):
+                    shots.setdefault(str(shot.get("snapshot")), []).append(shot)
+            if isinstance(c.get("oracle_baseline"), dict):
+                drawn.append({**c["oracle_baseline"], "critic": c.get("critic_ev_last10")})
+        for label, got in shots.items():
+            rows.append([_cell(cell["name"]), name, _cell(label), str(len(got)),
+                         *(fmt(_median(g.get(k) for g in got)) for k in
+                           ("mean", "prompt_level", "token_level", "critic_ev", "critic_share"))])  # fmt: skip
+        if drawn:
+            oracle_rows.append([_cell(cell["name"]), name, fmt(drawn[0].get("samples")),
+                                *(fmt(_median(d.get(k) for d in drawn)) for k in
+                                  ("shrinkage_mean", "batch_ceiling_mean", "ev_last10", "critic"))])  # fmt: skip
+    probed = (probe or {}).get("summary") or []
+    if not rows and not oracle_rows and not probed:
+        return []
+    out = ["## The critic against what was reachable", ""]
+    if rows:
+        out += ["At each snapshot the same training prompts were rolled out K times each by the sampler. The ceiling "
+                "is the explained variance a baseline that knows each prompt's success rate could reach, 1 − E[Var(R "
+                "| prompt)] / Var(R) (Var(p) / p̄(1 − p̄) for 0/1 rewards), without the K-sample bias: per trajectory, "
+                "and per token (each rollout weighted by its action tokens, the units of the critic's explained "
+                "variance). The critic's explained variance is measured on those same rollouts; its share is that "
+                "over the per-token ceiling. A critic reads the reply so far as well as the prompt, so it can exceed "
+                "a prompt-level ceiling; a ceiling near 0 says the prompts hardly differ in difficulty. Medians over "
+                "the arm's runs.", ""]  # fmt: skip
+        out += _table(["cell", "arm", "snapshot", "runs", "success rate", "ceiling per trajectory",
+                       "ceiling per token", "critic EV", "critic's share"], rows, text=3)  # fmt: skip
+    if oracle_rows:
+        out += ["The oracle baseline: every step, each prompt of the batch rolled out K more times by the sampler "
+                "that drew it (never trained on), its rate shrunk toward their mean by the empirical-Bayes weight. "
+                "Its explained variance is the baseline's own (the update's); the critic's is the head that trains "
+                "beside it. Medians over the arm's runs of each run's mean.", ""]  # fmt: skip
+        out += _table(["cell", "arm", "K", "shrinkage weight", "ceiling of each batch's prompts",
+                       "oracle baseline EV, last 10", "critic EV, last 10"], oracle_rows)  # fmt: skip
+    if probed:
+        out += ["`sao probe`: a ridge regression from the trunk's hidden state (at each prompt's last token, and per "
+                "token) to the prompts' K-sample success rates, cross-validated by prompt; R² near 0 or below: the "
+                "state carries nothing of the difficulty the probe can use. The signal share is the most R² could "
+                "reach (the rest of the rates' variance is sampling noise). Medians over the probed runs.",
+                ""]  # fmt: skip
+        out += _table(["snapshot", "runs", "R² at the last prompt token", "R² per token", "signal share"],
+                      [[_cell(p.get("snapshot")), fmt(p.get("runs")), fmt(p.get("prompt_token_r2")),
+                        fmt(p.get("per_token_r2")), fmt(p.get("signal_share"))] for p in probed], text=1)  # fmt: skip
+    return out
+
+
 CHECKS = [  # (column, the keys shown joined by →, formatter), one row per run
     ("critic EV at warmup end", ("critic_ev_warmup_end",), fmt), ("critic EV, last 10", ("critic_ev_last10",), fmt),
     ("critic loss, warmup end → last 10", ("critic_loss_warmup_end", "critic_loss_last10"), fmt),
@@ -1178,10 +1256,11 @@ def _config(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def render(results: dict[str, Any], log: list[dict[str, Any]] | None, kept: Iterable[str] = (),
-           timelines: Iterable[str] = ()) -> str:  # fmt: skip
+           timelines: Iterable[str] = (), probe: dict[str, Any] | None = None) -> str:  # fmt: skip
     """The text of report.md (plots are linked, not embedded); malformed input is a ``DataError``. ``log`` None: no
     train_log.json, and of the plots drawn from it only those in ``kept`` (stems already in plots/) are linked.
-    ``timelines``: the runs' timeline.json files, relative to the folder, to link."""
+    ``timelines``: the runs' timeline.json files, relative to the folder, to link. ``probe``: the folder's
+    probe.json (``sao probe``), shown with the oracle ceiling."""
     _validate(results, log, "results.json", "train_log.json")
     kept = set(kept)
     arms, cells, config = _arms(results), results["cells"], _config(results)
@@ -1205,6 +1284,7 @@ def render(results: dict[str, Any], log: list[dict[str, Any]] | None, kept: Iter
     for section in (_plan_section(results), _verdict_section(results), _pass_section(results, arms),
                     _vs_base_section(results, arms),
                     _reach_section(results, arms), _off_policy_section(results, arms),
+                    _defined_section(results, arms), _ceiling_section(results, arms, probe),
                     _checks_section(results, arms), _curves_section(results, arms),
                     plots, _time_section(results, log, arms, list(timelines)), _examples_section(results, arms),
                     _tail_sections(results)):  # fmt: skip
@@ -1300,7 +1380,9 @@ def write(out_dir: str | os.PathLike) -> Path:
     plots = Path(out_dir) / "plots"
     kept = {p.stem for p in plots.glob("*.png")} if log is None and plots.is_dir() else set()
     timelines = sorted(p.relative_to(out_dir).as_posix() for p in Path(out_dir).glob(f"cells/*/runs/*/{TIMELINE}"))
-    text = render(results, log, kept, timelines)  # before any plot: malformed input fails without touching the folder
+    probed = Path(out_dir) / "probe.json"
+    probe = read_json_file(probed, expect=dict, error=DataError) if probed.is_file() else None
+    text = render(results, log, kept, timelines, probe)  # before any plot: malformed input fails without touching it
     _write_plots(results, log, plots)
     atomic_write(Path(out_dir) / "report.md", text.encode("utf-8"))
     return Path(out_dir) / "report.md"

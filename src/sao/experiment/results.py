@@ -141,7 +141,31 @@ def checks(records: list[dict[str, Any]], grad_clip: float) -> dict[str, Any]:
         "response_length_last10": _mean(last10, "response_length"),
         "truncation_share_last10": _mean(last10, "truncation_share"),
         **outside_band(policy),
+        **oracle_checks(records, policy),
     }
+
+
+CEILING_KEYS = ("prompt_level", "token_level", "in_sample", "mean", "var_prompt", "critic_ev", "critic_share",
+                "prompts", "samples", "seconds")  # fmt: skip
+
+
+def oracle_checks(records: list[dict[str, Any]], policy: list[dict[str, Any]]) -> dict[str, Any]:
+    """From logs that hold them: the oracle ceiling's snapshots (``--ceiling-every``), each with its step, and the
+    oracle baseline's per-step draws (its shrinkage, its rates' mean, the ceiling of each batch's prompts, and the
+    explained variance it reached over the last ten policy steps). Nothing for a log without either."""
+    out: dict[str, Any] = {}
+    snapshots = [r for r in records if "ceiling_snapshot" in r]
+    if snapshots:
+        out["ceiling"] = [{"snapshot": r["ceiling_snapshot"], "step": r["step"],
+                           **{k: r.get(f"ceiling_{k}") for k in CEILING_KEYS}} for r in snapshots]  # fmt: skip
+    drawn = [r for r in policy if "oracle_shrinkage" in r]
+    if drawn:
+        out["oracle_baseline"] = {"samples": drawn[-1]["oracle_samples"],
+                                  "shrinkage_mean": _mean(drawn, "oracle_shrinkage"),
+                                  "batch_ceiling_mean": _mean(drawn, "oracle_batch_ceiling"),
+                                  "rate_mean": _mean(drawn, "oracle_rate_mean"),
+                                  "ev_last10": _mean(drawn[-10:], "explained_variance")}  # fmt: skip
+    return out
 
 
 def divergence(records: list[dict[str, Any]]) -> list[str]:

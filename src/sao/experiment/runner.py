@@ -10,7 +10,10 @@ The ``random`` arm drops the share of tokens the ``dis`` arm of the same cell an
 
 An arm is named by its correction rule (``dis``: the config's baseline) or by ``RULE+BASELINE`` (``dis+batch-mean``:
 correction ``dis`` with the ``batch-mean`` baseline), so arms can differ in the baseline too; ``+`` is in no rule,
-baseline or comparison separator (``_vs_``), so ``dis_vs_dis+batch-mean`` reads one way only.
+baseline or comparison separator (``_vs_``), so ``dis_vs_dis+batch-mean`` reads one way only. A grid may also
+``define`` arms of its own by name, each a set of settings over the config (``dis-lambda1: {correction: dis,
+gae_lambda: 1}``, ``dis-bf16: {correction: dis, sampler_dtype: bfloat16}``): ablations and doses as arms, trained
+with the same seeds as the rest of their cell.
 
 Deliberately left out: choosing hyperparameters, and statistics beyond ``sao.core.stats.compare``.
 Design notes: docs/design/experiment-runner.md (with the folder layout).
@@ -20,10 +23,11 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,18 +73,51 @@ def arm_rule(arm: str) -> str:
     return arm_settings(arm)["correction"]
 
 
+DEFINE_SET = ("lag", "lr", "ratio", "seed", "train_runs")  # a cell and the seeds set these, never an arm
+ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,63}")  # a defined arm's name: a folder name, no "+" or "_vs_"
+
+
+def _defined(define: Any) -> dict[str, dict[str, Any]]:
+    """``define`` checked: name → settings (flat names), each with a correction rule; a ConfigError otherwise."""
+    if define is None:
+        return {}
+    if not isinstance(define, dict):
+        raise ConfigError(f"define must map arm names to their settings, got {type(define).__name__}")
+    out = {}
+    for name, settings in define.items():
+        if not (isinstance(name, str) and ARM_NAME.fullmatch(name)) or "_vs_" in name:
+            raise ConfigError(f"define: arm name {name!r} must be letters, digits, '.' and '-' (a folder name)")
+        if name in CORRECTIONS or ARM_JOIN in name:
+            raise ConfigError(f"define: {name!r} is already an arm's name (a rule, or RULE{ARM_JOIN}BASELINE)")
+        if not isinstance(settings, dict) or settings.get("correction") not in CORRECTIONS:
+            rules = ", ".join(CORRECTIONS.names())
+            raise ConfigError(f"define: arm {name!r} needs its settings with a correction rule ({rules}), e.g. "
+                              "{correction: dis, gae_lambda: 1}")  # fmt: skip
+        clash = sorted(set(settings) & set(DEFINE_SET))
+        if clash:
+            raise ConfigError(f"define: arm {name!r} sets {clash}, which the grid's cells and the seeds set")
+        out[name] = dict(settings)
+    return out
+
+
 @dataclass(frozen=True)
 class Grid:
-    """The cells of an experiment and the rules trained in each; ``none`` is the baseline every rule meets."""
+    """The cells of an experiment and the rules trained in each; ``none`` is the baseline every rule meets.
+    ``define``: arms of the grid's own, by name → settings (the correction rule among them)."""
 
     lags: tuple[int, ...] = (1, 4, 8, 16)
     lrs: tuple[float, ...] = (1e-3, 3e-3)
     bands: tuple[tuple[float, float], ...] = ((0.7, 6.0),)
     arms: tuple[str, ...] = ("dis", "none")
+    define: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "define", _defined(self.define))
+        unused = sorted(set(self.define) - set(self.arms))
+        if unused:
+            raise ConfigError(f"define: {unused} defined but not among the arms {list(self.arms)}")
         for arm in self.arms:
-            arm_settings(arm)
+            self.settings_of(arm)
         if "none" not in self.arms:
             raise ConfigError("--arms must include 'none': every arm is compared against the plain ratio")
         if len(set(self.arms)) != len(self.arms) or len(self.arms) < 2:
@@ -88,6 +125,21 @@ class Grid:
         if not (self.lags and self.lrs and self.bands):
             raise ConfigError("--lags, --lrs and --bands each need at least one value")
         object.__setattr__(self, "bands", tuple(tuple(float(x) for x in band) for band in self.bands))
+
+    def settings_of(self, arm: str) -> dict[str, Any]:
+        """The settings an arm sets: its definition, else what its name says (``arm_settings``)."""
+        return dict(self.define[arm]) if arm in self.define else arm_settings(arm)
+
+    def rule_of(self, arm: str) -> str:
+        """The correction rule an arm trains with."""
+        return self.settings_of(arm)["correction"]
+
+    def to_dict(self) -> dict[str, Any]:
+        """As results.json and experiment.json record it (``define`` only where the grid has some)."""
+        out = asdict(self)
+        if not self.define:
+            out.pop("define")
+        return out
 
     @classmethod
     def recipe(cls, config: Config) -> Grid:
@@ -211,7 +263,7 @@ class Experiment:
         """``seeds``: the training seeds (default seed, seed + 1, ... for train_runs); ``record``: further settings
         the experiment is started with (a confirmation's plan hash), kept in experiment.json and checked on
         --resume like the rest."""
-        randoms = [i for i, arm in enumerate(grid.arms) if arm_rule(arm) == "random"]
+        randoms = [i for i, arm in enumerate(grid.arms) if grid.rule_of(arm) == "random"]
         if randoms and config.algorithm.random_mask_share is None:
             arms = list(grid.arms)
             if "dis" not in arms or arms.index("dis") > randoms[0]:
@@ -219,10 +271,10 @@ class Experiment:
                                   "--arms, or give --random-mask-share")  # fmt: skip
         first = grid.cells()[0]
         self.config = config.replace(lag=first["lag"], lr=first["lr"], ratio=first["band"],
-                                     correction=arm_rule(grid.arms[0]))  # fmt: skip
+                                     correction=grid.rule_of(grid.arms[0]))  # fmt: skip
         self.grid, self.command, self.progress = grid, command, progress
         self.out = Path(out_dir)
-        self.settings = {"config": self.config.to_dict(), "grid": asdict(grid)}
+        self.settings = {"config": self.config.to_dict(), "grid": grid.to_dict()}
         if seeds is not None:  # a planned confirmation names its fresh seeds; else seed, seed + 1, ...
             if not seeds or len(set(seeds)) != len(seeds):
                 raise ConfigError(f"the training seeds must be distinct and at least one, got {seeds}")
@@ -307,16 +359,18 @@ class Experiment:
         """One run's settings: the arm's rule (and baseline, for RULE+BASELINE). The random arm without a share of
         its own masks ``share``: the plain dis arm's at each staleness level, measured in the same cell and seed (0
         while settings are only being checked)."""
-        changes: dict[str, Any] = {"lag": cell["lag"], "lr": cell["lr"], "ratio": cell["band"], **arm_settings(arm),
-                                   "seed": seed}  # fmt: skip
+        changes: dict[str, Any] = {"lag": cell["lag"], "lr": cell["lr"], "ratio": cell["band"],
+                                   **self.grid.settings_of(arm), "seed": seed}  # fmt: skip
         if changes["correction"] == "random" and self.config.algorithm.random_mask_share is None:
             changes["random_mask_share"] = share or 0.0
         return self.config.replace(**changes)
 
-    def _arm_record(self, cell: dict[str, Any], arm: str) -> dict[str, str]:
-        """What an arm trained with, for results.json: its correction rule and baseline."""
+    def _arm_record(self, cell: dict[str, Any], arm: str) -> dict[str, Any]:
+        """What an arm trained with, for results.json: its correction rule and baseline (and a defined arm's
+        settings)."""
         a = self._run_config(cell, arm, self.seeds[0]).algorithm
-        return {"correction": a.correction, "baseline": a.baseline}
+        return {"correction": a.correction, "baseline": a.baseline,
+                **({"settings": self.grid.define[arm]} if arm in self.grid.define else {})}  # fmt: skip
 
     def _dis_shares(self, cell: dict[str, Any], seed: int) -> tuple[float, ...]:
         """The dis run's masked share at each staleness level 0, 1, ..., its highest, in this cell and seed (trained
@@ -377,7 +431,7 @@ class Experiment:
         if not eval_file.exists():
             share = (
                 self._dis_shares(cell, seed)
-                if arm_rule(arm) == "random" and self.config.algorithm.random_mask_share is None
+                if self.grid.rule_of(arm) == "random" and self.config.algorithm.random_mask_share is None
                 else None
             )
             config = self._run_config(cell, arm, seed, share)
@@ -495,7 +549,7 @@ class Experiment:
             "versions": results.versions(),
             "provenance": {**self.provenance, "pieces_without_provenance": unrecorded, "warnings": differ},
             "config": self.config.to_dict(),
-            "grid": asdict(self.grid),
+            "grid": self.grid.to_dict(),
             "seeds": self.seeds,
             "data": {"source": self.split.source, **self.split.counts},
             "base": floor,

@@ -16,6 +16,7 @@ own registers its section beside it: ``SOURCES.register("mine", MySettings)`` wi
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -37,6 +38,7 @@ class LocalSettings(SourceSection):
 
     implementation: ClassVar[str] = "sao.rollout.sources:LocalStaleSource"
     full_weights: ClassVar[bool] = True  # the stale sampler is then a frozen copy of the whole model
+    draws_on_demand: ClassVar[bool] = True  # the oracle baseline and ceiling roll its prompts out again
     lag: int = option(4, LAG_HELP, check=at_least(0, " (0 = always fresh)"))
     sampler_dtype: str = option(
         "auto",
@@ -45,8 +47,18 @@ class LocalSettings(SourceSection):
         "dtype plus the sampler's LoRA weights cast to it (re-copied before every draw), so the recorded sampler "
         "log-probabilities carry its numerics while the teacher-forced pass keeps the trainer's: bfloat16 on a "
         "float32 trainer is the engine-mismatch regime, where the ratio at lag 0 measures the numerics alone "
-        "(abs_log_ratio_* in the log). Costs one copy of the base weights.",
-        check=one_of("auto", "bfloat16", "float32"),
+        '(abs_log_ratio_* in the log); "float16" the same with half precision\'s rounding instead of bfloat16\'s. '
+        "Costs one copy of the base weights.",
+        check=one_of("auto", "bfloat16", "float16", "float32"),
+    )
+    sampler_logit_noise: float = option(
+        0.0,
+        "A sampler-side perturbation of controlled size: Gaussian noise of this standard deviation added to every "
+        "logit the sampler draws from (before the temperature), seeded by (seed, step), so that each drawn token and "
+        "its recorded log-probability come from the perturbed distribution while the trainer's pass stays clean. At "
+        "lag 0 the ratio then measures this mismatch alone, a dose from ~0 up to well past the band (mismatch by "
+        "dose, with --sampler-dtype). 0: off. Costs one copy of the model, as another --sampler-dtype does.",
+        check=lambda v: None if math.isfinite(v) and 0.0 <= v <= 100.0 else "must be a number in [0, 100]",
     )
 
 

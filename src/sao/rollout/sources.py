@@ -8,8 +8,11 @@
                    task ids name (``tasks``).
     PromptOrder    the seeded order every source reads the training prompts in.
     Episodes       what multi-turn drawing needs beyond the prompts (an environment per task, limits).
-    CastSampler    ``--sampler-dtype``: the local sampler drawing from a copy of the model in another dtype (bfloat16
-                   against a float32 trainer: the engine-mismatch regime); the default draws with the policy itself.
+    SamplerCopy    ``--sampler-dtype`` and ``--sampler-logit-noise``: the local sampler drawing from a copy of the model
+                   in another dtype (bfloat16 against a float32 trainer: the engine-mismatch regime), or with noise of
+                   a set size on its logits (mismatch by dose); the default draws with the policy itself.
+    draw_more      K more rollouts of given prompts by the sampler as it stands (the oracle baseline's draws beside
+                   every batch, and the oracle ceiling's snapshots: ``sao.training.oracle``).
 
 Step g's local batch is a pure function of (seed, g) and the adapters, so a run resumed from a checkpoint
 continues exactly as if it had never stopped. Under torchrun the local source runs on every process (``every_rank``)
@@ -34,7 +37,7 @@ from sao.core import timeline
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.names import POLICY
-from sao.model.policy import Models, lora_state
+from sao.model.policy import Models, causal_lm, lora_state
 from sao.model.sharding import gathered
 from sao.rollout.engine import Engine
 from sao.rollout.environment import EnvCalls, EnvFactory, EnvFault, Message, checked_env
@@ -179,27 +182,53 @@ def make_decoder(model: nn.Module, adapter: str | None, kind: str) -> Decoder:
     return PlainDecoder(model, adapter)
 
 
-SAMPLER_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+SAMPLER_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-class CastSampler:
-    """``--sampler-dtype``: the stale sampler drawn in another dtype than the trainer's. A copy of the policy
-    (base and both adapters) cast to ``dtype``; before each draw the sampler adapter's tensors are copied into it
-    from the policy (cast), so it draws what the stale sampler holds, with ``dtype``'s numerics. The copy never
-    trains: only its sampler adapter is ever written."""
+class NoisyHead(nn.Module):
+    """An lm_head whose logits get Gaussian noise of standard deviation ``scale`` (in float32), drawn from its own
+    generator, which the source re-seeds before every draw: the perturbation is a function of (seed, step)."""
 
-    def __init__(self, policy: nn.Module, dtype: torch.dtype):
-        self.model = copy.deepcopy(policy).to(dtype)
+    def __init__(self, head: nn.Module, scale: float):
+        super().__init__()
+        self.head, self.scale = head, float(scale)
+        self.generator = torch.Generator(device=next(head.parameters()).device)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(hidden).float()
+        noise = torch.randn(logits.shape, generator=self.generator, device=logits.device, dtype=torch.float32)
+        return logits + self.scale * noise
+
+
+class SamplerCopy:
+    """``--sampler-dtype`` / ``--sampler-logit-noise``: the stale sampler drawing from its own copy of the policy
+    (base and both adapters), cast to ``dtype`` (None: the policy's), its lm_head adding logit noise of ``noise``
+    when above 0. Before each draw the sampler adapter's tensors are copied into it from the policy (cast), so it
+    draws what the stale sampler holds, with its own numerics. The copy never trains: only its sampler adapter is
+    ever written."""
+
+    def __init__(self, policy: nn.Module, dtype: torch.dtype | None, noise: float = 0.0):
+        self.model = copy.deepcopy(policy) if dtype is None else copy.deepcopy(policy).to(dtype)
         for p in self.model.parameters():
             p.requires_grad_(False)
         src, dst = lora_state(policy, SAMPLER_ADAPTER), lora_state(self.model, SAMPLER_ADAPTER)
         self._pairs = [(p, dst[name]) for name, p in src.items()]
+        self.head: NoisyHead | None = None
+        if noise > 0:
+            lm = causal_lm(self.model)
+            self.head = NoisyHead(lm.get_output_embeddings(), noise)
+            lm.set_output_embeddings(self.head)
 
     @torch.no_grad()
-    def sync(self) -> None:
-        """The sampler adapter as the policy holds it now, cast into the copy."""
+    def sync(self, seed: int = 0) -> None:
+        """The sampler adapter as the policy holds it now, cast into the copy; the logit noise seeded by ``seed``."""
         for p, q in self._pairs:
             q.copy_(p)
+        if self.head is not None:
+            self.head.generator.manual_seed(seed)
+
+
+CastSampler = SamplerCopy  # the name it had when the copy only changed the dtype
 
 
 def sampler_dtype(policy: nn.Module, name: str) -> torch.dtype | None:
@@ -250,8 +279,12 @@ class LocalStaleSource:
         root: nn.Module | None = None,
         ranks: Ranks | None = None,
         sharded: bool = False,
+        logit_noise: float = 0.0,
+        oracle_samples: int = 0,
     ):
-        """``dtype``: ``--sampler-dtype`` ("auto": the policy's own; another dtype draws with a ``CastSampler``).
+        """``dtype``: ``--sampler-dtype`` ("auto": the policy's own; another dtype draws with a ``SamplerCopy``);
+        ``logit_noise``: ``--sampler-logit-noise`` (a copy too); ``oracle_samples``: K > 0 draws K more rollouts of
+        every prompt of each batch beside it (``Batch.oracle``: the oracle baseline's).
         ``copy``: full fine-tuning's frozen copy of the policy, which then draws. ``root``: the FSDP root of the
         model that draws, gathered around each draw. ``ranks``: the torchrun processes, each drawing its rows.
         ``sharded`` (``--shard fsdp``): the sampler's tensors go to the sharded checkpoint (``tensors``), not to
@@ -261,7 +294,8 @@ class LocalStaleSource:
         self.first_policy_step = critic_warmup if isinstance(critic_warmup, int) else None  # "auto": the trainer's
         self.sampler = StaleSampler(policy, lag, copy)
         cast = sampler_dtype(policy, dtype)
-        self.cast = CastSampler(policy, cast) if cast is not None else None
+        self.cast = SamplerCopy(policy, cast, logit_noise) if cast is not None or logit_noise > 0 else None
+        self.oracle_samples = oracle_samples
         drawer = copy if copy is not None else policy if self.cast is None else self.cast.model
         adapter = None if copy is not None else SAMPLER_ADAPTER  # reads the sampler's adapter, or is the copy
         self.decoder = make_decoder(drawer, adapter, decoder)
@@ -282,7 +316,8 @@ class LocalStaleSource:
             critic_warmup=c.algorithm.critic_warmup, sampling=context.sampling, seed=c.training.seed,
             decoder=c.rollout.decoder, episodes=context.episodes, dtype=c.source.sampler_dtype, copy=m.sampler,
             root=m.roots.get("sampler" if m.sampler is not None else "policy"), ranks=context.world,
-            sharded=c.training.shard == "fsdp",
+            sharded=c.training.shard == "fsdp", logit_noise=c.source.sampler_logit_noise,
+            oracle_samples=c.algorithm.oracle_samples if c.algorithm.baseline == "oracle" else 0,
         )  # fmt: skip
         source.tasks = context.tasks
         return source
@@ -295,19 +330,32 @@ class LocalStaleSource:
             self.sampler.refresh(policy_version)
         staleness = policy_version - self.sampler.version
         task_ids = self.order.batch(step, self.batch_size)
-        generator = torch.Generator(device=self.device).manual_seed(derived_seed(self.seed, step, "rollout"))
-        if self.cast is not None:
-            self.cast.sync()
         started = timeline.now()
         with timeline.phase("draw"):
-            rollout = self._draw(task_ids, generator)
+            rollout = self.draw_more(task_ids, derived_seed(self.seed, step, "rollout"),
+                                     noise_seed=derived_seed(self.seed, step, "logit-noise"))  # fmt: skip
         trajectories(task_ids, started, timeline.now(), self.sampler.version, staleness, step)
+        oracle = None
+        if self.oracle_samples:  # the oracle baseline's rollouts, by the sampler that drew the batch
+            rows = [i for i in task_ids for _ in range(self.oracle_samples)]
+            with timeline.phase("draw"):
+                oracle = self.draw_more(rows, derived_seed(self.seed, step, "oracle"),
+                                        noise_seed=derived_seed(self.seed, step, "oracle-logit-noise"))  # fmt: skip
         if self.sampler.version not in self.drawn_with:  # kept for re-scoring this batch under its own version
             weights = self.sampler.weights()
             self.drawn_with = {self.sampler.version: weights} if weights is not None else {}
         if phase == POLICY and self.sampler.refresh_after_draw(k):
             self.sampler.refresh(policy_version)
-        return Batch(task_ids=task_ids, rollout=rollout, staleness=[staleness] * len(task_ids))
+        return Batch(task_ids=task_ids, rollout=rollout, staleness=[staleness] * len(task_ids), oracle=oracle)
+
+    def draw_more(self, task_ids: list[str], seed: int, *, noise_seed: int | None = None) -> Rollout:
+        """One rollout per entry of ``task_ids`` (a prompt may repeat) by the sampler as it stands now, from a
+        generator seeded by ``seed`` (and the logit noise by ``noise_seed``, default ``seed``): the batch's draw,
+        the oracle baseline's and the oracle ceiling's."""
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        if self.cast is not None:
+            self.cast.sync(seed if noise_seed is None else noise_seed)
+        return self._draw(task_ids, generator)
 
     def _draw(self, task_ids: list[str], generator: torch.Generator) -> Rollout:
         """The batch's trajectories, with the drawing model gathered when sharded. Over several processes each

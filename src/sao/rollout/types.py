@@ -168,6 +168,9 @@ class Batch:
     # Rows that carry their own task (logged traces): row i's task fields, to be graded by the task's reward, or
     # None where the row's reward is already in ``rollout.turns``. None: every task id names a training task.
     tasks: list[dict[str, Any] | None] | None = None
+    # The "oracle" baseline's extra draws: K fresh rollouts of every prompt of the batch by the sampler that drew it
+    # (rows ordered prompt-major: row i·K + j is prompt i's j-th), graded by the trainer and never trained on.
+    oracle: Rollout | None = None
 
     def token_staleness(self) -> torch.Tensor:
         """[B, R] long: the staleness of each response token, from ``rollout.versions`` where a row spans versions

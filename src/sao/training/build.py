@@ -30,6 +30,7 @@ from sao.training import checkpoint, otel
 from sao.training.distributed import World
 from sao.training.gate import Gate, HeldAside, LiveRewards
 from sao.training.hooks import FootingAudit, Mismatch, Publish, Reachability, SourceSummary, Timeline, Tracking
+from sao.training.oracle import OracleCeiling
 from sao.training.trainer import Hook, Trainer, check_hooks, check_source
 
 log = logging.getLogger("sao.training")
@@ -135,8 +136,8 @@ def held_aside_gate(config: Config, models: Models, held: list[Task], parts: set
 def default_hooks(config: Config) -> list[Hook]:
     """What the settings ask for beside the step: the reachability lines and the mismatch split always; what the
     source's section says it needs (``needs``: the footing audit, the sampler tolerance, its summary, publishing);
-    publishing with --publish; the timeline (timeline.json, OpenTelemetry) unless --timeline-steps 0 and no
-    collector; tracking with --track (last, so it sees every other hook's work)."""
+    publishing with --publish; the oracle ceiling with --ceiling-every; the timeline (timeline.json, OpenTelemetry)
+    unless --timeline-steps 0 and no collector; tracking with --track (last, so it sees every other hook's work)."""
     t, chunk, needs = config.training, config.model.logprob_chunk, config.source.needs()
     temperature = config.rollout.temperature
     hooks: list[Hook] = [Reachability(t.dead_band_share, config.algorithm.ratio, t.steps),
@@ -147,6 +148,9 @@ def default_hooks(config: Config) -> list[Hook]:
         hooks.append(SourceSummary())
     if (t.publish or needs.get("publish")) and t.gate == "off":  # a gate publishes what passes it (held_aside_gate)
         hooks.append(Publish())
+    if t.ceiling_every:  # before the timeline and tracking, so that they see the snapshot's numbers in the record
+        hooks.append(OracleCeiling(t.ceiling_every, t.ceiling_prompts, config.algorithm.oracle_samples, t.steps,
+                                   temperature, chunk))  # fmt: skip
     telemetry = otel.from_config(config, log.warning)
     if t.timeline_steps > 0 or telemetry is not None:
         hooks.append(Timeline(t.timeline_steps, telemetry))

@@ -18,6 +18,7 @@ scaling. Design notes: docs/design/learn.md.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -41,6 +42,16 @@ class PassResult:
     loss: float  # Σ over micro-batches of −Σ c·logprobs (+ the optional terms; NaN on critic-only steps)
     finite: bool  # False: a micro-batch's loss was not finite, so no gradient may be applied
     extra_stats: dict[str, float] = field(default_factory=dict)  # kl_ref_mean, entropy_mean when they are on
+
+
+def baseline_values(name: str, rewards: torch.Tensor, actions: torch.Tensor,
+                    row_info: dict[str, torch.Tensor] | None) -> torch.Tensor | None:  # fmt: skip
+    """The baseline ``name``'s values [B, R] (None: the critic's), given the per-row extras its signature names
+    (the oracle's ``oracle_rates``) out of ``row_info``."""
+    baseline = BASELINES.get(name)
+    wanted = inspect.signature(baseline).parameters
+    extra = {key: value for key, value in (row_info or {}).items() if key in wanted}
+    return baseline(rewards, actions, **extra)
 
 
 def lr_factor(k: int, steps: int, warmup_steps: int, schedule: str) -> float:
@@ -79,7 +90,7 @@ def policy_gradient_pass(
     actions = rollout.action_mask  # [B, R] the tokens the model wrote
     n_tokens = float(actions.sum())  # N of the whole batch
     own = world.shard(len(mask))  # this process's rows (all of them on one process)
-    fixed = BASELINES.get(sao.baseline)(rewards, actions)  # [B, R] values, or None: the critic's
+    fixed = baseline_values(sao.baseline, rewards, actions, row_info)  # [B, R] values, or None: the critic's
     logprobs, hidden, values, critic = [], [], [], []
     loss_total, finite = 0.0, True
     kl_total = entropy_total = 0.0

@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from sao.algorithm.corrections import row_keys
+from sao.algorithm.oracle import ceiling, shrunk_rates
 from sao.algorithm.update import SAO, explained_variance
 from sao.core import timeline
 from sao.core.config import Config
@@ -319,6 +320,10 @@ class Trainer:
             "random_key": row_keys(self.settings.seed, g, len(rewards)),
             "staleness": torch.tensor(batch.staleness, dtype=torch.int64),
         }
+        oracle: dict[str, Any] = {}
+        if batch.oracle is not None:  # the oracle baseline: each prompt's rate from its K fresh rollouts
+            with clock.phase("score"):
+                row_info["oracle_rates"], oracle = self._oracle_rates(batch)
 
         own = self.world.shard(len(rewards))  # this rank's rows (every row on one process)
         width = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
@@ -379,7 +384,7 @@ class Trainer:
         tail = {
             "loss": loss,
             **result.extra_stats, "lr": lr, "micro_batch": self.micro_batch, "oom_retries": retries,
-            "world_size": self.world.size, **truncation, **clock.fields(), "time_sample": sampled - started,
+            "world_size": self.world.size, **truncation, **oracle, **clock.fields(), "time_sample": sampled - started,
         }  # fmt: skip
         taken = [key for key in extras if key in head or key in tail]
         if taken:  # the log's own fields are never overwritten (a reader would trust a hook's number as sao's)
@@ -387,6 +392,29 @@ class Trainer:
             raise ValueError(f"hook {hook_label(hook)}: on_pass returned {', '.join(map(repr, taken))}, a field the "
                              f"step's record holds itself; name it otherwise (e.g. {hook.name}_{taken[0]})")
         return {**head, **extras, **tail}
+
+    def rewards_of(self, task_ids: Sequence[str], rollout: Any) -> torch.Tensor:
+        """The rewards ([n], or [n, R] per turn) of rollouts of training prompts ``task_ids`` (extra draws: the
+        oracle's), graded as a batch is: by the task's reward, or by the environment where the rollout has turns."""
+        rows = [None] * len(task_ids) if rollout.turns is not None else [self.source.tasks[i].row() for i in task_ids]
+        return self.scorer.rewards(rollout, rows)[0]
+
+    def returns_of(self, task_ids: Sequence[str], rollout: Any) -> torch.Tensor:
+        """Each row's total return [n] (float64) for rollouts of training prompts ``task_ids``."""
+        rewards = self.rewards_of(task_ids, rollout)
+        return (rewards.sum(dim=1) if rewards.dim() == 2 else rewards).double()
+
+    def _oracle_rates(self, batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The oracle baseline's rates [B] from the batch's K fresh rollouts per prompt (shrunk toward their mean),
+        and what the step record says of them: the shrinkage weight, their mean and the ceiling they imply."""
+        n, rows = len(batch.task_ids), batch.oracle.response_ids.shape[0]
+        k = rows // n
+        returns = self.returns_of([i for i in batch.task_ids for _ in range(k)], batch.oracle).view(n, k)  # [B, K]
+        rates, weight = shrunk_rates(returns.cpu().numpy())
+        bound = ceiling(returns.cpu().numpy())
+        stats = {"oracle_samples": k, "oracle_shrinkage": weight, "oracle_rate_mean": bound.mean,
+                 "oracle_batch_ceiling": bound.prompt_level}  # fmt: skip
+        return torch.from_numpy(rates), stats
 
     def _token_text(self, ids: Sequence[int]) -> list[str]:
         """Each token id as the text it decodes to alone (for the log's tokens outside the band)."""
