@@ -9,7 +9,7 @@
     sao report DIR                      rebuild report.md (or sweep.md) and the plots from the JSON
     sao compare BEFORE AFTER --out DIR  sao's verdict on anyone's per-task scores (lm-eval samples, a CSV)
     sao export RUN --merge OUT          fold a run's adapter into its base: a plain HF model folder to serve
-    sao serve  --preset tiny --traces LOG [--watch RUN]      OpenAI-style chat endpoint that logs every trace
+    sao serve  --preset tiny --traces LOG [--watch RUN | --adapter DIR]  OpenAI-style chat endpoint, every trace logged
 
 Every setting of ``sao.core.config`` a command reads is a flag (``--batch-size`` sets ``training.batch_size``),
 documented where it is defined; preset < ``--config FILE`` < flags. Every user mistake is one line on stderr and
@@ -477,7 +477,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError("sao serve needs --traces LOG: the JSONL trace log every completion is appended to")
     s = config.serve
     return serve(config, config.rollout.traces, host=s.host, host_given=args.host is not None, port=s.port,
-                 watch=s.watch, max_prompt_tokens=s.max_prompt_tokens)  # fmt: skip
+                 watch=s.watch, adapter=args.adapter, max_prompt_tokens=s.max_prompt_tokens)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -580,6 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_export)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible chat endpoint on the current adapter, logging traces")
+    p.add_argument("--adapter", metavar="DIR", help="serve this trained adapter: a sao train folder (its adapter/) or "
+                   "an adapter folder; default: the base model, or what --watch RUN publishes")  # fmt: skip
     _add_config_flags(p, "serve")
     p.set_defaults(func=_serve)
     return parser
@@ -595,12 +597,27 @@ def _silence_library_progress_bars() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _not_shown_already(record: logging.LogRecord) -> bool:
+    """Whether the root handler should show ``record``: not when a logger on its way up has a handler of its own
+    (the hub client's), which has shown it already: a line is printed once."""
+    logger: logging.Logger | None = logging.getLogger(record.name)
+    while logger is not None and logger is not logging.getLogger():
+        if any(not isinstance(handler, logging.NullHandler) for handler in logger.handlers):
+            return False
+        if not logger.propagate:
+            break
+        logger = logger.parent
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(format="sao: %(message)s", level=getattr(logging, args.log_level.upper()), force=True)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_not_shown_already)
     if getattr(args, "quiet", False):
         _silence_library_progress_bars()
     try:
