@@ -4,12 +4,14 @@
     sao.evaluate(config, adapter=None, *, dataset=None, reward_fn=None, env_factory=None, seed=0)
     sao.recipe(config, out_dir, *, dataset=None, reward_fn=None, env_factory=None)
 
-``config`` is a ``sao.Config`` or a mapping of settings as a --config file takes them (flat or in sections; a
-``"preset"`` key names the defaults). ``dataset``: a list of dicts with a ``prompt`` (text or chat messages) and
-any other fields, a ``{"train": rows, "test": rows}`` mapping, a Hugging Face dataset, or a path. ``reward_fn``:
-``reward(completion, row) -> float`` (or batched, or async; ``sao.tasks.base``). ``env_factory``:
-``(task_id, fields) -> env`` with SkyRL-Gym's text interface. config.json records what was passed, by import path
-when it has one, and says when a run cannot be replayed from it.
+``config`` is a ``sao.Config``, a mapping of settings as a --config file takes them (flat or in sections; a
+``"preset"`` key names the defaults; a run's config.json as read), a preset's name or a settings file's path.
+``dataset``: a list of dicts with a ``prompt`` (text or chat messages) and any other fields, a ``{"train": rows,
+"test": rows}`` mapping, a Hugging Face dataset, or a path. ``reward_fn``: ``reward(completion, row) -> float`` (or
+batched, or async; ``sao.tasks.base``). ``env_factory``: ``(task_id, fields) -> env`` with SkyRL-Gym's text
+interface. ``hooks``: ``Hook`` instances. config.json records what was passed, by import path (or path) when it has
+one, so that ``sao train --config RUN/config.json`` replays it, and says when a run cannot be replayed from it
+(``--config`` then refuses it).
 
 Deliberately left out: argument parsing and printing (``sao.cli``).
 """
@@ -20,17 +22,30 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sao.core.config import Config
+from sao.core.config import Config, settings_of
+from sao.core.errors import ConfigError
 from sao.core.machine import apply_threads
+from sao.core.registry import PRESETS
 
 
-def as_config(config: Config | Mapping[str, Any]) -> Config:
-    """``config`` as a Config (a mapping is read by ``Config.load``: flat or sectioned settings, a ``"preset"`` key
-    naming the defaults); torch's CPU threads are set as it says (once, here, where a run starts)."""
-    if not isinstance(config, Config):
-        if not isinstance(config, Mapping):
-            raise TypeError(f"config must be a sao.Config or a mapping of settings, got {type(config).__name__}")
-        config = Config.load(**dict(config))
+def as_config(config: Config | Mapping[str, Any] | str | Path) -> Config:
+    """``config`` as a Config: a Config as it is; a mapping of settings as a --config file holds them (flat or in
+    sections, a ``"preset"`` key naming the defaults; a run's config.json as read, replaying what it records); a
+    preset's name (``"tiny"``); or a settings file's path (.yaml, .yml, .json). Anything else is a TypeError naming
+    the argument. Torch's CPU threads are set as it says (once, here, where a run starts)."""
+    if isinstance(config, Path) or (isinstance(config, str) and config.lower().endswith((".yaml", ".yml", ".json"))):
+        config = Config.load(file=config)
+    elif isinstance(config, str):
+        if config not in PRESETS:
+            raise ConfigError(f"config {config!r} is neither a preset ({', '.join(PRESETS.names())}) nor a settings "
+                              "file (.yaml, .yml, .json)")  # fmt: skip
+        config = Config.load(config)
+    elif isinstance(config, Mapping):
+        values, _ = settings_of(dict(config), "config")
+        config = Config.load(**values)
+    elif not isinstance(config, Config):
+        raise TypeError(f"config must be a sao.Config, a mapping of settings, a preset's name or a settings file's "
+                        f"path, got {type(config).__name__}")  # fmt: skip
     apply_threads(config)
     return config
 
@@ -97,15 +112,17 @@ def evaluate(
     """pass@1 on the held-out tasks of the base model, or of a trained ``adapter`` folder (``out_dir/adapter``), with
     the config's eval settings; ``seed`` picks the sampling draw. Returns an ``EvalResult``."""
     from sao.experiment.evaluate import load_adapter, pass_at_1
+    from sao.model.artifacts import find_adapter_dir
     from sao.model.policy import eos_ids, load_base, pick_device
     from sao.rollout.sampler import derived_seed
     from sao.tasks import setup
 
     config = as_config(config)
+    setup.preflight(config, reward_fn=reward_fn, env_factory=env_factory)  # before any data or model
+    if adapter is not None:
+        adapter = find_adapter_dir(adapter)  # a run or its adapter/; one holding neither fails now, not after a load
     tasks = setup.task_set(config, dataset)
     if not tasks.test:
-        from sao.core.errors import ConfigError
-
         raise ConfigError("the dataset has no held-out tasks to evaluate on: pass {'train': rows, 'test': rows}")
     model, tokenizer = load_base(config.model.name, pick_device(config.model.device))
     if adapter is not None:

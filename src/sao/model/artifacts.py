@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sao.core import hub
 from sao.core.errors import ConfigError
 from sao.core.io import OutputError, folder_mode, write_json
 from sao.core.reading import read_json_file
@@ -115,16 +116,19 @@ def save_adapter(
     path: str | os.PathLike[str],
     *,
     base_model: str,
+    policy_version: int | None = None,
 ) -> Path:
     """Write the policy adapter, the tokenizer and the value head to ``path`` (replacing what is there).
 
     Only the "default" adapter is written (a policy may also hold the stale sampler's "sampler" adapter).
     ``base_model`` is the hub id or directory the adapter was trained on; it is recorded in
-    ``value_head.json`` and as ``base_model_name_or_path`` in ``adapter_config.json``, so the folder names
-    one base. Returns ``path``.
+    ``value_head.json`` and as ``base_model_name_or_path`` in ``adapter_config.json`` (a directory as its absolute
+    path, so the folder names one base wherever it is read from). ``policy_version``: the policy updates the adapter
+    holds, recorded in ``value_head.json`` for a server to log with each reply. Returns ``path``.
     """
     from safetensors.torch import save_file
 
+    base_model = recorded_base(base_model)
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{path} is a file; the adapter is written as a folder")
@@ -138,6 +142,7 @@ def save_adapter(
         "parameters": sum(t.numel() for t in state.values()),
         "base_model": base_model,
         "weights": VALUE_HEAD_WEIGHTS,
+        **({"policy_version": int(policy_version)} if policy_version is not None else {}),
     }
     with _staged_folder(path, replace=True) as staging:
         # save_embedding_layers=False: LoRA never targets the embeddings here, and "auto" would look the base
@@ -151,6 +156,24 @@ def save_adapter(
         save_file(state, str(staging / VALUE_HEAD_WEIGHTS), metadata={"format": "pt"})
         write_json(staging / VALUE_HEAD_INFO, info)
     return path
+
+
+def recorded_base(base_model: str) -> str:
+    """How an adapter names its base: a folder here by its absolute path (a relative one would name another folder,
+    or a hub id, when read from elsewhere), a hub id as it is."""
+    local = os.path.expanduser(base_model)
+    return os.path.abspath(local) if os.path.isdir(local) else base_model
+
+
+def policy_version(adapter_dir: str | os.PathLike[str]) -> int | None:
+    """The policy updates an adapter folder holds, as ``save_adapter`` recorded them (None when it did not: an
+    adapter written before sao recorded it, or by another tool)."""
+    try:
+        info = read_json_file(Path(adapter_dir) / VALUE_HEAD_INFO, error=ConfigError)
+    except (OSError, ConfigError):
+        return None
+    version = info.get("policy_version") if isinstance(info, dict) else None
+    return version if isinstance(version, int) and not isinstance(version, bool) and version >= 0 else None
 
 
 def load_value_head(path: str | os.PathLike[str]) -> ValueHead:
@@ -256,6 +279,9 @@ def merge(
     local = os.path.expanduser(base)
     if not os.path.isdir(local) and (base.startswith(("/", ".", "~")) or base.count("/") > 1):
         raise ConfigError(f"the base model folder {base!r} does not exist; {hint}")
+    if not os.path.isdir(local):  # a hub id (or a relative folder typed elsewhere): cached, or the hub reachable
+        where = f" (or a folder relative to where it was trained: {hint})" if base_model_path is None else ""
+        hub.check_reachable(base, kind="model", fix=f"{hint}{where}")
 
     try:
         base_lm = AutoModelForCausalLM.from_pretrained(local if os.path.isdir(local) else base, dtype="auto")

@@ -18,13 +18,28 @@ from typing import Any
 
 from sao.core.config import Config
 from sao.core.errors import ConfigError
-from sao.core.registry import TASK_SETS
+from sao.core.registry import ENVIRONMENTS, TASK_SETS
+from sao.model.policy import locate
 from sao.rollout.environment import EnvFactory
 from sao.rollout.sources import Episodes
 from sao.rollout.types import Sampling
 from sao.tasks import custom, environments, gsm8k
 from sao.tasks.base import Scorer, Task, TaskSet
 from sao.tasks.environments import episodes_for, prompt_text
+
+
+def preflight(config: Config, *, reward_fn: Callable[..., Any] | None = None,
+              env_factory: EnvFactory | None = None) -> None:  # fmt: skip
+    """What can be known before any data, hub or model is touched, so that a mistake costs seconds, not a download
+    or a model load: the model's folder (a name that reads as a path and is no folder), and the ``--reward`` and
+    ``--env`` plug-ins (imported, their call shape checked). The data's own paths are read next (``task_set``,
+    local and quick) and the hub is asked last (``sao.core.hub``: one line at once offline or without a network)."""
+    locate(config.model.name)
+    d = config.data
+    if reward_fn is None and d.reward:
+        custom.load_reward(d.reward)
+    if env_factory is None and d.env is not None and d.env not in ENVIRONMENTS:
+        environments.env_factory(d.env, None, config.rollout.max_turns)  # "skyrl:..." or "module:Class"
 
 
 def task_set(config: Config, dataset: Any = None) -> TaskSet:
