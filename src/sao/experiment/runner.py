@@ -151,6 +151,7 @@ class EvalEvery(Hook):
     draw. Each eval is a file: a run killed inside one repeats it on --resume."""
 
     name = "eval-every"
+    recorded = False  # the experiment's own: it adds it to every run it makes
 
     def __init__(self, experiment: Experiment, config: Config, cell: dict[str, Any], label: str, seed: int):
         self.experiment, self.config, self.cell, self.label, self.seed = experiment, config, cell, label, seed
@@ -175,6 +176,7 @@ class FinalEval(Hook):
     """The trained policy's eval, at the end of its run (before the tracker closes, so it mirrors it)."""
 
     name = "final-eval"
+    recorded = False  # the experiment's own: it adds it to every run it makes
 
     def __init__(self, experiment: Experiment, config: Config, label: str, seed: int):
         self.experiment, self.config, self.label, self.seed = experiment, config, label, seed
@@ -227,10 +229,13 @@ class Experiment:
             if not seeds or len(set(seeds)) != len(seeds):
                 raise ConfigError(f"the training seeds must be distinct and at least one, got {seeds}")
             self.settings["seeds"] = [int(s) for s in seeds]
+        self.settings.update(checkpoint.passed_parts(lambda: "rows passed in", dataset=dataset, reward_fn=reward_fn,
+                                                     env_factory=env_factory))  # fmt: skip  # for a replay
         self.settings.update(record or {})
         for cell in grid.cells():  # every cell's settings are valid before anything runs
             for arm in grid.arms:
                 self._run_config(cell, arm, self.config.training.seed)
+        setup.preflight(self.config, reward_fn=reward_fn, env_factory=env_factory)  # before any data or model
         self._claim(resume)
         tasks = setup.task_set(self.config, dataset)
         self.parts = Parts(tasks, dataset, reward_fn, env_factory)

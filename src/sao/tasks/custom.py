@@ -30,6 +30,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from sao.core.errors import ConfigError, DataError
+from sao.core.hub import check_reachable
 from sao.core.reading import Limits, parse_jsonl_line, read_bounded_line
 from sao.rollout.environment import EnvFactory, check_env
 from sao.tasks.base import Task, TaskSet
@@ -434,6 +435,7 @@ def _open_file(path: Path) -> _Table:
 
 def _open_hub(hub_id: str) -> tuple[_Table, _Table]:
     fix = f"no local file or directory {hub_id!r} exists either; pass --data FILE (.jsonl, .parquet) or a directory"
+    check_reachable(hub_id, kind="dataset", fix=fix)  # offline or no hub: one line now, not the client's retries
     try:
         import datasets
     except ImportError:
@@ -642,6 +644,12 @@ def load_env_class(spec: str, max_turns: int = 1) -> EnvFactory:
         check_env(factory, f"--env {spec!r}:")  # plain and async def methods mixed wrongly: one line, at start
     _check_call(factory, spec, "--env", ("task-id", {}))
     return factory
+
+
+def load_plugin(spec: str, flag: str, what: str) -> Any:
+    """The callable ``"module:attribute"`` names, for ``flag`` (e.g. ``--hooks``): imported the way ``--reward`` and
+    ``--env`` are (the current directory as a last resort), every problem a one-line ConfigError."""
+    return _resolve(spec, flag, what)
 
 
 def _resolve(spec: str, flag: str, what: str) -> Any:

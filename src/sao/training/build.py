@@ -18,12 +18,13 @@ from typing import Any
 from sao.core import stats
 from sao.core.config import Config
 from sao.core.errors import ConfigError
+from sao.core.plugins import describe
 from sao.model.policy import Models
 from sao.rollout.environment import EnvFactory
 from sao.rollout.registry import build_source
 from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import Source, SourceContext
-from sao.tasks import setup
+from sao.tasks import custom, setup
 from sao.tasks.base import Task, TaskSet
 from sao.training import checkpoint, otel
 from sao.training.distributed import World
@@ -52,10 +53,12 @@ def trainer(
     every part is built, so a mistake found on the way leaves the folder as it was."""
     otel.check(config)  # --otel-endpoint without the SDK: one line, nothing loaded
     world = World.from_env(config.model.device)  # one process, or this rank of a torchrun group
+    setup.preflight(config, reward_fn=reward_fn, env_factory=env_factory)  # the model's folder, --reward, --env
+    named = named_hooks(config.training.hooks)  # --hooks: imported and built now
     tasks = tasks or setup.task_set(config, dataset)  # a bad --data fails here, before a model is loaded
     held = gate_tasks(config, tasks)  # and a held-out split too small for the gate's margin
     record = checkpoint.run_record(config, tasks, world.size, dataset=dataset, reward_fn=reward_fn,
-                                   env_factory=env_factory, source=source)  # fmt: skip
+                                   env_factory=env_factory, source=source, hooks=list(hooks))  # fmt: skip
     run = checkpoint.RunDir.open(out_dir, record, resume=resume)  # another run's folder, a damaged checkpoint: now
     try:
         m = config.model
@@ -70,12 +73,32 @@ def trainer(
                                     label, progress, world_size=world.size)  # fmt: skip
             source = build_source(config.rollout.source, context)  # a launched vLLM fleet writes into out_dir
         gate = [held_aside_gate(config, models, held, task_parts)] if held else []
-        return Trainer(models, source, task_parts.scorer, config, run, hooks=[*default_hooks(config), *gate, *hooks],
+        return Trainer(models, source, task_parts.scorer, config, run,
+                       hooks=[*default_hooks(config), *gate, *named, *hooks],
                        world=world, progress=progress, label=label)  # fmt: skip
     except BaseException:
         if world.is_main:
             run.undo()  # a new run's folder as it was found, so that the corrected command is not refused
         raise
+
+
+def named_hooks(specs: str | None) -> list[Hook]:
+    """``--hooks module:Class[,module:Class...]``: each class imported and built with no arguments; one that is not
+    a ``Hook`` subclass, or cannot be built so, is a one-line ConfigError."""
+    hooks = []
+    for spec in (specs or "").split(","):
+        if not spec.strip():
+            continue
+        cls = custom.load_plugin(spec.strip(), "--hooks", "Class")
+        if not (isinstance(cls, type) and issubclass(cls, Hook)):
+            raise ConfigError(f"--hooks {spec.strip()!r}: {getattr(cls, '__qualname__', cls)!r} is not a Hook "
+                              "subclass (sao.training.trainer.Hook)")  # fmt: skip
+        try:
+            hooks.append(cls())
+        except Exception as error:  # a constructor that needs arguments, or one that raises
+            raise ConfigError(f"--hooks {spec.strip()!r}: {cls.__qualname__}() failed ({describe(error)}); a hook "
+                              "named here is built with no arguments") from None  # fmt: skip
+    return hooks
 
 
 def gate_tasks(config: Config, tasks: TaskSet) -> list[Task]:

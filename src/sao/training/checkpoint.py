@@ -171,20 +171,53 @@ def import_path(obj: Any) -> str | None:
     return f"{module}:{name}" if found is obj else None
 
 
+def rebuilt_by_name(cls: type) -> bool:
+    """Whether ``Class()`` by its import path gives back an equal object: importable, its constructor taking no
+    argument at all (one with defaults may have been given others)."""
+    import inspect
+
+    if import_path(cls) is None:
+        return False
+    try:
+        return not inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def run_record(config: Config, tasks: Any, world_size: int = 1, **parts: Any) -> dict[str, Any]:
     """What config.json records: the settings, the task set's counts, and each part passed in as an object — by
     import path when it has one; otherwise ``replayable`` is false and ``not_replayable`` says why, in words."""
     record: dict[str, Any] = {"config": config.to_dict(), "data": tasks.counts, "source": tasks.source,
                               "world_size": world_size}  # fmt: skip
+
+    def rows() -> str:
+        encoded = json.dumps([t.fields for t in tasks.train], sort_keys=True, default=str).encode()
+        return f"{len(tasks.train)} rows passed in (sha256 {hashlib.sha256(encoded).hexdigest()[:16]})"
+
+    return {**record, **passed_parts(rows, **parts)}
+
+
+def passed_parts(rows: Callable[[], str], **parts: Any) -> dict[str, Any]:
+    """What a record says of the parts passed in as objects: ``passed`` (each by import path, or path, when it has
+    one; a dataset of rows as ``rows()`` describes it) and ``replayable`` (with ``not_replayable``, in words, when
+    false); {} when nothing was passed. ``settings_of`` in ``sao.core.config`` reads it back for a replay."""
     passed, reasons = {}, []
     for name, obj in parts.items():
         if obj is None:
             continue
-        if name == "dataset" and isinstance(obj, str | Path):
-            passed[name] = str(obj)
+        if name == "hooks":
+            hooks = [hook for hook in obj if getattr(hook, "recorded", True)]
+            for hook in hooks:
+                if not rebuilt_by_name(type(hook)):
+                    reasons.append(f"hook {type(hook).__qualname__} cannot be rebuilt by name (its class is not "
+                                   "importable, or its constructor takes arguments)")  # fmt: skip
+            if hooks:
+                passed[name] = ",".join(import_path(type(hook)) or type(hook).__qualname__ for hook in hooks)
+        elif name == "dataset" and isinstance(obj, str | Path):
+            local = os.path.expanduser(str(obj))  # a path as typed names another file read from elsewhere
+            passed[name] = os.path.abspath(local) if os.path.exists(local) else str(obj)
         elif name == "dataset":
-            rows = json.dumps([t.fields for t in tasks.train], sort_keys=True, default=str).encode()
-            passed[name] = f"{len(tasks.train)} rows passed in (sha256 {hashlib.sha256(rows).hexdigest()[:16]})"
+            passed[name] = rows()
             reasons.append("the dataset was passed as rows, not as a path")
         elif name == "source":  # an object built by the caller: its class says what it was, not how it was made
             passed[name] = import_path(type(obj)) or type(obj).__name__
@@ -193,11 +226,9 @@ def run_record(config: Config, tasks: Any, world_size: int = 1, **parts: Any) ->
             passed[name] = import_path(obj) or repr(obj)[:80]
             if import_path(obj) is None:
                 reasons.append(f"{name} {passed[name]} cannot be imported by name (defined in a script or a function)")
-    if passed:
-        record.update(passed=passed, replayable=not reasons)
-        if reasons:
-            record["not_replayable"] = reasons
-    return record
+    if not passed:
+        return {}
+    return {"passed": passed, "replayable": not reasons, **({"not_replayable": reasons} if reasons else {})}
 
 
 def write_config(out: Path, record: dict[str, Any]) -> None:
