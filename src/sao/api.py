@@ -113,7 +113,7 @@ def evaluate(
     the config's eval settings; ``seed`` picks the sampling draw. Returns an ``EvalResult``."""
     from sao.experiment.evaluate import load_adapter, pass_at_1
     from sao.model.artifacts import find_adapter_dir
-    from sao.model.policy import eos_ids, load_base, pick_device
+    from sao.model.policy import context_length, eos_ids, load_base, pick_device
     from sao.rollout.sampler import derived_seed
     from sao.tasks import setup
 
@@ -128,7 +128,7 @@ def evaluate(
     if adapter is not None:
         model = load_adapter(model, adapter)
     parts = setup.parts(config, tokenizer, tasks, reward_fn=reward_fn, env_factory=env_factory,
-                        eos_token_ids=eos_ids(tokenizer, model))  # fmt: skip
+                        eos_token_ids=eos_ids(tokenizer, model), context_length=context_length(model))  # fmt: skip
     label = "adapter" if adapter is not None else "base"
     return pass_at_1(model, tokenizer, tasks.test, label, seed=derived_seed(config.training.seed, "eval", seed),
                      parts=parts, progress=progress)  # fmt: skip

@@ -65,7 +65,7 @@ def confirmed(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("confirm")
     plan = write_plan(root / "plan")
     out = root / "out"
-    assert main(["confirm", plan, "--out", str(out), "--quiet"]) == 0
+    assert main(["confirm", plan, "--out", str(out), "--quiet", "--accept-low-power"]) == 0  # a tiny plan: 2 seeds
     return plan, out, json.loads((out / "results.json").read_text())
 
 
@@ -299,7 +299,7 @@ def test_confirm_prints_the_power_before_it_trains(tmp_path, monkeypatch, capsys
     done = {"confirmation": {"family": [], "outcome": "not confirmed"}, "reason": "made up", "warnings": [],
             "provenance": {"warnings": []}}  # fmt: skip
     monkeypatch.setattr(confirm, "run", lambda *args, **kwargs: done)
-    assert main(["confirm", plan, "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    assert main(["confirm", plan, "--out", str(tmp_path / "out"), "--quiet", "--accept-low-power"]) == 0
     out, err = capsys.readouterr()
     assert "the primary alone, then holm" in out and "power 0.00 to detect δ 0.04" in out
     assert "warning: the plan's power is 0.00, below 0.8" in err
@@ -381,7 +381,7 @@ def test_an_arm_can_set_the_baseline_and_its_comparison_parses_one_way_only(tiny
     assert plan.grid.arms == tuple(arms) and ("dis", "dis+batch-mean") in [
         confirm._comparison(plan.path, k, plan.grid.arms, "secondary") for k in plan.secondary
     ]
-    out = confirm.run(plan_path, tmp_path / "out", progress=False)
+    out = confirm.run(plan_path, tmp_path / "out", progress=False, accept_low_power=True)
     cell = out["cells"][0]
     assert list(cell["arms"]) == arms
     assert {a: (b["correction"], b["baseline"]) for a, b in cell["arms"].items()} == {

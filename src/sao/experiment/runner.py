@@ -36,7 +36,7 @@ from sao.core.registry import BASELINES, CORRECTIONS
 from sao.experiment import provenance as prov
 from sao.experiment import report, results
 from sao.experiment.evaluate import EvalResult, pass_at_1
-from sao.model.policy import eos_ids, load_base, model_path, pick_device
+from sao.model.policy import context_length, eos_ids, load_base, model_path, pick_device
 from sao.rollout.sampler import derived_seed
 from sao.tasks import setup
 from sao.tasks.base import TaskSet
@@ -142,7 +142,7 @@ class Parts:
     def for_model(self, config: Config, model: Any, tokenizer: Any) -> setup.TaskParts:
         """The run's parts for ``model``'s tokenizer (``setup.parts``): its scorer, environment and sampling."""
         return setup.parts(config, tokenizer, self.tasks, reward_fn=self.reward_fn, env_factory=self.env_factory,
-                           eos_token_ids=eos_ids(tokenizer, model))  # fmt: skip
+                           eos_token_ids=eos_ids(tokenizer, model), context_length=context_length(model))  # fmt: skip
 
 
 class EvalEvery(Hook):
@@ -293,8 +293,11 @@ class Experiment:
             if not resume:
                 raise ConfigError(f"output folder {self.out} already holds an experiment; pass --resume or a new --out")
             fix = "it records the settings the experiment was started with: restore it, or start again with a new --out"
-            if not checkpoint.same_settings(read_saved_json(marker, fix, expect=dict), self.settings):
-                raise ConfigError(f"--resume: the experiment in {self.out} was started with other settings")
+            saved = read_saved_json(marker, fix, expect=dict)
+            if not checkpoint.same_settings(saved, self.settings):
+                differ = checkpoint.settings_differ(saved, self.settings)
+                raise ConfigError(f"--resume: the experiment in {self.out} was started with other settings "
+                                  f"({differ}); give the same settings, or use a new --out")  # fmt: skip
         elif resume:
             what = "does not exist"
             if self.out.exists():

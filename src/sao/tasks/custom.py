@@ -20,6 +20,8 @@ import dataclasses
 import importlib
 import inspect
 import itertools
+import math
+import numbers
 import os
 import random
 import re
@@ -353,7 +355,10 @@ def _answer(value: Any, where: str, name: str) -> str:
         if not answer:
             raise DataError(f"{where}: field {name!r} (the gold answer) is empty")
         return answer
-    if isinstance(value, int | float) and not isinstance(value, bool):
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if not math.isfinite(float(value)):  # pandas' missing value is a NaN: never a gold answer
+            raise DataError(f"{where}: field {name!r} (the gold answer) is {float(value)} (a missing value?); "
+                            "give the row its answer or leave it out")  # fmt: skip
         return str(value)
     raise DataError(
         f"{where}: field {name!r} (the gold answer) must be a string or a number, got {_short(value)}; "
@@ -580,6 +585,11 @@ def _row_task(row: Any, task_id: str) -> Task:
     where = f"dataset row {task_id.rsplit('/', 2)[1]} {task_id.rsplit('/', 1)[1]}"
     if not isinstance(row, Mapping):
         raise DataError(f"{where}: expected a dict with a 'prompt', got {type(row).__name__}")
+    odd = next((key for key in row if not isinstance(key, str)), None)
+    if odd is not None:
+        raise DataError(f"{where}: field name {_short(odd)} is a {type(odd).__name__}, not a string; a row's "
+                        "fields are named by strings (they reach the reward, the environment and config.json as "
+                        "JSON)")  # fmt: skip
     prompt = _get(row, "prompt", where, "a 'prompt' key")
     messages = None
     if isinstance(prompt, str):

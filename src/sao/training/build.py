@@ -19,7 +19,7 @@ from sao.core import stats
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.plugins import describe
-from sao.model.policy import Models
+from sao.model.policy import Models, context_length
 from sao.rollout.environment import EnvFactory
 from sao.rollout.registry import build_source
 from sao.rollout.sampler import derived_seed
@@ -65,7 +65,8 @@ def trainer(
         models = Models.load(m.name, device=world.device(m.device), lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
                              seed=config.training.seed, grad_checkpoint=m.grad_checkpoint)  # fmt: skip
         task_parts = setup.parts(config, models.tokenizer, tasks, reward_fn=reward_fn, env_factory=env_factory,
-                                 eos_token_ids=models.eos_token_ids)  # fmt: skip
+                                 eos_token_ids=models.eos_token_ids,
+                                 context_length=context_length(models.policy))  # fmt: skip
         label = label or f"{config.algorithm.correction} seed {config.training.seed}"
         if source is None and world.is_main:
             context = SourceContext(config, models, {t.id: t for t in tasks.train}, task_parts.prompts,
@@ -136,10 +137,10 @@ def default_hooks(config: Config) -> list[Hook]:
     collector; tracking with --track (last, so it sees every other hook's work)."""
     t, chunk, needs = config.training, config.model.logprob_chunk, config.source.needs()
     temperature = config.rollout.temperature
-    hooks: list[Hook] = [Reachability(t.dead_band_share, config.algorithm.ratio, t.steps),
-                         Mismatch(temperature, chunk, tolerance=needs.get("sampler_tolerance"))]  # fmt: skip
-    if needs.get("footing_audit"):
+    hooks: list[Hook] = [Reachability(t.dead_band_share, config.algorithm.ratio, t.steps)]
+    if needs.get("footing_audit"):  # before the tolerance: a wrong footing is the more telling reason to stop
         hooks.append(FootingAudit(temperature, chunk))
+    hooks.append(Mismatch(temperature, chunk, tolerance=needs.get("sampler_tolerance")))
     if needs.get("summary"):
         hooks.append(SourceSummary())
     if (t.publish or needs.get("publish")) and t.gate == "off":  # a gate publishes what passes it (held_aside_gate)

@@ -102,7 +102,9 @@ def claim(out: Path, record: dict[str, Any], resume: bool) -> Claim:
         fix = "it records the settings the run was started with: restore it, or start again with a new --out"
         if same_settings(read_saved_json(config_file, fix, expect=dict), record):
             return Claim(out)
-        raise ConfigError(f"--resume: the run in {out} was started with other settings; use a new --out")
+        differ = settings_differ(read_saved_json(config_file, fix, expect=dict), record)
+        raise ConfigError(f"--resume: the run in {out} was started with other settings ({differ}); give the same "
+                          "settings, or use a new --out")  # fmt: skip
     if resume:
         if _has_steps(out) or (out / LOG_FILE).exists() or (out / LEGACY_LOG).exists():
             raise DamagedFileError(f"{config_file} is missing beside the run's checkpoint and log; restore it, "
@@ -142,19 +144,42 @@ NOT_COMPARED_ON_RESUME = ("track", "follow", "follow_timeout", "skip_bad_traces"
                           "otel_endpoint")  # fmt: skip
 
 
+def _comparable(value: Any) -> Any:
+    """A settings record as resumes compare it: its settings as today's flat names, watching aside."""
+    value = as_json(value)
+    if isinstance(value, dict) and isinstance(value.get("config"), dict):
+        with contextlib.suppress(ConfigError):
+            value["config"] = Config.load(**recorded(flatten(value["config"]))).flat()
+        value["config"] = as_json({k: v for k, v in value["config"].items() if k not in NOT_COMPARED_ON_RESUME})
+    return value
+
+
 def same_settings(saved: Any, record: dict[str, Any]) -> bool:
     """Whether a saved settings record (config.json, experiment.json) is ``record``, watching aside. Settings are
     compared as today's sections, so a folder an earlier sao version wrote (flat settings) still resumes."""
+    return _comparable(saved) == _comparable(record)
 
-    def comparable(value: Any) -> Any:
-        value = as_json(value)
-        if isinstance(value, dict) and isinstance(value.get("config"), dict):
-            with contextlib.suppress(ConfigError):
-                value["config"] = Config.load(**recorded(flatten(value["config"]))).flat()
-            value["config"] = as_json({k: v for k, v in value["config"].items() if k not in NOT_COMPARED_ON_RESUME})
-        return value
 
-    return comparable(saved) == comparable(record)
+def settings_differ(saved: Any, record: dict[str, Any], limit: int = 6) -> str:
+    """What differs between a saved settings record and ``record``, in words: each setting as its flag with the
+    value it was started with and the one given now (``--lr 0.001 then, 0.003 now``), then any other part of the
+    record (the data, what was passed); at most ``limit`` named, the rest counted."""
+    before, now = _comparable(saved), _comparable(record)
+    if not (isinstance(before, dict) and isinstance(now, dict)):
+        return "the record is not a mapping"
+    parts = []
+    old, new = before.get("config"), now.get("config")
+    if isinstance(old, dict) and isinstance(new, dict):
+        for name in sorted(set(old) | set(new), key=lambda n: (n not in new, n)):
+            if old.get(name, "(absent)") != new.get(name, "(absent)"):
+                shown = [json.dumps(v)[:40] if v != "(absent)" else v for v in (old.get(name, "(absent)"),
+                                                                               new.get(name, "(absent)"))]
+                parts.append(f"--{name.replace('_', '-')} {shown[0]} then, {shown[1]} now")
+    for key in sorted(set(before) | set(now)):
+        if key != "config" and before.get(key) != now.get(key):
+            parts.append(f"its {key}")
+    more = f" and {len(parts) - limit} more" if len(parts) > limit else ""
+    return "; ".join(parts[:limit]) + more if parts else "nothing that can be named"
 
 
 def import_path(obj: Any) -> str | None:
