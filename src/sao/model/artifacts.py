@@ -280,8 +280,9 @@ def merge(
     if not os.path.isdir(local) and (base.startswith(("/", ".", "~")) or base.count("/") > 1):
         raise ConfigError(f"the base model folder {base!r} does not exist; {hint}")
     if not os.path.isdir(local):  # a hub id (or a relative folder typed elsewhere): cached, or the hub reachable
-        where = f" (or a folder relative to where it was trained: {hint})" if base_model_path is None else ""
-        hub.check_reachable(base, kind="model", fix=f"{hint}{where}")
+        fix = f"if it names a folder relative to where the adapter was trained, {hint}" if base_model_path is None \
+            else hint
+        hub.check_reachable(base, kind="model", fix=fix)
 
     try:
         base_lm = AutoModelForCausalLM.from_pretrained(local if os.path.isdir(local) else base, dtype="auto")
