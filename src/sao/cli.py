@@ -604,7 +604,8 @@ class _Version(argparse.Action):
     """``sao --version``: what a bug report needs, read only when asked (torch loads here, not on every start)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(message=version_line() + "\n")
+        print(version_line())
+        parser.exit()
 
 
 def version_line() -> str:

@@ -577,3 +577,33 @@ def test_the_family_carries_the_rank_estimand_and_the_collapse_rates_beside_the_
     assert collapse["verdict"] == "unresolved" and "dis collapsed in 3 of 12 seeds" in collapse["reason_unadjusted"]
     assert block["realised_power"]["sd"] == pytest.approx(statistics.stdev(deltas))
     assert block["realised_power"]["mixture"]["collapse_after"] == pytest.approx(3 / 12)
+
+
+def test_a_plan_below_its_power_target_is_refused_unless_accepted(tmp_path, capsys, monkeypatch, faults):
+    """Power 0.00 (2 seeds: the exact sign-flip p cannot go below 0.5): refused in one line saying how many seeds
+    would do, before a line is printed or a file written; --accept-low-power runs it as planned."""
+    from helpers import refused_in_one_line
+
+    plan = write_plan(tmp_path / "plan", smallest_effect=0.04)
+    out = tmp_path / "out"
+    line = refused_in_one_line(capsys, ["confirm", plan, "--out", str(out)], out, "the plan's power is 0.00, below "
+                               "0.8", "--accept-low-power", "add fresh seeds")  # fmt: skip
+    assert f"{confirm.read_plan(plan).power['seeds_for_power']} seeds would give 0.8" in line
+    with pytest.raises(ConfigError, match="--accept-low-power"):
+        confirm.run(plan, out, progress=False)
+    assert not out.exists()
+    done = {"confirmation": {"family": [], "outcome": "not confirmed"}, "reason": "made up", "warnings": [],
+            "provenance": {"warnings": []}}  # fmt: skip
+    monkeypatch.setattr(confirm, "run", lambda *args, **kwargs: done)
+    assert main(["confirm", plan, "--out", str(out), "--quiet", "--accept-low-power"]) == 0
+    faults.record("first-hour edges", "sao confirm with power 0.00 for its smallest effect")
+
+
+def test_the_one_seed_verdict_advises_the_seeds_a_verdict_needs(faults):
+    before, after = [0.0, 1.0, 0.0, 1.0] * 5, [1.0, 1.0, 0.0, 1.0] * 5
+    verdict = stats.compare(before, after)  # one row each: one training seed per arm
+    assert verdict.verdict == "unresolved" and "pass --train-runs 6 or more" in verdict.reason
+    assert "--train-runs 2" not in verdict.reason
+    assert stats.seeds_for_a_verdict(0.05) == 6 and stats.least_exact_p(6) < 0.05 <= stats.least_exact_p(5)
+    assert stats.seeds_for_a_verdict(0.5) == 3  # 2 seeds: p >= 0.5 whatever they show
+    faults.record("first-hour edges", "the advice of a one-seed verdict")
