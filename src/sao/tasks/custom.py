@@ -587,7 +587,7 @@ def _row_task(row: Any, task_id: str) -> Task:
         raise DataError(f"{where}: expected a dict with a 'prompt', got {type(row).__name__}")
     odd = next((key for key in row if not isinstance(key, str)), None)
     if odd is not None:
-        raise DataError(f"{where}: field name {_short(odd)} is a {type(odd).__name__}, not a string; a row's "
+        raise DataError(f"{where}: a field is named {odd!r:.40} ({type(odd).__name__}), not by a string; a row's "
                         "fields are named by strings (they reach the reward, the environment and config.json as "
                         "JSON)")  # fmt: skip
     prompt = _get(row, "prompt", where, "a 'prompt' key")
