@@ -61,12 +61,12 @@ def load_base(model: str | os.PathLike[str], device: torch.device, dtype: torch.
     its EOS token for padding when it has no pad token. A model with no EOS token at all (neither its tokenizer
     nor its generation config names one) is refused: none of its replies could end.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     name = model_path(model)
     path, local = locate(name)
     if not local:
-        check_hub_reachable(name)
+        check_hub_reachable(name)  # before transformers is imported (seconds): a missing hub id is said at once
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     dtype = dtype or default_dtype(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -94,19 +94,18 @@ def served_adapter(adapter: str | os.PathLike[str] | None,
 def never_publishes(run: Path) -> str | None:
     """Why a run folder will never publish an adapter for ``--watch``, or None: a run whose config.json says it
     neither publishes (--publish, --gate, --traces) nor has published anything."""
-    from sao.core.config import flat_view
+    from sao.core.config import Config, flatten, recorded
     from sao.core.io import read_json
     from sao.training.checkpoint import CONFIG_FILE, LATEST_FILE, PUBLISHED_DIR
 
     if (run / PUBLISHED_DIR / LATEST_FILE).exists():
         return None
     try:
-        record = read_json(run / CONFIG_FILE)
-        flat = flat_view(record["config"])
+        config = Config.load(**recorded(flatten(read_json(run / CONFIG_FILE)["config"])))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, SaoError):
         return None  # no run there yet (the trainer may start later), or not one sao can read: watched as it is
-    publishes = flat.get("publish") or flat.get("gate", "off") != "off" or flat.get("rollout") == "traces"
-    if publishes:
+    t = config.training
+    if t.publish or t.gate != "off" or config.source.needs().get("publish"):
         return None
     return "that run was trained without --publish, so it publishes nothing to watch"
 
