@@ -208,6 +208,36 @@ KINDS: dict[str, tuple[str, str]] = {
         "a reply read to a bound on its size; one line for no model; the served adapter loaded again once and the "
         "request answered",
     ),
+    "successes that are not": (
+        "sao train --config on a run's config.json that was passed rows or a script's reward, and on one passed a "
+        "dataset path, an importable reward, environment and hook; a tokenizer without EOS; traces all dropped "
+        "(another temperature, a later policy version); every reply cut at the token limit; an environment whose "
+        "step returns None, raises, answers a NaN or a string reward on every trajectory; sao serve --watch on a "
+        "run that never published, --adapter on a finished run; bf16-like traces at staleness 0",
+        "the replay reads what was passed, or is refused in one line with the run's reasons; every run that "
+        "trained on nothing ends with one line and exit code 2 (its checkpoint kept for --resume, or the folder as "
+        "found); the adapter served as given; the traces path stops at --sampler-tolerance",
+    ),
+    "waiting on a network": (
+        "sao train with no --preset (GSM8K from an unreachable hub, or HF_HUB_OFFLINE), --model /no/such/dir, a "
+        "--reward module:function typo, sao export RUN --merge from another folder",
+        "one line naming the dataset, model or plug-in, exit code 2, before any data or model loads and without "
+        "the hub client's retries; no line printed twice; adapters name their base by absolute path",
+    ),
+    "first-hour edges": (
+        "--resume with another --lr, an unknown flag, sao confirm with power below its target, sao --version, the "
+        "verdict's advice with one seed",
+        "the settings that differ named; the command's usage with a did-you-mean; the plan refused unless "
+        "--accept-low-power, nothing written; the commit, torch, transformers and the device; the seeds a verdict "
+        "needs at alpha",
+    ),
+    "Python API inputs": (
+        "sao.train('tiny', ...), config None or 5, an unhashable preset, a setting given twice (section and flat, "
+        "in a mapping and a --config file), a run's own config.json as a mapping, a misspelled section, rows with "
+        "a NaN answer or a non-string key, prompts longer than the model's context",
+        "a preset name accepted; otherwise a ConfigError, TypeError or DataError naming the argument, the setting "
+        "or the row, out_dir as it was found",
+    ),
 }
 
 _recorded: dict[str, set[str]] = defaultdict(set)

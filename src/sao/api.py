@@ -4,13 +4,16 @@
     sao.evaluate(config, out_dir=None, *, dataset=None, reward_fn=None, env_factory=None, adapter=None, seed=0)
     sao.recipe(config, out_dir, *, dataset=None, reward_fn=None, env_factory=None)
 
-``config`` is a ``sao.Config`` or a mapping of settings as a --config file takes them (flat or in sections; a
-``"preset"`` key names the defaults). ``dataset``: a list of dicts with a ``prompt`` (text or chat messages) and
-any other fields, a ``{"train": rows, "test": rows}`` mapping, a Hugging Face dataset, or a path. ``reward_fn``:
-``reward(completion, row) -> float`` (or batched, or async; ``sao.tasks.base``). ``env_factory``:
-``(task_id, fields) -> env`` with SkyRL-Gym's text interface. config.json records what was passed, by import path
-when it has one, and says when a run cannot be replayed from it. ``sao.evaluate`` takes the arguments ``sao.train``
-took and evaluates what it trained (the adapter in ``out_dir``; the untrained base without one), or ``adapter=DIR``.
+``config`` is a ``sao.Config``, a mapping of settings as a --config file takes them (flat or in sections; a
+``"preset"`` key names the defaults; a run's config.json as read), a preset's name or a settings file's path.
+``dataset``: a list of dicts with a ``prompt`` (text or chat messages) and any other fields, a ``{"train": rows,
+"test": rows}`` mapping, a Hugging Face dataset, or a path. ``reward_fn``: ``reward(completion, row) -> float`` (or
+batched, or async; ``sao.tasks.base``). ``env_factory``: ``(task_id, fields) -> env`` with SkyRL-Gym's text
+interface. ``hooks``: ``Hook`` instances. config.json records what was passed, by import path (or path) when it has
+one, so that ``sao train --config RUN/config.json`` replays it, and says when a run cannot be replayed from it
+(``--config`` then refuses it).
+``sao.evaluate`` takes the arguments ``sao.train`` took and evaluates what it trained (the adapter in
+``out_dir``; the untrained base without one), or ``adapter=DIR``.
 
 Deliberately left out: argument parsing and printing (``sao.cli``).
 """
@@ -22,17 +25,30 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sao.core.config import Config
+from sao.core.config import Config, settings_of
+from sao.core.errors import ConfigError
 from sao.core.machine import apply_threads
+from sao.core.registry import PRESETS
 
 
-def as_config(config: Config | Mapping[str, Any]) -> Config:
-    """``config`` as a Config (a mapping is read by ``Config.load``: flat or sectioned settings, a ``"preset"`` key
-    naming the defaults); torch's CPU threads are set as it says (once, here, where a run starts)."""
-    if not isinstance(config, Config):
-        if not isinstance(config, Mapping):
-            raise TypeError(f"config must be a sao.Config or a mapping of settings, got {type(config).__name__}")
-        config = Config.load(**dict(config))
+def as_config(config: Config | Mapping[str, Any] | str | Path) -> Config:
+    """``config`` as a Config: a Config as it is; a mapping of settings as a --config file holds them (flat or in
+    sections, a ``"preset"`` key naming the defaults; a run's config.json as read, replaying what it records); a
+    preset's name (``"tiny"``); or a settings file's path (.yaml, .yml, .json). Anything else is a TypeError naming
+    the argument. Torch's CPU threads are set as it says (once, here, where a run starts)."""
+    if isinstance(config, Path) or (isinstance(config, str) and config.lower().endswith((".yaml", ".yml", ".json"))):
+        config = Config.load(file=config)
+    elif isinstance(config, str):
+        if config not in PRESETS:
+            raise ConfigError(f"config {config!r} is neither a preset ({', '.join(PRESETS.names())}) nor a settings "
+                              "file (.yaml, .yml, .json)")  # fmt: skip
+        config = Config.load(config)
+    elif isinstance(config, Mapping):
+        values, _ = settings_of(dict(config), "config")
+        config = Config.load(**values)
+    elif not isinstance(config, Config):
+        raise TypeError(f"config must be a sao.Config, a mapping of settings, a preset's name or a settings file's "
+                        f"path, got {type(config).__name__}")  # fmt: skip
     apply_threads(config)
     return config
 
@@ -102,7 +118,7 @@ def evaluate(
     base model; ``seed`` picks the sampling draw. Returns an ``EvalResult``."""
     from sao.experiment.evaluate import load_adapter, pass_at_1
     from sao.model.artifacts import check_adapter_files, find_adapter_dir
-    from sao.model.policy import eos_ids, load_base, pick_device
+    from sao.model.policy import context_length, eos_ids, load_base, pick_device
     from sao.rollout.sampler import derived_seed
     from sao.tasks import setup
 
@@ -111,25 +127,20 @@ def evaluate(
             raise TypeError(f"sao.evaluate: {name} must be a folder (a str or a path), got {type(value).__name__}")
     if out_dir is not None and adapter is not None:
         raise TypeError("sao.evaluate: give out_dir (a run sao.train wrote) or adapter (an adapter folder), not both")
-    if out_dir is not None:
-        adapter = find_adapter_dir(out_dir)  # a folder with no adapter: one line now, before a model is loaded
-    elif adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
-        from sao.core.errors import ConfigError
-
-        raise ConfigError(f"adapter {adapter} holds no adapter_config.json; point it at a run's adapter/ folder")
-    if adapter is not None:
-        check_adapter_files(adapter, "restore the adapter folder, or train the run again")
     config = as_config(config)
+    setup.preflight(config, reward_fn=reward_fn, env_factory=env_factory)  # before any data or model
+    if out_dir is not None or adapter is not None:
+        # a run or its adapter/: one holding neither, or a truncated one, fails now, not after a model loads
+        adapter = find_adapter_dir(out_dir if out_dir is not None else adapter)
+        check_adapter_files(adapter, "restore the adapter folder, or train the run again")
     tasks = setup.task_set(config, dataset)
     if not tasks.test:
-        from sao.core.errors import ConfigError
-
         raise ConfigError("the dataset has no held-out tasks to evaluate on: pass {'train': rows, 'test': rows}")
     model, tokenizer = load_base(config.model.name, pick_device(config.model.device))
     if adapter is not None:
         model = load_adapter(model, adapter)
     parts = setup.parts(config, tokenizer, tasks, reward_fn=reward_fn, env_factory=env_factory,
-                        eos_token_ids=eos_ids(tokenizer, model))  # fmt: skip
+                        eos_token_ids=eos_ids(tokenizer, model), context_length=context_length(model))  # fmt: skip
     label = "adapter" if adapter is not None else "base"
     return pass_at_1(model, tokenizer, tasks.test, label, seed=derived_seed(config.training.seed, "eval", seed),
                      parts=parts, progress=progress)  # fmt: skip

@@ -4,13 +4,13 @@
     sao train  --preset tiny --out DIR  one arm, one seed: critic warmup, policy steps, train_log.jsonl
     sao eval   --preset tiny [--adapter DIR] [--out FILE]    pass@1 on the held-out tasks
     sao recipe --preset tiny --out DIR  the whole experiment: both arms, base evals, verdict, report
-    sao sweep  --preset tiny --lags 1 4 8 16 --lrs 1e-3 3e-3 --train-runs 2 --out DIR   where the ratio breaks
+    sao sweep  --preset tiny --lags 1 4 8 16 --lrs 1e-3 3e-3 --train-runs 6 --out DIR   where the ratio breaks
     sao confirm PLAN --out DIR          a confirmation planned in a file before it runs: fresh seeds, Holm
     sao report DIR                      rebuild report.md (or sweep.md) and the plots from the JSON
     sao probe RUN                       does the trunk's hidden state carry the difficulty? (--ceiling-every)
     sao compare BEFORE AFTER --out DIR  sao's verdict on anyone's per-task scores (lm-eval samples, a CSV)
     sao export RUN --merge OUT          fold a run's adapter into its base: a plain HF model folder to serve
-    sao serve  --preset tiny --traces LOG [--watch RUN]      OpenAI-style chat endpoint that logs every trace
+    sao serve  --preset tiny --traces LOG [--watch RUN | --adapter DIR]  OpenAI-style chat endpoint, every trace logged
 
 Every setting of ``sao.core.config`` a command reads is a flag (``--batch-size`` sets ``training.batch_size``),
 documented where it is defined; preset < ``--config FILE`` < flags. Every user mistake is one line on stderr and
@@ -408,6 +408,7 @@ def _confirm(args: argparse.Namespace) -> int:
     from sao.experiment import confirm
 
     plan = confirm.read_plan(args.plan)
+    confirm.check_power(plan, args.accept_low_power or args.resume)  # before a line is printed or a file written
     apply_threads(plan.config)
     print(
         f"sao confirm: {plan.path.name} (sha256 {plan.sha256[:12]}): primary {plan.primary['comparison']} at "
@@ -420,7 +421,8 @@ def _confirm(args: argparse.Namespace) -> int:
     if plan.power["warning"]:
         print(f"warning: {plan.power['warning']}", file=sys.stderr, flush=True)
     command = "sao " + shlex.join(a for a in args.argv if a != "--resume")
-    results = confirm.run(args.plan, args.out, resume=args.resume, progress=not args.quiet, command=command)
+    results = confirm.run(args.plan, args.out, resume=args.resume, progress=not args.quiet, command=command,
+                          accept_low_power=args.accept_low_power)  # fmt: skip
     block = results["confirmation"]
     for row in block["family"]:
         interval = f" [{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]" if row["ci_low"] is not None else ""
@@ -506,17 +508,16 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError("sao serve needs --traces LOG: the JSONL trace log every completion is appended to")
     s = config.serve
     return serve(config, config.rollout.traces, host=s.host, host_given=args.host is not None, port=s.port,
-                 watch=s.watch, max_prompt_tokens=s.max_prompt_tokens)  # fmt: skip
+                 watch=s.watch, adapter=args.adapter, max_prompt_tokens=s.max_prompt_tokens)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import sao
-
     parser = argparse.ArgumentParser(prog="sao", description=(__doc__ or "sao").splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--version", action="version", version=f"sao {sao.__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="sao's version and commit, torch's and "
+                        "transformers', and the device it would run on")  # fmt: skip
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                         help="how much sao's own log says on stderr (default warning; info adds the masking lines "
                         "and notes that a progress bar would show)")  # fmt: skip
@@ -574,6 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan", help="the plan: primary endpoint, family, arms, fresh seeds, exploratory runs cited")
     p.add_argument("--out", required=True, help="output folder (results.json with the plan, report.md, plots/)")
     p.add_argument("--resume", action="store_true", help="continue the confirmation in --out where it stopped")
+    p.add_argument("--accept-low-power", action="store_true", help="run a plan whose power for its δ is below 0.8 "
+                   "(refused otherwise, before anything trains: it would likely end without a verdict)")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_confirm)
 
@@ -615,6 +618,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_export)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible chat endpoint on the current adapter, logging traces")
+    p.add_argument("--adapter", metavar="DIR", help="serve this trained adapter: a sao train folder (its adapter/) or "
+                   "an adapter folder; default: the base model, or what --watch RUN publishes")  # fmt: skip
     _add_config_flags(p, "serve")
     p.set_defaults(func=_serve)
     return parser
@@ -630,12 +635,65 @@ def _silence_library_progress_bars() -> None:
     hf_logging.disable_progress_bar()
 
 
+class _Version(argparse.Action):
+    """``sao --version``: what a bug report needs, read only when asked (torch loads here, not on every start)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
+def version_line() -> str:
+    """``sao 0.2.0 (commit 1a2b3c4d5e6f, modified), torch 2.13.0, transformers 4.57.0, device cpu (x86_64)``."""
+    import sao
+    from sao.experiment.provenance import library_versions, sao_commit
+
+    code, versions = sao_commit(), library_versions()
+    commit = "commit unknown (not a git checkout of sao)" if code["commit"] == "unknown" else (
+        f"commit {code['commit'][:12]}" + (", modified" if code["dirty"] else ""))  # fmt: skip
+    return (f"sao {sao.__version__} ({commit}), torch {versions['torch']}, transformers {versions['transformers']}, "
+            f"device {versions['device']}")  # fmt: skip
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
+    """Arguments the command does not take: its own usage and error (exit code 2), with the nearest flag it does
+    take for a misspelled one, as argparse does for any other mistake in a command's arguments."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    flags = [flag for action in sub._actions for flag in action.option_strings]
+    hints = []
+    for arg in unknown:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1)
+            hints += [f"{arg.split('=', 1)[0]}: did you mean {close[0]}?"] if close else []
+    hint = f" ({'; '.join(hints)})" if hints else f"; sao {command} --help lists its flags"
+    sub.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+
+
+def _not_shown_already(record: logging.LogRecord) -> bool:
+    """Whether the root handler should show ``record``: not when a logger on its way up has a handler of its own
+    (the hub client's), which has shown it already: a line is printed once."""
+    logger: logging.Logger | None = logging.getLogger(record.name)
+    while logger is not None and logger is not logging.getLogger():
+        if any(not isinstance(handler, logging.NullHandler) for handler in logger.handlers):
+            return False
+        if not logger.propagate:
+            break
+        logger = logger.parent
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown(parser, args.command, unknown)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(format="sao: %(message)s", level=getattr(logging, args.log_level.upper()), force=True)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_not_shown_already)
     if getattr(args, "quiet", False):
         _silence_library_progress_bars()
     try:

@@ -116,8 +116,10 @@ def test_yaml_reads_exponent_numbers_without_a_dot_as_floats(tmp_path):
 
 
 def test_a_file_sao_wrote_is_read_as_it_is_with_its_grid(tmp_path):
+    settings = Config.load("tiny").to_dict()
+    settings["training"]["lr"] = 0.003
     record = {
-        "config": {**Config.load("tiny").to_dict(), "lr": 0.003},
+        "config": settings,
         "grid": {"lags": [1, 4], "lrs": [0.001], "bands": [[0.7, 6.0]], "arms": ["dis", "none"]},
         "data": {"train": 480},
         "source": "tiny",

@@ -152,7 +152,7 @@ def test_an_equivalence_is_flat_within_delta_under_either_rule():
 def test_one_seed_and_no_delta_leave_the_magnitude_out():
     before, after = _reversal(0.2)
     one = compare(before[0], after[0], smallest_effect=0.1)
-    assert one.verdict == "unresolved" and one.magnitude is None and "train-runs 2" in one.reason
+    assert one.verdict == "unresolved" and one.magnitude is None and "train-runs 6 or more" in one.reason
     bare = compare(before, after)
     assert bare.verdict == "improved" and bare.magnitude is None and bare.p_beyond is None
     assert "judged against nothing" in bare.reason
@@ -183,7 +183,7 @@ def test_one_seed_per_arm_never_says_improved_or_regressed_but_reports_the_per_t
         assert c.verdict == "unresolved"
         assert c.ci_low > 0 or c.ci_high < 0, "the per-task interval is still computed and reported"
         assert c.unit == "task" and c.n == 100 and c.about == "two trained models"
-        assert "two trained models, not the training procedure" in c.reason and "train-runs 2" in c.reason
+        assert "two trained models, not the training procedure" in c.reason and "train-runs 6 or more" in c.reason
     rng = np.random.default_rng(11)
     for _ in range(200):  # no floor, any size of delta, either sign: never a verdict about the procedure
         b, a = rng.uniform(0, 1, 40), rng.uniform(0, 1, 40) + rng.uniform(-1, 1)

@@ -65,7 +65,7 @@ def confirmed(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("confirm")
     plan = write_plan(root / "plan")
     out = root / "out"
-    assert main(["confirm", plan, "--out", str(out), "--quiet"]) == 0
+    assert main(["confirm", plan, "--out", str(out), "--quiet", "--accept-low-power"]) == 0  # a tiny plan: 2 seeds
     return plan, out, json.loads((out / "results.json").read_text())
 
 
@@ -299,7 +299,7 @@ def test_confirm_prints_the_power_before_it_trains(tmp_path, monkeypatch, capsys
     done = {"confirmation": {"family": [], "outcome": "not confirmed"}, "reason": "made up", "warnings": [],
             "provenance": {"warnings": []}}  # fmt: skip
     monkeypatch.setattr(confirm, "run", lambda *args, **kwargs: done)
-    assert main(["confirm", plan, "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    assert main(["confirm", plan, "--out", str(tmp_path / "out"), "--quiet", "--accept-low-power"]) == 0
     out, err = capsys.readouterr()
     assert "the primary alone, then holm" in out and "power 0.00 to detect δ 0.04" in out
     assert "warning: the plan's power is 0.00, below 0.8" in err
@@ -381,7 +381,7 @@ def test_an_arm_can_set_the_baseline_and_its_comparison_parses_one_way_only(tiny
     assert plan.grid.arms == tuple(arms) and ("dis", "dis+batch-mean") in [
         confirm._comparison(plan.path, k, plan.grid.arms, "secondary") for k in plan.secondary
     ]
-    out = confirm.run(plan_path, tmp_path / "out", progress=False)
+    out = confirm.run(plan_path, tmp_path / "out", progress=False, accept_low_power=True)
     cell = out["cells"][0]
     assert list(cell["arms"]) == arms
     assert {a: (b["correction"], b["baseline"]) for a, b in cell["arms"].items()} == {
@@ -660,3 +660,33 @@ def test_the_lag_interaction_compares_a_comparisons_per_seed_delta_across_cells(
     assert row["after"] == f"dis − none in {CELL}" and row["before"] == f"dis − none in {other}"
     with pytest.raises(ConfigError, match="the grid has one cell"):
         confirm.read_plan(write_plan(tmp_path / "one", secondary=["interaction:dis_vs_none"]))
+
+
+def test_a_plan_below_its_power_target_is_refused_unless_accepted(tmp_path, capsys, monkeypatch, faults):
+    """Power 0.00 (2 seeds: the exact sign-flip p cannot go below 0.5): refused in one line saying how many seeds
+    would do, before a line is printed or a file written; --accept-low-power runs it as planned."""
+    from helpers import refused_in_one_line
+
+    plan = write_plan(tmp_path / "plan", smallest_effect=0.04)
+    out = tmp_path / "out"
+    line = refused_in_one_line(capsys, ["confirm", plan, "--out", str(out)], out, "the plan's power is 0.00, below "
+                               "0.8", "--accept-low-power", "add fresh seeds")  # fmt: skip
+    assert f"{confirm.read_plan(plan).power['seeds_for_power']} seeds would give 0.8" in line
+    with pytest.raises(ConfigError, match="--accept-low-power"):
+        confirm.run(plan, out, progress=False)
+    assert not out.exists()
+    done = {"confirmation": {"family": [], "outcome": "not confirmed"}, "reason": "made up", "warnings": [],
+            "provenance": {"warnings": []}}  # fmt: skip
+    monkeypatch.setattr(confirm, "run", lambda *args, **kwargs: done)
+    assert main(["confirm", plan, "--out", str(out), "--quiet", "--accept-low-power"]) == 0
+    faults.record("first-hour edges", "sao confirm with power 0.00 for its smallest effect")
+
+
+def test_the_one_seed_verdict_advises_the_seeds_a_verdict_needs(faults):
+    before, after = [0.0, 1.0, 0.0, 1.0] * 5, [1.0, 1.0, 0.0, 1.0] * 5
+    verdict = stats.compare(before, after)  # one row each: one training seed per arm
+    assert verdict.verdict == "unresolved" and "pass --train-runs 6 or more" in verdict.reason
+    assert "--train-runs 2" not in verdict.reason
+    assert stats.seeds_for_a_verdict(0.05) == 6 and stats.least_exact_p(6) < 0.05 <= stats.least_exact_p(5)
+    assert stats.seeds_for_a_verdict(0.5) == 3  # 2 seeds: p >= 0.5 whatever they show
+    faults.record("first-hour edges", "the advice of a one-seed verdict")

@@ -500,6 +500,22 @@ class TrainingSettings(Section):
     ceiling_prompts: int = option(
         64, "--ceiling-every: the training prompts rolled out at each snapshot.", check=at_least(3)
     )
+    fault_budget: float = option(
+        0.5,
+        "The largest share of trajectories an environment may end by a fault (a call that raised, hung past "
+        "--env-timeout, or answered what sao cannot use: None, a NaN or string reward) over the last --fault-window "
+        "steps; past it the run stops with one line and its checkpoint, for --resume once the environment is fixed. "
+        "Default 0.5: a flaky tool fails a few percent of its calls and never comes near it, a broken one (every call "
+        "failing) passes it in the first window, so a run spends at most --fault-window steps on trajectories whose "
+        "rewards say nothing about the replies. 1 turns the check off.",
+        check=between(0.0, 1.0),
+    )
+    fault_window: int = option(
+        4,
+        "Steps over which --fault-budget is measured. Default 4: long enough that a passing outage (a tool server "
+        "restarting for a step) does not stop a run, short enough that a broken environment costs a few steps.",
+        check=at_least(1),
+    )
     dead_band_share: float = option(
         0.001,
         "Reachability warning threshold: a masked share below this (0.1%) on stale batches means the band is dead at "
@@ -511,6 +527,13 @@ class TrainingSettings(Section):
         'Experiment tracking: "tensorboard" (OUT/tensorboard/), "trackio" (its local store) or "wandb" (offline only); '
         "each logs every step record and the eval. None: train_log.jsonl alone. Not compared on --resume.",
         check=lambda v: None if v is None else one_of("tensorboard", "trackio", "wandb")(v),
+    )
+    hooks: str | None = option(
+        None,
+        'Your hooks (sao.training.trainer.Hook subclasses), "module:Class", several separated by commas: each built '
+        "as Class() and run after the built-in ones. A hook passed to sao.train whose class is built with no "
+        "arguments is recorded in config.json by its class (passed.hooks), so that --config replays it.",
+        check=not_blank,
     )
     log_every: int = option(
         10,
@@ -789,11 +812,21 @@ def flatten(values: dict[str, Any], where: str = "settings") -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: expected a mapping of settings (name: value), got {type(values).__name__}")
     flat: dict[str, Any] = {}
+    given: dict[str, str] = {}  # flat name -> where it was given, to refuse a setting given twice
+
+    def put(name: str, value: Any, spelled: str) -> None:
+        if name in flat:
+            raise ConfigError(f"{where}: {spelled} and {given[name]} set the same setting; give one")
+        flat[name], given[name] = value, spelled
+
     for key, value in values.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{where}: a setting's name must be a string, got {_kind(key)} ({key!r:.40})")
         if key in SECTIONS and isinstance(value, dict):
             for inner, inner_value in value.items():
                 if key == "rollout" and inner in sources() and isinstance(inner_value, dict):
-                    flat.update(flatten_source(inner, inner_value, where))
+                    for name, source_value in flatten_source(inner, inner_value, where).items():
+                        put(name, source_value, f"{key}.{inner}.{name}")
                     continue
                 name = _section_names(key, SECTIONS[key], str(inner))
                 if name is None and key == "rollout" and _taken_by(str(inner)):  # written before sources had sections
@@ -801,9 +834,13 @@ def flatten(values: dict[str, Any], where: str = "settings") -> dict[str, Any]:
                 if name is None:
                     known = [f.name for f in dataclasses.fields(SECTIONS[key])]
                     raise ConfigError(f"{where}: {_unknown(str(inner), known, f'in section {key!r}')}")
-                flat[name] = inner_value
+                put(name, inner_value, f"{key}.{inner}")
+        elif isinstance(value, dict) and key not in FLAT and key != "preset":  # a section's name misspelled
+            close = difflib.get_close_matches(key, list(SECTIONS), n=1)
+            hint = f" (did you mean the section {close[0]!r}?)" if close else f" (sections: {', '.join(SECTIONS)})"
+            raise ConfigError(f"{where}: unknown section {key!r}{hint}")
         else:
-            flat[key] = value
+            put(key, value, key)
     return flat
 
 
@@ -999,8 +1036,9 @@ def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any] |
     The file holds a mapping of settings (flat, sectioned, or both; a ``"preset"`` key allowed) or a file sao wrote
     (``config.json``, ``experiment.json``) as it is: a mapping whose "config" key holds the settings; its other
     top-level keys ("data", "source", ...) are ignored, except "grid", returned as read (None when absent) for a
-    sweep. Read through the bounded reader (``sao.core.reading``); values are type-checked here, so that an error
-    names the file; ranges are checked when the Config is built.
+    sweep, and what the run was passed ("passed", "replayable": ``settings_of``). Read through the bounded reader
+    (``sao.core.reading``); values are type-checked here, so that an error names the file; ranges are checked when
+    the Config is built.
     """
     path = Path(path)
     where = f"--config {path}"
@@ -1019,18 +1057,34 @@ def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any] |
     if len(raw) > CONFIG_LIMITS.max_bytes:
         raise ConfigError(f"{where}: larger than {CONFIG_LIMITS.max_bytes >> 20} MiB; is this a settings file?")
     parse = parse_json if suffix == ".json" else parse_yaml
-    data = parse(raw, where=where, limits=CONFIG_LIMITS, error=ConfigError)
+    return settings_of(parse(raw, where=where, limits=CONFIG_LIMITS, error=ConfigError), where)
+
+
+# What a run passed as objects (config.json's "passed", by import path or path) → the setting that names it.
+PASSED_AS = {"dataset": "data", "reward_fn": "reward", "env_factory": "env", "hooks": "hooks"}
+
+
+def settings_of(data: Any, where: str = "settings") -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A mapping of settings as a settings file holds it (``read_config_file``), or a file sao wrote, read as flat
+    names: ``(values, grid)``. A config.json replays as it is: what the run was passed by import path or path
+    (its ``"passed"``: the dataset, the reward, the environment, the hooks) becomes the setting that names it, and
+    one that says it cannot be replayed (``"replayable": false``) is refused with its reasons."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of settings (name: value), got {_kind(data)}")
     grid, written = None, "config" in data
+    passed: dict[str, Any] = {}
     if written:  # a file sao wrote
         grid = data.get("grid")
         if grid is not None and not isinstance(grid, dict):
             raise ConfigError(f"{where}: 'grid' must be a mapping (lags, lrs, bands, arms), got {_kind(grid)}")
+        passed = _replayed(data, where)
         data = data["config"]
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: 'config' must be a mapping of settings (name: value), got {_kind(data)}")
     flat = _upgrade(flatten(data, where))
+    if passed.get("hooks") and flat.get("hooks"):  # the run's own --hooks, then those it was passed
+        passed["hooks"] = f"{flat['hooks']},{passed['hooks']}"
+    flat.update(passed)
     preset = flat.pop("preset", None)
     if preset is not None and not isinstance(preset, str):
         raise ConfigError(f"{where}: 'preset' must be a preset's name, got {_kind(preset)}")
@@ -1051,11 +1105,28 @@ def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any] |
     return values, grid
 
 
-def _kind(value: Any) -> str:
-    if value is None:
-        return "nothing (an empty file or null)"
-    names = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true/false"}
-    return names.get(type(value), f"a {type(value).__name__}")
+def _replayed(record: dict[str, Any], where: str) -> dict[str, Any]:
+    """The settings that replay what a written record says its run was passed (``PASSED_AS``); a ConfigError when
+    it says the run cannot be replayed (an object passed with no import path, rows rather than a path)."""
+    if record.get("replayable") is False:
+        reasons = record.get("not_replayable")
+        why = "; ".join(str(r) for r in reasons) if isinstance(reasons, list) and reasons else "it says so"
+        raise ConfigError(f"{where}: this run cannot be replayed from its settings ({why}); run it again from Python "
+                          "with the same objects")  # fmt: skip
+    passed = record.get("passed")
+    if passed is None:
+        return {}
+    if not isinstance(passed, dict):
+        raise ConfigError(f"{where}: 'passed' must be a mapping (what the run was passed), got {_kind(passed)}")
+    out = {}
+    for name, value in passed.items():
+        if name not in PASSED_AS:
+            raise ConfigError(f"{where}: the run was passed {name} as an object, which no setting names; run it "
+                              "again from Python with the same objects")  # fmt: skip
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: passed.{name} must be a string, got {_kind(value)}")
+        out[PASSED_AS[name]] = value
+    return out
 
 
 def _kind(value: Any) -> str:
@@ -1063,3 +1134,4 @@ def _kind(value: Any) -> str:
         return "nothing (an empty file or null)"
     names = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true/false"}
     return names.get(type(value), f"a {type(value).__name__}")
+

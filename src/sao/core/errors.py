@@ -15,3 +15,8 @@ class ConfigError(SaoError, ValueError):
 
 class DataError(SaoError, ValueError):
     """A data file or data set that is missing, empty or malformed."""
+
+
+class NothingTrained(SaoError):
+    """A run that ended having trained on nothing: no policy update, every trajectory cut at a limit, or its
+    environment failing beyond the fault budget. The run folder keeps what was done (``--resume`` continues it)."""

@@ -452,6 +452,15 @@ def least_exact_p(n: int, paired: bool = True) -> float:
     return 2.0 ** (1 - n) if paired else 2.0 / math.comb(2 * n, n)
 
 
+def seeds_for_a_verdict(alpha: float = ALPHA, paired: bool = True) -> int:
+    """The fewest seeds per arm whose exact floor (``least_exact_p``) is below ``alpha``: with fewer, no verdict
+    (improved, regressed, flat) is possible whatever the runs show (6 at alpha 0.05 for paired seeds)."""
+    n = 2
+    while least_exact_p(n, paired) >= alpha:
+        n += 1
+    return n
+
+
 def power(delta: float, sd: float, n: int, alpha: float = ALPHA, paired: bool = True) -> float:
     """The chance that the two-sided t test at ``alpha`` rejects delta = 0 when the true delta is ``delta``:
     noncentral t. ``paired``: n pairs, ``sd`` the sd of the paired differences (df n − 1, noncentrality
@@ -944,14 +953,16 @@ def _phrases(t: _Test, effect: float | None, source: str | None, unit: str, alph
                     p=p_txt)  # fmt: skip
 
 
-def _one_seed(about: str, span: str, separated: bool) -> str:
+def _one_seed(about: str, span: str, separated: bool, alpha: float = ALPHA) -> str:
     why = (
         f"unresolved: with one training seed this compares {about}, not the training procedure: {span} "
         "holds the eval's noise, not training's"
     )
     if separated:
         why += " (it separates those two models, which a second seed could reverse)"
-    return why + "; pass --train-runs 2 or more to judge the procedure."
+    fewest = seeds_for_a_verdict(alpha)
+    return why + (f"; pass --train-runs {fewest} or more to judge the procedure (with fewer seeds the exact "
+                  f"sign-flip p cannot go below alpha {alpha:g}).")  # fmt: skip
 
 
 def _not_separated(t: _Test, w: _Phrases, effect: float | None, alpha: float) -> str:
@@ -979,7 +990,7 @@ def _verdict_by_direction(
     w = _phrases(t, effect, source, unit, alpha)
     separated = t.p_value < alpha
     if seeds < 2:
-        return "unresolved", None, _one_seed(about, w.span, separated)
+        return "unresolved", None, _one_seed(about, w.span, separated, alpha)
     within = effect is not None and t.p_equivalence is not None and t.p_equivalence < alpha
     beyond = separated and t.p_beyond is not None and t.p_beyond < alpha
     magnitude = None if effect is None else "beyond δ" if beyond else "within δ" if within else "undetermined"
@@ -1018,7 +1029,7 @@ def _verdict(
     separated = t.p_value < alpha
     big = effect is None or abs(t.delta) > effect
     if seeds < 2:
-        return "unresolved", _one_seed(about, w.span, separated and big)
+        return "unresolved", _one_seed(about, w.span, separated and big, alpha)
     if separated and big:
         word = "improved" if t.delta > 0 else "regressed"
         above = f"exceeds {w.effect}" if effect is not None else f"is judged on the interval alone ({w.effect})"

@@ -72,7 +72,7 @@ KEYS = {"question", "written", "preset", "settings", "grid", "arms", "primary", 
 #     instead of the primary (for a primary whose arms no cited run trained; the plan says why it stands in).
 #   define: arms of the plan's own, name → settings over the preset's (a correction rule among them): ablations
 #     (dis-lambda1: {correction: dis, gae_lambda: 1}) and doses (dis-bf16: {correction: dis, sampler_dtype: bfloat16})
-POWER_TARGET = 0.8  # a plan whose power for δ is below this is warned about in words (not refused)
+POWER_TARGET = 0.8  # a plan whose power for δ is below this is refused unless accepted (check_power)
 
 
 @dataclass(frozen=True)
@@ -818,12 +818,24 @@ def _exploratory_warnings(plan: Plan, weights: str | None) -> list[str]:
     return out
 
 
+def check_power(plan: Plan, accept_low_power: bool = False) -> None:
+    """A plan whose power for its δ is below ``POWER_TARGET`` is refused before anything trains (a ConfigError
+    saying how many seeds would reach it), unless ``accept_low_power``: spending a confirmation's compute on a test
+    that cannot, or will most likely not, give a verdict is a choice to make knowingly."""
+    warning = (plan.power or {}).get("warning")
+    if warning and not accept_low_power:
+        raise ConfigError(f"{plan.path.name}: {warning}: add fresh seeds to the plan, or pass --accept-low-power to "
+                          "run it as planned")  # fmt: skip
+
+
 def run(
     plan_path: str | Path, out_dir: str | Path, *, resume: bool = False, progress: bool = True,
-    command: str | None = None,
+    command: str | None = None, accept_low_power: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """Run the plan in ``plan_path`` into ``out_dir``; write and return results.json's content."""
+    """Run the plan in ``plan_path`` into ``out_dir``; write and return results.json's content. A plan below its
+    power target is refused (``check_power``) unless ``accept_low_power`` (or ``resume``: it was started)."""
     plan = read_plan(plan_path)
+    check_power(plan, accept_low_power or resume)
     out = Path(out_dir)
     copy = out / f"plan{plan.path.suffix.lower()}"
     if resume and copy.is_file() and hashlib.sha256(copy.read_bytes()).hexdigest() != plan.sha256:
@@ -849,4 +861,4 @@ def run(
     return json.loads(json.dumps(summary, default=str))
 
 
-__all__ = ["Plan", "confirmation", "decide", "family_rows", "plan_power", "read_plan", "run", "seeds_of"]
+__all__ = ["Plan", "check_power", "confirmation", "decide", "family_rows", "plan_power", "read_plan", "run", "seeds_of"]

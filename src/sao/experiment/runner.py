@@ -40,7 +40,7 @@ from sao.core.registry import BASELINES, CORRECTIONS
 from sao.experiment import provenance as prov
 from sao.experiment import report, results
 from sao.experiment.evaluate import EvalResult, pass_at_1
-from sao.model.policy import eos_ids, load_base, model_path, pick_device
+from sao.model.policy import context_length, eos_ids, load_base, model_path, pick_device
 from sao.rollout.sampler import derived_seed
 from sao.tasks import setup
 from sao.tasks.base import TaskSet
@@ -194,7 +194,7 @@ class Parts:
     def for_model(self, config: Config, model: Any, tokenizer: Any) -> setup.TaskParts:
         """The run's parts for ``model``'s tokenizer (``setup.parts``): its scorer, environment and sampling."""
         return setup.parts(config, tokenizer, self.tasks, reward_fn=self.reward_fn, env_factory=self.env_factory,
-                           eos_token_ids=eos_ids(tokenizer, model))  # fmt: skip
+                           eos_token_ids=eos_ids(tokenizer, model), context_length=context_length(model))  # fmt: skip
 
 
 class EvalEvery(Hook):
@@ -203,6 +203,7 @@ class EvalEvery(Hook):
     draw. Each eval is a file: a run killed inside one repeats it on --resume."""
 
     name = "eval-every"
+    recorded = False  # the experiment's own: it adds it to every run it makes
 
     def __init__(self, experiment: Experiment, config: Config, cell: dict[str, Any], label: str, seed: int):
         self.experiment, self.config, self.cell, self.label, self.seed = experiment, config, cell, label, seed
@@ -227,6 +228,7 @@ class FinalEval(Hook):
     """The trained policy's eval, at the end of its run (before the tracker closes, so it mirrors it)."""
 
     name = "final-eval"
+    recorded = False  # the experiment's own: it adds it to every run it makes
 
     def __init__(self, experiment: Experiment, config: Config, label: str, seed: int):
         self.experiment, self.config, self.label, self.seed = experiment, config, label, seed
@@ -279,10 +281,13 @@ class Experiment:
             if not seeds or len(set(seeds)) != len(seeds):
                 raise ConfigError(f"the training seeds must be distinct and at least one, got {seeds}")
             self.settings["seeds"] = [int(s) for s in seeds]
+        self.settings.update(checkpoint.passed_parts(lambda: "rows passed in", dataset=dataset, reward_fn=reward_fn,
+                                                     env_factory=env_factory))  # fmt: skip  # for a replay
         self.settings.update(record or {})
         for cell in grid.cells():  # every cell's settings are valid before anything runs
             for arm in grid.arms:
                 self._run_config(cell, arm, self.config.training.seed)
+        setup.preflight(self.config, reward_fn=reward_fn, env_factory=env_factory)  # before any data or model
         self._claim(resume)
         tasks = setup.task_set(self.config, dataset)
         self.parts = Parts(tasks, dataset, reward_fn, env_factory)
@@ -340,8 +345,11 @@ class Experiment:
             if not resume:
                 raise ConfigError(f"output folder {self.out} already holds an experiment; pass --resume or a new --out")
             fix = "it records the settings the experiment was started with: restore it, or start again with a new --out"
-            if not checkpoint.same_settings(read_saved_json(marker, fix, expect=dict), self.settings):
-                raise ConfigError(f"--resume: the experiment in {self.out} was started with other settings")
+            saved = read_saved_json(marker, fix, expect=dict)
+            if not checkpoint.same_settings(saved, self.settings):
+                differ = checkpoint.settings_differ(saved, self.settings)
+                raise ConfigError(f"--resume: the experiment in {self.out} was started with other settings "
+                                  f"({differ}); give the same settings, or use a new --out")  # fmt: skip
         elif resume:
             what = "does not exist"
             if self.out.exists():

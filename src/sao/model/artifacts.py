@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sao.core import hub
 from sao.core.errors import ConfigError
 from sao.core.io import OutputError, folder_mode, follow_umask, os_error_of, output_problem, write_json
 from sao.core.machine import on_terminal, quiet_libraries
@@ -127,15 +128,19 @@ def save_adapter(
     *,
     base_model: str,
     weights: dict[str, torch.Tensor] | None = None,
+    policy_version: int | None = None,
 ) -> Path:
     """Write the policy adapter, the tokenizer and the value head to ``path`` (replacing what is there).
 
     Only the "default" adapter is written (a policy may also hold the stale sampler's "sampler" adapter).
     ``base_model`` is the hub id or directory the adapter was trained on; it is recorded in
-    ``value_head.json`` and as ``base_model_name_or_path`` in ``adapter_config.json``, so the folder names
-    one base. ``weights``: the adapter's whole tensors by parameter name, when the policy holds only its shards
-    (``sharded_lora``). ``value_head`` None (a value model of its own): no value head files. Returns ``path``.
+    ``value_head.json`` and as ``base_model_name_or_path`` in ``adapter_config.json`` (a directory as its absolute
+    path, so the folder names one base wherever it is read from). ``weights``: the adapter's whole tensors by
+    parameter name, when the policy holds only its shards (``sharded_lora``). ``value_head`` None (a value model of
+    its own): no value head files. ``policy_version``: the policy updates the adapter holds, recorded in
+    ``value_head.json`` for a server to log with each reply. Returns ``path``.
     """
+    base_model = recorded_base(base_model)
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{path} is a file; the adapter is written as a folder")
@@ -150,11 +155,17 @@ def save_adapter(
         config_file.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         tokenizer.save_pretrained(staging)
         if value_head is not None:
-            _write_value_head(value_head, staging, base_model)
+            _write_value_head(value_head, staging, base_model, policy_version=policy_version)
     return path
 
 
-def _write_value_head(value_head: ValueHead, folder: Path, base_model: str, on: str = "the base model's") -> None:
+def _write_value_head(
+    value_head: ValueHead,
+    folder: Path,
+    base_model: str,
+    on: str = "the base model's",
+    policy_version: int | None = None,
+) -> None:
     """value_head.safetensors and value_head.json in ``folder`` (``load_value_head`` reads them)."""
     from safetensors.torch import save_file
 
@@ -167,6 +178,7 @@ def _write_value_head(value_head: ValueHead, folder: Path, base_model: str, on: 
         "parameters": sum(t.numel() for t in state.values()),
         "base_model": base_model,
         "weights": VALUE_HEAD_WEIGHTS,
+        **({"policy_version": int(policy_version)} if policy_version is not None else {}),
     }
     save_file(state, str(folder / VALUE_HEAD_WEIGHTS), metadata={"format": "pt"})
     write_json(folder / VALUE_HEAD_INFO, info)
@@ -232,6 +244,24 @@ def save_value_model(
                                             "head on its last hidden state", "base_model": base_model,
                                             "finetune": finetune})  # fmt: skip
     return path
+
+
+def recorded_base(base_model: str) -> str:
+    """How an adapter names its base: a folder here by its absolute path (a relative one would name another folder,
+    or a hub id, when read from elsewhere), a hub id as it is."""
+    local = os.path.expanduser(base_model)
+    return os.path.abspath(local) if os.path.isdir(local) else base_model
+
+
+def policy_version(adapter_dir: str | os.PathLike[str]) -> int | None:
+    """The policy updates an adapter folder holds, as ``save_adapter`` recorded them (None when it did not: an
+    adapter written before sao recorded it, or by another tool)."""
+    try:
+        info = read_json_file(Path(adapter_dir) / VALUE_HEAD_INFO, error=ConfigError)
+    except (OSError, ConfigError):
+        return None
+    version = info.get("policy_version") if isinstance(info, dict) else None
+    return version if isinstance(version, int) and not isinstance(version, bool) and version >= 0 else None
 
 
 def load_value_head(path: str | os.PathLike[str]) -> ValueHead:
@@ -391,6 +421,10 @@ def merge(
     local = os.path.expanduser(base)
     if not os.path.isdir(local) and (base.startswith(("/", ".", "~")) or base.count("/") > 1):
         raise ConfigError(f"the base model folder {base!r} does not exist; {hint}")
+    if not os.path.isdir(local):  # a hub id (or a relative folder typed elsewhere): cached, or the hub reachable
+        fix = f"if it names a folder relative to where the adapter was trained, {hint}" if base_model_path is None \
+            else hint
+        hub.check_reachable(base, kind="model", fix=fix)
 
     if not on_terminal():
         quiet_libraries()  # transformers' weight-loading bar draws with \r: kept out of a log file

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,11 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from sao.core import hub
 from sao.core.errors import ConfigError
 from sao.core.machine import on_terminal, quiet_libraries
 from sao.core.registry import MODELS
 
-HUB_PROBE_SECONDS = 3.0  # how long an uncached hub id waits to learn whether the hub can be reached at all
 DEFAULT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
 # Every linear layer of a Qwen2/Llama-style block; the ones a model lacks are skipped.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -65,16 +64,15 @@ def load_base(model: str | os.PathLike[str], device: torch.device, dtype: torch.
     (model, tokenizer).
 
     The tokenizer pads on the left (batched prompts end where the response begins) and falls back to
-    its EOS token for padding when it has no pad token.
+    its EOS token for padding when it has no pad token. A model with no EOS token at all (neither its tokenizer
+    nor its generation config names one) is refused: none of its replies could end.
     """
+    name = model_path(model)
+    path, local = locate(name)
+    if not local:
+        check_hub_reachable(name)  # before transformers is imported (seconds): a missing hub id is said at once
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    name = model_path(model)
-    path = os.path.expanduser(name)
-    if not os.path.isdir(path) and (name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.path.exists(path)):
-        raise ConfigError(f"model path {name!r} is not a directory; pass a hub id or a save_pretrained directory")
-    if not os.path.isdir(path):
-        check_hub_reachable(name)
     dtype = dtype or default_dtype(device)
     if not on_terminal():
         quiet_libraries()  # transformers' weight-loading bar draws with \r: kept out of a log file
@@ -87,49 +85,45 @@ def load_base(model: str | os.PathLike[str], device: torch.device, dtype: torch.
             f"could not load model {name!r}: {first} (no network? pass a local directory with --model)"
         ) from None
     tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    ends = eos_ids(tokenizer, lm)
+    if not ends:  # no reply could end before the token limit: every one cut, every reward the cut-off one
+        raise ConfigError(f"model {name!r}: its tokenizer has no EOS token and its generation config names none, so "
+                          "no reply could end before the token limit; set eos_token in its tokenizer_config.json "
+                          "(or eos_token_id in generation_config.json)")  # fmt: skip
+    if tokenizer.pad_token_id is None:  # padding is masked out: any token that ends a reply will do
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(ends[0])
     lm.to(device)
     lm.eval()  # no dropout anywhere: the sampler and the teacher-forced pass must see the same function
     lm.generation_config.pad_token_id = tokenizer.pad_token_id
     return lm, tokenizer
 
 
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+def locate(model: str | os.PathLike[str]) -> tuple[str, bool]:
+    """(the folder or hub id ``model`` stands for, whether it is a folder here): a name that reads as a path (it
+    starts with /, . or ~, has more than one /, or is an existing file) and is no folder is a one-line ConfigError,
+    before anything loads."""
+    name = model_path(model)
+    path = os.path.expanduser(name)
+    if not os.path.isdir(path) and (name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.path.exists(path)):
+        raise ConfigError(f"model path {name!r} is not a directory; pass a hub id or a save_pretrained directory")
+    return (path, True) if os.path.isdir(path) else (name, False)
+
+
+def check_model(model: str | os.PathLike[str]) -> None:
+    """Everything about ``model`` that can be known without loading it: its folder exists, or its hub id is cached
+    here or the hub can be reached (``check_hub_reachable``)."""
+    name, local = locate(model)
+    if not local:
+        check_hub_reachable(name)
 
 
 def check_hub_reachable(hub_id: str) -> None:
     """Nothing when ``hub_id`` is in the local hub cache or the hub answers a connection within
     ``HUB_PROBE_SECONDS``; otherwise a one-line ConfigError now, instead of the hub client's retries (tens of
-    seconds) when ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` is set or the hub cannot be reached. Behind a proxy
-    (``HTTPS_PROXY``) the hub client is trusted to find its way."""
-    from urllib.parse import urlsplit
-
-    try:
-        from huggingface_hub import constants, try_to_load_from_cache
-    except ImportError:  # transformers brings huggingface_hub; without it there is nothing to probe
-        return
-    try:
-        if isinstance(try_to_load_from_cache(hub_id, "config.json"), str):
-            return
-    except Exception:  # not a valid repo id: the loader's own error says so
-        return
-    fix = "pass a local directory with --model, or --preset tiny for the CPU stand-in"
-    if _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(os.environ.get("TRANSFORMERS_OFFLINE")):
-        raise ConfigError(f"model {hub_id!r} is not in the local hub cache and HF_HUB_OFFLINE is set; {fix}")
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return
-    endpoint = urlsplit(constants.ENDPOINT)
-    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
-    try:
-        socket.create_connection((host, port), timeout=HUB_PROBE_SECONDS).close()
-    except OSError as error:
-        reason = getattr(error, "strerror", None) or type(error).__name__
-        raise ConfigError(
-            f"model {hub_id!r} is not in the local hub cache and the hub ({host}:{port}) cannot be reached "
-            f"({reason}); {fix}"
-        ) from None
+    seconds) when ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` is set or the hub cannot be reached
+    (``sao.core.hub``)."""
+    hub.check_reachable(hub_id, kind="model",
+                        fix="pass a local directory with --model, or --preset tiny for the CPU stand-in")  # fmt: skip
 
 
 def add_lora(model: nn.Module, rank: int = 16, alpha: int = 32, seed: int = 17, dropout: float = 0.0):

@@ -133,8 +133,17 @@ class TraceSettings(SourceSection):
         "by default, because a malformed log usually means a writer bug or the wrong file.",
     )
 
+    sampler_tolerance: float = option(
+        1e-3,
+        "Mean |log r| over the action tokens of staleness-0 traces above which the run stops, as with the vLLM "
+        "sources: the server did not sample from the adapter the trainer holds, or with other numerics (sao serve's "
+        "float32 sampler agrees to ~1e-6; a bf16 server against the float32 trainer needs ~3e-2: raise it there, "
+        "knowing the ratio then carries that mismatch). Checked on every batch with staleness-0 rows.",
+        check=positive,
+    )
+
     def needs(self) -> dict[str, Any]:
-        return {"footing_audit": True, "summary": True, "publish": True}
+        return {"footing_audit": True, "summary": True, "publish": True, "sampler_tolerance": self.sampler_tolerance}
 
     def check(self, config: Any) -> str | None:
         if config.rollout.traces is None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sao.core.config import Config
-from sao.core.errors import ConfigError
+from sao.core.errors import ConfigError, SaoError
 
 
 def ensure_serve_extra() -> None:
@@ -64,6 +64,52 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def served_adapter(adapter: str | os.PathLike[str] | None,
+                   watch: str | os.PathLike[str] | None) -> tuple[Path, int] | None:  # fmt: skip
+    """``--adapter DIR``: (its adapter folder, the policy version it holds); None without one. A folder holding no
+    adapter, one that does not say its version, ``--adapter`` with ``--watch``, and ``--watch`` on a finished run
+    that was trained without publishing (it never will) are one-line ConfigErrors, before any model loads."""
+    from sao.model.artifacts import find_adapter_dir, policy_version
+
+    if adapter is not None and watch is not None:
+        raise ConfigError("--adapter serves one adapter, --watch every version a run publishes: give one of them")
+    if watch is not None:
+        never = never_publishes(Path(watch))
+        if never:
+            raise ConfigError(f"--watch {watch}: {never}; serve its trained adapter with --adapter {watch}")
+        return None
+    if adapter is None:
+        return None
+    folder = find_adapter_dir(adapter)
+    version = policy_version(folder)
+    if version is None and folder.parent.name == "published" and folder.name[1:].isdigit():
+        version = int(folder.name[1:])  # RUN/published/vN, written before adapters recorded their version
+    if version is None:
+        raise ConfigError(f"--adapter {adapter}: {folder} does not record the policy version it holds (an adapter "
+                          "written by an older sao or another tool), which every trace must carry; serve its run "
+                          "with --watch RUN instead")  # fmt: skip
+    return folder, version
+
+
+def never_publishes(run: Path) -> str | None:
+    """Why a run folder will never publish an adapter for ``--watch``, or None: a run whose config.json says it
+    neither publishes (--publish, --gate, --traces) nor has published anything."""
+    from sao.core.config import Config, flatten, recorded
+    from sao.core.io import read_json
+    from sao.training.checkpoint import CONFIG_FILE, LATEST_FILE, PUBLISHED_DIR
+
+    if (run / PUBLISHED_DIR / LATEST_FILE).exists():
+        return None
+    try:
+        config = Config.load(**recorded(flatten(read_json(run / CONFIG_FILE)["config"])))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SaoError):
+        return None  # no run there yet (the trainer may start later), or not one sao can read: watched as it is
+    t = config.training
+    if t.publish or t.gate != "off" or config.source.needs().get("publish"):
+        return None
+    return "that run was trained without --publish, so it publishes nothing to watch"
+
+
 class Server:
     """The whole server: build it, ``start()`` (background) or ``run()`` (foreground), ``stop()``."""
 
@@ -75,6 +121,7 @@ class Server:
         host: str = "127.0.0.1",
         port: int = 0,
         watch: str | os.PathLike[str] | None = None,
+        adapter: str | os.PathLike[str] | None = None,
         max_tokens: int | None = None,
         max_prompt_tokens: int = 4096,
         poll_interval: float = 0.5,
@@ -91,6 +138,8 @@ class Server:
         if max_tokens < 1 or max_prompt_tokens < 1:
             raise ConfigError("--max-tokens and --max-prompt-tokens must be >= 1")
         # Everything that can fail comes before the trace log is created: a failed start writes nothing.
+        given = served_adapter(adapter, watch)  # a folder with no adapter, or a run that never publishes: now
+        setup.preflight(config)  # the model's folder and --reward, before the model loads
         check_free(traces)  # a second server on the same log (by any name) stops here, before loading a model
         self.sock = listen(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
@@ -105,9 +154,11 @@ class Server:
                 device = config.model.device if config.model.device != "auto" else "cpu"
                 self.policy = ServedPolicy(config, device=device)
             scorer = setup.scorer(config)  # a bad --reward fails here
+            if given is not None:
+                self.policy.take(*given)
             self.watcher = AdapterWatcher(self.policy, watch, interval=poll_interval, say=say) if watch else None
-            if self.watcher is not None:
-                self.watcher.poll()  # serve the latest published version from the first request on
+            if self.watcher is not None and not self.watcher.poll():  # the latest published version from the start
+                say(f"sao serve: {watch} has published nothing yet: serving the base model (v0) until it does")
             settings = EndpointSettings(
                 model_name=f"sao-{name}" if (name := config.model.name).startswith("tiny") else name,
                 max_tokens=max_tokens, default_temperature=config.rollout.temperature,

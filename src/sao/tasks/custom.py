@@ -20,6 +20,8 @@ import dataclasses
 import importlib
 import inspect
 import itertools
+import math
+import numbers
 import os
 import random
 import re
@@ -30,6 +32,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from sao.core.errors import ConfigError, DataError
+from sao.core.hub import check_reachable
 from sao.core.reading import Limits, parse_jsonl_line, read_bounded_line
 from sao.rollout.environment import EnvFactory, check_env
 from sao.tasks.base import Task, TaskSet
@@ -353,7 +356,10 @@ def _answer(value: Any, where: str, name: str) -> str:
         if not answer:
             raise DataError(f"{where}: field {name!r} (the gold answer) is empty")
         return answer
-    if isinstance(value, int | float) and not isinstance(value, bool):
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if not math.isfinite(float(value)):  # pandas' missing value is a NaN: never a gold answer
+            raise DataError(f"{where}: field {name!r} (the gold answer) is {float(value)} (a missing value?); "
+                            "give the row its answer or leave it out")  # fmt: skip
         return str(value)
     raise DataError(
         f"{where}: field {name!r} (the gold answer) must be a string or a number, got {_short(value)}; "
@@ -435,6 +441,7 @@ def _open_file(path: Path) -> _Table:
 
 def _open_hub(hub_id: str) -> tuple[_Table, _Table]:
     fix = f"no local file or directory {hub_id!r} exists either; pass --data FILE (.jsonl, .parquet) or a directory"
+    check_reachable(hub_id, kind="dataset", fix=fix)  # offline or no hub: one line now, not the client's retries
     try:
         import datasets
     except ImportError:
@@ -586,6 +593,11 @@ def _row_task(row: Any, task_id: str, fields: _Fields | None = None) -> Task:
     if not isinstance(row, Mapping):
         raise DataError(f"{where}: expected a dict with a {fields.messages or fields.prompt!r}, got "
                         f"{type(row).__name__}")  # fmt: skip
+    odd = next((key for key in row if not isinstance(key, str)), None)
+    if odd is not None:
+        raise DataError(f"{where}: a field is named {odd!r:.40} ({type(odd).__name__}), not by a string; a row's "
+                        "fields are named by strings (they reach the reward, the environment and config.json as "
+                        "JSON)")  # fmt: skip
     messages = None
     if fields.messages:
         messages, question = _messages(_get(row, fields.messages, where, "messages_field"), where, fields.messages)
@@ -675,6 +687,12 @@ def load_env_class(spec: str, max_turns: int = 1) -> EnvFactory:
         check_env(factory, f"--env {spec!r}:")  # plain and async def methods mixed wrongly: one line, at start
     _check_call(factory, spec, "--env", ("task-id", {}))
     return factory
+
+
+def load_plugin(spec: str, flag: str, what: str) -> Any:
+    """The callable ``"module:attribute"`` names, for ``flag`` (e.g. ``--hooks``): imported the way ``--reward`` and
+    ``--env`` are (the current directory as a last resort), every problem a one-line ConfigError."""
+    return _resolve(spec, flag, what)
 
 
 def _resolve(spec: str, flag: str, what: str) -> Any:

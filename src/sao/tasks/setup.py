@@ -17,14 +17,29 @@ from pathlib import Path
 from typing import Any
 
 from sao.core.config import Config
-from sao.core.errors import ConfigError
-from sao.core.registry import TASK_SETS
+from sao.core.errors import ConfigError, DataError
+from sao.core.registry import ENVIRONMENTS, TASK_SETS
+from sao.model.policy import locate
 from sao.rollout.environment import EnvFactory, check_factory
 from sao.rollout.sources import Episodes
 from sao.rollout.types import Sampling
 from sao.tasks import custom, environments, gsm8k
 from sao.tasks.base import Scorer, Task, TaskSet
 from sao.tasks.environments import episodes_for, prompt_text
+
+
+def preflight(config: Config, *, reward_fn: Callable[..., Any] | None = None,
+              env_factory: EnvFactory | None = None) -> None:  # fmt: skip
+    """What can be known before any data, hub or model is touched, so that a mistake costs seconds, not a download
+    or a model load: the model's folder (a name that reads as a path and is no folder), and the ``--reward`` and
+    ``--env`` plug-ins (imported, their call shape checked). The data's own paths are read next (``task_set``,
+    local and quick) and the hub is asked last (``sao.core.hub``: one line at once offline or without a network)."""
+    locate(config.model.name)
+    d = config.data
+    if reward_fn is None and d.reward:
+        custom.load_reward(d.reward)
+    if env_factory is None and d.env is not None and d.env not in ENVIRONMENTS:
+        environments.env_factory(d.env, None, config.rollout.max_turns)  # "skyrl:..." or "module:Class"
 
 
 def task_set(config: Config, dataset: Any = None) -> TaskSet:
@@ -104,10 +119,13 @@ def parts(
     reward_fn: Callable[..., Any] | None = None,
     env_factory: EnvFactory | None = None,
     eos_token_ids: list[int] | None = None,
+    context_length: int | None = None,
 ) -> TaskParts:
     """The scorer, the environment (the factory you pass, else ``--env``) and the training prompts of ``tasks``;
-    ``eos_token_ids``: the model's (default: the tokenizer's EOS)."""
+    ``eos_token_ids``: the model's (default: the tokenizer's EOS). With the model's ``context_length`` (prompt and
+    reply together), a task whose prompt leaves no room for a reply is a one-line DataError naming it."""
     check_factory(env_factory)  # an environment instance, or something that cannot build one: a TypeError now
+    check_prompts_fit(tokenizer, tasks, context_length)
     factory = env_factory
     if factory is None:
         factory = environments.env_factory(config.data.env, tokenizer, config.rollout.max_turns)
@@ -120,3 +138,16 @@ def parts(
         eos_token_ids=list(eos_token_ids or [tokenizer.eos_token_id]),
         pad_token_id=tokenizer.pad_token_id,
     )
+
+
+def check_prompts_fit(tokenizer: Any, tasks: TaskSet, context_length: int | None) -> None:
+    """A DataError naming the first task (training or held out) whose chat-formatted prompt takes the model's
+    whole context, leaving no position for a reply: it would train and score as an empty reply, silently."""
+    if context_length is None:
+        return
+    for task in [*tasks.train, *tasks.test]:
+        n = len(tokenizer(prompt_text(tokenizer, task, tasks.instruction), add_special_tokens=False)["input_ids"])
+        if n >= context_length:
+            raise DataError(f"task {task.id}: its prompt is {n} tokens and the model attends over {context_length} "
+                            "positions, prompt and reply together, so no reply fits; shorten the prompt or leave "
+                            "the task out")  # fmt: skip

@@ -19,12 +19,13 @@ from typing import Any
 from sao.core import stats
 from sao.core.config import Config
 from sao.core.errors import ConfigError
-from sao.model.policy import Models
+from sao.core.plugins import describe
+from sao.model.policy import Models, context_length
 from sao.rollout.environment import EnvFactory, check_factory
 from sao.rollout.registry import build_source, builds_on_every_rank
 from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import Source, SourceContext
-from sao.tasks import setup
+from sao.tasks import custom, setup
 from sao.tasks.base import Task, TaskSet
 from sao.training import checkpoint, otel
 from sao.training.distributed import World
@@ -61,10 +62,12 @@ def trainer(
     hooks = check_hooks(hooks)  # a class or a function where an instance belongs: before anything is claimed
     check_source(source)
     check_factory(env_factory)
+    setup.preflight(config, reward_fn=reward_fn, env_factory=env_factory)  # the model's folder, --reward, --env
+    named = named_hooks(config.training.hooks)  # --hooks: imported and built now
     tasks = tasks or setup.task_set(config, dataset)  # a bad --data fails here, before a model is loaded
     held = gate_tasks(config, tasks)  # and a held-out split too small for the gate's margin
     record = checkpoint.run_record(config, tasks, world.size, dataset=dataset, reward_fn=reward_fn,
-                                   env_factory=env_factory, source=source)  # fmt: skip
+                                   env_factory=env_factory, source=source, hooks=list(hooks))  # fmt: skip
     # another run's folder, one in use, a damaged checkpoint: now (rank 0 holds the folder's lock)
     run = checkpoint.RunDir.open(out_dir, record, resume=resume, lock=world.is_main)
     try:
@@ -72,7 +75,8 @@ def trainer(
         every_rank = source is None and builds_on_every_rank(config.rollout.source)
         models = load_models(config, world, stale_sampler=every_rank)
         task_parts = setup.parts(config, models.tokenizer, tasks, reward_fn=reward_fn, env_factory=env_factory,
-                                 eos_token_ids=models.eos_token_ids)  # fmt: skip
+                                 eos_token_ids=models.eos_token_ids,
+                                 context_length=context_length(models.policy))  # fmt: skip
         label = label or f"{config.algorithm.correction} seed {config.training.seed}"
         if source is None and (world.is_main or every_rank):
             context = SourceContext(config, models, {t.id: t for t in tasks.train}, task_parts.prompts,
@@ -80,7 +84,8 @@ def trainer(
                                     label, progress, world_size=world.size, world=world)  # fmt: skip
             source = build_source(config.rollout.source, context)  # a launched vLLM fleet writes into out_dir
         gate = [held_aside_gate(config, models, held, task_parts)] if held else []
-        return Trainer(models, source, task_parts.scorer, config, run, hooks=[*default_hooks(config), *gate, *hooks],
+        return Trainer(models, source, task_parts.scorer, config, run,
+                       hooks=[*default_hooks(config), *gate, *named, *hooks],
                        world=world, progress=progress, label=label)  # fmt: skip
     except BaseException:
         if world.is_main:
@@ -103,6 +108,25 @@ def load_models(config: Config, world: World, *, stale_sampler: bool = False) ->
     if sharded:
         models.shard()
     return models
+
+
+def named_hooks(specs: str | None) -> list[Hook]:
+    """``--hooks module:Class[,module:Class...]``: each class imported and built with no arguments; one that is not
+    a ``Hook`` subclass, or cannot be built so, is a one-line ConfigError."""
+    hooks = []
+    for spec in (specs or "").split(","):
+        if not spec.strip():
+            continue
+        cls = custom.load_plugin(spec.strip(), "--hooks", "Class")
+        if not (isinstance(cls, type) and issubclass(cls, Hook)):
+            raise ConfigError(f"--hooks {spec.strip()!r}: {getattr(cls, '__qualname__', cls)!r} is not a Hook "
+                              "subclass (sao.training.trainer.Hook)")  # fmt: skip
+        try:
+            hooks.append(cls())
+        except Exception as error:  # a constructor that needs arguments, or one that raises
+            raise ConfigError(f"--hooks {spec.strip()!r}: {cls.__qualname__}() failed ({describe(error)}); a hook "
+                              "named here is built with no arguments") from None  # fmt: skip
+    return hooks
 
 
 def gate_tasks(config: Config, tasks: TaskSet) -> list[Task]:
@@ -140,10 +164,10 @@ def default_hooks(config: Config) -> list[Hook]:
     unless --timeline-steps 0 and no collector; tracking with --track (last, so it sees every other hook's work)."""
     t, chunk, needs = config.training, config.model.logprob_chunk, config.source.needs()
     temperature = config.rollout.temperature
-    hooks: list[Hook] = [Reachability(t.dead_band_share, config.algorithm.ratio, t.steps),
-                         Mismatch(temperature, chunk, tolerance=needs.get("sampler_tolerance"))]  # fmt: skip
-    if needs.get("footing_audit"):
+    hooks: list[Hook] = [Reachability(t.dead_band_share, config.algorithm.ratio, t.steps)]
+    if needs.get("footing_audit"):  # before the tolerance: a wrong footing is the more telling reason to stop
         hooks.append(FootingAudit(temperature, chunk))
+    hooks.append(Mismatch(temperature, chunk, tolerance=needs.get("sampler_tolerance")))
     if needs.get("summary"):
         hooks.append(SourceSummary())
     if (t.publish or needs.get("publish")) and t.gate == "off":  # a gate publishes what passes it (held_aside_gate)

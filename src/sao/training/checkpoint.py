@@ -180,9 +180,9 @@ def _claim(out: Path, record: dict[str, Any], resume: bool) -> Claim:
         saved = read_saved_json(config_file, fix, expect=dict)
         if same_settings(saved, record):
             return Claim(out)
-        changed = changed_settings(saved, record)
-        which = f" ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})" if changed else ""
-        raise ConfigError(f"--resume: the run in {out} was started with other settings{which}; use a new --out")
+        differ = settings_differ(saved, record)
+        raise ConfigError(f"--resume: the run in {out} was started with other settings ({differ}); give the same "
+                          "settings, or use a new --out")  # fmt: skip
     if resume:
         if _has_steps(out) or (out / LOG_FILE).exists() or (out / LEGACY_LOG).exists():
             raise DamagedFileError(f"{config_file} is missing beside the run's checkpoint and log; restore it, "
@@ -235,32 +235,44 @@ NOT_COMPARED_ON_RESUME = ("track", "follow", "follow_timeout", "skip_bad_traces"
 RECORD_NOT_COMPARED_ON_RESUME = ("world_size",)
 
 
+def _comparable(value: Any) -> Any:
+    """A settings record as resumes compare it: its settings as today's flat names, watching aside."""
+    value = as_json(value)
+    if isinstance(value, dict):
+        value = {k: v for k, v in value.items() if k not in RECORD_NOT_COMPARED_ON_RESUME}
+    if isinstance(value, dict) and isinstance(value.get("config"), dict):
+        with contextlib.suppress(ConfigError):
+            value["config"] = Config.load(**recorded(flatten(value["config"]))).flat()
+        value["config"] = as_json({k: v for k, v in value["config"].items() if k not in NOT_COMPARED_ON_RESUME})
+    return value
+
+
 def same_settings(saved: Any, record: dict[str, Any]) -> bool:
     """Whether a saved settings record (config.json, experiment.json) is ``record``, watching aside. Settings are
     compared as today's sections, so a folder an earlier sao version wrote (flat settings) still resumes."""
-
-    def comparable(value: Any) -> Any:
-        value = as_json(value)
-        if isinstance(value, dict):
-            value = {k: v for k, v in value.items() if k not in RECORD_NOT_COMPARED_ON_RESUME}
-        if isinstance(value, dict) and isinstance(value.get("config"), dict):
-            with contextlib.suppress(ConfigError):
-                value["config"] = Config.load(**recorded(flatten(value["config"]))).flat()
-            value["config"] = as_json({k: v for k, v in value["config"].items() if k not in NOT_COMPARED_ON_RESUME})
-        return value
-
-    return comparable(saved) == comparable(record)
+    return _comparable(saved) == _comparable(record)
 
 
-def changed_settings(saved: Any, record: dict[str, Any]) -> list[str]:
-    """The settings (flat names) whose value in ``record`` is not the saved one, as "--name saved -> now"."""
-    try:
-        before = Config.load(**recorded(flatten(saved["config"]))).flat()
-        now = Config.load(**recorded(flatten(record["config"]))).flat()
-    except (ConfigError, KeyError, TypeError):
-        return []
-    return [f"--{name.replace('_', '-')} {as_json(before[name])!r} -> {as_json(now[name])!r}" for name in now
-            if name not in NOT_COMPARED_ON_RESUME and as_json(before.get(name)) != as_json(now[name])]  # fmt: skip
+def settings_differ(saved: Any, record: dict[str, Any], limit: int = 6) -> str:
+    """What differs between a saved settings record and ``record``, in words: each setting as its flag with the
+    value it was started with and the one given now (``--lr 0.001 then, 0.003 now``), then any other part of the
+    record (the data, what was passed); at most ``limit`` named, the rest counted."""
+    before, now = _comparable(saved), _comparable(record)
+    if not (isinstance(before, dict) and isinstance(now, dict)):
+        return "the record is not a mapping"
+    parts = []
+    old, new = before.get("config"), now.get("config")
+    if isinstance(old, dict) and isinstance(new, dict):
+        for name in sorted(set(old) | set(new), key=lambda n: (n not in new, n)):
+            if old.get(name, "(absent)") != new.get(name, "(absent)"):
+                shown = [json.dumps(v)[:40] if v != "(absent)" else v for v in (old.get(name, "(absent)"),
+                                                                               new.get(name, "(absent)"))]
+                parts.append(f"--{name.replace('_', '-')} {shown[0]} then, {shown[1]} now")
+    for key in sorted(set(before) | set(now)):
+        if key != "config" and before.get(key) != now.get(key):
+            parts.append(f"its {key}")
+    more = f" and {len(parts) - limit} more" if len(parts) > limit else ""
+    return "; ".join(parts[:limit]) + more if parts else "nothing that can be named"
 
 
 def import_path(obj: Any) -> str | None:
@@ -277,20 +289,53 @@ def import_path(obj: Any) -> str | None:
     return f"{module}:{name}" if found is obj else None
 
 
+def rebuilt_by_name(cls: type) -> bool:
+    """Whether ``Class()`` by its import path gives back an equal object: importable, its constructor taking no
+    argument at all (one with defaults may have been given others)."""
+    import inspect
+
+    if import_path(cls) is None:
+        return False
+    try:
+        return not inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def run_record(config: Config, tasks: Any, world_size: int = 1, **parts: Any) -> dict[str, Any]:
     """What config.json records: the settings, the task set's counts, and each part passed in as an object — by
     import path when it has one; otherwise ``replayable`` is false and ``not_replayable`` says why, in words."""
     record: dict[str, Any] = {"config": config.to_dict(), "data": tasks.counts, "source": tasks.source,
                               "world_size": world_size}  # fmt: skip
+
+    def rows() -> str:
+        encoded = json.dumps([t.fields for t in tasks.train], sort_keys=True, default=str).encode()
+        return f"{len(tasks.train)} rows passed in (sha256 {hashlib.sha256(encoded).hexdigest()[:16]})"
+
+    return {**record, **passed_parts(rows, **parts)}
+
+
+def passed_parts(rows: Callable[[], str], **parts: Any) -> dict[str, Any]:
+    """What a record says of the parts passed in as objects: ``passed`` (each by import path, or path, when it has
+    one; a dataset of rows as ``rows()`` describes it) and ``replayable`` (with ``not_replayable``, in words, when
+    false); {} when nothing was passed. ``settings_of`` in ``sao.core.config`` reads it back for a replay."""
     passed, reasons = {}, []
     for name, obj in parts.items():
         if obj is None:
             continue
-        if name == "dataset" and isinstance(obj, str | Path):
-            passed[name] = str(obj)
+        if name == "hooks":
+            hooks = [hook for hook in obj if getattr(hook, "recorded", True)]
+            for hook in hooks:
+                if not rebuilt_by_name(type(hook)):
+                    reasons.append(f"hook {type(hook).__qualname__} cannot be rebuilt by name (its class is not "
+                                   "importable, or its constructor takes arguments)")  # fmt: skip
+            if hooks:
+                passed[name] = ",".join(import_path(type(hook)) or type(hook).__qualname__ for hook in hooks)
+        elif name == "dataset" and isinstance(obj, str | Path):
+            local = os.path.expanduser(str(obj))  # a path as typed names another file read from elsewhere
+            passed[name] = os.path.abspath(local) if os.path.exists(local) else str(obj)
         elif name == "dataset":
-            rows = json.dumps([t.fields for t in tasks.train], sort_keys=True, default=str).encode()
-            passed[name] = f"{len(tasks.train)} rows passed in (sha256 {hashlib.sha256(rows).hexdigest()[:16]})"
+            passed[name] = rows()
             reasons.append("the dataset was passed as rows, not as a path")
         elif name == "source":  # an object built by the caller: its class says what it was, not how it was made
             passed[name] = import_path(type(obj)) or type(obj).__name__
@@ -299,11 +344,9 @@ def run_record(config: Config, tasks: Any, world_size: int = 1, **parts: Any) ->
             passed[name] = import_path(obj) or repr(obj)[:80]
             if import_path(obj) is None:
                 reasons.append(f"{name} {passed[name]} cannot be imported by name (defined in a script or a function)")
-    if passed:
-        record.update(passed=passed, replayable=not reasons)
-        if reasons:
-            record["not_replayable"] = reasons
-    return record
+    if not passed:
+        return {}
+    return {"passed": passed, "replayable": not reasons, **({"not_replayable": reasons} if reasons else {})}
 
 
 def write_config(out: Path, record: dict[str, Any]) -> None:

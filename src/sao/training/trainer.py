@@ -38,7 +38,7 @@ from sao.algorithm.oracle import ceiling, shrunk_rates
 from sao.algorithm.update import SAO, explained_variance
 from sao.core import timeline
 from sao.core.config import Config
-from sao.core.errors import ConfigError
+from sao.core.errors import ConfigError, NothingTrained
 from sao.core.names import POLICY, WARMUP
 from sao.core.plugins import describe as describe_error
 from sao.core.reading import preview
@@ -69,6 +69,7 @@ class Hook:
     events and holds the built-in hooks)."""
 
     name = "hook"
+    recorded = True  # config.json names the hook's class, for a replay (False: a part of whatever built the run)
 
     def on_run_start(self, trainer: Trainer) -> None: ...
 
@@ -486,8 +487,10 @@ class Trainer:
                 for hook in self.hooks:
                     hook.on_checkpoint(self, g)
                 progress.update(record)
+                self._check_fault_budget()
             if self._saved_at != self.next_step:  # a run that ended early: its last steps made durable
                 self.save_checkpoint()
+            self._check_trained()
             if self.world.is_main and self.records and checkpoint.ensure_log(self.out, self.records):
                 self.say(f"[{self.label}] {self.out / checkpoint.LOG_FILE} was missing, damaged or behind its "
                          "checkpoint: rewrote it from the checkpoint's records", always=True)  # fmt: skip
@@ -530,6 +533,58 @@ class Trainer:
         for what, error in errors:
             failed.add_note(f"while closing after it: {what} raised {describe_error(error)}")
             log.info("while closing after an error: %s raised %s", what, describe_error(error))
+
+    # -- a run that trained on nothing fails --------------------------------------------------------------------
+
+    def _check_fault_budget(self) -> None:
+        """Stop (``NothingTrained``) once the environment ended more than ``fault_budget`` of the trajectories of the
+        last ``fault_window`` steps by a fault: their rewards say nothing about the replies. The checkpoint is made
+        first, so that --resume continues once the environment is fixed."""
+        budget, window = self.settings.fault_budget, self.settings.fault_window
+        shares = [r["env_fault_share"] for r in self.records[-window:] if r.get("env_fault_share") is not None]
+        if budget >= 1 or len(shares) < window or sum(shares) / window <= budget:
+            return
+        if self._saved_at != self.next_step:
+            self.save_checkpoint()
+        raise NothingTrained(
+            f"[{self.label}] the environment ended {sum(shares) / window:.0%} of the trajectories of the last {window} "
+            f"steps by a fault (--fault-budget {budget:g} over --fault-window {window}; each fault's line was "
+            f"logged): their rewards say nothing about the replies; fix the environment, then --resume continues "
+            f"from step {self.next_step}"
+        )
+
+    def _check_trained(self) -> None:
+        """A run that ends having trained on nothing fails (``NothingTrained``) rather than succeeding: no policy
+        update although policy steps were asked for, or every trajectory of every step cut at a limit. Its
+        checkpoint stays, so --resume continues it; a run with no step at all leaves its folder as it was found."""
+        if not self.records:
+            if self.total_steps > 0:
+                raise NothingTrained(f"[{self.label}] nothing was trained: {self._why_no_batch()}; the run folder is "
+                                     "left as it was found")  # fmt: skip
+            return
+        n = len(self.records)
+        if self.settings.steps > 0 and self.policy_version == 0:
+            policy = [r for r in self.records if r["phase"] == POLICY]
+            why = (f"all {len(policy)} policy steps were skipped (a non-finite loss or gradient)" if policy
+                   else f"the run ended after {n} critic warmup steps: {self._why_no_batch()}")  # fmt: skip
+            raise NothingTrained(f"[{self.label}] no policy update was made: {why}; the run folder keeps its "
+                                 "checkpoint (--resume continues it)")  # fmt: skip
+        if all(r.get("truncation_share") == 1.0 for r in self.records):
+            r = self.config.rollout
+            raise NothingTrained(
+                f"[{self.label}] every trajectory of all {n} steps was cut at a limit (--max-new-tokens "
+                f"{r.max_new_tokens}{'' if self.config.data.env is None else ', --max-turns, --max-total-tokens'}): "
+                "no reply ended, so every reward is the cut-off one and nothing was learned about the task; raise "
+                "the limit or check that the model ends its replies (its EOS token)"
+            )
+
+    def _why_no_batch(self) -> str:
+        """Why the source gave no (further) batch, with what it dropped, in words."""
+        why = self.ended_early or "the source gave no batch"
+        summary = self.source.summary() if hasattr(self.source, "summary") else {}
+        dropped = ", ".join(f"{k.removeprefix('traces_dropped_')} {v}" for k, v in (summary or {}).items()
+                            if k.startswith("traces_dropped_") and v)  # fmt: skip
+        return why + (f" (traces dropped: {dropped})" if dropped else "")
 
     def warn(self, message: str) -> None:
         """A warning for the run's summary and results, shown now (by rank 0 alone)."""
@@ -680,7 +735,8 @@ class Trainer:
             return path
         weights = artifacts.sharded_lora(m.policy)  # the whole adapter, when each process holds a part
         if write:
-            artifacts.save_adapter(m.policy, m.tokenizer, m.value_head, path, base_model=m.name, weights=weights)
+            artifacts.save_adapter(m.policy, m.tokenizer, m.value_head, path, base_model=m.name, weights=weights,
+                                   policy_version=self.policy_version)  # fmt: skip
         return path
 
     def describe(self) -> str:

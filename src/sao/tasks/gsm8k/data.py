@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sao.core.errors import DataError
+from sao.core.hub import check_reachable
 from sao.core.reading import Limits, parse_jsonl_line
 from sao.tasks.base import Task, TaskSet, user_turn
 
@@ -187,6 +188,7 @@ def _load_hub(hub_id: str, *, explicit: bool = False) -> tuple[list[Task], list[
     fix = "pass a local directory with --data DIR (train.jsonl and test.jsonl)"
     if explicit:  # the user typed an owner/name that is not a local directory either: say so
         fix = f"no local directory {hub_id!r} exists either; {fix}"
+    check_reachable(hub_id, kind="dataset", fix=fix)  # offline or no hub: one line now, not the client's retries
     try:
         import datasets
     except ImportError:
