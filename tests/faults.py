@@ -178,9 +178,9 @@ KINDS: dict[str, tuple[str, str]] = {
     "failing environments": (
         "an environment whose constructor, factory or init raises, hangs past --env-timeout or answers the wrong "
         "shape on every row; a factory returning None or 0; a factory that is not callable or is an environment; "
-        "done given as the string \"false\"",
+        'done given as the string "false"',
         "one line naming the environment and the first row's fault, exit code 2, --out left as found; a factory "
-        "refused as a TypeError before anything loads; \"false\" a fault of that trajectory, never read as done",
+        'refused as a TypeError before anything loads; "false" a fault of that trajectory, never read as done',
     ),
     "hooks and sources": (
         "on_pass returning None, a list or an object JSON cannot hold, extras named like the record's own fields, a "

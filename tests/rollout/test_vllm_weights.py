@@ -156,8 +156,19 @@ def test_a_full_weight_run_on_vllm_serves_each_synced_version_exactly(versions, 
     --sampler-tolerance); the weights really moved between syncs."""
     import sao
 
-    config = {"preset": "tiny", "rollout": "vllm", "vllm_url": versions["client"].url, "finetune": "full", "lag": 0,
-              "lr": 1e-3, "steps": 3, "critic_warmup": 1, "batch_size": 8, "train_prompts": 32, "test_prompts": 8}
+    config = {
+        "preset": "tiny",
+        "rollout": "vllm",
+        "vllm_url": versions["client"].url,
+        "finetune": "full",
+        "lag": 0,
+        "lr": 1e-3,
+        "steps": 3,
+        "critic_warmup": 1,
+        "batch_size": 8,
+        "train_prompts": 32,
+        "test_prompts": 8,
+    }
     trainer = sao.train(config, tmp_path / "run", progress=False)
     policy = [r for r in trainer.records if r["phase"] == "policy"]
     assert [r["engine_adapter_version"] for r in policy] == [0, 1, 2]  # a sync before every draw (LAG 0)

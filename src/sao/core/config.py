@@ -134,10 +134,10 @@ class ModelSettings(Section):
     )
     critic: str = option(
         "head",
-        'The critic: "head" (the page\'s override: one linear layer on the policy trunk\'s detached last hidden state) '
-        'or "model" (the paper\'s: a value model of its own, the policy\'s base or --critic-model, its trunk trained '
+        "The critic: \"head\" (the page's override: one linear layer on the policy trunk's detached last hidden state) "
+        "or \"model\" (the paper's: a value model of its own, the policy's base or --critic-model, its trunk trained "
         "by the critic loss with its own LoRA or full weights as --finetune says, a zero-initialised linear head, its "
-        "own AdamW at --critic-lr; the same warmup and --critic-steps). \"model\" costs one more forward per step "
+        'own AdamW at --critic-lr; the same warmup and --critic-steps). "model" costs one more forward per step '
         "and --critic-steps forward+backward passes of the value model.",
         check=one_of("head", "model"),
     )
@@ -230,7 +230,6 @@ class DataSettings(Section):
     )
 
 
-
 @dataclass(frozen=True)
 class AlgorithmSettings(Section):
     """SAO's own fields: ``sao.algorithm.SAO`` is these settings with the update."""
@@ -311,7 +310,6 @@ class AlgorithmSettings(Section):
     critic_warmup_limit: int = option(
         50, "--critic-warmup auto: the most critic-only steps taken whatever the explained variance.", check=at_least(2)
     )
-
 
 
 @dataclass(frozen=True)
@@ -566,7 +564,7 @@ class TrainingSettings(Section):
         'model, gradients summed; one process without torchrun) or "fsdp" (FSDP2: the policy, a --critic model and '
         "their optimizer states sharded over the processes, fully_shard per decoder layer then the root; bf16 "
         "compute with float32 reduction on GPUs, float32 on the CPU). Either way a step is the single-process step "
-        "on the whole batch. \"fsdp\" writes sharded checkpoints (torch.distributed.checkpoint, safetensors) that "
+        'on the whole batch. "fsdp" writes sharded checkpoints (torch.distributed.checkpoint, safetensors) that '
         "resume on any number of processes; without torchrun it runs unsharded on one process, with a notice.",
         check=one_of("none", "fsdp"),
     )
@@ -576,11 +574,10 @@ class TrainingSettings(Section):
 class EvalSettings(Section):
     eval_samples: int = option(4, "Samples per held-out task for pass@1. The page's 4.", check=at_least(1))
     eval_temperature: float = option(0.7, "Eval sampling temperature. The page's 0.7.", check=positive)
-    eval_max_new_tokens: int = option(
-        256, "Eval reply length cap; the same as training by default.", check=at_least(1)
-    )
+    eval_max_new_tokens: int = option(256, "Eval reply length cap; the same as training by default.", check=at_least(1))
     eval_batch: int = option(
-        480, "Sequences decoded together during eval (all samples of 120 tasks × 4 at once on a GPU).",
+        480,
+        "Sequences decoded together during eval (all samples of 120 tasks × 4 at once on a GPU).",
         check=at_least(1),
     )
     base_evals: int = option(
@@ -601,7 +598,6 @@ class EvalSettings(Section):
     )
 
 
-
 @dataclass(frozen=True)
 class ServeSettings(Section):
     host: str = option("127.0.0.1", "Address `sao serve` listens on; anything but a loopback address warns.")
@@ -612,7 +608,8 @@ class ServeSettings(Section):
     )
     max_prompt_tokens: int = option(4096, "Longest prompt accepted, in tokens.", check=at_least(1))
     upstream_timeout: float = option(
-        120.0, "--upstream: seconds the vLLM server may stay unreachable before a request fails with one line.",
+        120.0,
+        "--upstream: seconds the vLLM server may stay unreachable before a request fails with one line.",
         check=positive,
     )
     upstream: str | None = option(
@@ -1134,4 +1131,3 @@ def _kind(value: Any) -> str:
         return "nothing (an empty file or null)"
     names = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true/false"}
     return names.get(type(value), f"a {type(value).__name__}")
-

@@ -1013,10 +1013,14 @@ def _verdict_by_direction(
                     f"{edge}δ (the minimum-effect test: p = {t.p_beyond:.3g}; equivalence: p = {eq_p}).")  # fmt: skip
         return word, magnitude, why
     if within:
-        return "flat", magnitude, (
-            f"flat: delta {t.delta:+.3f}, {w.eq_interval} over {t.n} {unit}s lies inside ± {w.effect}: "
-            f"two one-sided tests at alpha {alpha:g} reject an effect that large (p = "
-            f"{t.p_equivalence:.3g}), with {seeds} training seeds per arm."
+        return (
+            "flat",
+            magnitude,
+            (
+                f"flat: delta {t.delta:+.3f}, {w.eq_interval} over {t.n} {unit}s lies inside ± {w.effect}: "
+                f"two one-sided tests at alpha {alpha:g} reject an effect that large (p = "
+                f"{t.p_equivalence:.3g}), with {seeds} training seeds per arm."
+            ),
         )
     return "unresolved", magnitude, _not_separated(t, w, effect, alpha)
 

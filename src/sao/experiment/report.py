@@ -56,8 +56,20 @@ PHASES_PLOT = ("phases", "Where each step's time goes: seconds per phase, stacke
                "(`other`: the rest of the step; drawing and its environment calls first). Each run's timeline.json "
                "holds every span behind these sums.")  # fmt: skip
 LOG_PLOTS = ("reward", "ratio_max", "mismatch", "ess", "phases")  # from train_log.json; the rest from results.json
-PHASE_KEYS = ("wait", "draw", "env", "score", "pass", "checks", "update", "publish", "eval", "critic", "stats",
-              "other")  # a record's time_<phase>, in step order (sao.core.timeline.PHASES and the rest)
+PHASE_KEYS = (
+    "wait",
+    "draw",
+    "env",
+    "score",
+    "pass",
+    "checks",
+    "update",
+    "publish",
+    "eval",
+    "critic",
+    "stats",
+    "other",
+)  # a record's time_<phase>, in step order (sao.core.timeline.PHASES and the rest)
 TIMELINE = "timeline.json"  # each run's, under cells/<cell>/runs/<run>/
 MISMATCH_PLOT = ("mismatch", "Mean |log r| per action token, split by cause (mean over seeds, log scale): the "
                  "sampling engine's numerics on staleness-0 rows (solid) and on stale rows re-scored under the "
@@ -807,8 +819,16 @@ def _off_policy_section(results: dict[str, Any], arms: list[str]) -> list[str]:
     for cell, name, arm in _each(results, arms):
         curves = arm.get("curves") or {}
         if isinstance(curves.get("ratio_ess_share"), dict):
-            ess, *sides = (curves.get(k) or {} for k in ("ratio_ess_share", "masked_share_low", "masked_share_high",
-                                                          "would_be_masked_share_low", "would_be_masked_share_high"))
+            ess, *sides = (
+                curves.get(k) or {}
+                for k in (
+                    "ratio_ess_share",
+                    "masked_share_low",
+                    "masked_share_high",
+                    "would_be_masked_share_low",
+                    "would_be_masked_share_high",
+                )
+            )
             rows.append([_cell(cell["name"]), name, fmt_share(ess.get("mean")), fmt_share(ess.get("min")),
                          *(fmt_share(side.get("mean")) for side in sides)])  # fmt: skip
         top, by_position, tokens = _outside(arm)
@@ -969,8 +989,10 @@ def _time_section(results: dict[str, Any], log: list[dict[str, Any]] | None, arm
             means, step = _phase_means(records), _mean(r.get("time") for r in records)
             parts = ", ".join(f"{k} {fmt(v)} ({v / step:.0%})" for k, v in means.items() if step)
             rows.append([_cell(cell["name"]), arm, fmt_seconds(step), _cell(parts or DASH)])
-    note = ("Mean seconds per step of each phase, over the arm's seeds (train_log.json's `time_*`; they add up to "
-            "`time`, `other` being the rest).")
+    note = (
+        "Mean seconds per step of each phase, over the arm's seeds (train_log.json's `time_*`; they add up to "
+        "`time`, `other` being the rest)."
+    )
     out = ["## Where the time goes", ""]
     if rows:
         out += [note, "", *_table(["cell", "arm", "step", "phases"], rows, text=2)]
@@ -1172,8 +1194,10 @@ def _stated_lines(plan: dict[str, Any], alpha: Any) -> list[str]:
     out = []
     rule, expect = plan.get("decision_rule"), (plan.get("primary") or {}).get("expect")
     if rule == "direction":
-        out.append(f"- **Decision rule:** direction: the primary is confirmed when it comes out {_text(expect)} (its "
-                   f"{_level(alpha, 1)} interval excludes 0 on that side); its size against δ is reported apart.")
+        out.append(
+            f"- **Decision rule:** direction: the primary is confirmed when it comes out {_text(expect)} (its "
+            f"{_level(alpha, 1)} interval excludes 0 on that side); its size against δ is reported apart."
+        )
     elif rule == "minimum-effect":
         out.append(f"- **Decision rule:** minimum effect: the primary is confirmed only when it comes out "
                    f"{_text(expect)} with its whole {_level(alpha, 1)} interval beyond δ (planned for a true delta "

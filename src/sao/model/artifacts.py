@@ -422,8 +422,11 @@ def merge(
     if not os.path.isdir(local) and (base.startswith(("/", ".", "~")) or base.count("/") > 1):
         raise ConfigError(f"the base model folder {base!r} does not exist; {hint}")
     if not os.path.isdir(local):  # a hub id (or a relative folder typed elsewhere): cached, or the hub reachable
-        fix = f"if it names a folder relative to where the adapter was trained, {hint}" if base_model_path is None \
+        fix = (
+            f"if it names a folder relative to where the adapter was trained, {hint}"
+            if base_model_path is None
             else hint
+        )
         hub.check_reachable(base, kind="model", fix=fix)
 
     if not on_terminal():
@@ -543,5 +546,15 @@ def save_full_weights(
     return path
 
 
-__all__ = ["check_adapter_files", "export_model", "find_adapter_dir", "find_model_dir", "load_value_head", "merge",
-           "save_adapter", "save_full_weights", "save_value_model", "whole_state"]
+__all__ = [
+    "check_adapter_files",
+    "export_model",
+    "find_adapter_dir",
+    "find_model_dir",
+    "load_value_head",
+    "merge",
+    "save_adapter",
+    "save_full_weights",
+    "save_value_model",
+    "whole_state",
+]

@@ -320,8 +320,16 @@ class Models:
         value_head, value_model, critic_path = None, None, ""
         if critic == "model":
             critic_path = model_path(critic_model) if critic_model is not None else path
-            value_model = load_value_model(critic_path, torch_device, tokenizer, finetune=finetune,
-                                           lora_rank=lora_rank, lora_alpha=lora_alpha, seed=seed, dtype=dtype)
+            value_model = load_value_model(
+                critic_path,
+                torch_device,
+                tokenizer,
+                finetune=finetune,
+                lora_rank=lora_rank,
+                lora_alpha=lora_alpha,
+                seed=seed,
+                dtype=dtype,
+            )
             if grad_checkpoint:
                 set_activation_checkpointing(value_model.trunk, True)
         else:

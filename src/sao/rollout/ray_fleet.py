@@ -218,9 +218,7 @@ class RayFleet:
             try:
                 self.ray.init(**kwargs)
             except ConnectionError as error:
-                raise ConfigError(
-                    f"--ray-address {r.ray_address!r}: could not join the cluster ({error})"
-                ) from None
+                raise ConfigError(f"--ray-address {r.ray_address!r}: could not join the cluster ({error})") from None
             return
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = worker_gpu_ids(visible, torch.cuda.device_count(), reserved_gpus)

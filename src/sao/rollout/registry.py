@@ -47,7 +47,7 @@ class LocalSettings(SourceSection):
         "dtype plus the sampler's LoRA weights cast to it (re-copied before every draw), so the recorded sampler "
         "log-probabilities carry its numerics while the teacher-forced pass keeps the trainer's: bfloat16 on a "
         "float32 trainer is the engine-mismatch regime, where the ratio at lag 0 measures the numerics alone "
-        '(abs_log_ratio_* in the log); "float16" the same with half precision\'s rounding instead of bfloat16\'s. '
+        "(abs_log_ratio_* in the log); \"float16\" the same with half precision's rounding instead of bfloat16's. "
         "Costs one copy of the base weights.",
         check=one_of("auto", "bfloat16", "float16", "float32"),
     )

@@ -119,8 +119,7 @@ class Fleet:
         with timeline.span("adapter publish", "adapter", timeline.TRAINER.format(rank=0), "step", version=version):
             if not folder.is_dir():  # a resumed run's sampler: its folder was written when that version was published
                 m = self.models
-                save_adapter(m.policy, m.tokenizer, m.value_head, folder, base_model=m.name,
-                             policy_version=version)
+                save_adapter(m.policy, m.tokenizer, m.value_head, folder, base_model=m.name, policy_version=version)
             name = f"{self.tag}-v{version}"
             for server, client in enumerate(self.distinct()):
                 with timeline.span("adapter load", "adapter", self.track, "adapter loads", version=version,

@@ -804,5 +804,15 @@ class TraceSource:
         pass
 
 
-__all__ = ["DROP_REASONS", "SCHEMA_FILE", "BadRecord", "Tokens", "Trace", "TraceFormat", "TraceSource", "check_record",
-           "line_id", "parse_trace"]
+__all__ = [
+    "DROP_REASONS",
+    "SCHEMA_FILE",
+    "BadRecord",
+    "Tokens",
+    "Trace",
+    "TraceFormat",
+    "TraceSource",
+    "check_record",
+    "line_id",
+    "parse_trace",
+]

@@ -630,8 +630,10 @@ def _no_prompt(row: Mapping[str, Any], where: str, name: str) -> str:
     chat = next((k for k, v in row.items() if isinstance(k, str) and isinstance(v, list | tuple) and v
                  and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in v)), None)  # fmt: skip
     hint = f"; or name the field that holds them: messages_field={chat!r}" if chat is not None else ""
-    return (f"{where}: no {name!r} field (the record has: {_listing(row)}); the prompt goes there, as text or as chat "
-            f"messages (a list of {{'role', 'content'}}){hint}")
+    return (
+        f"{where}: no {name!r} field (the record has: {_listing(row)}); the prompt goes there, as text or as chat "
+        f"messages (a list of {{'role', 'content'}}){hint}"
+    )
 
 
 # --- your reward and your environment --------------------------------------------------------------------

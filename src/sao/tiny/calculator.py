@@ -492,8 +492,9 @@ def train_calc_warm_start(settings: CalcWarmStart, out: Path, progress: bool = T
         reached = None  # the step at which the probe first reached the target
         start, cpu_start = time.time(), time.process_time()
         model.train()
-        bar = tqdm(total=settings.max_steps, desc="tiny-calc warm start", disable=not (progress and on_terminal()),
-                   leave=False)
+        bar = tqdm(
+            total=settings.max_steps, desc="tiny-calc warm start", disable=not (progress and on_terminal()), leave=False
+        )
         for step in range(settings.max_steps):
             if reached is not None and step >= reached + settings.decay_steps:
                 break

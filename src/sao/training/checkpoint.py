@@ -265,8 +265,10 @@ def settings_differ(saved: Any, record: dict[str, Any], limit: int = 6) -> str:
     if isinstance(old, dict) and isinstance(new, dict):
         for name in sorted(set(old) | set(new), key=lambda n: (n not in new, n)):
             if old.get(name, "(absent)") != new.get(name, "(absent)"):
-                shown = [json.dumps(v)[:40] if v != "(absent)" else v for v in (old.get(name, "(absent)"),
-                                                                               new.get(name, "(absent)"))]
+                shown = [
+                    json.dumps(v)[:40] if v != "(absent)" else v
+                    for v in (old.get(name, "(absent)"), new.get(name, "(absent)"))
+                ]
                 parts.append(f"--{name.replace('_', '-')} {shown[0]} then, {shown[1]} now")
     for key in sorted(set(before) | set(now)):
         if key != "config" and before.get(key) != now.get(key):

@@ -249,8 +249,12 @@ def value_model_steps(
         total = 0.0
         for start in range(own.start, own.stop, rows):
             part = slice(start, min(start + rows, own.stop))
-            values = models.values(rollout.prompt_ids[part], rollout.prompt_mask[part], rollout.response_ids[part],
-                                   rollout.response_mask[part])[actions[part]]  # [n] this part's action tokens
+            values = models.values(
+                rollout.prompt_ids[part],
+                rollout.prompt_mask[part],
+                rollout.response_ids[part],
+                rollout.response_mask[part],
+            )[actions[part]]  # [n] this part's action tokens
             loss = ((values - targets[part][actions[part]].float()) ** 2).sum() / n_tokens  # its share of the mean
             total += loss.item()
             loss.backward()  # even when not finite: under FSDP every rank runs every backward (a collective)

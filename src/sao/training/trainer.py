@@ -184,11 +184,14 @@ def _plain(value: Any, where: str) -> Any:
         return [_plain(v, where) for v in value]
     if isinstance(value, dict):
         if not all(isinstance(k, str) for k in value):
-            raise TypeError(f"{where} holds a dict with a key that is not a string; the step log (JSON) has string "
-                            "keys")
+            raise TypeError(
+                f"{where} holds a dict with a key that is not a string; the step log (JSON) has string keys"
+            )
         return {k: _plain(v, where) for k, v in value.items()}
-    raise TypeError(f"{where} is {preview(value)} ({type(value).__name__}), which the step log (JSON) cannot hold; "
-                    "return numbers, strings, booleans, None, or lists and dicts of them")
+    raise TypeError(
+        f"{where} is {preview(value)} ({type(value).__name__}), which the step log (JSON) cannot hold; "
+        "return numbers, strings, booleans, None, or lists and dicts of them"
+    )
 
 
 def pass_extras(hook: Any, got: Any) -> dict[str, Any]:
@@ -390,8 +393,10 @@ class Trainer:
         taken = [key for key in extras if key in head or key in tail]
         if taken:  # the log's own fields are never overwritten (a reader would trust a hook's number as sao's)
             hook = owners[taken[0]]
-            raise ValueError(f"hook {hook_label(hook)}: on_pass returned {', '.join(map(repr, taken))}, a field the "
-                             f"step's record holds itself; name it otherwise (e.g. {hook.name}_{taken[0]})")
+            raise ValueError(
+                f"hook {hook_label(hook)}: on_pass returned {', '.join(map(repr, taken))}, a field the "
+                f"step's record holds itself; name it otherwise (e.g. {hook.name}_{taken[0]})"
+            )
         return {**head, **extras, **tail}
 
     def rewards_of(self, task_ids: Sequence[str], rollout: Any) -> torch.Tensor:
@@ -645,8 +650,9 @@ class Trainer:
             "hooks": dict(zip(state_keys(self.hooks), (hook.state_dict() for hook in self.hooks), strict=True)),
         }
         if m.critic is not None:  # a value model: its trained tensors, and their optimizer
-            state["critic_opt"] = _layout(self.critic_params, self.critic_opt) if self.sharded else \
-                self.critic_opt.state_dict()
+            state["critic_opt"] = (
+                _layout(self.critic_params, self.critic_opt) if self.sharded else self.critic_opt.state_dict()
+            )
             if not self.sharded:
                 state["critic_model"] = {n: p.detach().cpu().clone() for n, p in self.critic_params.items()}
         if self.sharded:
