@@ -8,11 +8,9 @@
                    task ids name (``tasks``).
     PromptOrder    the seeded order every source reads the training prompts in.
     Episodes       what multi-turn drawing needs beyond the prompts (an environment per task, limits).
-    SamplerCopy    ``--sampler-dtype`` and ``--sampler-logit-noise``: the local sampler drawing from a copy of the model
-                   in another dtype (bfloat16 against a float32 trainer: the engine-mismatch regime), or with noise of
-                   a set size on its logits (mismatch by dose); the default draws with the policy itself.
-    draw_more      K more rollouts of given prompts by the sampler as it stands (the oracle baseline's draws beside
-                   every batch, and the oracle ceiling's snapshots: ``sao.training.oracle``).
+    SamplerCopy    ``--sampler-dtype``, ``--sampler-logit-noise``: the local sampler as a copy in another dtype (the
+                   engine-mismatch regime) or with noise of a set size on its logits (mismatch by dose).
+    draw_more      K more rollouts of given prompts by the sampler as it stands (``sao.training.oracle``'s draws).
 
 Step g's local batch is a pure function of (seed, g) and the adapters, so a run resumed from a checkpoint
 continues exactly as if it had never stopped. Under torchrun the local source runs on every process (``every_rank``)
