@@ -21,7 +21,7 @@ from sao.cli import main
 from sao.core.io import file_mode, folder_mode
 
 SRC = Path(sao.__file__).resolve().parents[1]  # the sao under test, for the processes a test starts
-SMALL = ["--preset", "tiny", "--batch-size", "8", "--critic-warmup", "1", "--max-new-tokens", "12", "--quiet"]
+SMALL = ["--preset", "tiny", "--batch-size", "8", "--critic-warmup", "1", "--quiet"]
 
 
 def _env() -> dict[str, str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.machinery
 import json
 import os
 import random
@@ -325,7 +326,12 @@ def test_bad_messages_name_the_line_and_field(tmp_path):
 
 
 def _fake_datasets(monkeypatch, load_dataset) -> None:
+    """``datasets`` replaced by ``load_dataset``, standing for a hub that answers (the id taken as cached)."""
+    from sao.core import hub
+
+    monkeypatch.setattr(hub, "cached", lambda repo_id, kind="model": True)
     module = types.ModuleType("datasets")
+    module.__spec__ = importlib.machinery.ModuleSpec("datasets", None)  # as an installed one has
     module.load_dataset = load_dataset
     monkeypatch.setitem(sys.modules, "datasets", module)
 

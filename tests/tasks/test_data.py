@@ -3,6 +3,7 @@ prompt formatting. No network: the hub is a fake module and the tokenizer is bui
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import sys
 import types
@@ -191,7 +192,12 @@ def _records(prefix: str, k: int) -> list[dict[str, str]]:
 
 
 def _fake_datasets(monkeypatch, load_dataset) -> None:
+    """``datasets`` replaced by ``load_dataset``, standing for a hub that answers (the id taken as cached)."""
+    from sao.core import hub
+
+    monkeypatch.setattr(hub, "cached", lambda repo_id, kind="model": True)
     module = types.ModuleType("datasets")
+    module.__spec__ = importlib.machinery.ModuleSpec("datasets", None)  # as an installed one has
     module.load_dataset = load_dataset
     monkeypatch.setitem(sys.modules, "datasets", module)
 

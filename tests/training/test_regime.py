@@ -156,4 +156,4 @@ def test_resuming_with_another_finetune_names_the_setting_and_another_process_co
     other = {"config": Config.load("tiny", shard="fsdp", finetune="full").to_dict(), "world_size": 2}
     with pytest.raises(ConfigError) as caught:
         checkpoint.claim(out, other, resume=True)
-    assert "started with other settings (--finetune 'lora' -> 'full')" in str(caught.value)
+    assert 'started with other settings (--finetune "lora" then, "full" now)' in str(caught.value)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import itertools
 import math
@@ -441,13 +442,11 @@ def _open_file(path: Path) -> _Table:
 
 def _open_hub(hub_id: str) -> tuple[_Table, _Table]:
     fix = f"no local file or directory {hub_id!r} exists either; pass --data FILE (.jsonl, .parquet) or a directory"
+    if importlib.util.find_spec("datasets") is None:  # local first: then the hub
+        raise DataError(f"loading {hub_id!r} from the hub needs the 'datasets' package (pip install 'sao[hub]'); {fix}")
     check_reachable(hub_id, kind="dataset", fix=fix)  # offline or no hub: one line now, not the client's retries
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(
-            f"loading {hub_id!r} from the hub needs the 'datasets' package (pip install 'sao[hub]'); {fix}"
-        ) from None
+    import datasets
+
     try:
         dataset = datasets.load_dataset(hub_id)
     except Exception as e:  # network, missing dataset, auth, config required: all one user-facing line

@@ -231,8 +231,11 @@ class RunDir:
 NOT_COMPARED_ON_RESUME = ("track", "follow", "follow_timeout", "skip_bad_traces", "log_every", "timeline_steps",
                           "otel_endpoint")  # fmt: skip
 # Parts of the run record a resume may change: the number of training processes (a step is the single-process step
-# on the whole batch whatever the count; a sharded checkpoint is read back on any count).
-RECORD_NOT_COMPARED_ON_RESUME = ("world_size",)
+# on the whole batch whatever the count; a sharded checkpoint is read back on any count), the hooks passed in (they
+# watch the step, as --track does; a hook's state is restored only where the hook is passed again) and whether the
+# run can be replayed, which follows from the rest.
+RECORD_NOT_COMPARED_ON_RESUME = ("world_size", "replayable", "not_replayable")
+PASSED_NOT_COMPARED_ON_RESUME = ("hooks",)
 
 
 def _comparable(value: Any) -> Any:
@@ -240,6 +243,10 @@ def _comparable(value: Any) -> Any:
     value = as_json(value)
     if isinstance(value, dict):
         value = {k: v for k, v in value.items() if k not in RECORD_NOT_COMPARED_ON_RESUME}
+        if isinstance(value.get("passed"), dict):
+            value["passed"] = {k: v for k, v in value["passed"].items() if k not in PASSED_NOT_COMPARED_ON_RESUME}
+            if not value["passed"]:
+                del value["passed"]
     if isinstance(value, dict) and isinstance(value.get("config"), dict):
         with contextlib.suppress(ConfigError):
             value["config"] = Config.load(**recorded(flatten(value["config"]))).flat()

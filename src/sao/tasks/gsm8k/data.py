@@ -13,6 +13,7 @@ Design notes: docs/design/gsm8k-data.md.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import random
@@ -188,13 +189,13 @@ def _load_hub(hub_id: str, *, explicit: bool = False) -> tuple[list[Task], list[
     fix = "pass a local directory with --data DIR (train.jsonl and test.jsonl)"
     if explicit:  # the user typed an owner/name that is not a local directory either: say so
         fix = f"no local directory {hub_id!r} exists either; {fix}"
-    check_reachable(hub_id, kind="dataset", fix=fix)  # offline or no hub: one line now, not the client's retries
-    try:
-        import datasets
-    except ImportError:
+    if importlib.util.find_spec("datasets") is None:  # local first: then the hub
         raise DataError(
             f"loading {hub_id} from the hub needs the 'datasets' package (pip install 'sao[hub]'); or {fix}"
-        ) from None
+        )
+    check_reachable(hub_id, kind="dataset", fix=fix)  # offline or no hub: one line now, not the client's retries
+    import datasets
+
     try:
         dataset = datasets.load_dataset(hub_id, HUB_CONFIG)
     except Exception as e:  # network, missing dataset, auth, cache: all become one user-facing line
