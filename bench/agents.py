@@ -51,8 +51,12 @@ class SleepyCalc:
         self.turn += 1
         out = self.inner.step(action)
         if out["done"] and self.turn < len(self.sleeps):
-            return {"observations": [{"role": "user", "content": "again?"}], "reward": 0.0, "done": False,
-                    "metadata": out.get("metadata", {})}  # fmt: skip
+            return {
+                "observations": [{"role": "user", "content": "again?"}],
+                "reward": 0.0,
+                "done": False,
+                "metadata": out.get("metadata", {}),
+            }
         return out
 
     def close(self):
@@ -61,20 +65,34 @@ class SleepyCalc:
 
 def sleeps_for(seed: int, rows: int, turns: int, max_sleep: float) -> list[list[float]]:
     """[rows][turns] seconds, uniform in [0, max_sleep), a function of (seed, row, turn)."""
-    return [[random.Random(derived_seed(seed, i, t, "sleep")).uniform(0, max_sleep) for t in range(turns)]
-            for i in range(rows)]  # fmt: skip
+    return [
+        [random.Random(derived_seed(seed, i, t, "sleep")).uniform(0, max_sleep) for t in range(turns)]
+        for i in range(rows)
+    ]
 
 
-def draw(model, tokenizer, tasks, sleeps, concurrency: int, seed: int, turns: int,
-         rejoin: str = "row") -> tuple[float, object]:  # fmt: skip
+def draw(
+    model, tokenizer, tasks, sleeps, concurrency: int, seed: int, turns: int, rejoin: str = "row"
+) -> tuple[float, object]:
     envs = [SleepyCalc(task, s) for task, s in zip(tasks, sleeps, strict=True)]
     prompts = [build_messages(t.question, calculator.TINY_CALC_INSTRUCTION) for t in tasks]
     started = time.perf_counter()
     rollout = draw_episodes(
-        PlainDecoder(model), tokenizer, envs, prompts, max_new_tokens=24, max_turns=turns, max_total_tokens=256,
-        temperature=1.0, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
-        generator=torch.Generator().manual_seed(seed), env_concurrency=concurrency, rejoin=rejoin, close=True,
-    )  # fmt: skip
+        PlainDecoder(model),
+        tokenizer,
+        envs,
+        prompts,
+        max_new_tokens=24,
+        max_turns=turns,
+        max_total_tokens=256,
+        temperature=1.0,
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        generator=torch.Generator().manual_seed(seed),
+        env_concurrency=concurrency,
+        rejoin=rejoin,
+        close=True,
+    )
     return time.perf_counter() - started, rollout
 
 
@@ -134,13 +152,21 @@ def main() -> int:
     turn_s, _ = draw(model, tokenizer, tasks, sleeps, args.concurrency, args.seed, args.turns, "turn")
     made = _made(sleeps, concurrent)
     figures = {
-        "threads": args.threads, "batch": args.batch, "turns": args.turns, "max_sleep": args.max_sleep,
-        "concurrency": args.concurrency, "synchronous_s": synchronous_s, "concurrent_s": concurrent_s, "turn_s": turn_s,
-        "no_sleep_s": no_sleep_s, "slowest_row_s": max(sum(s) for s in made),
+        "threads": args.threads,
+        "batch": args.batch,
+        "turns": args.turns,
+        "max_sleep": args.max_sleep,
+        "concurrency": args.concurrency,
+        "synchronous_s": synchronous_s,
+        "concurrent_s": concurrent_s,
+        "turn_s": turn_s,
+        "no_sleep_s": no_sleep_s,
+        "slowest_row_s": max(sum(s) for s in made),
         "all_calls_s": sum(sum(s) for s in _made(sleeps, synchronous)),
         "turn_max_sum_s": sum(max((s[t] for s in made if t < len(s)), default=0.0) for t in range(args.turns)),
-        "calls_per_row": _spread(concurrent), "calls_per_row_sync": _spread(synchronous),
-    }  # fmt: skip
+        "calls_per_row": _spread(concurrent),
+        "calls_per_row_sync": _spread(synchronous),
+    }
     figures["bench_seconds"] = time.perf_counter() - bench_started
     text = table(figures)
     print("\n" + text + "\n")

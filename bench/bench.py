@@ -52,10 +52,19 @@ def qwen_1p5b_config():
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
-    )  # fmt: skip
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
 
 
 def build(tiny: bool, device: torch.device):
@@ -116,13 +125,23 @@ def hf_generate(policy, ids, mask, new_tokens: int, seed: int):
     """HF ``generate`` as a user would call it, the sampler's log-probs read off ``scores``."""
     torch.manual_seed(seed)
     out = policy.generate(
-        input_ids=ids, attention_mask=mask.long(), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, output_scores=True, return_dict_in_generate=True,
+        input_ids=ids,
+        attention_mask=mask.long(),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        output_scores=True,
+        return_dict_in_generate=True,
         pad_token_id=0,
-    )  # fmt: skip
+    )
     tokens = out.sequences[:, ids.shape[1] :]
-    logp = torch.stack([torch.log_softmax(s.float(), -1).gather(-1, tokens[:, i, None]).squeeze(-1)
-                        for i, s in enumerate(out.scores)], dim=1)  # fmt: skip
+    logp = torch.stack(
+        [torch.log_softmax(s.float(), -1).gather(-1, tokens[:, i, None]).squeeze(-1) for i, s in enumerate(out.scores)],
+        dim=1,
+    )
     return tokens, logp
 
 
@@ -130,10 +149,11 @@ def lag0_gap(policy, ids, mask, tokens, logp, micro: int) -> dict[str, float]:
     response_mask = torch.ones_like(tokens, dtype=torch.bool)
     with torch.no_grad():
         parts = [
-            teacher_forced(policy, ids[s : s + micro], mask[s : s + micro], tokens[s : s + micro],
-                           response_mask[s : s + micro]).logprobs
+            teacher_forced(
+                policy, ids[s : s + micro], mask[s : s + micro], tokens[s : s + micro], response_mask[s : s + micro]
+            ).logprobs
             for s in range(0, len(ids), micro)
-        ]  # fmt: skip
+        ]
     gap = (torch.cat(parts) - logp).abs().flatten().float()
     return {"mean": float(gap.mean()), "p99": float(torch.quantile(gap[:1_000_000], 0.99)), "max": float(gap.max())}
 
@@ -336,26 +356,34 @@ def table(f: dict) -> str:
     gpu = f["device"] != "cpu"
     threads = f"; torch threads {f['threads']}" if f.get("threads") else ""
     model = "tiny preset" if f["tiny"] else "Qwen2.5-1.5B shape, random weights, bf16"
-    add(f"device: {f['device']}{threads}; model: {model}"
-          f" ({f['parameters'] / 1e6:.1f}M parameters); bench took {f['bench_seconds']:.0f}s")  # fmt: skip
+    add(
+        f"device: {f['device']}{threads}; model: {model}"
+        f" ({f['parameters'] / 1e6:.1f}M parameters); bench took {f['bench_seconds']:.0f}s"
+    )
     add("")
     add("| what | plain HF + PEFT | HF generate | sao | speed-up | floor |")
     add("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in f["decode"]:
         hf = _f(r.get("hf_generate_tok_s"), ".0f")
         floor = f"{_f(r['floor_ms_per_step'], '.2f')} ms" if gpu else "—"
-        add(f"| decode batch {r['batch']}, tokens/s | {r['plain_tok_s']:.0f} | {hf} | {r['sao_tok_s']:.0f} | "
-              f"{r['sao_tok_s'] / r['plain_tok_s']:.1f}x | — |")  # fmt: skip
+        add(
+            f"| decode batch {r['batch']}, tokens/s | {r['plain_tok_s']:.0f} | {hf} | {r['sao_tok_s']:.0f} | "
+            f"{r['sao_tok_s'] / r['plain_tok_s']:.1f}x | — |"
+        )
         hf_ms = _f(r.get("hf_generate_ms_per_step"), ".2f")
-        add(f"| decode batch {r['batch']}, ms/step | {r['plain_ms_per_step']:.2f} | {hf_ms} | "
-              f"{r['sao_ms_per_step']:.2f} | | {floor} |")  # fmt: skip
+        add(
+            f"| decode batch {r['batch']}, ms/step | {r['plain_ms_per_step']:.2f} | {hf_ms} | "
+            f"{r['sao_ms_per_step']:.2f} | | {floor} |"
+        )
         if gpu and r["floor_ms_per_step"]:
             share = r["floor_ms_per_step"] / r["sao_ms_per_step"]
             add(f"| decode batch {r['batch']}, share of floor | | | {share:.1%} | | |")
         if "sao_compiled_tok_s" in r:
-            add(f"| decode batch {r['batch']}, sao with compile_elementwise, tokens/s (ms/step) | | | "
-                  f"{r['sao_compiled_tok_s']:.0f} ({r['sao_compiled_ms_per_step']:.2f}) | "
-                  f"{r['sao_compiled_tok_s'] / r['sao_tok_s']:.2f}x of sao | |")  # fmt: skip
+            add(
+                f"| decode batch {r['batch']}, sao with compile_elementwise, tokens/s (ms/step) | | | "
+                f"{r['sao_compiled_tok_s']:.0f} ({r['sao_compiled_ms_per_step']:.2f}) | "
+                f"{r['sao_compiled_tok_s'] / r['sao_tok_s']:.2f}x of sao | |"
+            )
     lag = f["lag0"]
     fmt = lambda d: f"{d['mean']:.3g} / {d['p99']:.3g} / {d['max']:.3g}"  # noqa: E731
     hf_lag = fmt(lag["hf_generate"]) if "hf_generate" in lag else "—"
@@ -363,17 +391,21 @@ def table(f: dict) -> str:
     t = f["train"]
     plain, sao = t["plain"], t["sao"]
     how = f"micro-batch {sao['micro_batch']}" + (", checkpointed" if sao.get("checkpointing") else "")
-    add(f"| train step, s | {plain['seconds']:.3f} (micro-batch {plain['micro_batch']}) | | "
-          f"{sao['seconds']:.3f} ({how}) | {plain['seconds'] / sao['seconds']:.2f}x | "
-          f"{_f(t['floor_s'], '.3f')}{' s' if t['floor_s'] else ''} |")  # fmt: skip
+    add(
+        f"| train step, s | {plain['seconds']:.3f} (micro-batch {plain['micro_batch']}) | | "
+        f"{sao['seconds']:.3f} ({how}) | {plain['seconds'] / sao['seconds']:.2f}x | "
+        f"{_f(t['floor_s'], '.3f')}{' s' if t['floor_s'] else ''} |"
+    )
     if gpu:
         add(f"| train step peak memory, GiB | {_f(t['plain']['peak_gib'])} | | {_f(t['sao']['peak_gib'])} | | |")
     for c in t.get("sao_candidates", []):
         how = f"micro-batch {c['micro_batch']}" + (", checkpointed" if c["checkpointing"] else "")
         add(f"| sao train step, {how} | | | {c['seconds']:.3f} s, {_f(c['peak_gib'])} GiB | | |")
     p = f["protocol"]
-    add(f"| full protocol projected, min | {p['plain']['total_s'] / 60:.1f} | | {p['sao']['total_s'] / 60:.1f} | "
-          f"{p['plain']['total_s'] / p['sao']['total_s']:.1f}x | |")  # fmt: skip
+    add(
+        f"| full protocol projected, min | {p['plain']['total_s'] / 60:.1f} | | {p['sao']['total_s'] / 60:.1f} | "
+        f"{p['plain']['total_s'] / p['sao']['total_s']:.1f}x | |"
+    )
     return "\n".join(lines)
 
 

@@ -60,21 +60,29 @@ def main(argv: list[str] | None = None) -> int:
                     out = Path(scratch) / f"{env}-{bias_lr}-{seed}"
                     figures = one_run(None if env == "tiny" else env, seed, bias_lr, out, args.steps)
                     rows.append((env, name, seed, figures))
-                    print(f"{env:9} {name:16} seed {seed}: EV end of warmup {figures['ev_end_of_warmup']:+.3f}, "
-                          f"last 10 {figures['ev_last_10']:+.3f}, reward last 10 {figures['reward_last_10']:.3f}",
-                          flush=True)  # fmt: skip
-    lines = ["| model | critic | seed | EV, end of warmup | EV, last 10 steps | reward, last 10 steps |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+                    print(
+                        f"{env:9} {name:16} seed {seed}: EV end of warmup {figures['ev_end_of_warmup']:+.3f}, "
+                        f"last 10 {figures['ev_last_10']:+.3f}, reward last 10 {figures['reward_last_10']:.3f}",
+                        flush=True,
+                    )
+    lines = [
+        "| model | critic | seed | EV, end of warmup | EV, last 10 steps | reward, last 10 steps |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
     for env, name, seed, f in rows:
-        lines.append(f"| {env} | {name} | {seed} | {f['ev_end_of_warmup']:+.3f} | {f['ev_last_10']:+.3f} | "
-                     f"{f['reward_last_10']:.3f} |")  # fmt: skip
+        lines.append(
+            f"| {env} | {name} | {seed} | {f['ev_end_of_warmup']:+.3f} | {f['ev_last_10']:+.3f} | "
+            f"{f['reward_last_10']:.3f} |"
+        )
     for env in args.envs:
         for name in SETTINGS:
             cell = [f for e, n, _, f in rows if e == env and n == name]
             above = sum(f["ev_last_10"] > 0 for f in cell)
-            lines.append(f"| {env} | {name} | mean | {statistics.mean(f['ev_end_of_warmup'] for f in cell):+.3f} | "
-                         f"{statistics.mean(f['ev_last_10'] for f in cell):+.3f} ({above}/{len(cell)} > 0) | "
-                         f"{statistics.mean(f['reward_last_10'] for f in cell):.3f} |")  # fmt: skip
+            lines.append(
+                f"| {env} | {name} | mean | {statistics.mean(f['ev_end_of_warmup'] for f in cell):+.3f} | "
+                f"{statistics.mean(f['ev_last_10'] for f in cell):+.3f} ({above}/{len(cell)} > 0) | "
+                f"{statistics.mean(f['reward_last_10'] for f in cell):.3f} |"
+            )
     table = "\n".join(lines)
     print(table)
     if args.record:

@@ -34,9 +34,15 @@ CONTEXT_GIB = 3  # the CUDA context, NCCL buffers and allocator slack: a budget,
 
 # Qwen/Qwen2.5-7B-Instruct's config.json (the fields the sizes need): 7,615,616,512 parameters.
 QWEN25_7B = {
-    "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-    "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
-}  # fmt: skip
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+}
 
 
 def parameters(config: dict) -> dict[str, int]:
@@ -65,23 +71,42 @@ def plan(config: dict, *, nodes: int, gpus_per_node: int, gpu_gib: float) -> dic
     per_token_checkpointed = CHECKPOINTED_BYTES_PER_HIDDEN * h * n  # + one layer's worth, recomputed in the backward
     gathered = 2 * (p["embeddings"] + p["output"] + h + 2 * p["layer"])
     rows = []
-    for finetune, state in (("full", {"weights": 4 * P, "gradients": 4 * P, "adamw": 8 * P}),
-                            ("lora", {"weights": 2 * P, "gradients": 0, "adamw": 0})):  # fmt: skip
+    for finetune, state in (
+        ("full", {"weights": 4 * P, "gradients": 4 * P, "adamw": 8 * P}),
+        ("lora", {"weights": 2 * P, "gradients": 0, "adamw": 0}),
+    ):
         for shard, divide, extra in (("ddp", 1, 0), ("fsdp2", ranks, gathered)):
             sharded = {k: v / divide for k, v in state.items()}
             held = sum(sharded.values()) + extra
             room = (gpu_gib - CONTEXT_GIB) * GIB - held
             tokens = max(0, int(room // per_token))
             checkpointed = max(0, int(room // (per_token_checkpointed + ACTIVATION_BYTES_PER_HIDDEN * h)))
-            rows.append({"finetune": finetune, "shard": shard, **sharded, "gathered": extra, "held": held,
-                         "tokens": tokens, "tokens_checkpointed": checkpointed})  # fmt: skip
+            rows.append(
+                {
+                    "finetune": finetune,
+                    "shard": shard,
+                    **sharded,
+                    "gathered": extra,
+                    "held": held,
+                    "tokens": tokens,
+                    "tokens_checkpointed": checkpointed,
+                }
+            )
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or h // heads
     kv_per_token = 2 * n * kv_heads * head_dim * 2
     kv_tokens = max(0, int((VLLM_MEMORY_SHARE * gpu_gib * GIB - 2 * P) // kv_per_token))
-    return {"parameters": p, "ranks": ranks, "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_gib": gpu_gib,
-            "rows": rows, "activation_per_token": per_token, "publish_bytes": 2 * P,
-            "vllm": {"weights": 2 * P, "kv_per_token": kv_per_token, "kv_tokens": kv_tokens}}  # fmt: skip
+    return {
+        "parameters": p,
+        "ranks": ranks,
+        "nodes": nodes,
+        "gpus_per_node": gpus_per_node,
+        "gpu_gib": gpu_gib,
+        "rows": rows,
+        "activation_per_token": per_token,
+        "publish_bytes": 2 * P,
+        "vllm": {"weights": 2 * P, "kv_per_token": kv_per_token, "kv_tokens": kv_tokens},
+    }
 
 
 def render(result: dict) -> str:

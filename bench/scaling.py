@@ -59,8 +59,9 @@ def worker_start(model_dir: str, repeats: int = 3) -> dict:
     runs = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for _ in range(repeats):
-        done = subprocess.run([sys.executable, "-c", STARTUP, model_dir], env=env, capture_output=True, text=True,
-                              timeout=600, check=True)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", STARTUP, model_dir], env=env, capture_output=True, text=True, timeout=600, check=True
+        )
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     return {k: statistics.median(r[k] for r in runs) if k != "scipy_from_sao" else runs[0][k] for k in runs[0]}
 
@@ -72,8 +73,9 @@ def ray_row(workers: int, K: int, steps: int, batch: int) -> dict:
     from sao.training.trainer import Trainer
 
     torch.set_num_threads(1)  # the trainer's own thread; each worker gets --worker-cpus 1 = one thread
-    config = Config.load("tiny", rollout="ray", batch_size=batch, steps=steps, critic_warmup=1,
-                           rollout_workers=workers, max_staleness=K)  # fmt: skip
+    config = Config.load(
+        "tiny", rollout="ray", batch_size=batch, steps=steps, critic_warmup=1, rollout_workers=workers, max_staleness=K
+    )
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(config, Path(out) / "run", progress=False)
         records = trainer.run()
@@ -82,22 +84,47 @@ def ray_row(workers: int, K: int, steps: int, batch: int) -> dict:
     seconds = sum(r["time"] for r in steady)
     staleness = [int(s) for r in steady for s, n in r["staleness_hist"].items() for _ in range(n)]
     return {
-        "workers": workers, "K": K, "batch": batch, "steps": len(records),
+        "workers": workers,
+        "K": K,
+        "batch": batch,
+        "steps": len(records),
         "trajectories_per_s": batch * len(steady) / seconds,
-        "waited_s": sum(r["waited_s"] for r in steady), "waited_steps": sum(r["waited_for"] > 0 for r in steady),
-        "drawn": source.counts["received"], "admitted": source.counts["admitted"],
-        "dropped": source.counts["dropped_stale"], "staleness_mean": statistics.fmean(staleness),
-        "staleness_max": max(staleness), "worker_start_s": max(source.start_times),
-    }  # fmt: skip
+        "waited_s": sum(r["waited_s"] for r in steady),
+        "waited_steps": sum(r["waited_for"] > 0 for r in steady),
+        "drawn": source.counts["received"],
+        "admitted": source.counts["admitted"],
+        "dropped": source.counts["dropped_stale"],
+        "staleness_mean": statistics.fmean(staleness),
+        "staleness_max": max(staleness),
+        "worker_start_s": max(source.start_times),
+    }
 
 
 def torchrun_row(processes: int, steps: int, batch: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # one torch thread per process
     sao = Path(sys.executable).parent / "sao"
     with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
-                   str(sao), "train", "--preset", "tiny", "--batch-size", str(batch), "--steps", str(steps),
-                   "--critic-warmup", "1", "--quiet", "--out", str(Path(out) / "run")]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(processes),
+            str(sao),
+            "train",
+            "--preset",
+            "tiny",
+            "--batch-size",
+            str(batch),
+            "--steps",
+            str(steps),
+            "--critic-warmup",
+            "1",
+            "--quiet",
+            "--out",
+            str(Path(out) / "run"),
+        ]
         started = time.perf_counter()
         subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200, check=True)
         wall = time.perf_counter() - started
@@ -105,11 +132,17 @@ def torchrun_row(processes: int, steps: int, batch: int) -> dict:
     steady = records[1:]
     step_s = statistics.fmean(r["time"] for r in steady)
     return {
-        "processes": processes, "threads": int(env["OMP_NUM_THREADS"]), "batch": batch, "steps": len(records),
-        "step_s": step_s, "trajectories_per_s": batch / step_s,
-        "sample_share": statistics.fmean(r["time_sample"] for r in steady) / step_s, "wall_s": wall,
-        "world_size": records[-1]["world_size"], "reward_last": records[-1]["reward_mean"],
-    }  # fmt: skip
+        "processes": processes,
+        "threads": int(env["OMP_NUM_THREADS"]),
+        "batch": batch,
+        "steps": len(records),
+        "step_s": step_s,
+        "trajectories_per_s": batch / step_s,
+        "sample_share": statistics.fmean(r["time_sample"] for r in steady) / step_s,
+        "wall_s": wall,
+        "world_size": records[-1]["world_size"],
+        "reward_last": records[-1]["reward_mean"],
+    }
 
 
 def table(f: dict) -> str:
@@ -127,8 +160,11 @@ def table(f: dict) -> str:
             f"{r['waited_s']:.1f}, {r['waited_steps']}/{r['steps'] - 1} | {r['drawn']} / {r['admitted']} / "
             f"{r['dropped']} | {r['staleness_mean']:.2f}, {r['staleness_max']} | {r['worker_start_s']:.1f} |"
         )
-    lines += ["", "| torchrun processes × threads | batch | step, s | trajectories/s | drawing share of a step |",
-              "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines += [
+        "",
+        "| torchrun processes × threads | batch | step, s | trajectories/s | drawing share of a step |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for r in f["torchrun"]:
         lines.append(
             f"| {r['processes']} × {r['threads']} | {r['batch']} | {r['step_s']:.3f} | {r['trajectories_per_s']:.0f} | "

@@ -105,8 +105,13 @@ def run(
         answer = task["answer"]
         if wrong_while_serving is not None and served_version(url, timeout) == wrong_while_serving:
             answer = str(int(answer) + 1000)  # no reply of the tiny model says this
-        body: dict[str, Any] = {"model": "sao-tiny", "messages": task["messages"], "logprobs": True,
-                                "metadata": {"answer": answer}, "seed": seed * 1_000_003 + sent}  # fmt: skip
+        body: dict[str, Any] = {
+            "model": "sao-tiny",
+            "messages": task["messages"],
+            "logprobs": True,
+            "metadata": {"answer": answer},
+            "seed": seed * 1_000_003 + sent,
+        }
         if temperature is not None:
             body["temperature"] = temperature
         sent += 1
@@ -200,8 +205,9 @@ def run_agents(
     if urllib.parse.urlsplit(url).hostname not in LOOPBACK:
         raise SystemExit(f"serve_client: {url} is not a loopback address; this client only talks to this machine")
     agent_log, tasks = AgentLog(log), calc_tasks(seed)
-    request = _Sender(url.rstrip("/") + "/v1/chat/completions", time.monotonic() + max_seconds, timeout, max_errors,
-                      retry_wait)  # fmt: skip
+    request = _Sender(
+        url.rstrip("/") + "/v1/chat/completions", time.monotonic() + max_seconds, timeout, max_errors, retry_wait
+    )
     counts: Counter[str] = Counter()
     versions: Counter[str] = Counter()
     rewards: list[float] = []
@@ -244,9 +250,15 @@ def run_agents(
             messages = [*messages, {"role": "assistant", "content": text}, *result["observations"]]
         if served == wrong_while_serving or (wrong_from is not None and served is not None and served >= wrong_from):
             turn_rewards = [0.0] * len(turn_rewards)
-        record = {"id": f"agent-{seed}-{i}", "policy_version": segments[0]["policy_version"], "temperature": 1.0,
-                  "prompt_token_ids": prompt, "segments": segments, "turn_rewards": turn_rewards,
-                  "finish_reason": finish}  # fmt: skip
+        record = {
+            "id": f"agent-{seed}-{i}",
+            "policy_version": segments[0]["policy_version"],
+            "temperature": 1.0,
+            "prompt_token_ids": prompt,
+            "segments": segments,
+            "turn_rewards": turn_rewards,
+            "finish_reason": finish,
+        }
         agent_log.append(record)
         with lock:
             counts["logged"] += 1
@@ -314,10 +326,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.count < 1 or args.max_seconds <= 0 or args.timeout <= 0 or args.every < 1:
         parser.error("--count, --max-seconds, --timeout and --every must be positive")
-    result = run(args.url, count=args.count, max_seconds=args.max_seconds, timeout=args.timeout, seed=args.seed,
-                 every=args.every, temperature=args.temperature)  # fmt: skip
-    print(f"sent {result['sent']}, answered {result['ok']}, failed {result['failed']}, mean reward "
-          f"{result['reward_mean']:.3f}, replies by adapter version {result['versions']}")  # fmt: skip
+    result = run(
+        args.url,
+        count=args.count,
+        max_seconds=args.max_seconds,
+        timeout=args.timeout,
+        seed=args.seed,
+        every=args.every,
+        temperature=args.temperature,
+    )
+    print(
+        f"sent {result['sent']}, answered {result['ok']}, failed {result['failed']}, mean reward "
+        f"{result['reward_mean']:.3f}, replies by adapter version {result['versions']}"
+    )
     return 0 if result["ok"] else 1
 
 

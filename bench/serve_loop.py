@@ -119,9 +119,25 @@ class Loop:
 
     def server(self) -> subprocess.Popen:
         upstream = ["--upstream", self.vllm.url] if self.vllm is not None else []
-        proc = self.start("serve", [*SAO, "serve", "--preset", "tiny", "--port", str(self.port), "--traces",
-                                    str(self.log), "--watch", str(self.run), "--threads", "1", *self.agent_model(),
-                                    *upstream])  # fmt: skip
+        proc = self.start(
+            "serve",
+            [
+                *SAO,
+                "serve",
+                "--preset",
+                "tiny",
+                "--port",
+                str(self.port),
+                "--traces",
+                str(self.log),
+                "--watch",
+                str(self.run),
+                "--threads",
+                "1",
+                *self.agent_model(),
+                *upstream,
+            ],
+        )
         wait_for(lambda: healthy(self.url) or proc.poll() is not None, 120, "the server's start")
         if proc.poll() is not None:
             raise SystemExit(f"serve_loop: sao serve exited with {proc.returncode}; see {self.out / 'serve.out'}")
@@ -135,17 +151,44 @@ class Loop:
         a = self.args
         gated = a.gate_margin is not None  # with a gate, --env: the agent's model, and held-aside tasks as episodes
         env = ["--env", "tiny-calc"] if a.agent and gated else self.agent_model()
-        argv = [*SAO, "train", "--preset", "tiny", *env, "--traces", str(self.train_log), "--follow",
-                "--follow-timeout",
-                str(a.follow_timeout), "--out", str(self.run), "--batch-size", str(a.batch_size), "--steps",
-                str(a.steps), "--critic-warmup", str(a.critic_warmup), "--max-staleness", str(a.max_staleness),
-                "--threads", "1", "--quiet"]  # fmt: skip
+        argv = [
+            *SAO,
+            "train",
+            "--preset",
+            "tiny",
+            *env,
+            "--traces",
+            str(self.train_log),
+            "--follow",
+            "--follow-timeout",
+            str(a.follow_timeout),
+            "--out",
+            str(self.run),
+            "--batch-size",
+            str(a.batch_size),
+            "--steps",
+            str(a.steps),
+            "--critic-warmup",
+            str(a.critic_warmup),
+            "--max-staleness",
+            str(a.max_staleness),
+            "--threads",
+            "1",
+            "--quiet",
+        ]
         if a.gate_margin is not None:
-            argv += ["--gate", "held-out", "--gate-margin", str(a.gate_margin), "--gate-alpha", str(a.gate_alpha),
-                     "--gate-tasks", str(a.gate_tasks)]  # fmt: skip
+            argv += [
+                "--gate",
+                "held-out",
+                "--gate-margin",
+                str(a.gate_margin),
+                "--gate-alpha",
+                str(a.gate_alpha),
+                "--gate-tasks",
+                str(a.gate_tasks),
+            ]
         if a.break_versions or a.break_after is not None or a.clone_served is not None:  # the saboteur beside the gate
-            plan = json.dumps({"versions": versions(a.break_versions), "after": a.break_after,
-                               "clone": a.clone_served})  # fmt: skip
+            plan = json.dumps({"versions": versions(a.break_versions), "after": a.break_after, "clone": a.clone_served})
             argv = [sys.executable, __file__, "--trainer-child", plan, "--", *argv[len(SAO) :]]
         return self.start("train", [*argv, "--resume"] if resume else argv)
 
@@ -170,16 +213,35 @@ class Loop:
 
         a = self.args
         if a.agent:
-            result = run_agents(self.url, self.train_log, count=count, max_seconds=a.max_seconds, seed=seed,
-                                concurrency=a.agent_concurrency, tool_seconds=a.tool_seconds, max_errors=120,
-                                wrong_while_serving=a.regress_version, wrong_from=a.regress_from,
-                                say=self.say)  # fmt: skip
+            result = run_agents(
+                self.url,
+                self.train_log,
+                count=count,
+                max_seconds=a.max_seconds,
+                seed=seed,
+                concurrency=a.agent_concurrency,
+                tool_seconds=a.tool_seconds,
+                max_errors=120,
+                wrong_while_serving=a.regress_version,
+                wrong_from=a.regress_from,
+                say=self.say,
+            )
             self.spanning += result.get("spanning", 0)
             return {"ok": result.get("logged", 0)}
-        result = run(self.url, count=count, max_seconds=self.args.max_seconds, seed=seed, every=self.args.every,
-                     retry_wait=0.5, max_errors=120, wrong_while_serving=self.args.regress_version)  # fmt: skip
-        self.say(f"client: sent {result['sent']}, answered {result['ok']}, failed {result['failed']}, mean reward "
-                 f"{result['reward_mean']:.3f}, by adapter version {result['versions']}")  # fmt: skip
+        result = run(
+            self.url,
+            count=count,
+            max_seconds=self.args.max_seconds,
+            seed=seed,
+            every=self.args.every,
+            retry_wait=0.5,
+            max_errors=120,
+            wrong_while_serving=self.args.regress_version,
+        )
+        self.say(
+            f"client: sent {result['sent']}, answered {result['ok']}, failed {result['failed']}, mean reward "
+            f"{result['reward_mean']:.3f}, by adapter version {result['versions']}"
+        )
         return result
 
     def main(self) -> dict[str, Any]:
@@ -239,9 +301,16 @@ class Loop:
         started = time.monotonic()
         agent = self.args.agent  # the calculator agent's model, or the arithmetic one
         model = calculator.ensure_calc_model(progress=False) if agent else arithmetic.ensure_model(progress=False)
-        server = VllmServer(model, python=python, max_model_len=256, max_lora_rank=16,
-                            max_loras=4, seed=0, log_path=self.out / "vllm.log",
-                            env={"VLLM_CACHE_ROOT": str(self.out / "vllm-cache")})  # fmt: skip
+        server = VllmServer(
+            model,
+            python=python,
+            max_model_len=256,
+            max_lora_rank=16,
+            max_loras=4,
+            seed=0,
+            log_path=self.out / "vllm.log",
+            env={"VLLM_CACHE_ROOT": str(self.out / "vllm-cache")},
+        )
         server.start()
         self.say(f"vLLM up in {time.monotonic() - started:.0f} s")
         return server
@@ -257,10 +326,15 @@ class Loop:
         steps = [json.loads(line) for line in (self.run / "train_log.jsonl").read_text().splitlines() if line.strip()]
         policy = [s for s in steps if s["phase"] == "policy"]
         k = max(1, min(10, len(policy) // 3))
-        accounted = (summary["traces_used"] + summary["traces_dropped"] + summary["traces_usable_unused"]
-                     + summary["traces_waiting_for_feedback"])  # fmt: skip
-        drops = {k_.removeprefix("traces_dropped_"): v for k_, v in summary.items()
-                 if k_.startswith("traces_dropped_") and v}  # fmt: skip
+        accounted = (
+            summary["traces_used"]
+            + summary["traces_dropped"]
+            + summary["traces_usable_unused"]
+            + summary["traces_waiting_for_feedback"]
+        )
+        drops = {
+            k_.removeprefix("traces_dropped_"): v for k_, v in summary.items() if k_.startswith("traces_dropped_") and v
+        }
         result = {
             "seconds": round(seconds, 1),
             "replies_answered": answered,
@@ -288,24 +362,35 @@ class Loop:
         }
         result["nothing_lost"] = len(trajectories) >= answered and accounted == len(trajectories)
         result["nothing_used_twice"] = result["duplicate_ids_in_log"] == 0 and summary["traces_used"] <= len(ids)
-        gate = [json.loads(line) for line in (self.run / "gate.jsonl").read_text().splitlines()] if (
-            self.run / "gate.jsonl").exists() else []  # fmt: skip
+        gate = (
+            [json.loads(line) for line in (self.run / "gate.jsonl").read_text().splitlines()]
+            if (self.run / "gate.jsonl").exists()
+            else []
+        )
         result["gate"] = gate
         (self.out / "loop.json").write_text(json.dumps(result, indent=1) + "\n")
         r = result
-        print(f"trace log: {r['trajectories_logged']} trajectories for {r['replies_answered']} answered replies "
-              f"(no duplicate ids: {r['duplicate_ids_in_log'] == 0})")  # fmt: skip
-        print(f"trainer: used {r['used']} + dropped {r['dropped']} {r['dropped_by_reason']} + usable unused "
-              f"{r['usable_unused']} + waiting {r['waiting_for_feedback']} = {accounted} "
-              f"(lines logged {r['trajectories_logged']})")  # fmt: skip
+        print(
+            f"trace log: {r['trajectories_logged']} trajectories for {r['replies_answered']} answered replies "
+            f"(no duplicate ids: {r['duplicate_ids_in_log'] == 0})"
+        )
+        print(
+            f"trainer: used {r['used']} + dropped {r['dropped']} {r['dropped_by_reason']} + usable unused "
+            f"{r['usable_unused']} + waiting {r['waiting_for_feedback']} = {accounted} "
+            f"(lines logged {r['trajectories_logged']})"
+        )
         print(f"staleness of the traces used: {r['staleness_of_used']}")
         if r["agent"]:
-            print(f"episodes whose actions several versions served: {r['spanning_episodes']}; action tokens by "
-                  f"staleness over the run: {r['token_staleness_hist']}")  # fmt: skip
+            print(
+                f"episodes whose actions several versions served: {r['spanning_episodes']}; action tokens by "
+                f"staleness over the run: {r['token_staleness_hist']}"
+            )
         print(f"traces by the adapter version that served them: {r['served_by_version']}")
         if policy:
-            print(f"reward over {len(policy)} policy steps: first {k} {r['reward_first']:.3f} -> last {k} "
-                  f"{r['reward_last']:.3f}  ({' '.join(f'{x:.2f}' for x in r['reward_by_step'])})")  # fmt: skip
+            print(
+                f"reward over {len(policy)} policy steps: first {k} {r['reward_first']:.3f} -> last {k} "
+                f"{r['reward_last']:.3f}  ({' '.join(f'{x:.2f}' for x in r['reward_by_step'])})"
+            )
         if gate:
             from sao.training.gate import describe
 
@@ -397,8 +482,11 @@ def trainer_child(plan: str, argv: list[str]) -> int:
         if version in listed:
             return True
         gate = next((h for h in trainer.hooks if h.name == "gate"), None)
-        return after is not None and gate is not None and any(
-            d["decision"] == "published" and d["version"] >= after for d in gate.decisions)  # fmt: skip
+        return (
+            after is not None
+            and gate is not None
+            and any(d["decision"] == "published" and d["version"] >= after for d in gate.decisions)
+        )
 
     class Saboteur(Hook):
         name = "saboteur"

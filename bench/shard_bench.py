@@ -51,10 +51,19 @@ def build_model(folder: Path, layers: int) -> int:
     from sao.tiny import arithmetic as tiny
 
     tokenizer = AutoTokenizer.from_pretrained(tiny.ensure_model(progress=False))
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=768, intermediate_size=2048, num_hidden_layers=layers,
-                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(folder)
@@ -83,8 +92,14 @@ def child(settings: dict) -> None:
 
     torch.set_num_threads(1)
     world = World.from_env("cpu")
-    config = Config(model=settings["model"], device="cpu", finetune=settings["finetune"], critic=settings["critic"],
-                    shard=settings["shard"], critic_warmup=0)  # fmt: skip
+    config = Config(
+        model=settings["model"],
+        device="cpu",
+        finetune=settings["finetune"],
+        critic=settings["critic"],
+        shard=settings["shard"],
+        critic_warmup=0,
+    )
     models = load_models(config, world)
     algorithm, t = SAO.of(config.algorithm), config.training
     B, P, R = 8, 32, 32
@@ -95,12 +110,19 @@ def child(settings: dict) -> None:
     prompt_mask, ones = torch.ones(B, P, dtype=torch.bool), torch.ones(B, R, dtype=torch.bool)
     own = world.shard(B)
     with torch.no_grad():  # the model's own log-probabilities: ratios near 1, a real gradient
-        mine = models.call(teacher_forced, models.policy, prompt_ids[own], prompt_mask[own], response_ids[own],
-                           ones[own]).logprobs  # fmt: skip
+        mine = models.call(
+            teacher_forced, models.policy, prompt_ids[own], prompt_mask[own], response_ids[own], ones[own]
+        ).logprobs
         sampler_logprobs = world.gather_rows(mine)
-    rollout = Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-                      response_mask=ones, action_mask=ones, sampler_logprobs=sampler_logprobs,
-                      cut=torch.zeros(B, dtype=torch.bool))  # fmt: skip
+    rollout = Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=ones,
+        action_mask=ones,
+        sampler_logprobs=sampler_logprobs,
+        cut=torch.zeros(B, dtype=torch.bool),
+    )
     rewards = torch.rand(B, generator=g).round()
     params = list(models.trainable().values())
     critic_params = models.critic_trainable()
@@ -112,20 +134,42 @@ def child(settings: dict) -> None:
     for step in range(settings["warmup"] + settings["steps"]):
         world.barrier()
         started = time.perf_counter()
-        result = policy_gradient_pass(models, algorithm, rollout, rewards, rows=B // world.size,
-                                      with_policy_gradient=True, temperature=1.0, logprob_chunk=1024,
-                                      world=world)  # fmt: skip
+        result = policy_gradient_pass(
+            models,
+            algorithm,
+            rollout,
+            rewards,
+            rows=B // world.size,
+            with_policy_gradient=True,
+            temperature=1.0,
+            logprob_chunk=1024,
+            world=world,
+        )
         if step == 0:  # the trained parameters' gradients, this process's part (the critic's have its shapes)
             figures["gradients_bytes"] = local_bytes(p.grad for p in params) + local_bytes(critic_params.values())
         if not models.sharded:
             world.sum_gradients(params)
         apply_policy_step(policy_opt, params, t.grad_clip, result.finite)
         if models.critic is not None:
-            value_model_steps(models, critic_opt, rollout, result.update.value_targets, algorithm.critic_steps,
-                              rows=B // world.size, world=world)  # fmt: skip
+            value_model_steps(
+                models,
+                critic_opt,
+                rollout,
+                result.update.value_targets,
+                algorithm.critic_steps,
+                rows=B // world.size,
+                world=world,
+            )
         else:
-            critic_steps(models.value_head, critic_opt, result.forward.hidden, result.update.value_targets[own],
-                         rollout.action_mask[own], algorithm.critic_steps, world=world)  # fmt: skip
+            critic_steps(
+                models.value_head,
+                critic_opt,
+                result.forward.hidden,
+                result.update.value_targets[own],
+                rollout.action_mask[own],
+                algorithm.critic_steps,
+                world=world,
+            )
         world.barrier()
         if step >= settings["warmup"]:
             times.append(time.perf_counter() - started)
@@ -138,11 +182,26 @@ def child(settings: dict) -> None:
 
 
 def run_row(model: Path, finetune: str, critic: str, shard: str, steps: int, warmup: int) -> dict:
-    settings = {"model": str(model), "finetune": finetune, "critic": critic, "shard": shard, "steps": steps,
-                "warmup": warmup}  # fmt: skip
+    settings = {
+        "model": str(model),
+        "finetune": finetune,
+        "critic": critic,
+        "shard": shard,
+        "steps": steps,
+        "warmup": warmup,
+    }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-               "--child", json.dumps(settings)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        __file__,
+        "--child",
+        json.dumps(settings),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
     found = [line for line in done.stdout.splitlines() if line.startswith("FIGURES ")]
     if done.returncode != 0 or not found:
@@ -152,8 +211,11 @@ def run_row(model: Path, finetune: str, critic: str, shard: str, steps: int, war
 
 def table(rows: list[dict]) -> str:
     """The figures side by side: each FSDP2 row beside the DDP row of the same regime."""
-    lines = ["| regime | layout | parameters, MiB | gradients, MiB | optimizer, MiB | total per process, MiB | × DDP "
-             "| step, s | × DDP |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        "| regime | layout | parameters, MiB | gradients, MiB | optimizer, MiB | total per process, MiB | × DDP "
+        "| step, s | × DDP |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     ddp: dict[str, dict] = {}
     for row in rows:
         total = row["parameters_bytes"] + row["gradients_bytes"] + row["optimizer_bytes"]
@@ -162,23 +224,30 @@ def table(rows: list[dict]) -> str:
         mem = "" if base is row else f"{total / base['total_bytes']:.2f}"
         speed = "" if base is row else f"{row['step_s'] / base['step_s']:.2f}"
         layout = "DDP" if row["shard"] == "none" else "FSDP2"
-        lines.append(f"| {row['label']} | {layout} | {row['parameters_bytes'] / MIB:.1f} | "
-                     f"{row['gradients_bytes'] / MIB:.1f} | {row['optimizer_bytes'] / MIB:.1f} | {total / MIB:.1f} | "
-                     f"{mem} | {row['step_s']:.2f} | {speed} |")  # fmt: skip
+        lines.append(
+            f"| {row['label']} | {layout} | {row['parameters_bytes'] / MIB:.1f} | "
+            f"{row['gradients_bytes'] / MIB:.1f} | {row['optimizer_bytes'] / MIB:.1f} | {total / MIB:.1f} | "
+            f"{mem} | {row['step_s']:.2f} | {speed} |"
+        )
     full = {r["shard"]: r for r in rows if r["label"] == "full, critic head"}
     if len(full) == 2:
         memory = full["fsdp"]["total_bytes"] / full["none"]["total_bytes"]
         step = full["fsdp"]["step_s"] / full["none"]["step_s"]
-        lines += ["", f"targets (full weights, critic head, 2 processes): FSDP2's state per process {memory:.2f}× "
-                  f"DDP's (target ≤ 0.55: {'met' if memory <= 0.55 else 'not met'}); FSDP2's step {step:.2f}× DDP's "
-                  f"(target ≤ 1.5: {'met' if step <= 1.5 else 'not met'})"]  # fmt: skip
+        lines += [
+            "",
+            f"targets (full weights, critic head, 2 processes): FSDP2's state per process {memory:.2f}× "
+            f"DDP's (target ≤ 0.55: {'met' if memory <= 0.55 else 'not met'}); FSDP2's step {step:.2f}× DDP's "
+            f"(target ≤ 1.5: {'met' if step <= 1.5 else 'not met'})",
+        ]
     for shard, layout in (("none", "DDP"), ("fsdp", "FSDP2")):
         pair = {r["label"]: r for r in rows if r["shard"] == shard and r["label"].startswith("full")}
         if len(pair) == 2:
             head, model = pair["full, critic head"], pair["full, value model"]
             memory, step = model["total_bytes"] / head["total_bytes"], model["step_s"] / head["step_s"]
-            lines.append(f"the value model against the head ({layout}, full weights): state per process {memory:.2f}×, "
-                         f"step {step:.2f}×")  # fmt: skip
+            lines.append(
+                f"the value model against the head ({layout}, full weights): state per process {memory:.2f}×, "
+                f"step {step:.2f}×"
+            )
     return "\n".join(lines)
 
 
@@ -203,10 +272,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {label}, {shard}: {figures['step_s']:.2f} s a step", file=sys.stderr, flush=True)
     import torch
 
-    header = (f"machine: {os.cpu_count()} CPU cores, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
-              f"(1/5/15 min) at the start; torch {torch.__version__}; model: Qwen2-shaped, {count / 1e6:.1f}M "
-              f"parameters, random weights, float32; batch 8 (4 per process), 32 + 32 tokens; {args.steps} timed steps "
-              f"a row; bench took {time.perf_counter() - started:.0f}s")  # fmt: skip
+    header = (
+        f"machine: {os.cpu_count()} CPU cores, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
+        f"(1/5/15 min) at the start; torch {torch.__version__}; model: Qwen2-shaped, {count / 1e6:.1f}M "
+        f"parameters, random weights, float32; batch 8 (4 per process), 32 + 32 tokens; {args.steps} timed steps "
+        f"a row; bench took {time.perf_counter() - started:.0f}s"
+    )
     text = header + "\n\n" + table(rows)
     print(text)
     if args.record:

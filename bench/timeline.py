@@ -179,10 +179,13 @@ def main() -> int:
         laps, costs = measure(args.steps, Path(tmp) / "run")
     base = laps["none"]
     summary = {
-        c: {"median": statistics.median(v), "mean": statistics.fmean(v),
-            "paired": statistics.median(x / b - 1 for x, b in zip(v, base, strict=True))}
+        c: {
+            "median": statistics.median(v),
+            "mean": statistics.fmean(v),
+            "paired": statistics.median(x / b - 1 for x, b in zip(v, base, strict=True)),
+        }
         for c, v in laps.items()
-    }  # fmt: skip
+    }
     figures = {
         "steps": summary,
         "timers_s": timers_per_step(),

@@ -81,9 +81,17 @@ def decode_rows(server: VllmServer, model_dir: Path, repeat: int) -> dict[str, f
         return statistics.median(times)
 
     client = server.client()
-    vllm = timed(lambda i=0: complete_many(client, prompts, seeds=[i * BATCH + j for j in range(BATCH)],
-                                           max_concurrency=BATCH, model=str(model_dir), max_tokens=NEW_TOKENS,
-                                           ignore_eos=True))  # fmt: skip
+    vllm = timed(
+        lambda i=0: complete_many(
+            client,
+            prompts,
+            seeds=[i * BATCH + j for j in range(BATCH)],
+            max_concurrency=BATCH,
+            model=str(model_dir),
+            max_tokens=NEW_TOKENS,
+            ignore_eos=True,
+        )
+    )
     plain = timed(lambda i=0: draw(policy, ids, mask, **kw, generator=torch.Generator().manual_seed(i)))
     fast = timed(lambda i=0: engine.generate(ids, mask, **kw, generator=torch.Generator().manual_seed(i)))
     tokens = BATCH * NEW_TOKENS
@@ -108,13 +116,26 @@ def request_for(task: dict[str, Any], seed: int, model: str | None, tokenizer: A
     itself: the token-id completion the front sends upstream for that chat, so that the two rows differ by what
     the front adds (rendering, logging, grading), not by what is asked of vLLM."""
     if model is None:
-        return "/v1/chat/completions", {"messages": task["messages"], "max_tokens": NEW_TOKENS, "seed": seed,
-                                        "logprobs": True, "metadata": {"answer": task["answer"]}}  # fmt: skip
+        return "/v1/chat/completions", {
+            "messages": task["messages"],
+            "max_tokens": NEW_TOKENS,
+            "seed": seed,
+            "logprobs": True,
+            "metadata": {"answer": task["answer"]},
+        }
     text = tokenizer.apply_chat_template(task["messages"], add_generation_prompt=True, tokenize=False)
     prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "seed": seed,
-                               "temperature": 1.0, "top_p": 1.0, "top_k": 0, "logprobs": 0,
-                               "return_token_ids": True}  # fmt: skip
+    return "/v1/completions", {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": NEW_TOKENS,
+        "seed": seed,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
 
 
 def serve_rate(url: str, model: str | None, clients: int, requests: int, tokenizer: Any = None) -> dict[str, float]:
@@ -126,8 +147,9 @@ def serve_rate(url: str, model: str | None, clients: int, requests: int, tokeniz
 
     def one(i: int) -> None:
         path, body = bodies[i]
-        request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        request = urllib.request.Request(
+            url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         started = time.perf_counter()
         with urllib.request.urlopen(request, timeout=300) as response:
             json.loads(response.read())
@@ -162,8 +184,19 @@ class Front:
         if canned:
             command = [sys.executable, str(Path(__file__).resolve()), "--canned-front", str(port), str(traces)]
         else:
-            command = [sys.executable, "-m", "sao.cli", "serve", "--preset", "tiny", "--traces", str(traces),
-                       "--port", str(port), *(["--upstream", upstream] if upstream else [])]  # fmt: skip
+            command = [
+                sys.executable,
+                "-m",
+                "sao.cli",
+                "serve",
+                "--preset",
+                "tiny",
+                "--traces",
+                str(traces),
+                "--port",
+                str(port),
+                *(["--upstream", upstream] if upstream else []),
+            ]
         self.url = f"http://127.0.0.1:{port}"
         with open(scratch / f"{name}.log", "w") as log:  # the child keeps its own copy of the descriptor
             self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
@@ -195,9 +228,15 @@ def canned_front(port: int, traces: Path) -> None:
     reply = front.service.policy.tokenizer("#### 7", add_special_tokens=False)["input_ids"]
 
     def canned(prompt_ids, *, max_tokens, temperature, seed):
-        return Completion(prompt_token_ids=list(prompt_ids), completion_token_ids=list(reply),
-                          logprobs=[-0.1] * len(reply), text="#### 7", finish_reason="stop", policy_version=0,
-                          adapter="initial")  # fmt: skip
+        return Completion(
+            prompt_token_ids=list(prompt_ids),
+            completion_token_ids=list(reply),
+            logprobs=[-0.1] * len(reply),
+            text="#### 7",
+            finish_reason="stop",
+            policy_version=0,
+            adapter="initial",
+        )
 
     front.service.policy.generate = canned
     front.run()
@@ -272,14 +311,18 @@ def table(f: dict[str, Any]) -> str:
     if "decode" in f:
         d = f["decode"]
         what = f"decode batch {BATCH}, tokens/s (baseline: sao's plain loop; sao: its engine)"
-        lines.append(f"| {what} | {d['plain']:.0f} | {d['engine']:.0f} | {d['vllm']:.0f} | "
-                     f"{d['vllm'] / d['plain']:.2f}x |")  # fmt: skip
+        lines.append(
+            f"| {what} | {d['plain']:.0f} | {d['engine']:.0f} | {d['vllm']:.0f} | {d['vllm'] / d['plain']:.2f}x |"
+        )
     if "train" in f:
         t = f["train"]
-        lines.append(f"| train step, s (baseline: --rollout local) | {t['local']['step_s']:.3f} | | "
-                     f"{t['vllm']['step_s']:.3f} | {t['vllm']['step_s'] / t['local']['step_s']:.2f}x |")  # fmt: skip
-        lines.append(f"| of which waiting for the batch, s | {t['local']['sample_s']:.3f} | | "
-                     f"{t['vllm']['sample_s']:.3f} | |")  # fmt: skip
+        lines.append(
+            f"| train step, s (baseline: --rollout local) | {t['local']['step_s']:.3f} | | "
+            f"{t['vllm']['step_s']:.3f} | {t['vllm']['step_s'] / t['local']['step_s']:.2f}x |"
+        )
+        lines.append(
+            f"| of which waiting for the batch, s | {t['local']['sample_s']:.3f} | | {t['vllm']['sample_s']:.3f} | |"
+        )
     if "serve" not in f:
         return "\n".join(lines)
     s = f["serve"]
@@ -293,9 +336,11 @@ def table(f: dict[str, Any]) -> str:
         own, up, raw = (s[name][c] for name in ("sao serve", "sao serve --upstream", "vLLM"))
         cost = 1 - up["replies_s"] / raw["replies_s"]
         front_cpu = f"{up['front_cpu_ms']:.2f}" if "front_cpu_ms" in up else "—"
-        lines.append(f"| {c} | {own['replies_s']:.1f} | {up['replies_s']:.1f} | {raw['replies_s']:.1f} | "
-                     f"{100 * cost:+.0f}% | {own['p50_s']:.3f} / {up['p50_s']:.3f} / {raw['p50_s']:.3f} | "
-                     f"{front_cpu} |")  # fmt: skip
+        lines.append(
+            f"| {c} | {own['replies_s']:.1f} | {up['replies_s']:.1f} | {raw['replies_s']:.1f} | "
+            f"{100 * cost:+.0f}% | {own['p50_s']:.3f} / {up['p50_s']:.3f} / {raw['p50_s']:.3f} | "
+            f"{front_cpu} |"
+        )
     if "front_alone" in f:
         alone = ", ".join(f"{c} clients {f['front_alone'][c]['replies_s']:.0f}" for c in CLIENTS)
         cpu = [f["front_alone"][c].get("front_cpu_ms") for c in CLIENTS]
@@ -329,8 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch_name:
         scratch = args.work or Path(scratch_name)
         scratch.mkdir(parents=True, exist_ok=True)
-        server = VllmServer(model_dir, python=python, max_model_len=256, max_lora_rank=16, max_loras=4, seed=0,
-                            log_path=scratch / "vllm.log", env={"VLLM_CACHE_ROOT": str(scratch / "cache")})  # fmt: skip
+        server = VllmServer(
+            model_dir,
+            python=python,
+            max_model_len=256,
+            max_lora_rank=16,
+            max_loras=4,
+            seed=0,
+            log_path=scratch / "vllm.log",
+            env={"VLLM_CACHE_ROOT": str(scratch / "cache")},
+        )
         t0 = time.time()
         with server.start():
             print(f"vLLM up in {time.time() - t0:.0f}s at {server.url}", flush=True)

@@ -77,9 +77,17 @@ def tiny_vllm(tiny_model_dir, tmp_path_factory):
     if python is None:
         pytest.skip(".venv-vllm is absent: make install-vllm builds it")
     root = tmp_path_factory.mktemp("tiny-vllm")
-    server = VllmServer(tiny_model_dir, python=python, max_model_len=256, max_lora_rank=16, max_loras=4, seed=0,
-                        log_path=root / "server.log", env={"VLLM_CACHE_ROOT": str(root / "cache")},
-                        dev_mode=True)  # fmt: skip
+    server = VllmServer(
+        tiny_model_dir,
+        python=python,
+        max_model_len=256,
+        max_lora_rank=16,
+        max_loras=4,
+        seed=0,
+        log_path=root / "server.log",
+        env={"VLLM_CACHE_ROOT": str(root / "cache")},
+        dev_mode=True,
+    )
     server.start()
     yield server
     server.stop()

@@ -107,12 +107,22 @@ class FakeVllm:
             return 200, "Success"
         if path == "/v1/completions":
             if body["model"] != self.base and body["model"] not in self.adapters:
-                return 404, {"error": {"message": f"The model `{body['model']}` does not exist.",
-                                       "type": "NotFoundError", "code": 404}}  # fmt: skip
+                return 404, {
+                    "error": {
+                        "message": f"The model `{body['model']}` does not exist.",
+                        "type": "NotFoundError",
+                        "code": 404,
+                    }
+                }
             tokens = [7] * min(3, body["max_tokens"])
-            choice = {"index": 0, "text": "abc", "prompt_token_ids": body["prompt"], "token_ids": tokens,
-                      "logprobs": {"token_logprobs": [-0.5] * len(tokens)},
-                      "finish_reason": "length" if len(tokens) == body["max_tokens"] else "stop"}  # fmt: skip
+            choice = {
+                "index": 0,
+                "text": "abc",
+                "prompt_token_ids": body["prompt"],
+                "token_ids": tokens,
+                "logprobs": {"token_logprobs": [-0.5] * len(tokens)},
+                "finish_reason": "length" if len(tokens) == body["max_tokens"] else "stop",
+            }
             return 200, {"choices": [choice], "model": body["model"]}
         return 404, {"detail": "Not Found"}
 

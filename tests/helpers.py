@@ -85,10 +85,17 @@ def save_small_model(folder: Path) -> Path:
 
     tokenizer = tiny.build_tokenizer()
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -119,8 +126,16 @@ def reference_per_turn(values, rewards, action_mask, alpha):
     return adv, targets, lams
 
 
-def lm_eval_file(folder: Path, scores, *, task: str = "gsm8k", date: str = "2026-03-01T10-00-00.000000",
-                 metric: str = "exact_match", filters=("strict-match",), docs=None) -> Path:  # fmt: skip
+def lm_eval_file(
+    folder: Path,
+    scores,
+    *,
+    task: str = "gsm8k",
+    date: str = "2026-03-01T10-00-00.000000",
+    metric: str = "exact_match",
+    filters=("strict-match",),
+    docs=None,
+) -> Path:
     """One lm-eval run's samples file as lm-evaluation-harness's --log_samples writes it (samples_<task>_<date>.jsonl:
     a line per document and filter with doc_id, doc, target, arguments, resps, filtered_resps, filter, metrics, the
     hashes, and each metric's value): ``scores[j]`` is document j's value of ``metric`` under each filter."""
@@ -134,13 +149,22 @@ def lm_eval_file(folder: Path, scores, *, task: str = "gsm8k", date: str = "2026
             doc = (docs or {}).get(j, {"question": f"What is {j}+1?", "answer": str(j + 1)})
             text = json.dumps(doc, indent=2, ensure_ascii=False)
             prompt = f"Question: {doc['question']}\nAnswer:"
-            lines.append({"doc_id": j, "doc": doc, "target": doc["answer"],
-                          "arguments": {"gen_args_0": {"arg_0": prompt, "arg_1": {"until": ["Question:"]}}},
-                          "resps": [[f"#### {doc['answer']}"]], "filtered_resps": [doc["answer"]], "filter": name,
-                          "metrics": [metric], "doc_hash": hashlib.sha256(text.encode()).hexdigest(),
-                          "prompt_hash": hashlib.sha256(prompt.encode()).hexdigest(),
-                          "target_hash": hashlib.sha256(doc["answer"].encode()).hexdigest(),
-                          metric: value})  # fmt: skip
+            lines.append(
+                {
+                    "doc_id": j,
+                    "doc": doc,
+                    "target": doc["answer"],
+                    "arguments": {"gen_args_0": {"arg_0": prompt, "arg_1": {"until": ["Question:"]}}},
+                    "resps": [[f"#### {doc['answer']}"]],
+                    "filtered_resps": [doc["answer"]],
+                    "filter": name,
+                    "metrics": [metric],
+                    "doc_hash": hashlib.sha256(text.encode()).hexdigest(),
+                    "prompt_hash": hashlib.sha256(prompt.encode()).hexdigest(),
+                    "target_hash": hashlib.sha256(doc["answer"].encode()).hexdigest(),
+                    metric: value,
+                }
+            )
     path = folder / f"samples_{task}_{date}.jsonl"
     path.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
     return path

@@ -118,13 +118,28 @@ def _built(config: dict) -> int:
 def test_the_parameter_count_is_the_built_models(memory_plan, shape):
     config = {
         "qwen2.5-7b": memory_plan.QWEN25_7B,
-        "tied-qwen2": {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
-                       "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 259,
-                       "tie_word_embeddings": True},
-        "llama-with-head-dim": {"model_type": "llama", "hidden_size": 96, "intermediate_size": 160,
-                                "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                "head_dim": 32, "vocab_size": 300, "tie_word_embeddings": False},
-    }[shape]  # fmt: skip
+        "tied-qwen2": {
+            "model_type": "qwen2",
+            "hidden_size": 64,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "vocab_size": 259,
+            "tie_word_embeddings": True,
+        },
+        "llama-with-head-dim": {
+            "model_type": "llama",
+            "hidden_size": 96,
+            "intermediate_size": 160,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "vocab_size": 300,
+            "tie_word_embeddings": False,
+        },
+    }[shape]
     counted = memory_plan.parameters(config)
     assert counted["total"] == _built(config)
     if shape == "qwen2.5-7b":

@@ -80,8 +80,18 @@ def test_docs_link_to_files_that_exist(doc):
         assert (ROOT / "docs" / target).exists(), f"docs/{doc} links to {target}, which does not exist"
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/vllm.md", "docs/agents.md", "docs/traces-and-serving.md",
-                                 "docs/experiments.md", "docs/scale-out.md", "docs/timeline.md"])  # fmt: skip
+@pytest.mark.parametrize(
+    "doc",
+    [
+        "README.md",
+        "docs/vllm.md",
+        "docs/agents.md",
+        "docs/traces-and-serving.md",
+        "docs/experiments.md",
+        "docs/scale-out.md",
+        "docs/timeline.md",
+    ],
+)
 def test_every_sao_command_in_the_docs_parses_as_printed(doc):
     """Each ``sao ...`` line of a bash block is a command the CLI accepts: its command and every flag exist and
     take the values shown (running them is the recipe's and the tests' business)."""
@@ -107,8 +117,13 @@ def test_every_sao_command_in_the_docs_parses_as_printed(doc):
 
 LAUNCH = ROOT / "examples" / "launch"
 # What Slurm and the script itself set at run time, as they would look on a 3-node allocation.
-RUNTIME = {"SLURM_JOB_ID": "4242", "HEAD": "node1", "VLLM_URLS": "http://node3:8000,http://node3:8001",
-           "RESUME": "--resume", "RDZV_PORT": "29500"}  # fmt: skip
+RUNTIME = {
+    "SLURM_JOB_ID": "4242",
+    "HEAD": "node1",
+    "VLLM_URLS": "http://node3:8000,http://node3:8001",
+    "RESUME": "--resume",
+    "RDZV_PORT": "29500",
+}
 
 
 def _sao_argv(command: str) -> list[str]:
@@ -177,8 +192,15 @@ def test_the_rayjob_asks_for_the_shape_its_worker_groups_have_and_its_sao_comman
     args = launch.parser().parse_args(entrypoint[2:])
     sao_args = args.sao_args[1:] if args.sao_args[:1] == ["--"] else args.sao_args
     urls = launch.server_urls(["10.0.0.3"], args.gpus_per_node)
-    command = launch.trainer_command(nodes=args.trainer_nodes, gpus=args.gpus_per_node, head="10.0.0.1",
-                                     run_id="sao-1", model=args.model, urls=urls, sao_args=sao_args)  # fmt: skip
+    command = launch.trainer_command(
+        nodes=args.trainer_nodes,
+        gpus=args.gpus_per_node,
+        head="10.0.0.1",
+        run_id="sao-1",
+        model=args.model,
+        urls=urls,
+        sao_args=sao_args,
+    )
     _parses(_sao_argv(shlex.join(command)), "rayjob.yaml")
     assert command[command.index("--nnodes") + 1] == "2" and len(urls) == 8
 
@@ -189,8 +211,10 @@ def test_the_rayjob_asks_for_the_shape_its_worker_groups_have_and_its_sao_comman
         (container,) = group["template"]["spec"]["containers"]
         gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
         groups[resource] = (group["replicas"], group["minReplicas"], group["maxReplicas"], gpus)
-    assert groups == {launch.TRAINER: (args.trainer_nodes,) * 3 + (args.gpus_per_node,),
-                      launch.VLLM: (args.vllm_nodes,) * 3 + (args.gpus_per_node,)}  # fmt: skip
+    assert groups == {
+        launch.TRAINER: (args.trainer_nodes,) * 3 + (args.gpus_per_node,),
+        launch.VLLM: (args.vllm_nodes,) * 3 + (args.gpus_per_node,),
+    }
     pinned = re.search(r"^ray==(\S+)$", (ROOT / "constraints.txt").read_text(), flags=re.M)
     assert pinned and cluster["rayVersion"] == pinned.group(1), "rayVersion is the Ray sao installs"
 

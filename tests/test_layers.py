@@ -13,8 +13,20 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "sao"
-LAYERS = ("core", "algorithm", "model", "rollout", "tasks", "tiny", "training", "serve", "experiment", "integrations",
-          "api", "cli")  # fmt: skip
+LAYERS = (
+    "core",
+    "algorithm",
+    "model",
+    "rollout",
+    "tasks",
+    "tiny",
+    "training",
+    "serve",
+    "experiment",
+    "integrations",
+    "api",
+    "cli",
+)
 
 
 def module_name(path: Path) -> str:
@@ -64,8 +76,12 @@ def test_the_tests_mirror_the_layers():
         p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__")) and p.name != "fixtures"
     }
     assert folders <= set(LAYERS) - {"api"}, sorted(folders - set(LAYERS))
-    assert {p.name for p in tests.glob("test_*.py")} == {"test_layers.py", "test_docs.py", "test_bench.py",
-                                                          "test_minimal_example.py"}  # fmt: skip
+    assert {p.name for p in tests.glob("test_*.py")} == {
+        "test_layers.py",
+        "test_docs.py",
+        "test_bench.py",
+        "test_minimal_example.py",
+    }
 
 
 def test_no_module_imports_a_higher_layer():
@@ -162,6 +178,12 @@ def test_no_module_tests_a_source_by_name_outside_its_own():
         tree = ast.parse(path.read_text())
         named = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
         assert not named & kinds, f"{path.name} names {sorted(named & kinds)}"
-        sources_read = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "source"
-                        and isinstance(n.value, ast.Attribute) and n.value.attr == "rollout"]  # fmt: skip
+        sources_read = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute)
+            and n.attr == "source"
+            and isinstance(n.value, ast.Attribute)
+            and n.value.attr == "rollout"
+        ]
         assert not sources_read, f"{path.name} reads config.rollout.source"

@@ -28,12 +28,41 @@ TRAINER, VLLM = "sao_trainer", "sao_vllm"  # the custom resources the manifest's
 RDZV_PORT, VLLM_PORT = 29500, 8000
 
 
-def trainer_command(*, nodes: int, gpus: int, head: str, run_id: str, model: str, urls: list[str],
-                    sao_args: list[str], python: str = ".venv/bin/python") -> list[str]:  # fmt: skip
+def trainer_command(
+    *,
+    nodes: int,
+    gpus: int,
+    head: str,
+    run_id: str,
+    model: str,
+    urls: list[str],
+    sao_args: list[str],
+    python: str = ".venv/bin/python",
+) -> list[str]:
     """The command every trainer node runs: torchrun joining the others at ``head``, then ``sao train``."""
-    return [python, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(gpus),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head}:{RDZV_PORT}", "--rdzv-id", run_id,
-            "-m", "sao", "train", "--model", model, "--vllm-url", ",".join(urls), *sao_args]  # fmt: skip
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nodes),
+        "--nproc-per-node",
+        str(gpus),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{head}:{RDZV_PORT}",
+        "--rdzv-id",
+        run_id,
+        "-m",
+        "sao",
+        "train",
+        "--model",
+        model,
+        "--vllm-url",
+        ",".join(urls),
+        *sao_args,
+    ]
 
 
 def server_urls(ips: list[str], gpus: int) -> list[str]:
@@ -63,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     class VllmNode:
         def start(self, model: str) -> str:
             script = str(ROOT / "examples" / "launch" / "vllm_node.sh")
-            self.process = subprocess.Popen(["bash", script, model, str(gpus), str(VLLM_PORT)], cwd=ROOT,
-                                            start_new_session=True)  # fmt: skip
+            self.process = subprocess.Popen(
+                ["bash", script, model, str(gpus), str(VLLM_PORT)], cwd=ROOT, start_new_session=True
+            )
             return ray.util.get_node_ip_address()
 
         def stop(self) -> None:
@@ -96,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(10)
         ips = ray.get([t.ip.remote() for t in trainers])
         run_id = f"sao-{os.getpid()}-{int(time.time())}"
-        command = trainer_command(nodes=len(trainers), gpus=gpus, head=ips[0], run_id=run_id, model=args.model,
-                                  urls=urls, sao_args=sao_args)  # fmt: skip
+        command = trainer_command(
+            nodes=len(trainers), gpus=gpus, head=ips[0], run_id=run_id, model=args.model, urls=urls, sao_args=sao_args
+        )
         codes = ray.get([t.run.remote(command) for t in trainers])
         return max(codes)
     finally:

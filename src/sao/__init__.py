@@ -20,9 +20,16 @@ if TYPE_CHECKING:
     from sao.core.config import Config
     from sao.core.stats import Comparison, compare
 
-_WHERE = {"SAO": "sao.algorithm.update", "Update": "sao.algorithm.update", "Comparison": "sao.core.stats",
-          "compare": "sao.core.stats", "Config": "sao.core.config", "train": "sao.api", "evaluate": "sao.api",
-          "recipe": "sao.api"}  # fmt: skip
+_WHERE = {
+    "SAO": "sao.algorithm.update",
+    "Update": "sao.algorithm.update",
+    "Comparison": "sao.core.stats",
+    "compare": "sao.core.stats",
+    "Config": "sao.core.config",
+    "train": "sao.api",
+    "evaluate": "sao.api",
+    "recipe": "sao.api",
+}
 
 __all__ = ["SAO", "Comparison", "Config", "Update", "compare", "evaluate", "recipe", "train"]
 try:

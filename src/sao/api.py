@@ -40,15 +40,19 @@ def as_config(config: Config | Mapping[str, Any] | str | Path) -> Config:
         config = Config.load(file=config)
     elif isinstance(config, str):
         if config not in PRESETS:
-            raise ConfigError(f"config {config!r} is neither a preset ({', '.join(PRESETS.names())}) nor a settings "
-                              "file (.yaml, .yml, .json)")  # fmt: skip
+            raise ConfigError(
+                f"config {config!r} is neither a preset ({', '.join(PRESETS.names())}) nor a settings "
+                "file (.yaml, .yml, .json)"
+            )
         config = Config.load(config)
     elif isinstance(config, Mapping):
         values, _ = settings_of(dict(config), "config")
         config = Config.load(**values)
     elif not isinstance(config, Config):
-        raise TypeError(f"config must be a sao.Config, a mapping of settings, a preset's name or a settings file's "
-                        f"path, got {type(config).__name__}")  # fmt: skip
+        raise TypeError(
+            f"config must be a sao.Config, a mapping of settings, a preset's name or a settings file's "
+            f"path, got {type(config).__name__}"
+        )
     apply_threads(config)
     return config
 
@@ -96,8 +100,17 @@ def train(
 ):
     """Train one policy (critic warmup, then policy steps) into ``out_dir``; returns the finished ``Trainer``
     (``.records``, ``.models``, ``.warnings``; the adapter is in ``out_dir/adapter``)."""
-    built = trainer(config, out_dir, dataset=dataset, reward_fn=reward_fn, env_factory=env_factory, source=source,
-                    hooks=hooks, resume=resume, progress=progress)  # fmt: skip
+    built = trainer(
+        config,
+        out_dir,
+        dataset=dataset,
+        reward_fn=reward_fn,
+        env_factory=env_factory,
+        source=source,
+        hooks=hooks,
+        resume=resume,
+        progress=progress,
+    )
     built.run()
     return built
 
@@ -139,11 +152,25 @@ def evaluate(
     model, tokenizer = load_base(config.model.name, pick_device(config.model.device))
     if adapter is not None:
         model = load_adapter(model, adapter)
-    parts = setup.parts(config, tokenizer, tasks, reward_fn=reward_fn, env_factory=env_factory,
-                        eos_token_ids=eos_ids(tokenizer, model), context_length=context_length(model))  # fmt: skip
+    parts = setup.parts(
+        config,
+        tokenizer,
+        tasks,
+        reward_fn=reward_fn,
+        env_factory=env_factory,
+        eos_token_ids=eos_ids(tokenizer, model),
+        context_length=context_length(model),
+    )
     label = "adapter" if adapter is not None else "base"
-    return pass_at_1(model, tokenizer, tasks.test, label, seed=derived_seed(config.training.seed, "eval", seed),
-                     parts=parts, progress=progress)  # fmt: skip
+    return pass_at_1(
+        model,
+        tokenizer,
+        tasks.test,
+        label,
+        seed=derived_seed(config.training.seed, "eval", seed),
+        parts=parts,
+        progress=progress,
+    )
 
 
 def recipe(
@@ -162,6 +189,15 @@ def recipe(
     from sao.experiment.runner import Experiment, Grid
 
     config = as_config(config)
-    experiment = Experiment(config, Grid.recipe(config), out_dir, resume=resume, progress=progress, command=command,
-                            dataset=dataset, reward_fn=reward_fn, env_factory=env_factory)  # fmt: skip
+    experiment = Experiment(
+        config,
+        Grid.recipe(config),
+        out_dir,
+        resume=resume,
+        progress=progress,
+        command=command,
+        dataset=dataset,
+        reward_fn=reward_fn,
+        env_factory=env_factory,
+    )
     return experiment.run()

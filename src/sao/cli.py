@@ -185,11 +185,15 @@ def settings_reference() -> str:
     from sao.core.config import SECTIONS, sources
     from sao.core.settings import flag_of, help_of
 
-    lines = ["# Every setting", "", "Generated from the settings sections (`sao/core/config.py`, each source's in",
-             "`sao/rollout/registry.py`) by `make docs`; `sao COMMAND --help` shows the settings that command reads.",
-             "Flat name = the command-line flag (`--batch-size`) and the key in a flat settings file; a settings file",
-             "may also give them in sections (`training: {lr: 1e-3}`, a source's inside `rollout: {ray: {...}}`).",
-             ""]  # fmt: skip
+    lines = [
+        "# Every setting",
+        "",
+        "Generated from the settings sections (`sao/core/config.py`, each source's in",
+        "`sao/rollout/registry.py`) by `make docs`; `sao COMMAND --help` shows the settings that command reads.",
+        "Flat name = the command-line flag (`--batch-size`) and the key in a flat settings file; a settings file",
+        "may also give them in sections (`training: {lr: 1e-3}`, a source's inside `rollout: {ray: {...}}`).",
+        "",
+    ]
     tables = [(name, cls, "") for name, cls in SECTIONS.items()]
     at = [name for name, _, _ in tables].index("rollout") + 1
     own = [kind for kind in sources() if sources().get(kind).__module__.startswith("sao.")]  # not a plug-in's
@@ -231,8 +235,9 @@ def print_start(trainer: Any, config: Any) -> None:
     if not trainer.world.is_main:
         return
     c = config
-    print(f"sao train: {c.algorithm.correction} arm, seed {c.training.seed}, model {c.model.name}: "
-          f"{trainer.describe()}")  # fmt: skip
+    print(
+        f"sao train: {c.algorithm.correction} arm, seed {c.training.seed}, model {c.model.name}: {trainer.describe()}"
+    )
     record = trainer.run_dir.record
     counts = record.get("data") or {}
     print(f"  data {record.get('source')}" + (f": {_counts(counts)}" if counts else ""))
@@ -260,16 +265,19 @@ def summarize_traces(summary: dict[str, Any]) -> str:
     """One line on a trace log: used, dropped by reason, the staleness of what was used."""
     if not summary:
         return "  traces: none read"
-    dropped = ", ".join(f"{k.removeprefix('traces_dropped_')} {v}" for k, v in summary.items()
-                        if k.startswith("traces_dropped_") and v)  # fmt: skip
+    dropped = ", ".join(
+        f"{k.removeprefix('traces_dropped_')} {v}" for k, v in summary.items() if k.startswith("traces_dropped_") and v
+    )
     hist = " ".join(f"{s}:{n}" for s, n in summary["traces_staleness_hist"].items())
     unmatched = summary.get("traces_feedback_unmatched")
     foreign = ", ".join(f"{name} {n}" for name, n in (summary.get("traces_read_as") or {}).items())
-    return (f"  traces: used {summary['traces_used']}, dropped {summary['traces_dropped']}"
-            f"{f' ({dropped})' if dropped else ''}, waiting for feedback {summary['traces_waiting_for_feedback']}"
-            f"{f', feedback for unknown ids {unmatched}' if unmatched else ''}; "
-            f"staleness of those used {hist or '-'}"
-            f"{f'; lines in other formats: {foreign}' if foreign else ''}")  # fmt: skip
+    return (
+        f"  traces: used {summary['traces_used']}, dropped {summary['traces_dropped']}"
+        f"{f' ({dropped})' if dropped else ''}, waiting for feedback {summary['traces_waiting_for_feedback']}"
+        f"{f', feedback for unknown ids {unmatched}' if unmatched else ''}; "
+        f"staleness of those used {hist or '-'}"
+        f"{f'; lines in other formats: {foreign}' if foreign else ''}"
+    )
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -421,13 +429,21 @@ def _confirm(args: argparse.Namespace) -> int:
     if plan.power["warning"]:
         print(f"warning: {plan.power['warning']}", file=sys.stderr, flush=True)
     command = "sao " + shlex.join(a for a in args.argv if a != "--resume")
-    results = confirm.run(args.plan, args.out, resume=args.resume, progress=not args.quiet, command=command,
-                          accept_low_power=args.accept_low_power)  # fmt: skip
+    results = confirm.run(
+        args.plan,
+        args.out,
+        resume=args.resume,
+        progress=not args.quiet,
+        command=command,
+        accept_low_power=args.accept_low_power,
+    )
     block = results["confirmation"]
     for row in block["family"]:
         interval = f" [{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]" if row["ci_low"] is not None else ""
-        print(f"  {row['cell']} {row['comparison']}: delta {row['delta']:+.4f}{interval}, p {row['p_value']:.3g} "
-              f"({row['p_rule']}), adjusted {row['p_holm']:.3g}: {row.get('finding') or row['verdict']}")  # fmt: skip
+        print(
+            f"  {row['cell']} {row['comparison']}: delta {row['delta']:+.4f}{interval}, p {row['p_value']:.3g} "
+            f"({row['p_rule']}), adjusted {row['p_holm']:.3g}: {row.get('finding') or row['verdict']}"
+        )
     print(f"  primary: {block['outcome']} ({results['reason']})")
     for message in [*results["warnings"], *results["provenance"]["warnings"]]:
         print("  warning: " + message)
@@ -457,14 +473,26 @@ def _compare(args: argparse.Namespace) -> int:
 
     from sao.experiment import compare
 
-    found = compare.run(args.before, args.after, args.out, noise=args.noise, metric=args.metric, filter=args.filter,
-                        before_run=args.before_run, after_run=args.after_run, noise_run=args.noise_run,
-                        smallest_effect=args.smallest_effect,
-                        alpha=args.alpha, before_fixed=args.before_fixed,
-                        command="sao " + shlex.join(args.argv))  # fmt: skip
+    found = compare.run(
+        args.before,
+        args.after,
+        args.out,
+        noise=args.noise,
+        metric=args.metric,
+        filter=args.filter,
+        before_run=args.before_run,
+        after_run=args.after_run,
+        noise_run=args.noise_run,
+        smallest_effect=args.smallest_effect,
+        alpha=args.alpha,
+        before_fixed=args.before_fixed,
+        command="sao " + shlex.join(args.argv),
+    )
     before, after = found["sides"]["before"], found["sides"]["after"]
-    print(f"sao compare: {after['name']} ({len(after['runs'])} run(s)) against {before['name']} "
-          f"({len(before['runs'])}) on {found['tasks']} tasks, {found['pairing']}")  # fmt: skip
+    print(
+        f"sao compare: {after['name']} ({len(after['runs'])} run(s)) against {before['name']} "
+        f"({len(before['runs'])}) on {found['tasks']} tasks, {found['pairing']}"
+    )
     print(f"  mean score: before {_fmt_list(before['means'])}; after {_fmt_list(after['means'])}")
     for name, c in found["compare"].items():
         print(f"  {name} verdict: {c['reason']}")
@@ -484,8 +512,10 @@ def _export(args: argparse.Namespace) -> int:
             raise ConfigError(f"--base-model: {model_dir} holds every weight of a full fine-tuning run; leave it out")
         out = export_model(model_dir, args.merge)
         info = read_json(out / EXPORT_INFO)
-        print(f"sao export: wrote the model ({info['dtype']}, {info['parameters'] / 1e6:.2f}M parameters, every weight "
-              f"trained) and tokenizer to {out} from {model_dir}")  # fmt: skip
+        print(
+            f"sao export: wrote the model ({info['dtype']}, {info['parameters'] / 1e6:.2f}M parameters, every weight "
+            f"trained) and tokenizer to {out} from {model_dir}"
+        )
         return 0
     adapter_dir = find_adapter_dir(args.run)
     out = merge(adapter_dir, args.merge, base_model_path=args.base_model)
@@ -507,8 +537,16 @@ def _serve(args: argparse.Namespace) -> int:
     if config.rollout.traces is None:
         raise ConfigError("sao serve needs --traces LOG: the JSONL trace log every completion is appended to")
     s = config.serve
-    return serve(config, config.rollout.traces, host=s.host, host_given=args.host is not None, port=s.port,
-                 watch=s.watch, adapter=args.adapter, max_prompt_tokens=s.max_prompt_tokens)  # fmt: skip
+    return serve(
+        config,
+        config.rollout.traces,
+        host=s.host,
+        host_given=args.host is not None,
+        port=s.port,
+        watch=s.watch,
+        adapter=args.adapter,
+        max_prompt_tokens=s.max_prompt_tokens,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -516,11 +554,19 @@ def _serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sao", description=(__doc__ or "sao").splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--version", action=_Version, nargs=0, help="sao's version and commit, torch's and "
-                        "transformers', and the device it would run on")  # fmt: skip
-    parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
-                        help="how much sao's own log says on stderr (default warning; info adds the masking lines "
-                        "and notes that a progress bar would show)")  # fmt: skip
+    parser.add_argument(
+        "--version",
+        action=_Version,
+        nargs=0,
+        help="sao's version and commit, torch's and transformers', and the device it would run on",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("debug", "info", "warning", "error"),
+        help="how much sao's own log says on stderr (default warning; info adds the masking lines "
+        "and notes that a progress bar would show)",
+    )
     # allow_abbrev off: a flag's prefix (--lr) is never taken for another flag (--lrs, --lr-schedule)
     no_prefixes = functools.partial(argparse.ArgumentParser, allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=no_prefixes)
@@ -575,8 +621,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan", help="the plan: primary endpoint, family, arms, fresh seeds, exploratory runs cited")
     p.add_argument("--out", required=True, help="output folder (results.json with the plan, report.md, plots/)")
     p.add_argument("--resume", action="store_true", help="continue the confirmation in --out where it stopped")
-    p.add_argument("--accept-low-power", action="store_true", help="run a plan whose power for its δ is below 0.8 "
-                   "(refused otherwise, before anything trains: it would likely end without a verdict)")  # fmt: skip
+    p.add_argument(
+        "--accept-low-power",
+        action="store_true",
+        help="run a plan whose power for its δ is below 0.8 "
+        "(refused otherwise, before anything trains: it would likely end without a verdict)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_confirm)
 
@@ -589,28 +639,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_report)
 
     p = sub.add_parser("compare", help="sao's verdict on two arms' per-task scores from any tool (lm-eval, a CSV)")
-    p.add_argument("before", help="the baseline's scores: an lm-eval samples_*.jsonl file, a folder of them (one run "
-                   "per seed), or a CSV/JSONL table of run, seed, task, score rows")  # fmt: skip
+    p.add_argument(
+        "before",
+        help="the baseline's scores: an lm-eval samples_*.jsonl file, a folder of them (one run "
+        "per seed), or a CSV/JSONL table of run, seed, task, score rows",
+    )
     p.add_argument("after", help="the arm's scores, in the same form")
     p.add_argument("--out", required=True, help="output folder (results.json, report.md)")
-    p.add_argument("--noise", metavar="PATH", help="repeated evals of one model (2 or more runs, same form and tasks): "
-                   "the noise floor, as the recipe's base evals give it")  # fmt: skip
+    p.add_argument(
+        "--noise",
+        metavar="PATH",
+        help="repeated evals of one model (2 or more runs, same form and tasks): "
+        "the noise floor, as the recipe's base evals give it",
+    )
     p.add_argument("--metric", help="the lm-eval metric to compare (e.g. exact_match); needed when a file has several")
     p.add_argument("--filter", help="the lm-eval filter (e.g. strict-match); needed when a file has several")
     p.add_argument("--before-run", metavar="RUN", help="a table's run on the BEFORE side, when it holds several")
     p.add_argument("--after-run", metavar="RUN", help="a table's run on the AFTER side, when it holds several")
     p.add_argument("--noise-run", metavar="RUN", help="a table's run in --noise, when it holds several")
-    p.add_argument("--smallest-effect", type=float, metavar="DELTA", help="δ > 0, the smallest delta that matters, "
-                   "fixed before looking (default: the noise floor; without either nothing is flat)")  # fmt: skip
-    p.add_argument("--alpha", type=float, default=0.05, help="level of the test (default 0.05: a 95%% interval, and "
-                   "the 90%% interval of the equivalence test)")  # fmt: skip
-    p.add_argument("--before-fixed", action="store_true", help="BEFORE is one fixed model (a base checkpoint), not a "
-                   "training procedure: only AFTER needs seeds")  # fmt: skip
+    p.add_argument(
+        "--smallest-effect",
+        type=float,
+        metavar="DELTA",
+        help="δ > 0, the smallest delta that matters, "
+        "fixed before looking (default: the noise floor; without either nothing is flat)",
+    )
+    p.add_argument(
+        "--alpha",
+        type=float,
+        default=0.05,
+        help="level of the test (default 0.05: a 95%% interval, and the 90%% interval of the equivalence test)",
+    )
+    p.add_argument(
+        "--before-fixed",
+        action="store_true",
+        help="BEFORE is one fixed model (a base checkpoint), not a training procedure: only AFTER needs seeds",
+    )
     p.set_defaults(func=_compare)
 
     p = sub.add_parser("export", help="merge a trained adapter into its base model: a plain HF model folder")
-    p.add_argument("run", help="a sao train output folder (holding adapter/, or model/ after --finetune full), or an "
-                   "adapter folder itself")  # fmt: skip
+    p.add_argument(
+        "run",
+        help="a sao train output folder (holding adapter/, or model/ after --finetune full), or an "
+        "adapter folder itself",
+    )
     p.add_argument("--merge", required=True, metavar="OUT", help="new or empty folder for the merged model")
     p.add_argument(
         "--base-model", metavar="PATH", help="the base model's hub id or folder (default: the one the adapter names)"
@@ -618,8 +690,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_export)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible chat endpoint on the current adapter, logging traces")
-    p.add_argument("--adapter", metavar="DIR", help="serve this trained adapter: a sao train folder (its adapter/) or "
-                   "an adapter folder; default: the base model, or what --watch RUN publishes")  # fmt: skip
+    p.add_argument(
+        "--adapter",
+        metavar="DIR",
+        help="serve this trained adapter: a sao train folder (its adapter/) or "
+        "an adapter folder; default: the base model, or what --watch RUN publishes",
+    )
     _add_config_flags(p, "serve")
     p.set_defaults(func=_serve)
     return parser
@@ -649,10 +725,15 @@ def version_line() -> str:
     from sao.experiment.provenance import library_versions, sao_commit
 
     code, versions = sao_commit(), library_versions()
-    commit = "commit unknown (not a git checkout of sao)" if code["commit"] == "unknown" else (
-        f"commit {code['commit'][:12]}" + (", modified" if code["dirty"] else ""))  # fmt: skip
-    return (f"sao {sao.__version__} ({commit}), torch {versions['torch']}, transformers {versions['transformers']}, "
-            f"device {versions['device']}")  # fmt: skip
+    commit = (
+        "commit unknown (not a git checkout of sao)"
+        if code["commit"] == "unknown"
+        else (f"commit {code['commit'][:12]}" + (", modified" if code["dirty"] else ""))
+    )
+    return (
+        f"sao {sao.__version__} ({commit}), torch {versions['torch']}, transformers {versions['transformers']}, "
+        f"device {versions['device']}"
+    )
 
 
 def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:

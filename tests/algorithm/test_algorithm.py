@@ -174,9 +174,13 @@ def test_dis_masks_strictly_outside_the_open_band():
 def _ratios(rows: list[list[float]], mask: list[list[bool]] | None = None) -> dict[str, torch.Tensor]:
     """A batch whose trainer/sampler ratios are ``rows`` exactly where the action mask is True."""
     lp = torch.log(torch.tensor(rows, dtype=torch.float64))
-    return {"logprobs": lp, "sampler_logprobs": torch.zeros_like(lp), "values": torch.zeros_like(lp),
-            "rewards": torch.ones(lp.shape[0], dtype=torch.float64),
-            "action_mask": torch.ones_like(lp, dtype=torch.bool) if mask is None else torch.tensor(mask)}  # fmt: skip
+    return {
+        "logprobs": lp,
+        "sampler_logprobs": torch.zeros_like(lp),
+        "values": torch.zeros_like(lp),
+        "rewards": torch.ones(lp.shape[0], dtype=torch.float64),
+        "action_mask": torch.ones_like(lp, dtype=torch.bool) if mask is None else torch.tensor(mask),
+    }
 
 
 def test_the_effective_sample_size_of_hand_made_ratios():

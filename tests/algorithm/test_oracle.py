@@ -129,8 +129,13 @@ def test_a_fixed_lambda_replaces_lambda_of_l_and_one_is_the_return_minus_v():
     assert torch.equal(gae(values, rewards, mask, 1.5, fixed=None)[0], default)
     assert lam_l.tolist() == pytest.approx([1 - 1 / 4.5, 1 - 1 / 3.0])
     assert gae(values, rewards, mask, 1.5, fixed=0.5)[1].tolist() == [0.5, 0.5]
-    batch = {"logprobs": torch.zeros(2, 4), "sampler_logprobs": torch.zeros(2, 4), "values": values.float(),
-             "rewards": rewards.float(), "action_mask": mask}  # fmt: skip
+    batch = {
+        "logprobs": torch.zeros(2, 4),
+        "sampler_logprobs": torch.zeros(2, 4),
+        "values": values.float(),
+        "rewards": rewards.float(),
+        "action_mask": mask,
+    }
     assert SAO(gae_lambda=1.0).update(batch).stats["lambda_mean"] == 1.0
 
 

@@ -22,9 +22,15 @@ def _batch(B: int, T: int, *, seed: int = 7, step: int = 3) -> dict[str, torch.T
     staleness = torch.arange(B) % LEVELS  # [B]
     sampler = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3  # [B, T]
     drift = 0.25 * staleness[:, None].double() * torch.randn(B, T, generator=g, dtype=torch.float64)  # [B, T]
-    return {"logprobs": sampler + drift, "sampler_logprobs": sampler, "values": torch.zeros(B, T, dtype=torch.float64),
-            "rewards": torch.ones(B, dtype=torch.float64), "action_mask": torch.ones(B, T, dtype=torch.bool),
-            "staleness": staleness, "random_key": row_keys(seed, step, B)}  # fmt: skip
+    return {
+        "logprobs": sampler + drift,
+        "sampler_logprobs": sampler,
+        "values": torch.zeros(B, T, dtype=torch.float64),
+        "rewards": torch.ones(B, dtype=torch.float64),
+        "action_mask": torch.ones(B, T, dtype=torch.bool),
+        "staleness": staleness,
+        "random_key": row_keys(seed, step, B),
+    }
 
 
 def _dropped(update, batch) -> torch.Tensor:
@@ -62,16 +68,21 @@ def test_the_random_mask_does_not_move_when_the_log_probabilities_move_by_1e_7()
     batch = _batch(64, 32)
     rule = SAO(correction="random", random_mask_share=(0.0, 0.1, 0.2, 0.3))
     g = torch.Generator().manual_seed(5)
-    nudged = {**batch, "logprobs": batch["logprobs"] + 1e-7 * torch.randn(64, 32, generator=g, dtype=torch.float64),
-              "sampler_logprobs": batch["sampler_logprobs"] - 1e-7}  # fmt: skip
+    nudged = {
+        **batch,
+        "logprobs": batch["logprobs"] + 1e-7 * torch.randn(64, 32, generator=g, dtype=torch.float64),
+        "sampler_logprobs": batch["sampler_logprobs"] - 1e-7,
+    }
     assert torch.equal(_dropped(rule.update(batch), batch), _dropped(rule.update(nudged), nudged))
 
 
 def test_the_random_mask_differs_across_seeds_and_steps_and_keeps_its_rows_in_a_micro_batch():
     rule = SAO(correction="random", random_mask_share=0.3)
     base = _batch(64, 32)
-    masks = {key: _dropped(rule.update(b), b) for key, b in
-             {"base": base, "seed": _batch(64, 32, seed=8), "step": _batch(64, 32, step=4)}.items()}  # fmt: skip
+    masks = {
+        key: _dropped(rule.update(b), b)
+        for key, b in {"base": base, "seed": _batch(64, 32, seed=8), "step": _batch(64, 32, step=4)}.items()
+    }
     assert not torch.equal(masks["base"], masks["seed"]) and not torch.equal(masks["base"], masks["step"])
     n = float(base["action_mask"].sum())
     parts = (slice(0, 40), slice(40, 64))

@@ -15,8 +15,29 @@ def test_train_writes_a_complete_log_and_prints_a_summary(tiny_model_dir, tmp_pa
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    code = main(["train", "--preset", "tiny", "--steps", "3", "--critic-warmup", "2", "--batch-size", "16", "--lag",
-                 "1", "--ratio", "0.5", "3.0", "--quiet", "--track", "tensorboard", "--out", str(out)])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--preset",
+            "tiny",
+            "--steps",
+            "3",
+            "--critic-warmup",
+            "2",
+            "--batch-size",
+            "16",
+            "--lag",
+            "1",
+            "--ratio",
+            "0.5",
+            "3.0",
+            "--quiet",
+            "--track",
+            "tensorboard",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     text = capsys.readouterr().out
     assert "reward:" in text and "lag-0 batches" in text

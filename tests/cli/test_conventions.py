@@ -19,8 +19,9 @@ def _sao(args: list[str], cwd: Path, **env: str) -> tuple[subprocess.CompletedPr
     environ = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "HF_HOME": str(cwd / "hf"), **env}
     environ.pop("HF_HUB_CACHE", None)
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "sao.cli", *args], cwd=cwd, env=environ, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "sao.cli", *args], cwd=cwd, env=environ, capture_output=True, text=True, timeout=60
+    )
     return done, time.monotonic() - start
 
 
@@ -35,8 +36,9 @@ def _sao(args: list[str], cwd: Path, **env: str) -> tuple[subprocess.CompletedPr
 def test_a_hub_id_not_cached_here_fails_in_one_line_within_seconds(tmp_path, faults, env, needle):
     for key in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         env.setdefault(key, "")
-    done, seconds = _sao(["train", "--model", "nobody/no-such-model-7f3a", "--preset", "tiny", "--out", "run"],
-                         tmp_path, **env)  # fmt: skip
+    done, seconds = _sao(
+        ["train", "--model", "nobody/no-such-model-7f3a", "--preset", "tiny", "--out", "run"], tmp_path, **env
+    )
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert "'nobody/no-such-model-7f3a'" in lines[0] and needle in lines[0] and "--model" in lines[0]
@@ -60,9 +62,15 @@ def _fake_trainer(rank: int) -> object:
     from sao.training.distributed import World
 
     source = SimpleNamespace(max_staleness=2, summary=lambda: {})
-    return SimpleNamespace(world=World(size=2, rank=rank), describe=lambda: "4 steps", source=source,
-                           run_dir=SimpleNamespace(record={"source": "tiny", "data": {"train": 4}}), ended_early="",
-                           total_steps=4, warnings=["the reward never varied"])  # fmt: skip
+    return SimpleNamespace(
+        world=World(size=2, rank=rank),
+        describe=lambda: "4 steps",
+        source=source,
+        run_dir=SimpleNamespace(record={"source": "tiny", "data": {"train": 4}}),
+        ended_early="",
+        total_steps=4,
+        warnings=["the reward never varied"],
+    )
 
 
 @pytest.mark.parametrize("rank", [0, 1])

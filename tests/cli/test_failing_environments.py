@@ -64,15 +64,40 @@ CASES = {  # --env attribute: what the one line says of the first row's fault
 
 
 @pytest.mark.parametrize("attribute", list(CASES))
-def test_an_environment_that_fails_on_every_row_is_one_line_naming_it(tmp_path, capsys, user_module, attribute,
-                                                                     faults, tiny_model_dir):  # fmt: skip
+def test_an_environment_that_fails_on_every_row_is_one_line_naming_it(
+    tmp_path, capsys, user_module, attribute, faults, tiny_model_dir
+):
     module = user_module(ENVIRONMENTS)
     out = tmp_path / "run"
-    argv = ["train", "--preset", "tiny", "--batch-size", "4", "--steps", "1", "--critic-warmup", "1",
-            "--max-new-tokens", "8", "--env", f"{module}:{attribute}", "--env-timeout", "0.5", "--quiet",
-            "--out", str(out)]  # fmt: skip
-    refused_in_one_line(capsys, argv, out, f"environment {module}:{attribute}", "failed on all 4 trajectories",
-                        "before the model could act", CASES[attribute])  # fmt: skip
+    argv = [
+        "train",
+        "--preset",
+        "tiny",
+        "--batch-size",
+        "4",
+        "--steps",
+        "1",
+        "--critic-warmup",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--env",
+        f"{module}:{attribute}",
+        "--env-timeout",
+        "0.5",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
+    refused_in_one_line(
+        capsys,
+        argv,
+        out,
+        f"environment {module}:{attribute}",
+        "failed on all 4 trajectories",
+        "before the model could act",
+        CASES[attribute],
+    )
     faults.record("failing environments", f"--env whose {attribute} fails on every row")
 
 
@@ -90,13 +115,17 @@ class _Env:
         pass
 
 
-@pytest.mark.parametrize(("what", "factory", "needle"),
-                         [("an environment instance", _Env(), "is an environment (a _Env), not a factory"),
-                          ("an int", 5, "is 5 (int), not callable"),
-                          ("a function of one argument", lambda task_id: _Env(),
-                           "cannot be called as (task_id, fields)")])  # fmt: skip
-def test_a_factory_that_cannot_build_environments_is_a_type_error_before_anything(tmp_path, what, factory, needle,
-                                                                                 faults):  # fmt: skip
+@pytest.mark.parametrize(
+    ("what", "factory", "needle"),
+    [
+        ("an environment instance", _Env(), "is an environment (a _Env), not a factory"),
+        ("an int", 5, "is 5 (int), not callable"),
+        ("a function of one argument", lambda task_id: _Env(), "cannot be called as (task_id, fields)"),
+    ],
+)
+def test_a_factory_that_cannot_build_environments_is_a_type_error_before_anything(
+    tmp_path, what, factory, needle, faults
+):
     import sao
 
     out = tmp_path / "run"

@@ -22,8 +22,9 @@ def test_sao_eval_takes_eval_samples_and_the_old_spelling_with_a_notice(capsys, 
     assert main([*EVAL, "--samples", "1"]) == 0
     captured = capsys.readouterr()
     assert "x 1 samples" in captured.out
-    assert captured.err.strip().splitlines() == ["notice: --samples is now --eval-samples (same values); --samples "
-                                                 "still works"]  # fmt: skip
+    assert captured.err.strip().splitlines() == [
+        "notice: --samples is now --eval-samples (same values); --samples still works"
+    ]
     assert main([*EVAL, "--samples", "1", "--eval-samples", "2"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "sao eval: error: --samples and --eval-samples set the same setting; give one (--eval-samples)"
@@ -59,8 +60,10 @@ def run_dir(tiny_model_dir, tmp_path_factory):
 
 def test_sao_evaluate_of_a_run_folder_evaluates_its_adapter(run_dir, faults):
     settings = {"preset": "tiny", "train_prompts": 8, "test_prompts": 3, "eval_samples": 2}
-    rows = {"train": [{"prompt": f"What is {i}+1?", "answer": str(i + 1)} for i in range(8)],
-            "test": [{"prompt": f"What is {i}+2?", "answer": str(i + 2)} for i in range(3)]}  # fmt: skip
+    rows = {
+        "train": [{"prompt": f"What is {i}+1?", "answer": str(i + 1)} for i in range(8)],
+        "test": [{"prompt": f"What is {i}+2?", "answer": str(i + 2)} for i in range(3)],
+    }
     by_run = sao.evaluate(settings, run_dir, dataset=rows, progress=False)
     by_adapter = sao.evaluate(settings, adapter=run_dir / "adapter", dataset=rows, progress=False)
     base = sao.evaluate(settings, dataset=rows, progress=False)

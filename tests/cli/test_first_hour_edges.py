@@ -21,8 +21,22 @@ def test_a_resume_with_other_settings_names_them(tmp_path, capsys, faults):
     out = tmp_path / "run"
     out.mkdir()
     checkpoint.write_config(out, checkpoint.run_record(config, setup.task_set(config)))
-    argv = ["train", "--preset", "tiny", "--lr", "0.1", "--batch-size", "8", "--train-prompts", "16",
-            "--test-prompts", "4", "--resume", "--out", str(out)]  # fmt: skip
+    argv = [
+        "train",
+        "--preset",
+        "tiny",
+        "--lr",
+        "0.1",
+        "--batch-size",
+        "8",
+        "--train-prompts",
+        "16",
+        "--test-prompts",
+        "4",
+        "--resume",
+        "--out",
+        str(out),
+    ]
     line = refused_in_one_line(capsys, argv, out, "started with other settings", "--lr 0.001 then, 0.1 now")
     assert "--batch-size" not in line
     faults.record("first-hour edges", "--resume with another --lr")
@@ -32,8 +46,12 @@ def test_what_differs_counts_past_its_limit():
     from sao.training.checkpoint import settings_differ
 
     before = {"config": Config.load("tiny").to_dict()}
-    after = {"config": Config.load("tiny", lr=0.5, seed=3, steps=7, batch_size=5, gate_margin=0.2, critic_lr=0.3,
-                                   weight_decay=0.1).to_dict(), "passed": {"reward_fn": "m:f"}}  # fmt: skip
+    after = {
+        "config": Config.load(
+            "tiny", lr=0.5, seed=3, steps=7, batch_size=5, gate_margin=0.2, critic_lr=0.3, weight_decay=0.1
+        ).to_dict(),
+        "passed": {"reward_fn": "m:f"},
+    }
     text = settings_differ(before, after)
     assert text.count(" then, ") == 6 and text.endswith("and 2 more")
     assert settings_differ(before, before) == "nothing that can be named"
@@ -47,8 +65,9 @@ def test_what_differs_counts_past_its_limit():
         (["report", "x", "--plots"], "usage: sao report", "sao report --help lists its flags"),
     ],
 )
-def test_an_unknown_flag_gets_the_commands_usage_and_a_did_you_mean(tmp_path, capsys, monkeypatch, faults, argv,
-                                                                    usage, hint):  # fmt: skip
+def test_an_unknown_flag_gets_the_commands_usage_and_a_did_you_mean(
+    tmp_path, capsys, monkeypatch, faults, argv, usage, hint
+):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stop:
         main(argv)

@@ -27,8 +27,21 @@ from sao.cli import main
 from sao.core.errors import DataError
 from sao.core.timeline import TIMING_FIELDS
 
-SMALL = ["--preset", "tiny", "--batch-size", "8", "--steps", "2", "--critic-warmup", "1", "--train-prompts", "32",
-         "--test-prompts", "8", "--quiet"]  # fmt: skip
+SMALL = [
+    "--preset",
+    "tiny",
+    "--batch-size",
+    "8",
+    "--steps",
+    "2",
+    "--critic-warmup",
+    "1",
+    "--train-prompts",
+    "32",
+    "--test-prompts",
+    "8",
+    "--quiet",
+]
 EXPERIMENT = [*SMALL, "--eval-samples", "1", "--base-evals", "2"]
 VOLATILE = {*TIMING_FIELDS, "seconds", "this_invocation", "wall_time", "versions", "provenance", "command"}
 
@@ -81,8 +94,9 @@ LOG_DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", sorted(LOG_DAMAGE))
-def test_resume_of_a_finished_run_rebuilds_a_damaged_log_from_its_checkpoint(finished_run, tmp_path, capsys,
-                                                                            damage, faults):  # fmt: skip
+def test_resume_of_a_finished_run_rebuilds_a_damaged_log_from_its_checkpoint(
+    finished_run, tmp_path, capsys, damage, faults
+):
     out = _copy(finished_run, tmp_path)
     log, checkpoints = out / "train_log.jsonl", out / "checkpoints"
     want, state = log.read_bytes(), _files(checkpoints)
@@ -102,23 +116,34 @@ def _checkpoint(out: Path) -> Path:
 
 
 TRAIN_DAMAGE = {  # what is done to the finished run → what the one line must name
-    "truncated checkpoint tensors": (lambda out: _truncate(_checkpoint(out) / "tensors.safetensors", 1000),
-                                     ("is damaged", "remove")),
-    "a checkpoint that is not sao's": (lambda out: (_checkpoint(out) / "state.json").write_text('{"step": 3}'),
-                                       ("is not a sao checkpoint", "remove")),
-    "checkpoints missing beside the log": (lambda out: shutil.rmtree(out / "checkpoints"),
-                                           ("holds no checkpoint", "remove")),
+    "truncated checkpoint tensors": (
+        lambda out: _truncate(_checkpoint(out) / "tensors.safetensors", 1000),
+        ("is damaged", "remove"),
+    ),
+    "a checkpoint that is not sao's": (
+        lambda out: (_checkpoint(out) / "state.json").write_text('{"step": 3}'),
+        ("is not a sao checkpoint", "remove"),
+    ),
+    "checkpoints missing beside the log": (
+        lambda out: shutil.rmtree(out / "checkpoints"),
+        ("holds no checkpoint", "remove"),
+    ),
     "truncated config.json": (lambda out: _truncate(out / "config.json"), ("config.json is damaged", "restore")),
-    "config.json holding a list": (lambda out: (out / "config.json").write_text("[]"),
-                                   ("config.json is damaged", "restore")),
-    "config.json missing beside the run": (lambda out: (out / "config.json").unlink(),
-                                           ("config.json is missing", "restore")),
-}  # fmt: skip
+    "config.json holding a list": (
+        lambda out: (out / "config.json").write_text("[]"),
+        ("config.json is damaged", "restore"),
+    ),
+    "config.json missing beside the run": (
+        lambda out: (out / "config.json").unlink(),
+        ("config.json is missing", "restore"),
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(TRAIN_DAMAGE))
-def test_resume_of_a_damaged_train_folder_is_one_line_and_overwrites_nothing(finished_run, tmp_path, capsys, case,
-                                                                            faults):  # fmt: skip
+def test_resume_of_a_damaged_train_folder_is_one_line_and_overwrites_nothing(
+    finished_run, tmp_path, capsys, case, faults
+):
     damage, needles = TRAIN_DAMAGE[case]
     out = _copy(finished_run, tmp_path)
     damage(out)
@@ -134,8 +159,13 @@ def test_resume_of_a_missing_or_empty_folder_is_refused(tmp_path, capsys, comman
     if state == "empty":
         out.mkdir()
     words = "does not exist" if state == "missing" else "is empty"
-    _refused(capsys, [command, *EXPERIMENT, "--resume", "--out", str(out)], out, f"--resume: {out} {words}",
-             "leave out --resume")  # fmt: skip
+    _refused(
+        capsys,
+        [command, *EXPERIMENT, "--resume", "--out", str(out)],
+        out,
+        f"--resume: {out} {words}",
+        "leave out --resume",
+    )
     faults.record(
         "damaged run folders", f"sao {command} --resume of {'a missing' if state == 'missing' else 'an empty'} folder"
     )
@@ -165,22 +195,30 @@ def test_recipe_resume_rebuilds_a_runs_damaged_log_from_its_checkpoint(finished_
 
 RECIPE_DAMAGE = {  # file (a glob under the folder) → what is done to it, what the one line must say
     "truncated experiment.json": ("experiment.json", _truncate, "restore"),
-    "truncated checkpoint of a finished run": ("cells/*/runs/none-s17/checkpoints/step-*/tensors.safetensors",
-                                               lambda p: _truncate(p, 1000), "delete"),
+    "truncated checkpoint of a finished run": (
+        "cells/*/runs/none-s17/checkpoints/step-*/tensors.safetensors",
+        lambda p: _truncate(p, 1000),
+        "delete",
+    ),
     "truncated eval of a trained run": ("cells/*/evals/dis-s17.json", _truncate, "delete it and rerun with --resume"),
-    "eval of a trained run with other fields": ("cells/*/evals/none-s17.json",
-                                                lambda p: p.write_text('{"label": 1}'), "delete it"),
+    "eval of a trained run with other fields": (
+        "cells/*/evals/none-s17.json",
+        lambda p: p.write_text('{"label": 1}'),
+        "delete it",
+    ),
     "truncated base eval": ("evals/base-1.json", _truncate, "delete it and rerun with --resume"),
-    "run log and checkpoint both damaged": ("cells/*/runs/dis-s17/train_log.jsonl",
-                                            lambda p: (_truncate(p), _truncate(_checkpoint(p.parent)
-                                                                                / "tensors.safetensors", 500)),
-                                            "delete"),
-}  # fmt: skip
+    "run log and checkpoint both damaged": (
+        "cells/*/runs/dis-s17/train_log.jsonl",
+        lambda p: (_truncate(p), _truncate(_checkpoint(p.parent) / "tensors.safetensors", 500)),
+        "delete",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(RECIPE_DAMAGE))
-def test_resume_of_a_damaged_recipe_folder_is_one_line_and_overwrites_nothing(finished_recipe, tmp_path, capsys,
-                                                                             case, faults):  # fmt: skip
+def test_resume_of_a_damaged_recipe_folder_is_one_line_and_overwrites_nothing(
+    finished_recipe, tmp_path, capsys, case, faults
+):
     pattern, damage, fix = RECIPE_DAMAGE[case]
     out = _copy(finished_recipe, tmp_path)
     target = _one(out, pattern)
@@ -273,8 +311,9 @@ def test_an_out_that_is_a_file_or_a_device_is_refused_before_anything_runs(tmp_p
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs a /proc file system")
 def test_an_out_under_proc_says_to_choose_another_path(tmp_path, capsys, faults, tiny_model_dir):
     out = Path("/proc") / f"sao-hardening-{os.getpid()}" / "run"
-    line = _refused(capsys, ["train", *SMALL, "--out", str(out)], out, "/proc cannot hold sao's files",
-                    "choose an output path")  # fmt: skip
+    line = _refused(
+        capsys, ["train", *SMALL, "--out", str(out)], out, "/proc cannot hold sao's files", "choose an output path"
+    )
     _no_resume_advice(line)
     faults.record("wrong output paths", "--out under /proc")
 
@@ -282,14 +321,20 @@ def test_an_out_under_proc_says_to_choose_another_path(tmp_path, capsys, faults,
 def test_eval_out_on_a_folder_or_a_pipe_is_refused_before_the_eval(tmp_path, capsys, faults):
     folder = tmp_path / "evals"
     folder.mkdir()
-    line = _refused(capsys, ["eval", "--preset", "tiny", "--quiet", "--out", str(folder)], tmp_path, str(folder),
-                    "it is a folder, not a file")  # fmt: skip
+    line = _refused(
+        capsys,
+        ["eval", "--preset", "tiny", "--quiet", "--out", str(folder)],
+        tmp_path,
+        str(folder),
+        "it is a folder, not a file",
+    )
     _no_resume_advice(line)
     faults.record("wrong output paths", "sao eval --out on a folder")
     pipe = tmp_path / "pipe"
     os.mkfifo(pipe)
-    line = _refused(capsys, ["eval", "--preset", "tiny", "--quiet", "--out", str(pipe)], tmp_path, str(pipe),
-                    "not a file")  # fmt: skip
+    line = _refused(
+        capsys, ["eval", "--preset", "tiny", "--quiet", "--out", str(pipe)], tmp_path, str(pipe), "not a file"
+    )
     _no_resume_advice(line)
     faults.record("wrong output paths", "sao eval --out on a pipe")
 

@@ -48,11 +48,13 @@ class Counter(Hook):
         self.loaded = state
 
 
-def test_a_hook_class_where_an_instance_belongs_is_refused_and_the_corrected_call_runs(tmp_path, faults,
-                                                                                      tiny_model_dir):  # fmt: skip
+def test_a_hook_class_where_an_instance_belongs_is_refused_and_the_corrected_call_runs(
+    tmp_path, faults, tiny_model_dir
+):
     out = tmp_path / "run"
-    _refused(out, TypeError, "hooks[0] is the class Counter, not a hook", "pass an instance, Counter()",
-             hooks=[Counter])  # fmt: skip
+    _refused(
+        out, TypeError, "hooks[0] is the class Counter, not a hook", "pass an instance, Counter()", hooks=[Counter]
+    )
     faults.record("hooks and sources", "a hook class where an instance belongs")
     done = _train(out, hooks=[Counter()])  # the corrected call is not refused: out was left as found
     assert len(done.records) == 2
@@ -120,14 +122,17 @@ class Extras(Hook):
 
 @pytest.mark.parametrize(
     ("extras", "needles"),
-    [(None, ("hook Extras: on_pass returned None", "{} for none")),
-     ([1, 2], ("on_pass returned [1, 2]", "dict")),
-     ({"mine": object()}, ("on_pass returned 'mine', which is <object", "cannot hold")),
-     ({3: 1.0}, ("on_pass returned the key 3", "string keys"))],
+    [
+        (None, ("hook Extras: on_pass returned None", "{} for none")),
+        ([1, 2], ("on_pass returned [1, 2]", "dict")),
+        ({"mine": object()}, ("on_pass returned 'mine', which is <object", "cannot hold")),
+        ({3: 1.0}, ("on_pass returned the key 3", "string keys")),
+    ],
     ids=["None", "a list", "an object", "a number as key"],
-)  # fmt: skip
-def test_on_pass_returning_what_a_log_line_cannot_hold_names_the_hook(tmp_path, extras, needles, faults,
-                                                                     tiny_model_dir):  # fmt: skip
+)
+def test_on_pass_returning_what_a_log_line_cannot_hold_names_the_hook(
+    tmp_path, extras, needles, faults, tiny_model_dir
+):
     out = tmp_path / "run"
     _refused(out, TypeError, *needles, hooks=[Extras(extras)])
     faults.record("hooks and sources", f"on_pass returning {type(extras).__name__}")
@@ -136,15 +141,23 @@ def test_on_pass_returning_what_a_log_line_cannot_hold_names_the_hook(tmp_path, 
 @pytest.mark.parametrize("field", ["step", "reward_mean", "loss"])
 def test_hook_extras_never_overwrite_the_records_own_fields(tmp_path, field, faults, tiny_model_dir):
     out = tmp_path / "run"
-    _refused(out, ValueError, f"on_pass returned '{field}', a field the step's record holds itself",
-             hooks=[Extras({field: 123.0}, name="mine")])  # fmt: skip
+    _refused(
+        out,
+        ValueError,
+        f"on_pass returned '{field}', a field the step's record holds itself",
+        hooks=[Extras({field: 123.0}, name="mine")],
+    )
     faults.record("hooks and sources", f"hook extras named like the record's {field}")
 
 
 def test_two_hooks_never_return_the_same_field(tmp_path, faults, tiny_model_dir):
     out = tmp_path / "run"
-    _refused(out, ValueError, "hooks Mismatch ('mismatch') and Extras ('mine') both return 'mismatch_fresh'",
-             hooks=[Extras({"mismatch_fresh": 0.0}, name="mine")])  # fmt: skip
+    _refused(
+        out,
+        ValueError,
+        "hooks Mismatch ('mismatch') and Extras ('mine') both return 'mismatch_fresh'",
+        hooks=[Extras({"mismatch_fresh": 0.0}, name="mine")],
+    )
     faults.record("hooks and sources", "hook extras named like a built-in hook's (mismatch_fresh)")
 
 
@@ -179,6 +192,9 @@ def test_hook_state_is_keyed_so_no_two_hooks_take_each_others(tmp_path, faults, 
     again = [Counter(), Counter(), Counter(name="reachability")]
     trainer = build.trainer(sao.Config.load(**SETTINGS), out, dataset=ROWS, hooks=again, resume=True, progress=False)
     trainer.run_dir.release()
-    assert [h.loaded for h in again] == [{"count": 12, "who": "hook"}, {"count": 22, "who": "hook"},
-                                         {"count": 32, "who": "reachability"}]  # fmt: skip
+    assert [h.loaded for h in again] == [
+        {"count": 12, "who": "hook"},
+        {"count": 22, "who": "hook"},
+        {"count": 32, "who": "reachability"},
+    ]
     faults.record("hooks and sources", "two stateful hooks named alike, one named like a built-in, on --resume")

@@ -105,13 +105,19 @@ def test_report_on_a_hostile_results_json_is_one_line(tmp_path, capsys, case, fa
 
 def test_a_plan_citing_a_hostile_run_is_one_line(tmp_path, capsys, faults):
     plan = (Path(__file__).resolve().parents[2] / "docs" / "confirm-tiny" / "plan.yaml").read_text()
-    plan = plan.replace("exploratory: [../sweep-tiny/sweep.json, ../sweep-tiny-lr2e-3/sweep.json]",
-                        "exploratory: [cited.json]")  # fmt: skip
+    plan = plan.replace(
+        "exploratory: [../sweep-tiny/sweep.json, ../sweep-tiny-lr2e-3/sweep.json]", "exploratory: [cited.json]"
+    )
     (tmp_path / "plan.yaml").write_text(plan)
     (tmp_path / "cited.json").write_text('{"seeds": ' + DEEP)
     out = tmp_path / "out"
-    refused(capsys, ["confirm", str(tmp_path / "plan.yaml"), "--out", str(out)], out, "exploratory cited.json",
-            "nested deeper than 64")  # fmt: skip
+    refused(
+        capsys,
+        ["confirm", str(tmp_path / "plan.yaml"), "--out", str(out)],
+        out,
+        "exploratory cited.json",
+        "nested deeper than 64",
+    )
     faults.record("hostile documents", "confirm: a cited run nested deep")
 
 
@@ -134,14 +140,27 @@ def tokenizer():
 
 
 def trace(i: int, **changes) -> dict:
-    record = {"id": f"r{i}", "policy_version": 0, "temperature": 1.0, "prompt_token_ids": [1, 70, 71],
-              "completion_token_ids": [72, 73, 2], "logprobs": [-0.1, -0.2, -0.3], "reward": 1.0}  # fmt: skip
+    record = {
+        "id": f"r{i}",
+        "policy_version": 0,
+        "temperature": 1.0,
+        "prompt_token_ids": [1, 70, 71],
+        "completion_token_ids": [72, 73, 2],
+        "logprobs": [-0.1, -0.2, -0.3],
+        "reward": 1.0,
+    }
     return {**record, **changes}
 
 
 def trace_source(path: Path, tokenizer, **settings) -> TraceSource:
-    defaults = {"batch_size": 2, "max_staleness": 4, "temperature": 1.0, "vocab_size": len(tokenizer),
-                "eos_token_ids": [tokenizer.eos_token_id], "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
+    defaults = {
+        "batch_size": 2,
+        "max_staleness": 4,
+        "temperature": 1.0,
+        "vocab_size": len(tokenizer),
+        "eos_token_ids": [tokenizer.eos_token_id],
+        "pad_token_id": tokenizer.pad_token_id,
+    }
     return TraceSource(path, tokenizer, **{**defaults, **settings})
 
 
@@ -160,13 +179,15 @@ def drain(source: TraceSource) -> list:
 
 BAD_TRACES = {
     "nested deep": ('{"id": ' + DEEP, "field 'record': nested deeper than 16"),
-    "long integer": (json.dumps(trace(1))[:-1] + ', "created": ' + LONG_INT + "}",
-                     "field 'created': an integer of 5000 digits"),
+    "long integer": (
+        json.dumps(trace(1))[:-1] + ', "created": ' + LONG_INT + "}",
+        "field 'created': an integer of 5000 digits",
+    ),
     "NaN reward": (json.dumps(trace(1))[:-1] + ', "reward": NaN}', "field 'reward': NaN is not a number"),
     "reward past the rule": (trace(1, reward=1e300), "field 'reward': a reward must be a finite number"),
     "feedback past the rule": ({"type": "feedback", "id": "r0", "reward": -1e7}, "field 'reward'"),
     "temperature 1e-300": (trace(1, temperature=1e-300), "field 'temperature': is 1e-300"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", BAD_TRACES)
@@ -193,8 +214,10 @@ def test_a_hostile_trace_line_stops_in_one_line_or_is_skipped_and_resumed_past(t
 
 def test_a_plan_asking_for_a_trillion_seeds_is_one_line(tmp_path, capsys, faults):
     plan = (Path(__file__).resolve().parents[2] / "docs" / "confirm-tiny" / "plan.yaml").read_text()
-    for seeds, needle in (("{first: 1001, count: 1000000000000}", "1 <= count <= 10000"),
-                          ("[1, 99999999999999999999]", "from 0 to 2**63 - 1")):  # fmt: skip
+    for seeds, needle in (
+        ("{first: 1001, count: 1000000000000}", "1 <= count <= 10000"),
+        ("[1, 99999999999999999999]", "from 0 to 2**63 - 1"),
+    ):
         text = plan.replace("seeds: {first: 1001, count: 16}", f"seeds: {seeds}")
         (tmp_path / "plan.yaml").write_text(text.replace("exploratory: [", "exploratory: [] #"))
         out = tmp_path / "out"
@@ -204,8 +227,16 @@ def test_a_plan_asking_for_a_trillion_seeds_is_one_line(tmp_path, capsys, faults
 
 # --- 2. numbers from outside: one rule for every reward -------------------------------------------------------
 
-NOT_REWARDS = {"the string '1'": "1", "None": None, "NaN": float("nan"), "inf": float("inf"), "1e300": 1e300,
-               "10**400": 10**400, "true": True, "a list": [1.0]}  # fmt: skip
+NOT_REWARDS = {
+    "the string '1'": "1",
+    "None": None,
+    "NaN": float("nan"),
+    "inf": float("inf"),
+    "1e300": 1e300,
+    "10**400": 10**400,
+    "true": True,
+    "a list": [1.0],
+}
 
 
 @pytest.mark.parametrize("case", NOT_REWARDS)
@@ -259,8 +290,16 @@ def small_server(tmp_path_factory):
     )
     sys.path.insert(0, str(root))
     try:
-        settings = Config(model=str(root / "model"), data="tiny", lora_rank=4, lora_alpha=8, max_new_tokens=12,
-                          seed=5, reward="plugin_rewards:reward", reward_timeout=0.5)  # fmt: skip
+        settings = Config(
+            model=str(root / "model"),
+            data="tiny",
+            lora_rank=4,
+            lora_alpha=8,
+            max_new_tokens=12,
+            seed=5,
+            reward="plugin_rewards:reward",
+            reward_timeout=0.5,
+        )
         server = Server(settings, root / "traces.jsonl", say=lambda line: None).start()
         try:
             yield server
@@ -296,12 +335,14 @@ def _openai_error(reply: dict, *needles: str) -> None:
 PROMPT_JSON = '{"messages": [{"role": "user", "content": "hi"}]'
 BODIES = {
     "nested deep": (PROMPT_JSON + ', "metadata": ' + DEEP + "}", "the body: nested deeper than 32"),
-    "long integer answer": (PROMPT_JSON + ', "metadata": {"answer": ' + "9" * 401 + "}}",
-                            "field 'metadata.answer': an integer of 401 digits"),
+    "long integer answer": (
+        PROMPT_JSON + ', "metadata": {"answer": ' + "9" * 401 + "}}",
+        "field 'metadata.answer': an integer of 401 digits",
+    ),
     "NaN answer": (PROMPT_JSON + ', "metadata": {"answer": NaN}}', "NaN is not a number"),
     "1e400 answer": (PROMPT_JSON + ', "metadata": {"answer": 1e400}}', "beyond the range of a float"),
     "temperature 1e-300": (PROMPT_JSON + ', "temperature": 1e-300}', "temperature must be from 0.001 to 1000"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", BODIES)
@@ -312,12 +353,17 @@ def test_a_hostile_request_is_a_400_in_openai_shape_and_logs_nothing(small_serve
     assert status == 400
     _openai_error(reply, needle)
     assert small_server.log.path.read_bytes() == before
-    faults.record("numbers from outside" if "answer" in case or "temperature" in case else "hostile documents",
-                  f"request: {case}")  # fmt: skip
+    faults.record(
+        "numbers from outside" if "answer" in case or "temperature" in case else "hostile documents", f"request: {case}"
+    )
 
 
-FEEDBACK = {"401 digits": '{"id": "x", "reward": ' + "9" * 401 + "}", "1e300": '{"id": "x", "reward": 1e300}',
-            "the string 1": '{"id": "x", "reward": "1"}', "NaN": '{"id": "x", "reward": NaN}'}  # fmt: skip
+FEEDBACK = {
+    "401 digits": '{"id": "x", "reward": ' + "9" * 401 + "}",
+    "1e300": '{"id": "x", "reward": 1e300}',
+    "the string 1": '{"id": "x", "reward": "1"}',
+    "NaN": '{"id": "x", "reward": NaN}',
+}
 
 
 @pytest.mark.parametrize("case", FEEDBACK)
@@ -345,8 +391,12 @@ def test_a_reward_plug_in_that_fails_is_an_openai_5xx_and_the_server_stays_up(sm
     before = small_server.log.path.read_bytes()
     status, reply = _chat(small_server, metadata={"mode": mode})
     assert status == (504 if mode == "hang" else 500)
-    needle = {"raise": "raised RuntimeError: the judge is down", "exit": "called sys.exit(0)",
-              "hang": "did not return within 0.5 s", "garbage": "it must return a number"}[mode]  # fmt: skip
+    needle = {
+        "raise": "raised RuntimeError: the judge is down",
+        "exit": "called sys.exit(0)",
+        "hang": "did not return within 0.5 s",
+        "garbage": "it must return a number",
+    }[mode]
     _openai_error(reply, "reward plugin_rewards:reward", needle)
     assert reply["error"]["type"] == "server_error"
     assert small_server.log.path.read_bytes() == before, "nothing logged for a reply never given"
@@ -410,11 +460,22 @@ def _episodes(tiny_lm, modes: list[str], *, context: int | None = None, timeout:
     if context is not None:
         decoder.context_length = context
     prompts = [[{"role": "user", "content": f"What is {i}+1?"}] for i in range(len(modes))]
-    return draw_episodes(decoder, tokenizer, [Env(m) for m in modes], prompts, max_new_tokens=8, max_turns=6,
-                         max_total_tokens=total, temperature=1.0, eos_token_ids=[tokenizer.eos_token_id],
-                         pad_token_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0),
-                         name="environment tests:Env", tasks=[f"task/{i}" for i in range(len(modes))],
-                         env_timeout=timeout)  # fmt: skip
+    return draw_episodes(
+        decoder,
+        tokenizer,
+        [Env(m) for m in modes],
+        prompts,
+        max_new_tokens=8,
+        max_turns=6,
+        max_total_tokens=total,
+        temperature=1.0,
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        generator=torch.Generator().manual_seed(0),
+        name="environment tests:Env",
+        tasks=[f"task/{i}" for i in range(len(modes))],
+        env_timeout=timeout,
+    )
 
 
 @pytest.mark.parametrize("mode", ["raise", "exit", "garbage"])
@@ -425,8 +486,9 @@ def test_an_environment_that_fails_ends_its_trajectory_counted_in_one_line_namin
         rollout = _episodes(tiny_lm, ["fine", mode])
     assert rollout.turns.faults.tolist() == [0, 1] and rollout.turns.timeouts.tolist() == [False, False]
     assert rollout.truncated.tolist() == [bool(rollout.truncated[0]), True]
-    needle = {"raise": "raised ValueError: no such tool", "exit": "called sys.exit(0)",
-              "garbage": "returned 'done'"}[mode]  # fmt: skip
+    needle = {"raise": "raised ValueError: no such tool", "exit": "called sys.exit(0)", "garbage": "returned 'done'"}[
+        mode
+    ]
     (told,) = [r.getMessage() for r in caplog.records if r.name == "sao.rollout"]
     one_line(told, "1 of 2 trajectories", "environment tests:Env (step)", "task/1", needle)
     faults.record("plug-ins", f"an environment whose step {mode}s")
@@ -442,8 +504,9 @@ def test_an_environment_past_its_timeout_ends_the_trajectory_cut_and_counted(tin
 
 def test_an_episode_stops_at_the_models_context_and_is_counted(tiny_lm, faults):
     tokenizer = tiny_lm[1]
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 0+1?"}], tokenize=False,
-                                           add_generation_prompt=True)  # fmt: skip
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 0+1?"}], tokenize=False, add_generation_prompt=True
+    )
     prompt_tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     rollout = _episodes(tiny_lm, ["fine"], context=prompt_tokens + 3, total=200)  # room for 3 of 200 tokens
     assert int(rollout.response_mask.sum()) <= 3
@@ -473,8 +536,9 @@ def exiting(completion, row):
 
 
 @pytest.mark.parametrize("name", ["raising", "exiting"])
-def test_sao_train_with_a_reward_that_raises_or_exits_is_exit_2_not_0(tmp_path, capsys, monkeypatch, name, faults,
-                                                                      tiny_model_dir):  # fmt: skip
+def test_sao_train_with_a_reward_that_raises_or_exits_is_exit_2_not_0(
+    tmp_path, capsys, monkeypatch, name, faults, tiny_model_dir
+):
     module = f"hostile_reward_{name}"
     (tmp_path / f"{module}.py").write_text(REWARD_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -25,12 +25,22 @@ UNREACHABLE = {"HF_ENDPOINT": "http://127.0.0.1:9"}
 def _sao(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
     """``python -m sao.cli ARGS`` in ``cwd`` with an empty hub cache there and no proxy."""
     environ = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "HF_HOME": str(cwd / "hf"), **env}
-    for key in ("HF_HUB_CACHE", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE",
-                "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):  # fmt: skip
+    for key in (
+        "HF_HUB_CACHE",
+        "HF_DATASETS_CACHE",
+        "HF_HUB_OFFLINE",
+        "HF_DATASETS_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "HTTPS_PROXY",
+        "https_proxy",
+        "ALL_PROXY",
+        "all_proxy",
+    ):
         if key not in env:
             environ.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "sao.cli", *args], cwd=cwd, env=environ, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "sao.cli", *args], cwd=cwd, env=environ, capture_output=True, text=True, timeout=120
+    )
 
 
 def _one_line(done: subprocess.CompletedProcess, *needles: str) -> str:
@@ -78,10 +88,18 @@ def test_plug_ins_are_checked_before_any_data_or_model_loads(tmp_path, capsys, m
     monkeypatch.setattr(setup, "task_set", never)
     monkeypatch.setattr(policy.Models, "load", never)
     out = tmp_path / "run"
-    refused_in_one_line(capsys, ["train", "--preset", "tiny", "--env", "sao_no_such_envs_35:Env", "--out", str(out)],
-                        out, "--env 'sao_no_such_envs_35:Env'")  # fmt: skip
-    refused_in_one_line(capsys, ["train", "--preset", "tiny", "--hooks", "sao_no_such_hooks_35:Hook", "--out",
-                                 str(out)], out, "--hooks 'sao_no_such_hooks_35:Hook'")  # fmt: skip
+    refused_in_one_line(
+        capsys,
+        ["train", "--preset", "tiny", "--env", "sao_no_such_envs_35:Env", "--out", str(out)],
+        out,
+        "--env 'sao_no_such_envs_35:Env'",
+    )
+    refused_in_one_line(
+        capsys,
+        ["train", "--preset", "tiny", "--hooks", "sao_no_such_hooks_35:Hook", "--out", str(out)],
+        out,
+        "--hooks 'sao_no_such_hooks_35:Hook'",
+    )
 
 
 def test_a_line_a_library_logs_with_its_own_handler_is_printed_once(capsys, faults):
@@ -113,8 +131,9 @@ def _adapter_on_a_relative_base(root: Path, monkeypatch) -> Path:
     monkeypatch.chdir(root)
     lm, tokenizer = load_base("models/base", torch.device("cpu"))
     policy = add_lora(lm, rank=4, alpha=8)
-    save_adapter(policy, tokenizer, ValueHead(lm.config.hidden_size), root / "run" / "adapter",
-                 base_model="models/base")  # fmt: skip
+    save_adapter(
+        policy, tokenizer, ValueHead(lm.config.hidden_size), root / "run" / "adapter", base_model="models/base"
+    )
     return root / "run"
 
 
@@ -131,8 +150,7 @@ def test_sao_export_from_another_folder_finds_the_base_the_run_was_trained_on(tm
     faults.record("waiting on a network", "sao export RUN --merge OUT from another folder")
 
 
-def test_an_adapter_that_names_its_base_relatively_is_one_line_with_the_hub_unreachable(tmp_path, capsys,
-                                                                                        monkeypatch):  # fmt: skip
+def test_an_adapter_that_names_its_base_relatively_is_one_line_with_the_hub_unreachable(tmp_path, capsys, monkeypatch):
     """An adapter written before bases were recorded absolutely: its relative base is not here, and is not a hub id
     that can be fetched; one line at once, saying to pass --base-model."""
     import json
@@ -148,5 +166,11 @@ def test_an_adapter_that_names_its_base_relatively_is_one_line_with_the_hub_unre
     config_file.write_text(json.dumps(config))
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
-    refused_in_one_line(capsys, ["export", str(run), "--merge", str(tmp_path / "merged")], tmp_path / "merged",
-                        "model 'models/base'", "cannot be reached", "pass --base-model PATH")  # fmt: skip
+    refused_in_one_line(
+        capsys,
+        ["export", str(run), "--merge", str(tmp_path / "merged")],
+        tmp_path / "merged",
+        "model 'models/base'",
+        "cannot be reached",
+        "pass --base-model PATH",
+    )

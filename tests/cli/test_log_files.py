@@ -15,18 +15,34 @@ SRC = Path(sao.__file__).resolve().parents[1]  # the sao under test, for the pro
 
 def _logged(args: list[str], log: Path) -> tuple[int, str]:
     """``sao ARGS`` with stderr sent to ``log`` (a file, not a terminal), without --quiet; (exit code, the log)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
     with open(log, "w", encoding="utf-8") as handle:
-        done = subprocess.run([sys.executable, "-m", "sao.cli", *args], stdout=subprocess.DEVNULL, stderr=handle,
-                              env=env, timeout=900)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "sao.cli", *args], stdout=subprocess.DEVNULL, stderr=handle, env=env, timeout=900
+        )
     return done.returncode, log.read_text(encoding="utf-8", errors="replace")
 
 
 def test_sao_eval_into_a_log_file_writes_no_progress_bar(tmp_path, faults, tiny_model_dir):
-    code, text = _logged(["eval", "--preset", "tiny", "--train-prompts", "8", "--test-prompts", "2", "--out",
-                          str(tmp_path / "eval.json")], tmp_path / "eval.log")  # fmt: skip
+    code, text = _logged(
+        [
+            "eval",
+            "--preset",
+            "tiny",
+            "--train-prompts",
+            "8",
+            "--test-prompts",
+            "2",
+            "--out",
+            str(tmp_path / "eval.json"),
+        ],
+        tmp_path / "eval.log",
+    )
     assert code == 0, text[-2000:]
     assert "\r" not in text and "Loading weights" not in text and "eval base" not in text, repr(text[:500])
     faults.record("log files", "sao eval with stderr to a file")
@@ -41,10 +57,16 @@ def test_sao_export_into_a_log_file_writes_no_progress_bar(tmp_path, faults):
 
     base_dir = save_small_model(tmp_path / "base")
     base, tokenizer = load_base(base_dir, torch.device("cpu"))
-    save_adapter(add_lora(base, rank=4, alpha=8), tokenizer, ValueHead(base.config.hidden_size),
-                 tmp_path / "run" / "adapter", base_model=str(base_dir))  # fmt: skip
-    code, text = _logged(["export", str(tmp_path / "run"), "--merge", str(tmp_path / "merged")],
-                         tmp_path / "export.log")  # fmt: skip
+    save_adapter(
+        add_lora(base, rank=4, alpha=8),
+        tokenizer,
+        ValueHead(base.config.hidden_size),
+        tmp_path / "run" / "adapter",
+        base_model=str(base_dir),
+    )
+    code, text = _logged(
+        ["export", str(tmp_path / "run"), "--merge", str(tmp_path / "merged")], tmp_path / "export.log"
+    )
     assert code == 0, text[-2000:]
     assert "\r" not in text and "Loading weights" not in text, repr(text[:500])
     faults.record("log files", "sao export with stderr to a file")

@@ -73,8 +73,13 @@ def test_a_setting_given_twice_in_a_config_file_is_refused(tmp_path, capsys, fau
     settings = tmp_path / "settings.yaml"
     settings.write_text("preset: tiny\ntraining:\n  lr: 0.001\nlr: 0.002\n")
     out = tmp_path / "run"
-    refused_in_one_line(capsys, ["train", "--config", str(settings), "--out", str(out)], out, f"--config {settings}",
-                        "lr and training.lr set the same setting")  # fmt: skip
+    refused_in_one_line(
+        capsys,
+        ["train", "--config", str(settings), "--out", str(out)],
+        out,
+        f"--config {settings}",
+        "lr and training.lr set the same setting",
+    )
     faults.record("Python API inputs", "a setting given twice in a --config file")
 
 

@@ -25,16 +25,19 @@ SMALL = ["--preset", "tiny", "--batch-size", "8", "--critic-warmup", "1", "--qui
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1"}  # fmt: skip
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
 
 
-def test_a_second_sao_train_on_the_same_out_is_refused_while_the_first_runs(tmp_path, capsys, faults,
-                                                                           tiny_model_dir):  # fmt: skip
+def test_a_second_sao_train_on_the_same_out_is_refused_while_the_first_runs(tmp_path, capsys, faults, tiny_model_dir):
     out = tmp_path / "run"
     argv = ["train", *SMALL, "--steps", "6", "--out", str(out)]
-    first = subprocess.Popen([sys.executable, "-m", "sao.cli", *argv], env=_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = subprocess.Popen(
+        [sys.executable, "-m", "sao.cli", *argv], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         give_up = time.monotonic() + 300
         while not out.is_dir() and first.poll() is None and time.monotonic() < give_up:
@@ -75,12 +78,18 @@ FILLS_AT_THE_SECOND_CHECKPOINT = """
 """
 
 
-def test_a_full_disk_while_safetensors_are_written_is_one_line_and_resume_finishes(tmp_path, capsys, faults,
-                                                                                 tiny_model_dir):  # fmt: skip
+def test_a_full_disk_while_safetensors_are_written_is_one_line_and_resume_finishes(
+    tmp_path, capsys, faults, tiny_model_dir
+):
     out = tmp_path / "run"
     argv = ["train", *SMALL, "--steps", "3", "--checkpoint-every", "1", "--out", str(out)]
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FILLS_AT_THE_SECOND_CHECKPOINT), *argv],
-                          env=_env(), capture_output=True, text=True, timeout=900)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FILLS_AT_THE_SECOND_CHECKPOINT), *argv],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "step-000002" in lines[0] and "free space, then rerun with --resume" in lines[0], lines[0]
@@ -92,8 +101,11 @@ def test_a_full_disk_while_safetensors_are_written_is_one_line_and_resume_finish
     capsys.readouterr()
     assert [r["step"] for r in run_log(out)] == [0, 1, 2, 3]
     faults.record("run folders", "--resume after a full disk")
-    wrong = {str(p.relative_to(out)): oct(p.stat().st_mode & 0o777) for p in out.rglob("*")
-             if p.stat().st_mode & 0o777 != (folder_mode() if p.is_dir() else file_mode())}  # fmt: skip
+    wrong = {
+        str(p.relative_to(out)): oct(p.stat().st_mode & 0o777)
+        for p in out.rglob("*")
+        if p.stat().st_mode & 0o777 != (folder_mode() if p.is_dir() else file_mode())
+    }
     assert wrong == {}, f"umask {0o777 & ~folder_mode():03o}"
     faults.record("run folders", "a sao train run folder under the umask (adapter and checkpoints included)")
 
@@ -110,8 +122,13 @@ def truncated_adapter(tmp_path_factory):
     root = tmp_path_factory.mktemp("truncated")
     base_dir = save_small_model(root / "base")
     base, tokenizer = load_base(base_dir, torch.device("cpu"))
-    adapter = save_adapter(add_lora(base, rank=4, alpha=8), tokenizer, ValueHead(base.config.hidden_size),
-                           root / "run" / "adapter", base_model=str(base_dir))  # fmt: skip
+    adapter = save_adapter(
+        add_lora(base, rank=4, alpha=8),
+        tokenizer,
+        ValueHead(base.config.hidden_size),
+        root / "run" / "adapter",
+        base_model=str(base_dir),
+    )
     weights = adapter / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-64])
     return root / "run", base_dir, weights
@@ -127,7 +144,21 @@ def test_sao_export_of_a_truncated_adapter_is_one_line(truncated_adapter, tmp_pa
 def test_sao_eval_of_a_truncated_adapter_is_one_line(truncated_adapter, tmp_path, capsys, faults):
     run, base_dir, weights = truncated_adapter
     out = tmp_path / "eval.json"
-    argv = ["eval", "--model", str(base_dir), "--data", "tiny", "--train-prompts", "8", "--test-prompts", "4",
-            "--adapter", str(run / "adapter"), "--quiet", "--out", str(out)]  # fmt: skip
+    argv = [
+        "eval",
+        "--model",
+        str(base_dir),
+        "--data",
+        "tiny",
+        "--train-prompts",
+        "8",
+        "--test-prompts",
+        "4",
+        "--adapter",
+        str(run / "adapter"),
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     refused_in_one_line(capsys, argv, tmp_path, str(weights), "truncated")
     faults.record("run folders", "sao eval --adapter of a truncated adapter_model.safetensors")

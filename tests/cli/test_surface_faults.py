@@ -19,8 +19,21 @@ import pytest
 from helpers import refused_in_one_line, save_small_model
 from sao.cli import main
 
-SMALL = ["--preset", "tiny", "--batch-size", "8", "--steps", "2", "--critic-warmup", "1", "--train-prompts", "32",
-         "--test-prompts", "8", "--quiet"]  # fmt: skip
+SMALL = [
+    "--preset",
+    "tiny",
+    "--batch-size",
+    "8",
+    "--steps",
+    "2",
+    "--critic-warmup",
+    "1",
+    "--train-prompts",
+    "32",
+    "--test-prompts",
+    "8",
+    "--quiet",
+]
 
 
 def _files(folder: Path) -> dict[Path, bytes]:
@@ -40,8 +53,9 @@ WORDS_REWARD = """
 
 
 @pytest.mark.parametrize("state", ["absent", "empty"])
-def test_a_reward_that_fails_in_the_first_step_leaves_out_as_it_was(tmp_path, capsys, user_module, state, faults,
-                                                                    tiny_model_dir):  # fmt: skip
+def test_a_reward_that_fails_in_the_first_step_leaves_out_as_it_was(
+    tmp_path, capsys, user_module, state, faults, tiny_model_dir
+):
     module = user_module(WORDS_REWARD)
     out = tmp_path / "run"
     if state == "empty":
@@ -126,8 +140,16 @@ def test_a_server_that_cannot_start_creates_no_trace_log_or_lock(tmp_path, capsy
 
 
 def _trajectory(i: int, **changes) -> dict:
-    return {"id": f"r{i}", "policy_version": 0, "temperature": 1.0, "prompt_token_ids": [1, 70, 71],
-            "completion_token_ids": [72, 73, 2], "logprobs": [-0.1, -0.2, -0.3], "reward": 1.0, **changes}  # fmt: skip
+    return {
+        "id": f"r{i}",
+        "policy_version": 0,
+        "temperature": 1.0,
+        "prompt_token_ids": [1, 70, 71],
+        "completion_token_ids": [72, 73, 2],
+        "logprobs": [-0.1, -0.2, -0.3],
+        "reward": 1.0,
+        **changes,
+    }
 
 
 def _write(path: Path, records: list[dict]) -> Path:
@@ -204,8 +226,11 @@ def test_training_on_an_empty_or_odd_log_is_refused_in_one_line(tmp_path, capsys
 @pytest.mark.parametrize("case", ["/dev/null", "a FIFO", "a folder"])
 def test_serving_into_an_odd_log_is_refused(tmp_path, capsys, case, faults):
     pytest.importorskip("fastapi")
-    log = {"/dev/null": lambda: Path("/dev/null"), "a FIFO": lambda: ODD_LOGS["a FIFO"](tmp_path),
-           "a folder": lambda: tmp_path}[case]()  # fmt: skip
+    log = {
+        "/dev/null": lambda: Path("/dev/null"),
+        "a FIFO": lambda: ODD_LOGS["a FIFO"](tmp_path),
+        "a folder": lambda: tmp_path,
+    }[case]()
     before = sorted(tmp_path.iterdir())
     _refused(capsys, ["serve", "--preset", "tiny", "--traces", str(log), "--port", "0"], "not a regular file")
     assert sorted(tmp_path.iterdir()) == before
@@ -222,9 +247,16 @@ def tokenizer():
 def _source(path: Path, tokenizer, **settings):
     from sao.rollout.traces import TraceSource
 
-    defaults = {"batch_size": 2, "max_staleness": 4, "temperature": 1.0, "vocab_size": len(tokenizer),
-                "eos_token_ids": [tokenizer.eos_token_id], "pad_token_id": tokenizer.pad_token_id,
-                "poll_seconds": 0.01, "warn": lambda line: None}  # fmt: skip
+    defaults = {
+        "batch_size": 2,
+        "max_staleness": 4,
+        "temperature": 1.0,
+        "vocab_size": len(tokenizer),
+        "eos_token_ids": [tokenizer.eos_token_id],
+        "pad_token_id": tokenizer.pad_token_id,
+        "poll_seconds": 0.01,
+        "warn": lambda line: None,
+    }
     return TraceSource(path, tokenizer, **{**defaults, **settings})
 
 
@@ -296,8 +328,9 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
     import urllib.error
     import urllib.request
 
-    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as response:
             return response.status, json.loads(response.read())
@@ -349,8 +382,10 @@ def test_a_failure_while_serving_is_an_openai_shaped_500_and_one_line(small_serv
 
 def test_a_client_that_hangs_up_mid_body_is_one_line_on_stderr(small_server, capfd, faults):
     body = json.dumps({"messages": PROMPT}).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     before = small_server.log.records
     for _ in range(3):
         with socket.create_connection(("127.0.0.1", small_server.port), timeout=30) as sock:

@@ -25,8 +25,21 @@ from sao.core.settings import convert, option
 from sao.core.timeline import TIMING_FIELDS
 
 TIMING_KEYS = {*TIMING_FIELDS, "waited_s", "rollouts_per_s"}
-SMALL_RUN = ["--preset", "tiny", "--steps", "2", "--critic-warmup", "1", "--batch-size", "8",
-             "--train-prompts", "32", "--test-prompts", "8", "--quiet"]  # fmt: skip
+SMALL_RUN = [
+    "--preset",
+    "tiny",
+    "--steps",
+    "2",
+    "--critic-warmup",
+    "1",
+    "--batch-size",
+    "8",
+    "--train-prompts",
+    "32",
+    "--test-prompts",
+    "8",
+    "--quiet",
+]
 
 
 def _args(*argv: str):
@@ -245,8 +258,11 @@ def test_critic_warmup_takes_a_count_or_auto_from_flags_and_files(tmp_path):
     )
     (tmp_path / "auto.yaml").write_text("critic_warmup: auto\ncritic_warmup_limit: 20\n")
     assert Config(**read_config_file(tmp_path / "auto.yaml")[0]).algorithm.critic_warmup == "auto"
-    bad = [("soon", 'critic-warmup must be a whole number >= 0 or "auto"'), (-1, "critic-warmup must be >= 0"),
-           (2.5, "critic_warmup")]  # fmt: skip
+    bad = [
+        ("soon", 'critic-warmup must be a whole number >= 0 or "auto"'),
+        (-1, "critic-warmup must be >= 0"),
+        (2.5, "critic_warmup"),
+    ]
     for value, message in bad:
         with pytest.raises(ConfigError, match=message):
             Config(critic_warmup=value)

@@ -13,10 +13,18 @@ from sao.core.errors import ConfigError
 def test_the_recipe_stays_the_default_and_the_paper_preset_is_the_papers_regime():
     default = Config()
     assert (default.model.finetune, default.model.critic, default.model.critic_model, default.training.shard) == (
-        "lora", "head", None, "none")  # fmt: skip
+        "lora",
+        "head",
+        None,
+        "none",
+    )
     paper = Config.load("paper")
     assert (paper.model.finetune, paper.model.critic, paper.training.lr, paper.training.critic_lr) == (
-        "full", "model", 1e-6, 5e-6)  # fmt: skip
+        "full",
+        "model",
+        1e-6,
+        5e-6,
+    )
     assert Config.load("paper", lr=1e-5).training.lr == 1e-5  # a flag still wins over the preset
 
 

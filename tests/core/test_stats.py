@@ -31,10 +31,7 @@ def test_paired_interval_over_tasks_by_hand():
     c = compare(before, after)
     half = 2.776445 * d.std(ddof=1) / np.sqrt(5)  # t(0.975, 4)
     assert c.delta == pytest.approx(d.mean())
-    assert (c.ci_low, c.ci_high) == (
-        pytest.approx(d.mean() - half, rel=1e-5),
-        pytest.approx(d.mean() + half, rel=1e-5),
-    )
+    assert (c.ci_low, c.ci_high) == (pytest.approx(d.mean() - half, rel=1e-5), pytest.approx(d.mean() + half, rel=1e-5))
     assert c.unit == "task" and c.n == 5 and c.sd_floor is None and not c.sd_floored
 
 
@@ -88,8 +85,13 @@ def test_under_the_old_rule_improved_needs_the_interval_off_zero_and_delta_above
     assert c.unit == "seed" and c.about == "training procedure" and c.p_exact is None, "6 seeds: the t test"
     assert c.magnitude is None and c.finding == "improved" and c.verdict_rule == OLD_RULE
     # seed deltas 0.04..0.16: the interval [+0.056, +0.145] excludes 0 but delta +0.1 is within the floor 0.132
-    small = compare(_seeds([0.0] * 6), _seeds([0.04, 0.16, 0.07, 0.13, 0.10, 0.10]), run_std=0.0217, run_std_runs=3,
-                    verdict_rule=OLD_RULE)  # fmt: skip
+    small = compare(
+        _seeds([0.0] * 6),
+        _seeds([0.04, 0.16, 0.07, 0.13, 0.10, 0.10]),
+        run_std=0.0217,
+        run_std_runs=3,
+        verdict_rule=OLD_RULE,
+    )
     assert small.verdict == "unresolved" and "within δ, the noise floor" in small.reason
     down = compare(after, before, run_std=0.0217, run_std_runs=3, verdict_rule=OLD_RULE)
     assert down.verdict == "regressed"
@@ -97,8 +99,34 @@ def test_under_the_old_rule_improved_needs_the_interval_off_zero_and_delta_above
 
 def _reversal(shift: float) -> tuple[np.ndarray, np.ndarray]:
     """24 paired seeds whose deltas centre on ``shift`` with sd 0.1064 (a fixed pattern: the interval is known)."""
-    pattern = np.array([-1.7, -1.2, -0.9, -0.7, -0.5, -0.4, -0.3, -0.2, -0.1, -0.05, 0.0, 0.05,
-                        0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, -1.05])  # fmt: skip
+    pattern = np.array(
+        [
+            -1.7,
+            -1.2,
+            -0.9,
+            -0.7,
+            -0.5,
+            -0.4,
+            -0.3,
+            -0.2,
+            -0.1,
+            -0.05,
+            0.0,
+            0.05,
+            0.1,
+            0.2,
+            0.3,
+            0.4,
+            0.5,
+            0.6,
+            0.7,
+            0.8,
+            0.9,
+            1.0,
+            1.2,
+            -1.05,
+        ]
+    )
     deltas = shift + 0.1064 * (pattern - pattern.mean()) / pattern.std(ddof=1)
     return _seeds([0.0] * 24), _seeds(deltas)
 
@@ -316,8 +344,10 @@ def test_power_against_the_known_value_and_the_seeds_it_takes():
     assert power(0.5, 1.0, 34) == pytest.approx(0.808, abs=0.002)
     assert power(0.5, 1.0, 33) < 0.8 <= power(0.5, 1.0, 34)
     assert seeds_for_power(0.5, 1.0) == 34
-    assert power(0.5, 1.0, 64, paired=False) == pytest.approx(0.80, abs=0.005) and seeds_for_power(
-        0.5, 1.0, paired=False) == 64  # fmt: skip
+    assert (
+        power(0.5, 1.0, 64, paired=False) == pytest.approx(0.80, abs=0.005)
+        and seeds_for_power(0.5, 1.0, paired=False) == 64
+    )
     assert power(0.0, 1.0, 10) == pytest.approx(0.05), "no effect: the test's size"
     assert power(0.02, 0.05, 10, alpha=0.01) < power(0.02, 0.05, 20, alpha=0.01) < power(0.02, 0.05, 20), "n, alpha"
     # a huge effect still needs the seeds for the exact floor to go below alpha: 2^(1−6) < 0.05 <= 2^(1−5)

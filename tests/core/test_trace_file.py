@@ -48,8 +48,12 @@ def test_nested_phases_charge_each_second_once_and_add_up_to_the_step(monkeypatc
     assert (fields["time_wait"], fields["time_draw"], fields["time_env"], fields["time_eval"]) == (2, 3, 5, 7)
     assert fields["time_other"] == 11 and fields["time_pass"] == 0
     assert fields["time_env_share"] == 5 / 8
-    assert [(name, end - start) for name, start, end in clock.intervals] == [("env", 5), ("draw", 8), ("wait", 10),
-                                                                              ("eval", 7)]  # fmt: skip
+    assert [(name, end - start) for name, start, end in clock.intervals] == [
+        ("env", 5),
+        ("draw", 8),
+        ("wait", 10),
+        ("eval", 7),
+    ]
     assert timeline.env_waited() - waited == 12  # both waits, for a trajectory's own share
 
 
@@ -73,8 +77,18 @@ def test_a_source_drawing_elsewhere_gives_the_environment_share_of_its_trajector
 def _step_events(step: int, rows: int = 3) -> list[dict]:
     start = 1_000.0 + step
     events = [timeline._span("pass", "phase", "trainer rank 0", "step", start, start + 0.5, {"step": step})]
-    events += [timeline._span("trajectory", "trajectory", "local sampler", f"row {r}", start, start + 0.2,
-                              {"step": step, "version": step, "staleness": 0}) for r in range(rows)]  # fmt: skip
+    events += [
+        timeline._span(
+            "trajectory",
+            "trajectory",
+            "local sampler",
+            f"row {r}",
+            start,
+            start + 0.2,
+            {"step": step, "version": step, "staleness": 0},
+        )
+        for r in range(rows)
+    ]
     events.append(timeline._span(f"step {step}", "step", "trainer rank 0", "step", start, start + 1.0, {"step": step}))
     return events
 

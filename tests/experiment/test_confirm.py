@@ -28,8 +28,17 @@ from sao.experiment.runner import Experiment, Grid, dis_shares_by_staleness
 from sao.tiny import arithmetic as tiny
 
 CELL = "lag2-lr0.003-band0.7-6"
-SETTINGS = {"batch_size": 16, "steps": 4, "critic_warmup": 1, "train_prompts": 64, "test_prompts": 16,
-            "eval_samples": 2, "base_evals": 2, "eval_every": 2, "micro_batch": 16}  # fmt: skip
+SETTINGS = {
+    "batch_size": 16,
+    "steps": 4,
+    "critic_warmup": 1,
+    "train_prompts": 64,
+    "test_prompts": 16,
+    "eval_samples": 2,
+    "base_evals": 2,
+    "eval_every": 2,
+    "micro_batch": 16,
+}
 OTHER_WEIGHTS = "ab" * 32
 
 
@@ -38,8 +47,15 @@ def write_plan(folder, **changes) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     explored = folder / "explored" / "results.json"
     explored.parent.mkdir(exist_ok=True)
-    explored.write_text(json.dumps({"seeds": [17, 18], "provenance": {"model": {"weights_sha256": OTHER_WEIGHTS}},
-                                    "base": {"noise_floor": 0.1}}))  # fmt: skip
+    explored.write_text(
+        json.dumps(
+            {
+                "seeds": [17, 18],
+                "provenance": {"model": {"weights_sha256": OTHER_WEIGHTS}},
+                "base": {"noise_floor": 0.1},
+            }
+        )
+    )
     plan = {
         "question": "Does dis beat none in this tiny cell?",
         "written": "by the test, before the run",
@@ -76,12 +92,18 @@ def test_the_plan_runs_end_to_end_and_the_report_states_it_first(confirmed):
     assert set(results["cells"][0]["arms"]) == {"dis", "none", "random"}
     block = results["confirmation"]
     assert block["family_size"] == 3 and [r["comparison"] for r in block["family"]] == [
-        "dis_vs_none", "dis_vs_random", "random_vs_none"]  # fmt: skip
+        "dis_vs_none",
+        "dis_vs_random",
+        "random_vs_none",
+    ]
     assert [r["p_holm"] for r in block["family"]] == pytest.approx(stats.holm([r["p_value"] for r in block["family"]]))
     assert all(r["p_holm"] >= r["p_value"] and r["unit"] == "seed" and r["n"] == 2 for r in block["family"])
     assert results["primary"] == {"cell": CELL, "comparison": "dis_vs_none"}
     assert results["verdict"] == block["primary"]["verdict"] and block["outcome"] in {
-        "confirmed", "not confirmed", "contradicted"}  # fmt: skip
+        "confirmed",
+        "not confirmed",
+        "contradicted",
+    }
     assert "dis_vs_random" in results["cells"][0]["compare"], "a planned comparison against another arm is made"
     text = (out / "report.md").read_text()
     assert text.index("## Plan (fixed before the run)") < text.index("## What came out") < text.index("## Verdict")
@@ -115,7 +137,8 @@ def test_pass_at_1_over_steps_exists_per_arm_and_seed(confirmed):
         starts = [curve["per_seed"][s][0] for s in ("201", "202")]
         assert starts == [json.loads((out / "evals" / f"start-s{s}.json").read_text())["pass_at_1"] for s in (201, 202)]
     assert (out / "plots" / "eval_curve.png").stat().st_size > 1000 and "plots/eval_curve.png" in (
-        out / "report.md").read_text()  # fmt: skip
+        out / "report.md"
+    ).read_text()
 
 
 def test_results_carry_provenance_and_warn_about_the_exploratory_model(confirmed):
@@ -154,7 +177,8 @@ def test_intermediate_evals_leave_training_unchanged(confirmed, tmp_path):
     evaluated = run_log(out / "cells" / CELL / "runs" / "dis-s201")
     volatile = {*TIMING_FIELDS, "rollouts_per_s"}
     assert [{k: v for k, v in r.items() if k not in volatile} for r in clean(plain)] == [
-        {k: v for k, v in r.items() if k not in volatile} for r in evaluated]  # fmt: skip
+        {k: v for k, v in r.items() if k not in volatile} for r in evaluated
+    ]
 
 
 def test_a_changed_plan_cannot_resume(confirmed, tmp_path):
@@ -210,20 +234,49 @@ def test_seeds_of_reads_every_kind_of_exploratory_file():
 
 def _plan(tmp_path, cells: int = 3, gatekeeping: bool = False) -> confirm.Plan:
     grid = Grid(lags=tuple(range(1, cells + 1)), lrs=(1e-3,), arms=("dis", "none"))
-    return confirm.Plan(path=tmp_path / "p.yaml", sha256="0", question="q", written=None, config=Config(),
-                        grid=grid, primary={"cell": grid.cells()[0]["name"], "comparison": "dis_vs_none",
-                                            "after": "dis", "before": "none", "expect": "improved"},
-                        secondary=["dis_vs_none"], seeds=[1, 2], correction="holm", alpha=0.05,
-                        gatekeeping=gatekeeping)  # fmt: skip
+    return confirm.Plan(
+        path=tmp_path / "p.yaml",
+        sha256="0",
+        question="q",
+        written=None,
+        config=Config(),
+        grid=grid,
+        primary={
+            "cell": grid.cells()[0]["name"],
+            "comparison": "dis_vs_none",
+            "after": "dis",
+            "before": "none",
+            "expect": "improved",
+        },
+        secondary=["dis_vs_none"],
+        seeds=[1, 2],
+        correction="holm",
+        alpha=0.05,
+        gatekeeping=gatekeeping,
+    )
 
 
 def _rows(plan: confirm.Plan, p_values: list[float], verdicts: list[str] | None = None) -> list[dict]:
     """Made-up family rows, as ``family_rows`` writes them, with these p-values (primary first)."""
     verdicts = verdicts or ["improved"] * len(p_values)
-    return [{"cell": cell, "comparison": key, "after": "dis", "before": "none", "delta": 0.2, "ci_low": 0.01,
-             "ci_high": 0.39, "p_value": p, "unit": "seed", "n": 8, "noise_floor": 0.1, "verdict_unadjusted": v,
-             "reason_unadjusted": f"{v}: made up."}
-            for (cell, key), p, v in zip(plan.family, p_values, verdicts, strict=True)]  # fmt: skip
+    return [
+        {
+            "cell": cell,
+            "comparison": key,
+            "after": "dis",
+            "before": "none",
+            "delta": 0.2,
+            "ci_low": 0.01,
+            "ci_high": 0.39,
+            "p_value": p,
+            "unit": "seed",
+            "n": 8,
+            "noise_floor": 0.1,
+            "verdict_unadjusted": v,
+            "reason_unadjusted": f"{v}: made up.",
+        }
+        for (cell, key), p, v in zip(plan.family, p_values, verdicts, strict=True)
+    ]
 
 
 def test_holm_turns_a_lone_improvement_unresolved_when_the_family_is_large(tmp_path):
@@ -259,8 +312,9 @@ def test_gatekeeping_reports_but_does_not_claim_the_family_when_the_primary_fail
 
 
 def test_the_plan_states_its_power_for_its_smallest_effect_before_the_run(tmp_path):
-    plan = confirm.read_plan(write_plan(tmp_path / "plan", smallest_effect=0.04, expected_sd=0.05,
-                                        seeds=list(range(201, 209))))  # fmt: skip
+    plan = confirm.read_plan(
+        write_plan(tmp_path / "plan", smallest_effect=0.04, expected_sd=0.05, seeds=list(range(201, 209)))
+    )
     power = plan.power
     assert plan.gatekeeping, "a plan stating smallest_effect gatekeeps unless it says otherwise"
     assert power["alpha_primary"] == 0.05 and power["seeds"] == 8
@@ -269,14 +323,16 @@ def test_the_plan_states_its_power_for_its_smallest_effect_before_the_run(tmp_pa
     assert power["sd_source"] == "the plan's expected_sd"
     assert power["smallest_effect_source"] == "the plan's smallest_effect"
     assert power["power"] < 0.8 and "below 0.8" in power["warning"] and plan.to_dict()["power"] == power
-    holm_all = confirm.read_plan(write_plan(tmp_path / "holm", smallest_effect=0.04, gatekeeping=False,
-                                            seeds=list(range(201, 209))))  # fmt: skip
+    holm_all = confirm.read_plan(
+        write_plan(tmp_path / "holm", smallest_effect=0.04, gatekeeping=False, seeds=list(range(201, 209)))
+    )
     assert not holm_all.gatekeeping and holm_all.power["alpha_primary"] == pytest.approx(0.05 / 3)
     assert holm_all.power["power"] < power["power"] == pytest.approx(holm_all.power["power_at_alpha"])
     few = confirm.read_plan(write_plan(tmp_path / "few", smallest_effect=0.5, expected_sd=0.01)).power
     assert few["power"] == 0.0 and "exact sign-flip p cannot go below 0.5" in few["warning"], "2 seeds: nothing"
-    big = confirm.read_plan(write_plan(tmp_path / "big", smallest_effect=0.05, expected_sd=0.02,
-                                       seeds=list(range(201, 241)))).power  # fmt: skip
+    big = confirm.read_plan(
+        write_plan(tmp_path / "big", smallest_effect=0.05, expected_sd=0.02, seeds=list(range(201, 241)))
+    ).power
     assert big["power"] > 0.99 and big["warning"] is None
 
 
@@ -290,14 +346,20 @@ def test_without_expected_sd_the_power_takes_the_cited_runs_per_seed_deltas(tmp_
     power = confirm.read_plan(plan_path).power
     sd = statistics.stdev([a - b for a, b in zip(dis, none, strict=True)])
     assert power["sd"] == pytest.approx(sd) and "4 per-seed dis − none deltas" in power["sd_source"]
-    assert power["smallest_effect"] == 0.1 and "no smallest_effect: the noise floor of explored" in (
-        power["smallest_effect_source"])  # fmt: skip
+    assert (
+        power["smallest_effect"] == 0.1
+        and "no smallest_effect: the noise floor of explored" in (power["smallest_effect_source"])
+    )
 
 
 def test_confirm_prints_the_power_before_it_trains(tmp_path, monkeypatch, capsys):
     plan = write_plan(tmp_path / "plan", smallest_effect=0.04)
-    done = {"confirmation": {"family": [], "outcome": "not confirmed"}, "reason": "made up", "warnings": [],
-            "provenance": {"warnings": []}}  # fmt: skip
+    done = {
+        "confirmation": {"family": [], "outcome": "not confirmed"},
+        "reason": "made up",
+        "warnings": [],
+        "provenance": {"warnings": []},
+    }
     monkeypatch.setattr(confirm, "run", lambda *args, **kwargs: done)
     assert main(["confirm", plan, "--out", str(tmp_path / "out"), "--quiet", "--accept-low-power"]) == 0
     out, err = capsys.readouterr()
@@ -334,10 +396,14 @@ def _batch(B: int = 6, T: int = 40) -> dict[str, torch.Tensor]:
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[0, 30:] = False
     sampler = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
-    return {"logprobs": sampler + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64),
-            "sampler_logprobs": sampler, "values": torch.zeros(B, T, dtype=torch.float64),
-            "rewards": torch.tensor([1.0, 0, 1, 0, 1, 1], dtype=torch.float64), "action_mask": mask,
-            "random_key": row_keys(17, 5, B)}  # fmt: skip
+    return {
+        "logprobs": sampler + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64),
+        "sampler_logprobs": sampler,
+        "values": torch.zeros(B, T, dtype=torch.float64),
+        "rewards": torch.tensor([1.0, 0, 1, 0, 1, 1], dtype=torch.float64),
+        "action_mask": mask,
+        "random_key": row_keys(17, 5, B),
+    }
 
 
 def test_the_random_rule_drops_its_share_whatever_the_ratio_and_however_the_batch_is_split():
@@ -372,11 +438,24 @@ def test_the_random_arm_needs_a_share_or_a_dis_arm_before_it(tmp_path):
 
 
 def test_an_arm_can_set_the_baseline_and_its_comparison_parses_one_way_only(tiny_model_dir, tmp_path):
-    tiny_run = {"batch_size": 8, "micro_batch": 8, "steps": 2, "critic_warmup": 1, "train_prompts": 16,
-                "test_prompts": 8, "eval_samples": 1, "base_evals": 2}  # fmt: skip
+    tiny_run = {
+        "batch_size": 8,
+        "micro_batch": 8,
+        "steps": 2,
+        "critic_warmup": 1,
+        "train_prompts": 16,
+        "test_prompts": 8,
+        "eval_samples": 1,
+        "base_evals": 2,
+    }
     arms = ["dis", "none", "dis+batch-mean"]
-    plan_path = write_plan(tmp_path / "plan", settings=tiny_run, arms=arms, seeds=[211],
-                           secondary=["dis_vs_dis+batch-mean", "dis+batch-mean_vs_none"])  # fmt: skip
+    plan_path = write_plan(
+        tmp_path / "plan",
+        settings=tiny_run,
+        arms=arms,
+        seeds=[211],
+        secondary=["dis_vs_dis+batch-mean", "dis+batch-mean_vs_none"],
+    )
     plan = confirm.read_plan(plan_path)
     assert plan.grid.arms == tuple(arms) and ("dis", "dis+batch-mean") in [
         confirm._comparison(plan.path, k, plan.grid.arms, "secondary") for k in plan.secondary
@@ -385,11 +464,13 @@ def test_an_arm_can_set_the_baseline_and_its_comparison_parses_one_way_only(tiny
     cell = out["cells"][0]
     assert list(cell["arms"]) == arms
     assert {a: (b["correction"], b["baseline"]) for a, b in cell["arms"].items()} == {
-        "dis": ("dis", "critic"), "none": ("none", "critic"), "dis+batch-mean": ("dis", "batch-mean")}  # fmt: skip
+        "dis": ("dis", "critic"),
+        "none": ("none", "critic"),
+        "dis+batch-mean": ("dis", "batch-mean"),
+    }
     assert list(cell["arms"]["dis+batch-mean"]["runs"]) == ["dis+batch-mean-s211"]
     assert {"dis_vs_dis+batch-mean", "dis+batch-mean_vs_none"} <= set(cell["compare"])
-    saved = json.loads((tmp_path / "out" / "cells" / CELL / "runs" / "dis+batch-mean-s211" /
-                        "config.json").read_text())  # fmt: skip
+    saved = json.loads((tmp_path / "out" / "cells" / CELL / "runs" / "dis+batch-mean-s211" / "config.json").read_text())
     assert (
         saved["config"]["algorithm"]["baseline"] == "batch-mean" and saved["config"]["algorithm"]["correction"] == "dis"
     )
@@ -441,8 +522,9 @@ def _sized(plan: confirm.Plan, rows: list[tuple[str, str, float, float | None]])
 
 def test_a_significant_reversal_of_the_primary_is_a_contradiction_not_unresolved(tmp_path):
     plan = replace(_plan(tmp_path, cells=2, gatekeeping=True), decision_rule="direction", smallest_effect=0.1)
-    block = confirm.decide(_sized(plan, [("regressed", "undetermined", 0.007, 1.0), ("improved", "beyond δ", 0.001,
-                                                                                        0.01)]), plan)  # fmt: skip
+    block = confirm.decide(
+        _sized(plan, [("regressed", "undetermined", 0.007, 1.0), ("improved", "beyond δ", 0.001, 0.01)]), plan
+    )
     first = block["primary"]
     assert first["verdict"] == "regressed" and first["finding"] == "regressed, size against δ undetermined"
     assert block["outcome"] == "contradicted" and block["gate"] == "closed" and block["decision_rule"] == "direction"
@@ -450,16 +532,33 @@ def test_a_significant_reversal_of_the_primary_is_a_contradiction_not_unresolved
 
 
 def test_under_the_minimum_effect_rule_the_primary_needs_its_interval_beyond_delta(tmp_path):
-    plan = replace(_plan(tmp_path, gatekeeping=True), decision_rule="minimum-effect", smallest_effect=0.1,
-                   expected_effect=0.2)  # fmt: skip
-    short = confirm.decide(_sized(plan, [("improved", "undetermined", 0.001, 0.2), ("improved", "beyond δ", 0.001,
-                                                                                     0.001),
-                                         ("unresolved", "undetermined", 0.3, 1.0)]), plan)  # fmt: skip
+    plan = replace(
+        _plan(tmp_path, gatekeeping=True), decision_rule="minimum-effect", smallest_effect=0.1, expected_effect=0.2
+    )
+    short = confirm.decide(
+        _sized(
+            plan,
+            [
+                ("improved", "undetermined", 0.001, 0.2),
+                ("improved", "beyond δ", 0.001, 0.001),
+                ("unresolved", "undetermined", 0.3, 1.0),
+            ],
+        ),
+        plan,
+    )
     assert short["primary"]["verdict"] == "improved" and short["outcome"] == "not confirmed"
     assert short["gate"] == "closed", "the direction alone does not open the gate under this rule"
-    far = confirm.decide(_sized(plan, [("improved", "beyond δ", 0.001, 0.01), ("improved", "beyond δ", 0.001,
-                                                                                0.03), ("improved", "beyond δ", 0.001,
-                                                                                        0.04)]), plan)  # fmt: skip
+    far = confirm.decide(
+        _sized(
+            plan,
+            [
+                ("improved", "beyond δ", 0.001, 0.01),
+                ("improved", "beyond δ", 0.001, 0.03),
+                ("improved", "beyond δ", 0.001, 0.04),
+            ],
+        ),
+        plan,
+    )
     assert far["outcome"] == "confirmed" and far["gate"] == "open"
     # the secondaries' minimum-effect p, Holm-adjusted between them: 0.06 and 0.06 are not below 0.05
     assert [r["p_beyond_holm"] for r in far["family"]] == pytest.approx([0.01, 0.06, 0.06])
@@ -470,8 +569,17 @@ def test_under_the_minimum_effect_rule_the_primary_needs_its_interval_beyond_del
 
 def test_a_direction_that_holm_withdraws_is_flat_when_it_was_shown_within_delta(tmp_path):
     plan = replace(_plan(tmp_path), decision_rule="direction", smallest_effect=0.1)
-    block = confirm.decide(_sized(plan, [("improved", "within δ", 0.03, 1.0), ("improved", "beyond δ", 0.001, 0.001),
-                                         ("unresolved", "undetermined", 0.5, 1.0)]), plan)  # fmt: skip
+    block = confirm.decide(
+        _sized(
+            plan,
+            [
+                ("improved", "within δ", 0.03, 1.0),
+                ("improved", "beyond δ", 0.001, 0.001),
+                ("unresolved", "undetermined", 0.5, 1.0),
+            ],
+        ),
+        plan,
+    )
     first = block["family"][0]
     assert first["p_holm"] == pytest.approx(0.06) and first["verdict"] == "flat" and first["magnitude"] == "within δ"
     assert first["reason"].startswith("flat after Holm's correction: alone it would be improved")
@@ -489,9 +597,16 @@ SEEDS_30 = list(range(201, 231))
 
 
 def test_a_plan_pre_registers_the_minimum_effect_rule_the_rank_estimand_and_collapse_rates(tmp_path):
-    path = write_plan(tmp_path / "plan", decision_rule="minimum-effect", smallest_effect=0.05, expected_effect=0.12,
-                      rank_estimand=True, collapse_floor=0.05, secondary=["dis_vs_random", "collapse:dis_vs_none"],
-                      seeds=SEEDS_30)  # fmt: skip
+    path = write_plan(
+        tmp_path / "plan",
+        decision_rule="minimum-effect",
+        smallest_effect=0.05,
+        expected_effect=0.12,
+        rank_estimand=True,
+        collapse_floor=0.05,
+        secondary=["dis_vs_random", "collapse:dis_vs_none"],
+        seeds=SEEDS_30,
+    )
     plan = confirm.read_plan(path)
     assert plan.decision_rule == "minimum-effect" and plan.verdict_rule == "direction"
     assert (CELL, "collapse:dis_vs_none") in plan.family and len(plan.family) == 3
@@ -506,8 +621,15 @@ def test_a_plan_pre_registers_the_minimum_effect_rule_the_rank_estimand_and_coll
 
 
 def test_a_mixture_power_model_is_fitted_to_the_cited_runs_and_simulated(tmp_path):
-    plan_path = write_plan(tmp_path / "plan", expected_sd=None, smallest_effect=0.05, decision_rule="direction",
-                           collapse_floor=0.05, power_model={}, seeds=SEEDS_30)  # fmt: skip
+    plan_path = write_plan(
+        tmp_path / "plan",
+        expected_sd=None,
+        smallest_effect=0.05,
+        decision_rule="direction",
+        collapse_floor=0.05,
+        power_model={},
+        seeds=SEEDS_30,
+    )
     dis = [0.60, 0.0, 0.64, 0.58, 0.0, 0.62, 0.61, 0.63]
     none = [0.55, 0.57, 0.0, 0.56, 0.54, 0.58, 0.57, 0.55]
     _explored(plan_path, dis, none)
@@ -516,12 +638,22 @@ def test_a_mixture_power_model_is_fitted_to_the_cited_runs_and_simulated(tmp_pat
     assert power["model"] == "mixture" and power["mixture"] == fitted.to_dict()
     assert power["power"] == stats.mixture_power(fitted, 0.05, 30, 0.05, ranks=False)["t"]
     assert "explored/results.json" in power["mixture_source"] and "collapses with probability 0.25" in power["summary"]
-    normal = confirm.read_plan(write_plan(tmp_path / "normal", expected_sd=fitted.sd, smallest_effect=0.05,
-                                          decision_rule="direction", seeds=SEEDS_30)).power  # fmt: skip
+    normal = confirm.read_plan(
+        write_plan(
+            tmp_path / "normal", expected_sd=fitted.sd, smallest_effect=0.05, decision_rule="direction", seeds=SEEDS_30
+        )
+    ).power
     assert power["power"] < normal["power"], "the collapses cost power the healthy sd alone does not show"
-    given = confirm.read_plan(write_plan(tmp_path / "given", expected_sd=None, smallest_effect=0.05, seeds=SEEDS_30,
-                                         collapse_floor=0.05, power_model={"collapse": [0.2, 0.0], "sd": 0.06,
-                                                                           "healthy": 0.6}))  # fmt: skip
+    given = confirm.read_plan(
+        write_plan(
+            tmp_path / "given",
+            expected_sd=None,
+            smallest_effect=0.05,
+            seeds=SEEDS_30,
+            collapse_floor=0.05,
+            power_model={"collapse": [0.2, 0.0], "sd": 0.06, "healthy": 0.6},
+        )
+    )
     assert given.power["mixture"] == stats.Mixture(0.2, 0.0, 0.06, 0.6).to_dict()
     assert given.power["mixture_source"] == "the plan's power_model"
 
@@ -539,10 +671,12 @@ def test_a_mixture_power_model_is_fitted_to_the_cited_runs_and_simulated(tmp_pat
         ({"power_model": {"sd": 0.1}, "collapse_floor": 0.05}, "expected_sd and power_model both"),
         ({"power_model": {"spread": 0.1}, "collapse_floor": 0.05, "expected_sd": None}, "power_model must be"),
         ({"power_model": {"sd": 0.1}, "collapse_floor": 0.05, "expected_sd": None}, "leaves .* to be fitted"),
-        ({"power_model": {"collapse": 1.0, "sd": 0.1, "healthy": 0.5}, "collapse_floor": 0.05, "expected_sd": None},
-         "probability"),
+        (
+            {"power_model": {"collapse": 1.0, "sd": 0.1, "healthy": 0.5}, "collapse_floor": 0.05, "expected_sd": None},
+            "probability",
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_new_plan_fields_are_checked_before_anything_trains(tmp_path, capsys, changes, needle):
     plan = write_plan(tmp_path / "plan", **changes)
     with pytest.raises(ConfigError, match=needle):
@@ -554,16 +688,29 @@ def test_the_new_plan_fields_are_checked_before_anything_trains(tmp_path, capsys
 
 def _summary(passes: dict[str, list[float]]) -> dict:
     """A results.json content with one cell whose arms scored these per-seed pass@1 (each over 5 tasks alike)."""
-    arms = {arm: {"pass_at_1": p, "evals": [{"per_task": [x] * 5} for x in p],
-                  "runs": {f"{arm}-s{i}": {"checks": {"reward_last10": 0.5}} for i in range(len(p))}}
-            for arm, p in passes.items()}  # fmt: skip
+    arms = {
+        arm: {
+            "pass_at_1": p,
+            "evals": [{"per_task": [x] * 5} for x in p],
+            "runs": {f"{arm}-s{i}": {"checks": {"reward_last10": 0.5}} for i in range(len(p))},
+        }
+        for arm, p in passes.items()
+    }
     return {"cells": [{"name": CELL, "arms": arms, "compare": {}}], "base": {"run_std": 0.02, "runs": 3}}
 
 
 def test_the_family_carries_the_rank_estimand_and_the_collapse_rates_beside_the_mean(tmp_path):
-    plan = confirm.read_plan(write_plan(tmp_path / "plan", smallest_effect=0.05, decision_rule="direction",
-                                        rank_estimand=True, collapse_floor=0.05, seeds=list(range(201, 213)),
-                                        secondary=["collapse:dis_vs_none"]))  # fmt: skip
+    plan = confirm.read_plan(
+        write_plan(
+            tmp_path / "plan",
+            smallest_effect=0.05,
+            decision_rule="direction",
+            rank_estimand=True,
+            collapse_floor=0.05,
+            seeds=list(range(201, 213)),
+            secondary=["collapse:dis_vs_none"],
+        )
+    )
     dis = [0.6, 0.62, 0.0, 0.61, 0.63, 0.6, 0.0, 0.64, 0.62, 0.0, 0.61, 0.6]
     none = [0.55, 0.56, 0.54, 0.0, 0.57, 0.55, 0.56, 0.54, 0.55, 0.0, 0.56, 0.57]
     summary = _summary({"dis": dis, "none": none, "random": none})
@@ -580,15 +727,23 @@ def test_the_family_carries_the_rank_estimand_and_the_collapse_rates_beside_the_
 
 
 def test_a_plan_defines_arms_by_name_and_each_trains_with_its_settings(tiny_model_dir, tmp_path):
-    define = {"dis-lambda1": {"correction": "dis", "gae_lambda": 1.0},
-              "none-bf16": {"correction": "none", "sampler_dtype": "bfloat16"}}  # fmt: skip
-    path = write_plan(tmp_path / "plan", arms=["dis", "none", "dis-lambda1", "none-bf16"], define=define,
-                      primary={"lag": 2, "lr": 3.0e-3, "comparison": "dis-lambda1_vs_dis"},
-                      secondary=["none-bf16_vs_none"])  # fmt: skip
+    define = {
+        "dis-lambda1": {"correction": "dis", "gae_lambda": 1.0},
+        "none-bf16": {"correction": "none", "sampler_dtype": "bfloat16"},
+    }
+    path = write_plan(
+        tmp_path / "plan",
+        arms=["dis", "none", "dis-lambda1", "none-bf16"],
+        define=define,
+        primary={"lag": 2, "lr": 3.0e-3, "comparison": "dis-lambda1_vs_dis"},
+        secondary=["none-bf16_vs_none"],
+    )
     plan = confirm.read_plan(path)
     assert plan.grid.define == define and plan.to_dict()["grid"]["define"] == define
     assert plan.grid.rule_of("none-bf16") == "none" and plan.grid.settings_of("dis+batch-mean") == {
-        "correction": "dis", "baseline": "batch-mean"}  # fmt: skip
+        "correction": "dis",
+        "baseline": "batch-mean",
+    }
     experiment = Experiment(plan.config, plan.grid, tmp_path / "out", seeds=plan.seeds)  # settings checked, no run
     cell = plan.grid.cells()[0]
     assert experiment._run_config(cell, "dis-lambda1", 201).algorithm.gae_lambda == 1.0
@@ -622,10 +777,20 @@ def test_the_power_model_is_fitted_to_the_comparison_power_fit_names(tmp_path):
     plan names instead, its collapse probabilities from the plan."""
     define = {"dis-lambda1": {"correction": "dis", "gae_lambda": 1.0}}
     fit = {"cell": CELL, "comparison": "dis_vs_none"}
-    path = write_plan(tmp_path / "plan", arms=["dis", "none", "dis-lambda1"], define=define, secondary=[],
-                      primary={"lag": 2, "lr": 3.0e-3, "comparison": "dis-lambda1_vs_dis"}, expected_sd=None,
-                      smallest_effect=0.05, decision_rule="direction", collapse_floor=0.05, seeds=SEEDS_30,
-                      power_model={"collapse": 0.05}, power_fit=fit)  # fmt: skip
+    path = write_plan(
+        tmp_path / "plan",
+        arms=["dis", "none", "dis-lambda1"],
+        define=define,
+        secondary=[],
+        primary={"lag": 2, "lr": 3.0e-3, "comparison": "dis-lambda1_vs_dis"},
+        expected_sd=None,
+        smallest_effect=0.05,
+        decision_rule="direction",
+        collapse_floor=0.05,
+        seeds=SEEDS_30,
+        power_model={"collapse": 0.05},
+        power_fit=fit,
+    )
     dis = [0.60, 0.0, 0.64, 0.58, 0.66, 0.62, 0.61, 0.63]
     none = [0.55, 0.57, 0.50, 0.56, 0.54, 0.58, 0.57, 0.55]
     _explored(path, dis, none)
@@ -634,18 +799,32 @@ def test_the_power_model_is_fitted_to_the_comparison_power_fit_names(tmp_path):
     assert plan.power["mixture"] == stats.Mixture(0.05, 0.05, fitted.sd, fitted.healthy, fitted.collapsed).to_dict()
     assert f"(dis − none in {CELL})" in plan.power["mixture_source"] and plan.to_dict()["power_fit"] == fit
     for bad, needle in [({"cell": CELL}, "power_fit must be"), ({**fit, "comparison": "dis_vs_tis"}, "lack")]:
-        bad_path = write_plan(tmp_path / "bad", arms=["dis", "none", "dis-lambda1"], define=define, secondary=[],
-                              expected_sd=None, smallest_effect=0.05, collapse_floor=0.05,
-                              power_model={"collapse": 0.05}, power_fit=bad)  # fmt: skip
+        bad_path = write_plan(
+            tmp_path / "bad",
+            arms=["dis", "none", "dis-lambda1"],
+            define=define,
+            secondary=[],
+            expected_sd=None,
+            smallest_effect=0.05,
+            collapse_floor=0.05,
+            power_model={"collapse": 0.05},
+            power_fit=bad,
+        )
         _explored(bad_path, dis, none)
         with pytest.raises(ConfigError, match=needle):
             confirm.read_plan(bad_path)
 
 
 def test_the_lag_interaction_compares_a_comparisons_per_seed_delta_across_cells(tmp_path):
-    path = write_plan(tmp_path / "plan", grid={"lags": [2, 4], "lrs": [3.0e-3]}, smallest_effect=0.05,
-                      decision_rule="direction", rank_estimand=True, seeds=list(range(201, 209)),
-                      secondary=["dis_vs_none", "interaction:dis_vs_none"])  # fmt: skip
+    path = write_plan(
+        tmp_path / "plan",
+        grid={"lags": [2, 4], "lrs": [3.0e-3]},
+        smallest_effect=0.05,
+        decision_rule="direction",
+        rank_estimand=True,
+        seeds=list(range(201, 209)),
+        secondary=["dis_vs_none", "interaction:dis_vs_none"],
+    )
     plan = confirm.read_plan(path)
     other = "lag4-lr0.003-band0.7-6"
     assert plan.family == [(CELL, "dis_vs_none"), (other, "dis_vs_none"), (other, "interaction:dis_vs_none")]
@@ -669,14 +848,24 @@ def test_a_plan_below_its_power_target_is_refused_unless_accepted(tmp_path, caps
 
     plan = write_plan(tmp_path / "plan", smallest_effect=0.04)
     out = tmp_path / "out"
-    line = refused_in_one_line(capsys, ["confirm", plan, "--out", str(out)], out, "the plan's power is 0.00, below "
-                               "0.8", "--accept-low-power", "add fresh seeds")  # fmt: skip
+    line = refused_in_one_line(
+        capsys,
+        ["confirm", plan, "--out", str(out)],
+        out,
+        "the plan's power is 0.00, below 0.8",
+        "--accept-low-power",
+        "add fresh seeds",
+    )
     assert f"{confirm.read_plan(plan).power['seeds_for_power']} seeds would give 0.8" in line
     with pytest.raises(ConfigError, match="--accept-low-power"):
         confirm.run(plan, out, progress=False)
     assert not out.exists()
-    done = {"confirmation": {"family": [], "outcome": "not confirmed"}, "reason": "made up", "warnings": [],
-            "provenance": {"warnings": []}}  # fmt: skip
+    done = {
+        "confirmation": {"family": [], "outcome": "not confirmed"},
+        "reason": "made up",
+        "warnings": [],
+        "provenance": {"warnings": []},
+    }
     monkeypatch.setattr(confirm, "run", lambda *args, **kwargs: done)
     assert main(["confirm", plan, "--out", str(out), "--quiet", "--accept-low-power"]) == 0
     faults.record("first-hour edges", "sao confirm with power 0.00 for its smallest effect")

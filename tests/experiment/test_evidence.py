@@ -73,8 +73,9 @@ def test_what_the_held_out_split_shares_with_training_is_counted_from_the_split(
     trained = {problem(int(t.id.split("/")[1])) for t in split.train}
     held = {problem(int(t.id.split("/")[1])) for t in split.test}
     assert not held & trained and "120 held-out questions ask 40 problems" in line
-    twins = sum(1 for t in split.test if (p := problem(int(t.id.split("/")[1])))[1] == "+" and (p[2], "+", p[0])
-                in trained)  # fmt: skip
+    twins = sum(
+        1 for t in split.test if (p := problem(int(t.id.split("/")[1])))[1] == "+" and (p[2], "+", p[0]) in trained
+    )
     assert f"{twins} of those have their commuted twin" in line and "120 of the 120 held-out ones among them" in line
 
 
@@ -83,4 +84,5 @@ def test_a_third_confirmation_plan_is_quoted_only_once_every_seed_has_trained(tm
     root.mkdir()
     (root / "plan-a.yaml").write_text("question: q\n")
     assert evidence.third_confirmation(tmp_path)[-1] == (
-        "- `plan-a`: still training; nothing of it is quoted before every seed has trained.")  # fmt: skip
+        "- `plan-a`: still training; nothing of it is quoted before every seed has trained."
+    )

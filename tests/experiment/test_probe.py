@@ -19,15 +19,19 @@ def write_snapshot(run, step: int, carries: bool, seed: int, prompts: int = 96, 
     state; else it is drawn apart from it."""
     rng = np.random.default_rng(seed)
     state = rng.normal(size=(prompts, width))
-    rate = 1 / (1 + np.exp(-2 * state @ rng.normal(size=width) / np.sqrt(width))) if carries else rng.uniform(
-        size=prompts)  # fmt: skip
+    rate = (
+        1 / (1 + np.exp(-2 * state @ rng.normal(size=width) / np.sqrt(width))) if carries else rng.uniform(size=prompts)
+    )
     returns = (rng.random((prompts, samples)) < rate[:, None]).astype(np.float32)
     token_prompt = np.repeat(np.arange(prompts), 5)
     tokens = state[token_prompt] + 0.1 * rng.normal(size=(len(token_prompt), width))
-    tensors = {"returns": torch.tensor(returns), "lengths": torch.full((prompts, samples), 5.0),
-               "prompt_hidden": torch.tensor(state, dtype=torch.float32),
-               "token_hidden": torch.tensor(tokens, dtype=torch.float32),
-               "token_prompt": torch.tensor(token_prompt)}  # fmt: skip
+    tensors = {
+        "returns": torch.tensor(returns),
+        "lengths": torch.full((prompts, samples), 5.0),
+        "prompt_hidden": torch.tensor(state, dtype=torch.float32),
+        "token_hidden": torch.tensor(tokens, dtype=torch.float32),
+        "token_prompt": torch.tensor(token_prompt),
+    }
     (run / "oracle").mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(run / "oracle" / f"step-{step:06d}.safetensors"), metadata={"step": str(step)})
 

@@ -35,8 +35,14 @@ def test_two_builds_of_the_tiny_model_with_1_and_2_threads_are_the_shipped_model
     builds = []
     for threads in (1, 2):
         env = {**os.environ, "SAO_CACHE": str(tmp_path / f"cache-{threads}"), "OMP_NUM_THREADS": str(threads)}
-        done = subprocess.run([sys.executable, "-c", BUILD, str(threads)], env=env, capture_output=True, text=True,
-                              timeout=600, check=True)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", BUILD, str(threads)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
         builds.append(json.loads(done.stdout.strip().splitlines()[-1]))
     one, two = builds
     assert (one["threads"], two["threads"]) == (1, 2)
@@ -53,8 +59,11 @@ def test_the_shipped_weights_are_small_and_hash_to_the_recorded_value(tmp_path):
 
 def _tensors() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"a.weight": torch.randn(4, 3, generator=g), "b.bias": torch.randn(5, generator=g),
-            "c.weight": torch.randn(2, 2, generator=g)}  # fmt: skip
+    return {
+        "a.weight": torch.randn(4, 3, generator=g),
+        "b.bias": torch.randn(5, generator=g),
+        "c.weight": torch.randn(2, 2, generator=g),
+    }
 
 
 def test_weights_hash_is_the_tensors_whatever_the_sharding_and_metadata(tmp_path):
@@ -104,10 +113,12 @@ def test_data_hash_sees_every_field_and_the_order():
 
 
 def _block(weights="w1", threads=1, test="d1") -> dict:
-    return {"model": {"weights_sha256": weights, "tokenizer_sha256": "t"},
-            "data": {"train_sha256": "d0", "test_sha256": test},
-            "machine": {"cpu": "x", "cpu_capability": "AVX2", "torch_threads": threads},
-            "code": {"versions": {"torch": "2"}, "commit": "c"}}  # fmt: skip
+    return {
+        "model": {"weights_sha256": weights, "tokenizer_sha256": "t"},
+        "data": {"train_sha256": "d0", "test_sha256": test},
+        "machine": {"cpu": "x", "cpu_capability": "AVX2", "torch_threads": threads},
+        "code": {"versions": {"torch": "2"}, "commit": "c"},
+    }
 
 
 def test_differences_name_the_pieces_whose_hashes_differ_and_note_the_machine():

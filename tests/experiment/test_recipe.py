@@ -56,10 +56,23 @@ def test_mean_over_seeds_averages_step_by_step():
 
 def test_checks_group_the_mask_by_staleness_and_count_faults():
     rows = [
-        _record(0, "critic-warmup", explained_variance=0.05, critic_loss=0.3, masked_share=0.0,
-                would_be_masked_share=0.0, ratio_max=1.0, grad_norm=None, nonfinite=0, abs_log_ratio_mean=1e-7,
-                abs_log_ratio_max=2e-6, reward_mean=0.3, response_length=10, truncation_share=0.0),
-    ]  # fmt: skip
+        _record(
+            0,
+            "critic-warmup",
+            explained_variance=0.05,
+            critic_loss=0.3,
+            masked_share=0.0,
+            would_be_masked_share=0.0,
+            ratio_max=1.0,
+            grad_norm=None,
+            nonfinite=0,
+            abs_log_ratio_mean=1e-7,
+            abs_log_ratio_max=2e-6,
+            reward_mean=0.3,
+            response_length=10,
+            truncation_share=0.0,
+        )
+    ]
     for i, (s, m, w, g) in enumerate([(1, 0.01, 0.01, 0.5), (2, 0.03, 0.03, 1.5), (1, 0.02, 0.02, float("nan"))]):
         rows.append(
             _record(
@@ -95,9 +108,26 @@ def test_checks_group_the_mask_by_staleness_and_count_faults():
 
 
 SMALL = [
-    "--preset", "tiny", "--batch-size", "16", "--steps", "6", "--critic-warmup", "2", "--lr", "3e-3",
-    "--train-prompts", "64", "--test-prompts", "24", "--eval-samples", "2", "--base-evals", "2", "--quiet",
-]  # fmt: skip
+    "--preset",
+    "tiny",
+    "--batch-size",
+    "16",
+    "--steps",
+    "6",
+    "--critic-warmup",
+    "2",
+    "--lr",
+    "3e-3",
+    "--train-prompts",
+    "64",
+    "--test-prompts",
+    "24",
+    "--eval-samples",
+    "2",
+    "--base-evals",
+    "2",
+    "--quiet",
+]
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +192,11 @@ def test_sao_compare_on_the_recipes_scores_as_lm_eval_files_gives_the_recipes_co
     results = json.loads((recipe_run / "results.json").read_text())
     (cell,) = results["cells"]
     folders = {}
-    for name, evals in (("none", cell["arms"]["none"]["evals"]), ("dis", cell["arms"]["dis"]["evals"]),
-                        ("base", results["base"]["evals"])):  # fmt: skip
+    for name, evals in (
+        ("none", cell["arms"]["none"]["evals"]),
+        ("dis", cell["arms"]["dis"]["evals"]),
+        ("base", results["base"]["evals"]),
+    ):
         for i, e in enumerate(evals):
             lm_eval_file(tmp_path / name / f"run{i}", e["per_task"])
         folders[name] = tmp_path / name

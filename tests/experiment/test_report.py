@@ -41,17 +41,32 @@ def _records(cell: str, arm: str, seed: int, k: int) -> list[dict]:
         stale = (g - WARMUP) % 3 if policy else 0
         wobble = 0.01 * ((g * 7 + seed + k) % 5)
         masked = 0.002 * stale + wobble / 10 if policy else 0.0
-        out.append({
-            "cell": cell, "arm": arm, "seed": seed, "step": g, "phase": "policy" if policy else "critic-warmup",
-            "policy_step": g - WARMUP if policy else None, "staleness": stale,
-            "reward_mean": 0.3 + 0.02 * g + wobble + (0.03 * policy if arm == "dis" else 0.0),
-            "masked_share": 0.0 if arm == "none" else masked, "would_be_masked_share": masked * 1.3,
-            "ratio_min": 0.5, "ratio_mean": 1.0, "ratio_max": 1.0 + stale * 1.7 + wobble + k, "ratio_p99": 1.5,
-            "kl_sampler_policy": 0.001 * stale + wobble / 100,
-            "explained_variance": None if g == 3 else -0.05 + 0.01 * g,  # a NaN stored as null
-            "critic_loss": 0.25, "response_length": 14.0 - 0.1 * g + wobble, "truncation_share": 0.0,
-            "grad_norm": 0.1 + wobble if policy else None, "skipped": False, "time": 0.5,
-        })  # fmt: skip
+        out.append(
+            {
+                "cell": cell,
+                "arm": arm,
+                "seed": seed,
+                "step": g,
+                "phase": "policy" if policy else "critic-warmup",
+                "policy_step": g - WARMUP if policy else None,
+                "staleness": stale,
+                "reward_mean": 0.3 + 0.02 * g + wobble + (0.03 * policy if arm == "dis" else 0.0),
+                "masked_share": 0.0 if arm == "none" else masked,
+                "would_be_masked_share": masked * 1.3,
+                "ratio_min": 0.5,
+                "ratio_mean": 1.0,
+                "ratio_max": 1.0 + stale * 1.7 + wobble + k,
+                "ratio_p99": 1.5,
+                "kl_sampler_policy": 0.001 * stale + wobble / 100,
+                "explained_variance": None if g == 3 else -0.05 + 0.01 * g,  # a NaN stored as null
+                "critic_loss": 0.25,
+                "response_length": 14.0 - 0.1 * g + wobble,
+                "truncation_share": 0.0,
+                "grad_norm": 0.1 + wobble if policy else None,
+                "skipped": False,
+                "time": 0.5,
+            }
+        )
     return out
 
 
@@ -68,13 +83,24 @@ def _checks(arm: str, seed: int, k: int) -> dict:
     return {
         # a value the runner could not compute (a run without warmup) must read "—", not "None"
         "critic_ev_warmup_end": None if (arm, seed) == ("none", 18) else -0.0421,
-        "critic_ev_last10": -0.0312, "critic_loss_warmup_end": 0.2355, "critic_loss_last10": 0.2593,
-        "grad_norm_mean": 0.1148, "grad_norm_max": 0.3404, "clip_bound_steps": 0, "clip_ever_bound": False,
-        "nonfinite_tokens": 0.0, "skipped_steps": 0, "masked_share_by_staleness": by_staleness,
-        "masked_share_max": 0.0 if arm == "none" else 0.0292, "lag0_abs_log_ratio_mean": 3.2e-07,
-        "lag0_abs_log_ratio_max": 6.2e-06, "reward_first10": 0.303 + 0.01 * k, "reward_last10": 0.468,
-        "response_length_last10": 13.84, "truncation_share_last10": 0.0,
-    }  # fmt: skip
+        "critic_ev_last10": -0.0312,
+        "critic_loss_warmup_end": 0.2355,
+        "critic_loss_last10": 0.2593,
+        "grad_norm_mean": 0.1148,
+        "grad_norm_max": 0.3404,
+        "clip_bound_steps": 0,
+        "clip_ever_bound": False,
+        "nonfinite_tokens": 0.0,
+        "skipped_steps": 0,
+        "masked_share_by_staleness": by_staleness,
+        "masked_share_max": 0.0 if arm == "none" else 0.0292,
+        "lag0_abs_log_ratio_mean": 3.2e-07,
+        "lag0_abs_log_ratio_max": 6.2e-06,
+        "reward_first10": 0.303 + 0.01 * k,
+        "reward_last10": 0.468,
+        "response_length_last10": 13.84,
+        "truncation_share_last10": 0.0,
+    }
 
 
 def _fold(first: float | None, last: float | None) -> dict:
@@ -84,27 +110,47 @@ def _fold(first: float | None, last: float | None) -> dict:
 
 def _eval(label: str, pass_at_1: float, reply: str = "2+2=4\n#### 4") -> dict:
     return {
-        "label": label, "pass_at_1": pass_at_1, "per_task": [1.0, 0.0], "task_ids": [0, 1], "samples": 4,
-        "temperature": 0.7, "seed": 123, "mean_reply_chars": 30.1, "mean_reply_tokens": 14.02 + pass_at_1,
-        "truncation_share": 0.0, "seconds": 0.9, "batch": 480, "oom_retries": 0,
+        "label": label,
+        "pass_at_1": pass_at_1,
+        "per_task": [1.0, 0.0],
+        "task_ids": [0, 1],
+        "samples": 4,
+        "temperature": 0.7,
+        "seed": 123,
+        "mean_reply_chars": 30.1,
+        "mean_reply_tokens": 14.02 + pass_at_1,
+        "truncation_share": 0.0,
+        "seconds": 0.9,
+        "batch": 480,
+        "oom_retries": 0,
         "examples": [
             {"question": "What is 2+2?", "reply": reply, "gold": "4", "correct": True},
             {"question": "What is 3-5?", "reply": "3-5=2\n#### 2", "gold": "-2", "correct": False},
             {"question": "What is 1+1?", "reply": "#### 2", "gold": "2", "correct": True},
             {"question": "What is 9-1?", "reply": "#### 8", "gold": "8", "correct": True},  # the fourth is not shown
         ],
-    }  # fmt: skip
+    }
 
 
 def _comparison(after: str, before: str, k: int, *, verdict: str = "unresolved", floor: float | None = 0.13219) -> dict:
     delta = 0.012345 + 0.01 * k if verdict != "improved" else 0.1234
     half = 0.0334 if verdict != "improved" else 0.05
     return {
-        "before": before, "after": after, "delta": delta, "ci_low": delta - half, "ci_high": delta + half,
-        "noise_floor": floor, "verdict": verdict, "reason": f"{verdict}: delta {delta:+.3f} over 2 seeds (made up).",
-        "unit": "seed", "n": 2, "before_mean": 0.49, "after_mean": 0.49 + delta, "proxy_delta": -0.004 + 0.001 * k,
+        "before": before,
+        "after": after,
+        "delta": delta,
+        "ci_low": delta - half,
+        "ci_high": delta + half,
+        "noise_floor": floor,
+        "verdict": verdict,
+        "reason": f"{verdict}: delta {delta:+.3f} over 2 seeds (made up).",
+        "unit": "seed",
+        "n": 2,
+        "before_mean": 0.49,
+        "after_mean": 0.49 + delta,
+        "proxy_delta": -0.004 + 0.001 * k,
         "proxy_diverges": False,
-    }  # fmt: skip
+    }
 
 
 def _experiment(lags: list[int], lrs: list[float], arms: list[str], *, base_evals: int) -> tuple[dict, list[dict]]:
@@ -133,11 +179,16 @@ def _experiment(lags: list[int], lrs: list[float], arms: list[str], *, base_eval
                     curves["response_length"] = _fold(None, None)
                 mean = sum(passes) / len(passes)
                 cell["arms"][arm] = {
-                    "pass_at_1": passes, "pass_at_1_mean": mean, "pass_at_1_ci": [mean - 0.2123, mean + 0.2123],
-                    "evals": [_eval(f"{arm}-s{s}", p, reply="a|b\nc" if arm == "dis" else "2+2=4\n#### 4")
-                              for s, p in zip(SEEDS, passes, strict=True)],
-                    "curves": curves, "runs": runs,
-                }  # fmt: skip
+                    "pass_at_1": passes,
+                    "pass_at_1_mean": mean,
+                    "pass_at_1_ci": [mean - 0.2123, mean + 0.2123],
+                    "evals": [
+                        _eval(f"{arm}-s{s}", p, reply="a|b\nc" if arm == "dis" else "2+2=4\n#### 4")
+                        for s, p in zip(SEEDS, passes, strict=True)
+                    ],
+                    "curves": curves,
+                    "runs": runs,
+                }
                 if arm != "none":
                     verdict = "improved" if (name == GRID_IMPROVED and arm == "dis") else "unresolved"
                     cell["compare"][f"{arm}_vs_none"] = _comparison(arm, "none", k, verdict=verdict, floor=floor)
@@ -146,8 +197,17 @@ def _experiment(lags: list[int], lrs: list[float], arms: list[str], *, base_eval
             cells.append(cell)
     primary = {"cell": cells[-1]["name"], "comparison": "dis_vs_none"}
     main = cells[-1]["compare"]["dis_vs_none"]
-    config = {"model": "tiny", "data": "tiny", "band": BAND, "lag": lags[0], "lr": lrs[0], "grad_clip": 1.0,
-              "base_evals": base_evals, "dead_band_share": 0.001, "train_runs": len(SEEDS)}  # fmt: skip
+    config = {
+        "model": "tiny",
+        "data": "tiny",
+        "band": BAND,
+        "lag": lags[0],
+        "lr": lrs[0],
+        "grad_clip": 1.0,
+        "base_evals": base_evals,
+        "dead_band_share": 0.001,
+        "train_runs": len(SEEDS),
+    }
     results = {
         "question": "Does masking tokens outside the IS band (dis) beat the plain ratio (none) on held-out pass@1?",
         "command": "sao recipe --preset tiny --out runs/demo" if len(cells) == 1 else None,
@@ -233,9 +293,13 @@ def test_the_verdict_and_every_comparison_read_as_results_json_holds_them(built)
             verdict = f"**{c['verdict']}**" if c["verdict"] == "improved" else c["verdict"]
             floor = f"±{fmt_share(c['noise_floor'])}" if c["noise_floor"] is not None else "±—"
             assert _row(text, cell["name"], name, fmt_share(c["before_mean"]))[3:] == [
-                fmt_share(c["after_mean"]), fmt_signed(c["delta"]), fmt_interval(c["ci_low"], c["ci_high"]), floor,
-                "seed (2)", verdict,
-            ]  # fmt: skip
+                fmt_share(c["after_mean"]),
+                fmt_signed(c["delta"]),
+                fmt_interval(c["ci_low"], c["ci_high"]),
+                floor,
+                "seed (2)",
+                verdict,
+            ]
             assert f"- {cell['name']}, {name}: {c['reason']}" in text
             assert _row(text, cell["name"], name, fmt_signed(c["proxy_delta"]))[3] == "no"
     assert fmt_signed(0.012345) == "+0.0123"  # the format the page promises, spelled out once
@@ -273,9 +337,14 @@ def test_each_arm_against_the_base(built):
     cell = results["cells"][0]
     for arm, c in cell["vs_base"].items():
         assert _row(section, cell["name"], arm)[2:] == [
-            "0.4050", fmt_share(c["after_mean"]), fmt_signed(c["delta"]), fmt_interval(c["ci_low"], c["ci_high"]),
-            f"±{fmt_share(c['noise_floor'])}", "seed (2)", c["verdict"],
-        ]  # fmt: skip
+            "0.4050",
+            fmt_share(c["after_mean"]),
+            fmt_signed(c["delta"]),
+            fmt_interval(c["ci_low"], c["ci_high"]),
+            f"±{fmt_share(c['noise_floor'])}",
+            "seed (2)",
+            c["verdict"],
+        ]
         assert f"- {cell['name']}, {arm}: {c['reason']}" in section
 
 
@@ -388,15 +457,18 @@ def _malformed(edit) -> tuple[dict, list[dict]]:
         ("train_log.json", "{}", r"train_log\.json: the top level should be a JSON list \(found: object\)"),
         ("results.json", '{"verdict": "flat", "config": {}}', r"results\.json lacks 'cells'"),
         ("results.json", '{"verdict": "flat", "config": {}, "cells": []}', r"results\.json holds no cell"),
-        (None, lambda r, _: r["cells"][0]["arms"]["dis"].update(curves=[1, 2]),
-         r"results\.json: cells\[0\]\.arms\.dis\.curves should be a JSON object \(found: list\)"),
+        (
+            None,
+            lambda r, _: r["cells"][0]["arms"]["dis"].update(curves=[1, 2]),
+            r"results\.json: cells\[0\]\.arms\.dis\.curves should be a JSON object \(found: list\)",
+        ),
         (None, lambda r, _: r["cells"][0].update(band=[0.7]), r"cells\[0\]\.band should be a two-number list"),
         (None, lambda r, _: r["cells"][0]["compare"].update(dis_vs_none="flat"), r"compare\.dis_vs_none should be"),
         (None, lambda r, _: r["base"].update(evals={}), r"base\.evals should be a JSON list"),
         (None, lambda _, log: log[3].pop("cell"), r"train_log\.json lacks '\[3\]\.cell'"),
         (None, lambda _, log: log[0].update(step="one"), r"train_log\.json: \[0\]\.step should be a number"),
     ],
-)  # fmt: skip
+)
 def test_malformed_input_is_a_one_line_data_error_naming_the_file(tmp_path, name, content, match):
     if name is None:
         folder = _write_folder(tmp_path / "x", _malformed(content))
@@ -469,10 +541,19 @@ def test_the_ratio_split_by_cause_is_plotted_when_the_log_has_it(tmp_path):
     curves table; one that did not gets neither (the one-cell fixture has no such keys)."""
     results, log = _one_cell()
     for r in log:
-        r.update(mismatch_fresh=1e-6 * (1 + r["step"]), staleness_drift=0.01 * r["staleness"],
-                 mismatch_rescored=2e-6 if r["staleness"] else None)  # fmt: skip
-    results["cells"][0]["arms"]["dis"]["curves"]["staleness_drift"] = {"first": 0.0, "last": 0.03, "mean": 0.015,
-                                                                      "max": 0.03, "min": 0.0, "n": 3}  # fmt: skip
+        r.update(
+            mismatch_fresh=1e-6 * (1 + r["step"]),
+            staleness_drift=0.01 * r["staleness"],
+            mismatch_rescored=2e-6 if r["staleness"] else None,
+        )
+    results["cells"][0]["arms"]["dis"]["curves"]["staleness_drift"] = {
+        "first": 0.0,
+        "last": 0.03,
+        "mean": 0.015,
+        "max": 0.03,
+        "min": 0.0,
+        "n": 3,
+    }
     folder = _write_folder(tmp_path / "split", (results, log))
     text = report.write(folder).read_text(encoding="utf-8")
     assert_png_linked(folder, text, report.MISMATCH_PLOT[0], min_bytes=5_000)
@@ -486,18 +567,42 @@ def _confirmed(gatekeeping: bool, gate: str | None) -> tuple[dict, list[dict]]:
     """The one-cell experiment with a plan and its outcome beside it, as `sao confirm` writes them (made up)."""
     results, log = _one_cell()
     cell = results["cells"][0]["name"]
-    row = {"cell": cell, "comparison": "dis_vs_none", "delta": 0.05, "ci_low": -0.2, "ci_high": 0.3, "p_value": 0.5,
-           "p_t": 0.21, "p_rule": "exact sign-flip", "p_holm": 0.5, "smallest_effect": 0.04,
-           "verdict_unadjusted": "unresolved", "verdict": "unresolved",
-           "reason": "unresolved: the exact sign-flip p over 2 seeds is 0.5 (made up)."}  # fmt: skip
-    power = {"summary": "power 0.00 to detect δ 0.04 (the plan's smallest_effect) with sd 0.05 (the plan's "
-             "expected_sd) over 2 paired seeds at the primary alone at alpha 0.05 (gatekeeping); 16 seeds would give "
-             "0.8", "warning": "the plan's power is 0.00, below 0.8: with 2 seeds the exact sign-flip p cannot go "
-             "below 0.5; 16 seeds would give 0.8"}  # fmt: skip
-    results["plan"] = {"file": "plan.yaml", "sha256": "ab" * 32, "primary": {"cell": cell, "after": "dis",
-                       "before": "none", "expect": "improved"}, "secondary": ["dis_vs_none"], "family": [row],
-                       "arms": ["dis", "none"], "seeds": SEEDS, "correction": "holm", "alpha": 0.05,
-                       "smallest_effect": 0.04, "gatekeeping": gatekeeping, "power": power}  # fmt: skip
+    row = {
+        "cell": cell,
+        "comparison": "dis_vs_none",
+        "delta": 0.05,
+        "ci_low": -0.2,
+        "ci_high": 0.3,
+        "p_value": 0.5,
+        "p_t": 0.21,
+        "p_rule": "exact sign-flip",
+        "p_holm": 0.5,
+        "smallest_effect": 0.04,
+        "verdict_unadjusted": "unresolved",
+        "verdict": "unresolved",
+        "reason": "unresolved: the exact sign-flip p over 2 seeds is 0.5 (made up).",
+    }
+    power = {
+        "summary": "power 0.00 to detect δ 0.04 (the plan's smallest_effect) with sd 0.05 (the plan's "
+        "expected_sd) over 2 paired seeds at the primary alone at alpha 0.05 (gatekeeping); 16 seeds would give "
+        "0.8",
+        "warning": "the plan's power is 0.00, below 0.8: with 2 seeds the exact sign-flip p cannot go "
+        "below 0.5; 16 seeds would give 0.8",
+    }
+    results["plan"] = {
+        "file": "plan.yaml",
+        "sha256": "ab" * 32,
+        "primary": {"cell": cell, "after": "dis", "before": "none", "expect": "improved"},
+        "secondary": ["dis_vs_none"],
+        "family": [row],
+        "arms": ["dis", "none"],
+        "seeds": SEEDS,
+        "correction": "holm",
+        "alpha": 0.05,
+        "smallest_effect": 0.04,
+        "gatekeeping": gatekeeping,
+        "power": power,
+    }
     results["confirmation"] = {
         "correction": "holm",
         "alpha": 0.05,
@@ -577,22 +682,39 @@ def test_the_realised_power_stands_beside_the_planned_power():
     line = next(x for x in _section(text, "Plan (fixed before the run)").splitlines() if "Power, realised" in x)
     assert f"have sd {sd:.3g} (the plan assumed 0.05)" in line and "(planned 0.00)" in line
     assert "power 0.00 for δ 0.04" in line, "2 seeds: the exact floor leaves no power, realised or planned"
-    results["confirmation"]["realised_power"] = {"seeds": 2, "sd": 0.3, "alpha": 0.05, "smallest_effect": 0.04,
-                                                 "effect": 0.04, "power": 0.123, "mixture": None,
-                                                 "mixture_power": None}  # fmt: skip
+    results["confirmation"]["realised_power"] = {
+        "seeds": 2,
+        "sd": 0.3,
+        "alpha": 0.05,
+        "smallest_effect": 0.04,
+        "effect": 0.04,
+        "power": 0.123,
+        "mixture": None,
+        "mixture_power": None,
+    }
     assert "has power 0.12 for δ 0.04" in report.render(results, log), "recorded: read, not recomputed"
 
 
 def test_a_plan_with_a_decision_rule_and_estimands_states_them_and_each_verdicts_size():
     results, log = _confirmed(gatekeeping=True, gate="closed")
-    results["plan"].update(decision_rule="minimum-effect", expected_effect=0.1, rank_estimand=True,
-                           collapse_floor=0.05)  # fmt: skip
+    results["plan"].update(decision_rule="minimum-effect", expected_effect=0.1, rank_estimand=True, collapse_floor=0.05)
     row = results["confirmation"]["primary"]
-    row.update(verdict_unadjusted="regressed", verdict="regressed", magnitude="undetermined",
-               finding="regressed, size against δ undetermined",
-               rank={"hodges_lehmann": -0.06, "low": -0.11, "high": -0.01, "sign_p": 0.15, "positive": 8,
-                     "negative": 16, "ties": 0},
-               collapse={"n": 24, "after_collapsed": 3, "before_collapsed": 0, "p_value": 0.25})  # fmt: skip
+    row.update(
+        verdict_unadjusted="regressed",
+        verdict="regressed",
+        magnitude="undetermined",
+        finding="regressed, size against δ undetermined",
+        rank={
+            "hodges_lehmann": -0.06,
+            "low": -0.11,
+            "high": -0.01,
+            "sign_p": 0.15,
+            "positive": 8,
+            "negative": 16,
+            "ties": 0,
+        },
+        collapse={"n": 24, "after_collapsed": 3, "before_collapsed": 0, "p_value": 0.25},
+    )
     results["confirmation"]["outcome"] = "contradicted"
     results["verdict"] = "regressed"
     text = report.render(results, log)
@@ -604,8 +726,13 @@ def test_a_plan_with_a_decision_rule_and_estimands_states_them_and_each_verdicts
     came = _section(text, "What came out")
     assert "**Primary: contradicted** (expected improved; after holm: regressed, size against δ undetermined)" in came
     primary = _row(came, results["cells"][0]["name"], "dis_vs_none (primary)")
-    assert primary[9:] == ["**regressed**, size against δ undetermined", "-0.0600 [-0.1100, -0.0100]",
-                           "0.15 (8 / 16 / 0)", "3, 0 of 24", "0.25"]  # fmt: skip
+    assert primary[9:] == [
+        "**regressed**, size against δ undetermined",
+        "-0.0600 [-0.1100, -0.0100]",
+        "0.15 (8 / 16 / 0)",
+        "3, 0 of 24",
+        "0.25",
+    ]
 
 
 def test_the_off_policy_diagnostics_show_the_ess_the_sides_of_the_band_and_the_tokens_outside_it(tmp_path):
@@ -613,9 +740,11 @@ def test_the_off_policy_diagnostics_show_the_ess_the_sides_of_the_band_and_the_t
     arm = results["cells"][0]["arms"]["dis"]
     arm["curves"].update(would_be_masked_share_low=_fold(0.01, 0.03), would_be_masked_share_high=_fold(0.0, 0.01))
     run = next(iter(arm["runs"].values()))
-    run["checks"].update(outside_band_tokens=[[" =", 30, 2, 40], ["42", 0, 5, 10]],
-                         outside_band_by_position=[8, 0, 0, 0, 0, 0, 0, 0, 0, 29],
-                         tokens_by_position=[100] * 10)  # fmt: skip
+    run["checks"].update(
+        outside_band_tokens=[[" =", 30, 2, 40], ["42", 0, 5, 10]],
+        outside_band_by_position=[8, 0, 0, 0, 0, 0, 0, 0, 0, 29],
+        tokens_by_position=[100] * 10,
+    )
     for r in log:
         r["ratio_ess_share"] = 0.9 - 0.01 * r["step"]
     folder = _write_folder(tmp_path / "x", (results, log))
@@ -644,8 +773,17 @@ def test_where_the_time_goes_is_plotted_tabled_and_linked_to_each_run_timeline(t
     (with its share of the step); each run folder's timeline.json is linked. The one-cell fixture has neither."""
     results, log = _one_cell()
     for r in log:
-        r.update(time=1.0, time_wait=0.0, time_draw=0.5, time_env=0.1, time_score=0.05, time_pass=0.25,
-                 time_update=0.05 if r["phase"] == "policy" else 0.0, time_critic=0.05, time_other=0.0)  # fmt: skip
+        r.update(
+            time=1.0,
+            time_wait=0.0,
+            time_draw=0.5,
+            time_env=0.1,
+            time_score=0.05,
+            time_pass=0.25,
+            time_update=0.05 if r["phase"] == "policy" else 0.0,
+            time_critic=0.05,
+            time_other=0.0,
+        )
     cell = results["cells"][0]["name"]
     folder = _write_folder(tmp_path / "timed", (results, log))
     for run in ("dis-s17", "none-s18"):
@@ -656,8 +794,10 @@ def test_where_the_time_goes_is_plotted_tabled_and_linked_to_each_run_timeline(t
     section = _section(text, "Where the time goes")
     policy_share = POLICY_STEPS / (WARMUP + POLICY_STEPS)
     assert _row(section, cell, "dis")[2:] == [
-        "1.0 s", f"draw 0.5 (50%), env 0.1 (10%), score 0.05 (5%), pass 0.25 (25%), update {fmt(0.05 * policy_share)} "
-        f"({0.05 * policy_share:.0%}), critic 0.05 (5%)"]  # fmt: skip
+        "1.0 s",
+        f"draw 0.5 (50%), env 0.1 (10%), score 0.05 (5%), pass 0.25 (25%), update {fmt(0.05 * policy_share)} "
+        f"({0.05 * policy_share:.0%}), critic 0.05 (5%)",
+    ]
     for run in ("dis-s17", "none-s18"):
         link = f"cells/{cell}/runs/{run}/timeline.json"
         assert f"[{link}]({link})" in section and (folder / link).exists()
@@ -671,15 +811,37 @@ def test_the_critic_against_what_was_reachable_and_the_defined_arms_are_reported
     dis["settings"] = {"correction": "dis", "sampler_logit_noise": 1.0}
     for i, run in enumerate(dis["runs"].values()):
         run["checks"]["ceiling"] = [
-            {"snapshot": "warmup-end", "step": 9, "mean": 0.3, "prompt_level": 0.05 + 0.02 * i, "token_level": 0.04,
-             "critic_ev": 0.01, "critic_share": 0.25},
-            {"snapshot": "40", "step": 49, "mean": 0.5, "prompt_level": 0.4, "token_level": 0.38 + 0.02 * i,
-             "critic_ev": 0.02, "critic_share": 0.05},
-        ]  # fmt: skip
-        run["checks"]["oracle_baseline"] = {"samples": 4, "shrinkage_mean": 0.6, "batch_ceiling_mean": 0.3,
-                                            "rate_mean": 0.4, "ev_last10": 0.2 + 0.1 * i}  # fmt: skip
-    probe = {"summary": [{"snapshot": "warmup-end", "runs": 2, "prompt_token_r2": -0.03, "per_token_r2": 0.01,
-                          "signal_share": 0.3}]}  # fmt: skip
+            {
+                "snapshot": "warmup-end",
+                "step": 9,
+                "mean": 0.3,
+                "prompt_level": 0.05 + 0.02 * i,
+                "token_level": 0.04,
+                "critic_ev": 0.01,
+                "critic_share": 0.25,
+            },
+            {
+                "snapshot": "40",
+                "step": 49,
+                "mean": 0.5,
+                "prompt_level": 0.4,
+                "token_level": 0.38 + 0.02 * i,
+                "critic_ev": 0.02,
+                "critic_share": 0.05,
+            },
+        ]
+        run["checks"]["oracle_baseline"] = {
+            "samples": 4,
+            "shrinkage_mean": 0.6,
+            "batch_ceiling_mean": 0.3,
+            "rate_mean": 0.4,
+            "ev_last10": 0.2 + 0.1 * i,
+        }
+    probe = {
+        "summary": [
+            {"snapshot": "warmup-end", "runs": 2, "prompt_token_r2": -0.03, "per_token_r2": 0.01, "signal_share": 0.3}
+        ]
+    }
     text = report.render(results, log, probe=probe)
     section = _section(text, "The critic against what was reachable")
     assert _row(section, _name(4, 1e-3), "dis", "warmup-end")[3:] == ["2", "0.3", "0.06", "0.04", "0.01", "0.25"]

@@ -19,9 +19,26 @@ from helpers import run_log, trace_errors, without_keys
 from sao.core.timeline import TIMING_FIELDS
 
 SMALL = [
-    "--preset", "tiny", "--batch-size", "16", "--steps", "5", "--critic-warmup", "2", "--lag", "2",
-    "--train-prompts", "64", "--test-prompts", "24", "--eval-samples", "2", "--base-evals", "2", "--quiet",
-]  # fmt: skip
+    "--preset",
+    "tiny",
+    "--batch-size",
+    "16",
+    "--steps",
+    "5",
+    "--critic-warmup",
+    "2",
+    "--lag",
+    "2",
+    "--train-prompts",
+    "64",
+    "--test-prompts",
+    "24",
+    "--eval-samples",
+    "2",
+    "--base-evals",
+    "2",
+    "--quiet",
+]
 
 # The child: patch one function to SIGKILL the process at the chosen moment, then run the CLI.
 CHILD = r"""
@@ -157,13 +174,38 @@ def test_a_killed_multi_turn_run_resumes_to_identical_results(tiny_model_dir, tm
     resumed: the log is the uninterrupted run's, episode for episode, and the timeline.json the kill left parses as
     it is and goes on through the resume."""
     pytest.importorskip("skyrl_gym")
-    agent = ["--preset", "tiny", "--env", "skyrl:gsm8k_multi_turn", "--max-turns", "2", "--max-new-tokens", "24",
-             "--batch-size", "8", "--steps", "4", "--critic-warmup", "1", "--lag", "2", "--train-prompts", "32",
-             "--test-prompts", "8", "--quiet"]  # fmt: skip
+    agent = [
+        "--preset",
+        "tiny",
+        "--env",
+        "skyrl:gsm8k_multi_turn",
+        "--max-turns",
+        "2",
+        "--max-new-tokens",
+        "24",
+        "--batch-size",
+        "8",
+        "--steps",
+        "4",
+        "--critic-warmup",
+        "1",
+        "--lag",
+        "2",
+        "--train-prompts",
+        "32",
+        "--test-prompts",
+        "8",
+        "--quiet",
+    ]
     reference, out = tmp_path / "reference", tmp_path / "run"
     _run(["train", *agent, "--out", str(reference)])
-    killed = subprocess.run([sys.executable, "-c", CHILD, "train-step", "dis seed 17", "3", "train", *agent,
-                             "--out", str(out)], capture_output=True, text=True, env=_env(), timeout=600)  # fmt: skip
+    killed = subprocess.run(
+        [sys.executable, "-c", CHILD, "train-step", "dis seed 17", "3", "train", *agent, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     left = json.loads((out / "timeline.json").read_text())  # as the kill left it: no repair needed to read it
     assert not trace_errors(left) and _steps(left) == [0, 1, 2]

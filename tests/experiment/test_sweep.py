@@ -63,10 +63,39 @@ def test_bad_band_spec_is_one_line(tmp_path, capsys):
 @pytest.mark.slow
 def test_small_sweep_end_to_end(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "sweep"
-    argv = ["sweep", "--preset", "tiny", "--lags", "1", "4", "--lrs", "3e-3", "--arms", "dis", "none", "tis",
-            "--train-runs", "2", "--steps", "4", "--critic-warmup", "1", "--batch-size", "16",
-            "--train-prompts", "64", "--test-prompts", "16", "--eval-samples", "2", "--base-evals", "2", "--quiet",
-            "--out", str(out)]  # fmt: skip
+    argv = [
+        "sweep",
+        "--preset",
+        "tiny",
+        "--lags",
+        "1",
+        "4",
+        "--lrs",
+        "3e-3",
+        "--arms",
+        "dis",
+        "none",
+        "tis",
+        "--train-runs",
+        "2",
+        "--steps",
+        "4",
+        "--critic-warmup",
+        "1",
+        "--batch-size",
+        "16",
+        "--train-prompts",
+        "64",
+        "--test-prompts",
+        "16",
+        "--eval-samples",
+        "2",
+        "--base-evals",
+        "2",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "dis_vs_none" in printed and "tis_vs_none" in printed

@@ -78,8 +78,13 @@ FULL_DISK = """
 def test_a_full_disk_while_an_adapter_is_written_is_one_line_and_keeps_the_previous_one(tmp_path, faults):
     tests = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(tests), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FULL_DISK), str(tmp_path)], capture_output=True,
-                          text=True, env=env, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FULL_DISK), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     kind, message = done.stdout.strip().split("|", 1)
     assert kind == "OutputError" and "\n" not in message, done.stdout
@@ -101,5 +106,7 @@ def test_a_truncated_adapter_is_refused_before_any_model_loads(small, tmp_path, 
     message = str(caught.value)
     assert "\n" not in message and str(weights) in message and "truncated" in message, message
     assert not (tmp_path / "merged").exists()
-    faults.record("run folders", f"a truncated adapter_model.safetensors ({cut if cut >= 0 else 'all but 10'} bytes "
-                  "kept) under merge")  # fmt: skip
+    faults.record(
+        "run folders",
+        f"a truncated adapter_model.safetensors ({cut if cut >= 0 else 'all but 10'} bytes kept) under merge",
+    )

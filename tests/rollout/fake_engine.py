@@ -60,9 +60,16 @@ class FakeClient:
                 p.copy_(weights.get(name, p))
             prompt = torch.tensor([list(prompt_token_ids)])
             generator = torch.Generator().manual_seed(seed or 0)
-            drawn = draw(self.model, prompt, torch.ones_like(prompt, dtype=torch.bool), max_new_tokens=max_tokens,
-                         temperature=temperature, eos_token_ids=list(stop_token_ids),
-                         pad_token_id=self.tokenizer.pad_token_id, generator=generator)  # fmt: skip
+            drawn = draw(
+                self.model,
+                prompt,
+                torch.ones_like(prompt, dtype=torch.bool),
+                max_new_tokens=max_tokens,
+                temperature=temperature,
+                eos_token_ids=list(stop_token_ids),
+                pad_token_id=self.tokenizer.pad_token_id,
+                generator=generator,
+            )
         keep = drawn.response_mask[0]  # [R] through the stop token
         ids = drawn.response_ids[0][keep].tolist()
         reason = "stop" if ids and ids[-1] in stop_token_ids else "length"
@@ -80,8 +87,9 @@ class FakeSettings(RemoteSettings):
 
     def connect(self, context: Any) -> Connection:
         m = context.models
-        client = FakeClient(m.name, context.config.model.lora_rank, context.config.model.lora_alpha,
-                            self.fake_ignores_adapters)  # fmt: skip
+        client = FakeClient(
+            m.name, context.config.model.lora_rank, context.config.model.lora_alpha, self.fake_ignores_adapters
+        )
         return Connection([client], max_model_len=512)
 
 

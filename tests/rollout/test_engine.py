@@ -201,8 +201,19 @@ def test_every_sdpa_call_has_as_many_query_heads_as_key_heads_and_no_gqa_flag(ti
 
 def test_batch_sizes_round_up_to_buckets():
     assert [_bucket(b) for b in (1, 2, 3, 5, 8, 17, 32, 33, 64, 65, 480, 481)] == [
-        1, 2, 4, 8, 8, 32, 32, 64, 64, 96, 480, 512,
-    ]  # fmt: skip
+        1,
+        2,
+        4,
+        8,
+        8,
+        32,
+        32,
+        64,
+        64,
+        96,
+        480,
+        512,
+    ]
 
 
 def test_padded_rows_are_dropped_and_the_real_rows_draw_the_plain_loops_tokens(tiny_model_dir):
@@ -302,10 +313,17 @@ def _qwen_shaped_policy(layers: int = 2):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=4096, hidden_size=1536, intermediate_size=2048, num_hidden_layers=layers,
-        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1e6,
-        rms_norm_eps=1e-6, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=4096,
+        hidden_size=1536,
+        intermediate_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -354,8 +372,10 @@ def test_engine_agrees_with_teacher_forcing_at_least_as_tightly_as_the_plain_loo
     )
     plain = draw(policy, ids, mask, **_kwargs(tokenizer), generator=torch.Generator(device="cuda").manual_seed(0))
     gap_engine, gap_plain = _lag0_gap(policy, fast), _lag0_gap(policy, plain)
-    print(f"lag-0 |log ratio| on CUDA, mean / max: engine {gap_engine.mean():.3g} / {gap_engine.max():.3g}, "
-          f"plain {gap_plain.mean():.3g} / {gap_plain.max():.3g}")  # fmt: skip
+    print(
+        f"lag-0 |log ratio| on CUDA, mean / max: engine {gap_engine.mean():.3g} / {gap_engine.max():.3g}, "
+        f"plain {gap_plain.mean():.3g} / {gap_plain.max():.3g}"
+    )
     assert gap_engine.mean() <= gap_plain.mean()
     assert gap_engine.max() <= max(gap_plain.max(), 1e-3)
 

@@ -12,8 +12,19 @@ fake_engine = pytest.importorskip("fake_engine")  # registers --rollout fake
 
 
 def _settings(**changes):
-    return {"preset": "tiny", "rollout": "fake", "steps": 3, "critic_warmup": 1, "batch_size": 8, "lag": 1,
-            "train_prompts": 32, "test_prompts": 8, "temperature": 0.7, "micro_batch": 8, **changes}  # fmt: skip
+    return {
+        "preset": "tiny",
+        "rollout": "fake",
+        "steps": 3,
+        "critic_warmup": 1,
+        "batch_size": 8,
+        "lag": 1,
+        "train_prompts": 32,
+        "test_prompts": 8,
+        "temperature": 0.7,
+        "micro_batch": 8,
+        **changes,
+    }
 
 
 def test_a_registered_engine_draws_the_batches_under_the_footing_audit_and_the_delivery_check(tiny_model_dir, tmp_path):

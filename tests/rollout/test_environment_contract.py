@@ -49,11 +49,21 @@ def test_a_done_of_the_string_false_is_that_trajectorys_fault(tiny_model_dir, ca
     lm, tokenizer = load_base(tiny_model_dir, torch.device("cpu"))
     prompts = [[{"role": "user", "content": "What is 1+1?"}]] * 2
     with caplog.at_level(logging.WARNING, logger="sao.rollout"):
-        rollout = draw_episodes(PlainDecoder(lm), tokenizer, [TwoTurns(False), TwoTurns("false")], prompts,
-                                max_new_tokens=6, max_turns=4, max_total_tokens=200, temperature=1.0,
-                                eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
-                                generator=torch.Generator().manual_seed(0), name="environment mine:TwoTurns",
-                                tasks=["task/0", "task/1"])  # fmt: skip
+        rollout = draw_episodes(
+            PlainDecoder(lm),
+            tokenizer,
+            [TwoTurns(False), TwoTurns("false")],
+            prompts,
+            max_new_tokens=6,
+            max_turns=4,
+            max_total_tokens=200,
+            temperature=1.0,
+            eos_token_ids=[tokenizer.eos_token_id],
+            pad_token_id=tokenizer.pad_token_id,
+            generator=torch.Generator().manual_seed(0),
+            name="environment mine:TwoTurns",
+            tasks=["task/0", "task/1"],
+        )
     assert rollout.turns.faults.tolist() == [0, 1], "'false' is not read as done: that trajectory's fault"
     assert bool(rollout.truncated[1]) and int(rollout.turns.count[1]) == 1
     told = [r.getMessage() for r in caplog.records if r.name == "sao.rollout"]

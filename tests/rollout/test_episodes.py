@@ -52,8 +52,12 @@ class Nudge:
         self.seen += 1
         done = self.seen >= self.turns
         observations = [] if done else [{"role": "tool", "content": f"try again {self.seen}"}]
-        return {"observations": observations, "reward": 0.1 * self.seen, "done": done,
-                "metadata": {"tool_calls": 1, "tool_errors": int(self.seen == 2)}}  # fmt: skip
+        return {
+            "observations": observations,
+            "reward": 0.1 * self.seen,
+            "done": done,
+            "metadata": {"tool_calls": 1, "tool_errors": int(self.seen == 2)},
+        }
 
     def close(self):
         pass
@@ -66,8 +70,12 @@ def model(tiny_model_dir):
 
 
 def _settings(tokenizer, **changes):
-    settings = {"max_new_tokens": 20, "temperature": 1.0, "eos_token_ids": [tokenizer.eos_token_id],
-                "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
+    settings = {
+        "max_new_tokens": 20,
+        "temperature": 1.0,
+        "eos_token_ids": [tokenizer.eos_token_id],
+        "pad_token_id": tokenizer.pad_token_id,
+    }
     return {**settings, **changes}
 
 
@@ -78,9 +86,16 @@ def _prompts():
 def test_one_turn_draws_exactly_what_the_single_turn_loop_draws(model):
     lm, tokenizer = model
     answers = ["7", "7", "15", "2", "-4", "8"]
-    got = draw_episodes(PlainDecoder(lm), tokenizer,
-                  [OneReply(a) for a in answers], _prompts(), max_turns=4, max_total_tokens=64,
-                        generator=torch.Generator().manual_seed(3), **_settings(tokenizer))  # fmt: skip
+    got = draw_episodes(
+        PlainDecoder(lm),
+        tokenizer,
+        [OneReply(a) for a in answers],
+        _prompts(),
+        max_turns=4,
+        max_total_tokens=64,
+        generator=torch.Generator().manual_seed(3),
+        **_settings(tokenizer),
+    )
     texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in _prompts()]
     ids, mask = encode_prompts(tokenizer, texts, torch.device("cpu"))
     want = draw(lm, ids, mask, generator=torch.Generator().manual_seed(3), **_settings(tokenizer))
@@ -96,15 +111,27 @@ def test_one_turn_draws_exactly_what_the_single_turn_loop_draws(model):
 
 # The concurrent loop feeds [kept token | observation] chunks at other columns than the synchronous one: its lag-0
 # gap is float32 rounding too (mean 2e-7 either way), with a max measured at 1.8e-5 against 7.6e-6.
-@pytest.mark.parametrize("concurrency, rejoin, bound", [(0, "turn", 1e-5), (16, "turn", 1e-5), (16, "row", 5e-5)],
-                         ids=["synchronous", "turn", "row"])  # fmt: skip
+@pytest.mark.parametrize(
+    "concurrency, rejoin, bound",
+    [(0, "turn", 1e-5), (16, "turn", 1e-5), (16, "row", 5e-5)],
+    ids=["synchronous", "turn", "row"],
+)
 def test_observations_continue_from_the_cache_and_lag_zero_matches_at_every_action(model, concurrency, rejoin, bound):
     lm, tokenizer = model
     envs = [Nudge(turns=3) for _ in QUESTIONS]
     settings = _settings(tokenizer, max_new_tokens=32)
-    rollout = draw_episodes(PlainDecoder(lm), tokenizer,
-                  envs, _prompts(), max_turns=5, max_total_tokens=300, env_concurrency=concurrency, rejoin=rejoin,
-                            generator=torch.Generator().manual_seed(0), **settings)  # fmt: skip
+    rollout = draw_episodes(
+        PlainDecoder(lm),
+        tokenizer,
+        envs,
+        _prompts(),
+        max_turns=5,
+        max_total_tokens=300,
+        env_concurrency=concurrency,
+        rejoin=rejoin,
+        generator=torch.Generator().manual_seed(0),
+        **settings,
+    )
     actions, real = rollout.action_mask, rollout.response_mask
     assert rollout.turns.count.tolist() == [3] * 6 and rollout.turns.tool_calls.tolist() == [3] * 6
     assert rollout.turns.tool_errors.tolist() == [1] * 6 and not rollout.truncated.any()
@@ -136,9 +163,17 @@ def test_an_adapter_published_between_turns_draws_the_rest_and_every_token_recor
             changed.append(1)
         return len(changed)
 
-    rollout = draw_episodes(PlainDecoder(lm), tokenizer, envs, _prompts(), max_turns=5, max_total_tokens=300,
-                            generator=torch.Generator().manual_seed(0), refresh=refresh,
-                            **_settings(tokenizer, max_new_tokens=32))  # fmt: skip
+    rollout = draw_episodes(
+        PlainDecoder(lm),
+        tokenizer,
+        envs,
+        _prompts(),
+        max_turns=5,
+        max_total_tokens=300,
+        generator=torch.Generator().manual_seed(0),
+        refresh=refresh,
+        **_settings(tokenizer, max_new_tokens=32),
+    )
     actions, real = rollout.action_mask, rollout.response_mask
     assert rollout.turns.count.tolist() == [3] * 6 and rollout.versions is not None
     first = actions & ((real & ~actions).long().cumsum(dim=1) == 0)  # [B, R] each row's first action's tokens
@@ -159,18 +194,39 @@ def test_an_adapter_published_between_turns_draws_the_rest_and_every_token_recor
 def test_stop_strings_end_an_action_and_limits_truncate(model):
     lm, tokenizer = model
     stop = Nudge(turns=2, stop="=")  # the tiny model writes "3+4=7": an action ends right after "="
-    rollout = draw_episodes(PlainDecoder(lm), tokenizer,
-                  [stop], _prompts()[:1], max_turns=4, max_total_tokens=200,
-                            generator=torch.Generator().manual_seed(1), **_settings(tokenizer))  # fmt: skip
+    rollout = draw_episodes(
+        PlainDecoder(lm),
+        tokenizer,
+        [stop],
+        _prompts()[:1],
+        max_turns=4,
+        max_total_tokens=200,
+        generator=torch.Generator().manual_seed(1),
+        **_settings(tokenizer),
+    )
     first_turn = tokenizer.decode(rollout.response_ids[0][rollout.action_mask[0]].tolist()[:12])
     assert "=" in first_turn and rollout.turns.count.item() == 2
-    turns = draw_episodes(PlainDecoder(lm), tokenizer,
-                  [Nudge(turns=9)], _prompts()[:1], max_turns=2, max_total_tokens=200,
-                          generator=torch.Generator().manual_seed(1), **_settings(tokenizer))  # fmt: skip
+    turns = draw_episodes(
+        PlainDecoder(lm),
+        tokenizer,
+        [Nudge(turns=9)],
+        _prompts()[:1],
+        max_turns=2,
+        max_total_tokens=200,
+        generator=torch.Generator().manual_seed(1),
+        **_settings(tokenizer),
+    )
     assert turns.turns.count.item() == 2 and turns.truncated.item(), "the turn limit ends it as truncated"
-    budget = draw_episodes(PlainDecoder(lm), tokenizer,
-                  [Nudge(turns=9)], _prompts()[:1], max_turns=9, max_total_tokens=30,
-                           generator=torch.Generator().manual_seed(1), **_settings(tokenizer))  # fmt: skip
+    budget = draw_episodes(
+        PlainDecoder(lm),
+        tokenizer,
+        [Nudge(turns=9)],
+        _prompts()[:1],
+        max_turns=9,
+        max_total_tokens=30,
+        generator=torch.Generator().manual_seed(1),
+        **_settings(tokenizer),
+    )
     assert budget.truncated.item() and int(budget.response_mask.sum()) <= 30
 
 
@@ -219,9 +275,16 @@ def test_a_trajectory_splits_into_its_action_and_observation_spans(model):
     from sao.rollout.episodes import render_segments, segments
 
     lm, tokenizer = model
-    rollout = draw_episodes(PlainDecoder(lm), tokenizer,
-                  [Nudge(turns=2)], _prompts()[:1], max_turns=3, max_total_tokens=200,
-                            generator=torch.Generator().manual_seed(0), **_settings(tokenizer))  # fmt: skip
+    rollout = draw_episodes(
+        PlainDecoder(lm),
+        tokenizer,
+        [Nudge(turns=2)],
+        _prompts()[:1],
+        max_turns=3,
+        max_total_tokens=200,
+        generator=torch.Generator().manual_seed(0),
+        **_settings(tokenizer),
+    )
     spans = segments(tokenizer, rollout, 0)
     assert [s["kind"] for s in spans] == ["action", "observation", "action"]
     assert "try again 1" in spans[1]["text"] and "<|im_start|>tool" in spans[1]["text"]
@@ -267,8 +330,9 @@ class AsyncNudge:
 def _episodes(lm, tokenizer, envs, **changes):
     limits = {"max_turns": 4, "max_total_tokens": 200, **_settings(tokenizer, max_new_tokens=24), **changes}
     n = len(envs)
-    return draw_episodes(PlainDecoder(lm), tokenizer, envs, _prompts()[:n], generator=torch.Generator().manual_seed(2),
-                         **limits)  # fmt: skip
+    return draw_episodes(
+        PlainDecoder(lm), tokenizer, envs, _prompts()[:n], generator=torch.Generator().manual_seed(2), **limits
+    )
 
 
 def _timed(fn):
@@ -309,8 +373,10 @@ def test_the_same_seed_draws_the_same_trajectories_whichever_tool_finishes_first
         _episodes(lm, tokenizer, [Sleepy(3, [0.03 * (5 - i)]) for i in range(6)], rejoin="row"),
         _episodes(lm, tokenizer, [Sleepy(3, [0.01]) for _ in range(6)], env_concurrency=1, rejoin="row"),
     ]
-    by_turn = [_episodes(lm, tokenizer, [Sleepy(3, [0.03 * i]) for i in range(6)]),
-               _episodes(lm, tokenizer, [Sleepy(3, [0.03 * (5 - i)]) for i in range(6)])]  # fmt: skip
+    by_turn = [
+        _episodes(lm, tokenizer, [Sleepy(3, [0.03 * i]) for i in range(6)]),
+        _episodes(lm, tokenizer, [Sleepy(3, [0.03 * (5 - i)]) for i in range(6)]),
+    ]
     assert torch.equal(by_turn[0].response_ids, by_turn[1].response_ids)
     assert torch.equal(by_turn[0].sampler_logprobs, by_turn[1].sampler_logprobs), "turn: bit for bit, any order"
     first = runs[0]
@@ -374,12 +440,14 @@ class NotADict(Nudge):
 @pytest.mark.parametrize(
     "concurrency, rejoin", [(0, "turn"), (16, "turn"), (16, "row")], ids=["synchronous", "turn", "row"]
 )
-def test_a_tool_that_raises_hangs_or_floods_ends_its_trajectory_counted_and_the_batch_goes_on(model, concurrency,
-                                                                                               rejoin):  # fmt: skip
+def test_a_tool_that_raises_hangs_or_floods_ends_its_trajectory_counted_and_the_batch_goes_on(
+    model, concurrency, rejoin
+):
     lm, tokenizer = model
     envs = [Raises(3), Hangs(3), Floods(3), NotADict(3), Nudge(2), Nudge(2)]
-    rollout, seconds = _timed(lambda: _episodes(lm, tokenizer, envs, env_timeout=0.5, env_concurrency=concurrency,
-                                                rejoin=rejoin))  # fmt: skip
+    rollout, seconds = _timed(
+        lambda: _episodes(lm, tokenizer, envs, env_timeout=0.5, env_concurrency=concurrency, rejoin=rejoin)
+    )
     assert rollout.turns.faults.tolist() == [1, 1, 1, 1, 0, 0]
     assert rollout.truncated.tolist() == [True] * 4 + [False] * 2
     assert rollout.turns.count.tolist() == [1, 1, 1, 1, 2, 2], "the batch went on past the faults"

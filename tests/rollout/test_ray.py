@@ -84,9 +84,13 @@ def test_multi_turn_rows_split_and_concat_back_with_their_action_spans_and_turn_
     episodes = _rollout([[5, 6], [7]], [[1, 2, 3, 4], [8, 9]], P=2, R=4)
     episodes.action_mask = torch.tensor([[True, False, False, True], [True, True, False, False]])
     episodes.cut = torch.tensor([False, True])
-    episodes.turns = Turns(rewards=torch.tensor([[0.5, 0.0, 0.0, 1.0], [0.0, 2.0, 0.0, 0.0]]),
-                           count=torch.tensor([2, 1]), tool_calls=torch.tensor([1, 0]),
-                           tool_errors=torch.tensor([0, 0]), unfinished=torch.tensor([False, True]))  # fmt: skip
+    episodes.turns = Turns(
+        rewards=torch.tensor([[0.5, 0.0, 0.0, 1.0], [0.0, 2.0, 0.0, 0.0]]),
+        count=torch.tensor([2, 1]),
+        tool_calls=torch.tensor([1, 0]),
+        tool_errors=torch.tensor([0, 0]),
+        unfinished=torch.tensor([False, True]),
+    )
     first, second = episodes.row(0), episodes.row(1)
     assert second.response_ids.tolist() == [[8, 9]] and second.action_mask.tolist() == [[True, True]]
     assert second.turns.rewards.tolist() == [[0.0, 2.0]] and second.turns.count.tolist() == [1]
@@ -124,18 +128,42 @@ def test_concat_equals_one_batch_through_the_model(tiny_model_dir):
 
 
 def test_settings_are_validated_and_reach_the_command_line():
-    bad_settings = ({"max_staleness": -1}, {"rollout_workers": 0}, {"worker_cpus": -1.0}, {"rollout_batch": -1},
-                    {"worker_timeout": 0.0}, {"worker_timeout": float("inf")})  # fmt: skip
+    bad_settings = (
+        {"max_staleness": -1},
+        {"rollout_workers": 0},
+        {"worker_cpus": -1.0},
+        {"rollout_batch": -1},
+        {"worker_timeout": 0.0},
+        {"worker_timeout": float("inf")},
+    )
     for bad in bad_settings:
         with pytest.raises(ConfigError, match="--" + next(iter(bad)).replace("_", "-")):
             Config(rollout="ray", **bad)
     from sao.cli import build_parser, config_from_args
 
     args = build_parser().parse_args(
-        ["train", "--preset", "tiny", "--engine", "ray", "--ray-address", "auto", "--rollout-workers", "7",
-         "--worker-gpus", "1", "--worker-cpus", "0.5", "--max-staleness", "3", "--worker-timeout", "30",
-         "--out", "x"]
-    )  # fmt: skip
+        [
+            "train",
+            "--preset",
+            "tiny",
+            "--engine",
+            "ray",
+            "--ray-address",
+            "auto",
+            "--rollout-workers",
+            "7",
+            "--worker-gpus",
+            "1",
+            "--worker-cpus",
+            "0.5",
+            "--max-staleness",
+            "3",
+            "--worker-timeout",
+            "30",
+            "--out",
+            "x",
+        ]
+    )
     config = config_from_args(args)
     assert (config.rollout.source, config.source.ray_address, config.source.rollout_workers) == ("ray", "auto", 7)
     assert (config.source.worker_gpus, config.source.worker_cpus, config.source.max_staleness) == (1.0, 0.5, 3)
@@ -258,8 +286,11 @@ def test_earliest_deadline_first_waits_for_a_call_due_sooner():
     from sao.rollout.admission import Admission
 
     admission = Admission(batch_size=2, max_staleness=1, critic_warmup=0)
-    buffer = [_Item(seq=5, version=1, deadline=3), _Item(seq=2, version=0, deadline=2),
-              _Item(seq=6, version=1, deadline=3)]  # fmt: skip
+    buffer = [
+        _Item(seq=5, version=1, deadline=3),
+        _Item(seq=2, version=0, deadline=2),
+        _Item(seq=6, version=1, deadline=3),
+    ]
     # due first, then prompt order; a call out with the same deadline as the batch's last row need not be waited for
     assert [t.seq for t in admission.choose(buffer, pending_deadlines=[3])] == [2, 5]
     assert admission.choose(buffer, pending_deadlines=[2]) is None  # a call due before the last row goes first
@@ -329,8 +360,16 @@ def test_async_run_drops_nothing_and_replaced_workers_deliver(ray_module, tiny_m
     from sao.training import build
 
     K = 2
-    config = Config.load("tiny", engine="ray", batch_size=16, steps=8, critic_warmup=1, rollout_workers=2,
-                           max_staleness=K, worker_timeout=20.0)  # fmt: skip
+    config = Config.load(
+        "tiny",
+        engine="ray",
+        batch_size=16,
+        steps=8,
+        critic_warmup=1,
+        rollout_workers=2,
+        max_staleness=K,
+        worker_timeout=20.0,
+    )
     trainer = build.trainer(config, tmp_path / "run", progress=False)
     source = trainer.source
     seen: dict = {"daemons": _ray_children(), "stopped": None}
@@ -456,8 +495,18 @@ def test_ray_workers_draw_multi_turn_episodes(ray_module, tiny_model_dir, tmp_pa
     from sao.training import build
 
     tiny_calc.ensure_calc_model(progress=False)
-    config = Config.load("tiny", env="tiny-calc", engine="ray", batch_size=8, steps=2, critic_warmup=1,
-                           rollout_workers=1, max_staleness=0, train_prompts=32, test_prompts=8)  # fmt: skip
+    config = Config.load(
+        "tiny",
+        env="tiny-calc",
+        engine="ray",
+        batch_size=8,
+        steps=2,
+        critic_warmup=1,
+        rollout_workers=1,
+        max_staleness=0,
+        train_prompts=32,
+        test_prompts=8,
+    )
     trainer = build.trainer(config, tmp_path / "run", progress=False)
     daemons = _ray_children()  # the cluster the source started
     records = trainer.run()
@@ -510,8 +559,18 @@ def test_episodes_in_flight_go_on_under_each_published_adapter(ray_module, tiny_
         return SlowCalc(task_id, fields, tool_format="tag")
 
     K = 2
-    config = Config.load("tiny", env="tiny-calc", engine="ray", batch_size=8, steps=6, critic_warmup=1,
-                           rollout_workers=1, max_staleness=K, train_prompts=64, test_prompts=8)  # fmt: skip
+    config = Config.load(
+        "tiny",
+        env="tiny-calc",
+        engine="ray",
+        batch_size=8,
+        steps=6,
+        critic_warmup=1,
+        rollout_workers=1,
+        max_staleness=K,
+        train_prompts=64,
+        test_prompts=8,
+    )
     trainer = build.trainer(config, tmp_path / "run", progress=False, env_factory=slow_calc)
     records = trainer.run()
     assert len(records) == 7 and records[-1]["dropped_stale_total"] == 0
@@ -533,8 +592,17 @@ def test_a_draw_answers_the_version_its_first_action_was_drawn_by(ray_module, ti
     from sao.training import build
 
     tiny_calc.ensure_calc_model(progress=False)
-    config = Config.load("tiny", env="tiny-calc", engine="ray", batch_size=4, steps=1, critic_warmup=0,
-                           rollout_workers=1, train_prompts=8, test_prompts=4)  # fmt: skip
+    config = Config.load(
+        "tiny",
+        env="tiny-calc",
+        engine="ray",
+        batch_size=4,
+        steps=1,
+        critic_warmup=0,
+        rollout_workers=1,
+        train_prompts=8,
+        test_prompts=4,
+    )
     source = build.trainer(config, tmp_path / "run", progress=False).source
     try:
         weights = {n: p.detach().clone() for n, p in lora_state(source.policy).items()}

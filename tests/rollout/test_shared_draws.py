@@ -31,8 +31,10 @@ def test_rows_drawn_apart_are_the_rows_of_one_draw(tiny_policy, kind):
     torch.set_num_threads(1)
     try:
         whole = draw_batch(decoder, tokenizer, prompts, sampling, torch.Generator().manual_seed(5))
-        parts = [draw_batch(decoder, tokenizer, prompts, sampling, torch.Generator().manual_seed(5), rows=rows)
-                 for rows in (slice(0, 4), slice(4, 8), slice(8, 12))]  # fmt: skip
+        parts = [
+            draw_batch(decoder, tokenizer, prompts, sampling, torch.Generator().manual_seed(5), rows=rows)
+            for rows in (slice(0, 4), slice(4, 8), slice(8, 12))
+        ]
     finally:
         torch.set_num_threads(threads)
     joined = Rollout.concat(parts, tokenizer.pad_token_id)

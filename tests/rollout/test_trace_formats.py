@@ -35,13 +35,25 @@ MESSAGES = [{"role": "user", "content": "What is 3+4?"}]
 def openenv_entry(i: int, **changes) -> dict:
     """One OpenEnv proxy trace entry: the chat body the agent sent, the upstream reply, the generated ids and their
     log-probs (``changes`` replaces top-level fields; ``request`` is merged)."""
-    request = {"model": "tiny", "messages": MESSAGES, "temperature": 1.0, "max_tokens": 8,
-               "metadata": {"question": "What is 3+4?", "answer": "7"}, **changes.pop("request", {})}  # fmt: skip
-    entry = {"request": {k: v for k, v in request.items() if v is not DROP},
-             "response": {"id": f"chatcmpl-{i}", "object": "chat.completion", "model": "tiny",
-                          "choices": [{"index": 0, "message": {"role": "assistant", "content": "7"},
-                                       "finish_reason": "stop"}]},
-             "completion_token_ids": [72, 73, 2], "per_token_logps": [-0.1, -0.2, -0.3]}  # fmt: skip
+    request = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "temperature": 1.0,
+        "max_tokens": 8,
+        "metadata": {"question": "What is 3+4?", "answer": "7"},
+        **changes.pop("request", {}),
+    }
+    entry = {
+        "request": {k: v for k, v in request.items() if v is not DROP},
+        "response": {
+            "id": f"chatcmpl-{i}",
+            "object": "chat.completion",
+            "model": "tiny",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "7"}, "finish_reason": "stop"}],
+        },
+        "completion_token_ids": [72, 73, 2],
+        "per_token_logps": [-0.1, -0.2, -0.3],
+    }
     entry.update(changes)
     return {k: v for k, v in entry.items() if v is not DROP}
 
@@ -49,15 +61,32 @@ def openenv_entry(i: int, **changes) -> dict:
 def tinker_sample(seq: int, **changes) -> dict:
     """One capture record of a ``SamplingClient.sample`` call with two samples (``changes`` replaces fields;
     ``sampling_params`` and ``scope`` are merged)."""
-    params = {"max_tokens": 8, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": None,
-              **changes.pop("sampling_params", {})}  # fmt: skip
-    record = {"kind": "sample", "scope": {"run_id": "run-1", "iteration": 0, **changes.pop("scope", {})},
-              "created_at": 1.7e9, "num_samples": 2, "sampling_session_id": "sess", "seq_id": seq,
-              "base_model": "tiny", "prompt_tokens": [1, 70, 71], "prompt_length": 3,
-              "sampling_params": {k: v for k, v in params.items() if v is not DROP},
-              "samples": [{"tokens": [72, 2], "logprobs": [-0.5, -0.1], "stop_reason": "stop"},
-                          {"tokens": [73, 74], "logprobs": [-0.2, -0.4], "stop_reason": "length"}],
-              "status": "ok", "latency_sec": 0.2}  # fmt: skip
+    params = {
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "seed": None,
+        **changes.pop("sampling_params", {}),
+    }
+    record = {
+        "kind": "sample",
+        "scope": {"run_id": "run-1", "iteration": 0, **changes.pop("scope", {})},
+        "created_at": 1.7e9,
+        "num_samples": 2,
+        "sampling_session_id": "sess",
+        "seq_id": seq,
+        "base_model": "tiny",
+        "prompt_tokens": [1, 70, 71],
+        "prompt_length": 3,
+        "sampling_params": {k: v for k, v in params.items() if v is not DROP},
+        "samples": [
+            {"tokens": [72, 2], "logprobs": [-0.5, -0.1], "stop_reason": "stop"},
+            {"tokens": [73, 74], "logprobs": [-0.2, -0.4], "stop_reason": "length"},
+        ],
+        "status": "ok",
+        "latency_sec": 0.2,
+    }
     record.update(changes)
     return {k: v for k, v in record.items() if v is not DROP}
 
@@ -75,8 +104,14 @@ def write_log(path: Path, lines) -> Path:
 
 
 def make_source(path, tokenizer, **settings) -> TraceSource:
-    defaults = {"batch_size": 2, "max_staleness": 4, "temperature": 1.0, "vocab_size": len(tokenizer),
-                "eos_token_ids": [tokenizer.eos_token_id], "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
+    defaults = {
+        "batch_size": 2,
+        "max_staleness": 4,
+        "temperature": 1.0,
+        "vocab_size": len(tokenizer),
+        "eos_token_ids": [tokenizer.eos_token_id],
+        "pad_token_id": tokenizer.pad_token_id,
+    }
     return TraceSource(path, tokenizer, **{**defaults, **settings})
 
 
@@ -90,13 +125,21 @@ def test_each_format_is_one_registry_entry_found_by_its_fields():
 def test_an_openenv_entry_is_one_trajectory_its_request_rendered_by_the_chat_template(tmp_path, tokenizer):
     from sao.rollout.traces import Tokens
 
-    log = write_log(tmp_path / "proxy.jsonl", [
-        openenv_entry(0),
-        openenv_entry(1, completion_token_ids=DROP, completion_tokens=["token_id:74", "token_id:2"],
-                      per_token_logps=[-0.7, -0.05], request={"metadata": DROP},
-                      response={"choices": [{"message": {"content": "x"}, "finish_reason": "length"}]}),
-        feedback("proxy.jsonl:2", 0.5),  # the second entry's reply has no id: it is named by file and line
-    ])  # fmt: skip
+    log = write_log(
+        tmp_path / "proxy.jsonl",
+        [
+            openenv_entry(0),
+            openenv_entry(
+                1,
+                completion_token_ids=DROP,
+                completion_tokens=["token_id:74", "token_id:2"],
+                per_token_logps=[-0.7, -0.05],
+                request={"metadata": DROP},
+                response={"choices": [{"message": {"content": "x"}, "finish_reason": "length"}]},
+            ),
+            feedback("proxy.jsonl:2", 0.5),  # the second entry's reply has no id: it is named by file and line
+        ],
+    )
     source = make_source(log, tokenizer)
     batch = source.next_batch(0, "policy", 0)
     prompt = Tokens(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).prompt(MESSAGES)
@@ -114,12 +157,16 @@ def test_an_openenv_entry_is_one_trajectory_its_request_rendered_by_the_chat_tem
 
 
 def test_a_tinker_sample_call_is_one_trajectory_per_sample_rewarded_by_feedback(tmp_path, tokenizer):
-    log = write_log(tmp_path / "sample.jsonl", [
-        {"kind": "train_op", "op": "optim_step", "scope": {"run_id": "run-1"}, "created_at": 1.7e9, "status": "ok"},
-        tinker_sample(7),
-        tinker_sample(8, status="error", samples=DROP, error="RuntimeError('x')"),
-        feedback("sess:7:1", 1.0), feedback("sess:7:0", 0.0),
-    ])  # fmt: skip
+    log = write_log(
+        tmp_path / "sample.jsonl",
+        [
+            {"kind": "train_op", "op": "optim_step", "scope": {"run_id": "run-1"}, "created_at": 1.7e9, "status": "ok"},
+            tinker_sample(7),
+            tinker_sample(8, status="error", samples=DROP, error="RuntimeError('x')"),
+            feedback("sess:7:1", 1.0),
+            feedback("sess:7:0", 0.0),
+        ],
+    )
     source = make_source(log, tokenizer)
     batch = source.next_batch(0, "policy", 0)
     assert batch.task_ids == ["sess:7:1", "sess:7:0"]  # usable where their feedback came, in log order
@@ -133,8 +180,10 @@ def test_a_tinker_sample_call_is_one_trajectory_per_sample_rewarded_by_feedback(
 
 
 def test_a_tinker_sample_keeps_the_sao_version_its_scope_names(tmp_path, tokenizer):
-    log = write_log(tmp_path / "sample.jsonl", [tinker_sample(1, scope={"policy_version": 2}),
-                                                feedback("sess:1:0", 1.0), feedback("sess:1:1", 0.0)])  # fmt: skip
+    log = write_log(
+        tmp_path / "sample.jsonl",
+        [tinker_sample(1, scope={"policy_version": 2}), feedback("sess:1:0", 1.0), feedback("sess:1:1", 0.0)],
+    )
     batch = make_source(log, tokenizer).next_batch(0, "policy", 3)
     assert batch.staleness == [1, 1]
 
@@ -147,19 +196,27 @@ REFUSED = [
     ("openenv", {"request": {"temperature": 0.0}}, "temperature", "greedy"),
     ("openenv", {"request": {"top_p": 0.9}}, "request.top_p", "reshaped"),
     ("openenv", {"request": {"presence_penalty": 0.5}}, "request.presence_penalty", "reshaped"),
-    ("openenv", {"completion_token_ids": DROP, "completion_tokens": ["7", "<eos>"]}, "completion_tokens",
-     "token ids written as"),
+    (
+        "openenv",
+        {"completion_token_ids": DROP, "completion_tokens": ["7", "<eos>"]},
+        "completion_tokens",
+        "token ids written as",
+    ),
     ("openenv", {"completion_token_ids": DROP}, "completion_token_ids", "no generated token ids"),
     ("openenv", {"request": {"messages": []}}, "request.messages", "non-empty list"),
-    ("tinker", {"samples": [{"tokens": [72], "logprobs": None, "stop_reason": "stop"}]}, "samples[0].logprobs",
-     "no sampler log-probs"),
+    (
+        "tinker",
+        {"samples": [{"tokens": [72], "logprobs": None, "stop_reason": "stop"}]},
+        "samples[0].logprobs",
+        "no sampler log-probs",
+    ),
     ("tinker", {"sampling_params": {"temperature": None}}, "sampling_params.temperature", "not recorded"),
     ("tinker", {"sampling_params": {"top_k": 50}}, "sampling_params.top_k", "reshaped"),
     ("tinker", {"model_path": "tinker://abc/sampler_weights/000061"}, "model_path", "Tinker checkpoint"),
     ("tinker", {"scope": {"policy_version": "v3"}}, "scope.policy_version", "whole number"),
     ("tinker", {"prompt_tokens": DROP}, "prompt_tokens", "missing"),
     ("tinker", {"samples": [{"tokens": [99999], "logprobs": [-0.1]}]}, "completion_token_ids", "vocabulary"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("fmt,changes,field,words", REFUSED, ids=[f"{i}-{r[0]}-{r[2]}" for i, r in enumerate(REFUSED)])
@@ -184,8 +241,15 @@ def test_what_cannot_be_trained_on_honestly_is_one_line_naming_file_line_and_fie
 def test_a_folder_mixes_sao_lines_foreign_lines_and_feedback_and_resumes_exactly(tmp_path, tokenizer):
     folder = tmp_path / "logs"
     folder.mkdir()
-    sao_line = {"id": "own-0", "policy_version": 0, "temperature": 1.0, "prompt_token_ids": [1, 70],
-                "completion_token_ids": [72], "logprobs": [-0.3], "reward": 1.0}  # fmt: skip
+    sao_line = {
+        "id": "own-0",
+        "policy_version": 0,
+        "temperature": 1.0,
+        "prompt_token_ids": [1, 70],
+        "completion_token_ids": [72],
+        "logprobs": [-0.3],
+        "reward": 1.0,
+    }
     write_log(folder / "a-sao.jsonl", [sao_line])
     write_log(folder / "b-proxy.jsonl", [openenv_entry(0), openenv_entry(1)])
     write_log(folder / "c-capture.jsonl", [tinker_sample(3)])

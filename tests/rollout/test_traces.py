@@ -48,8 +48,15 @@ def tokenizer():
 
 
 def record(i, **changes):
-    base = {"id": f"r{i}", "policy_version": 0, "temperature": 1.0, "prompt_token_ids": [1, 70, 71],
-            "completion_token_ids": [72, 73, 2], "logprobs": [-0.1, -0.2, -0.3], "reward": 1.0}  # fmt: skip
+    base = {
+        "id": f"r{i}",
+        "policy_version": 0,
+        "temperature": 1.0,
+        "prompt_token_ids": [1, 70, 71],
+        "completion_token_ids": [72, 73, 2],
+        "logprobs": [-0.1, -0.2, -0.3],
+        "reward": 1.0,
+    }
     base.update(changes)
     return {k: v for k, v in base.items() if v is not DROP}
 
@@ -65,8 +72,14 @@ def write_log(path: Path, lines) -> Path:
 
 
 def make_source(path, tokenizer, **settings) -> TraceSource:
-    defaults = {"batch_size": 2, "max_staleness": 4, "temperature": 1.0, "vocab_size": len(tokenizer),
-                "eos_token_ids": [tokenizer.eos_token_id], "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
+    defaults = {
+        "batch_size": 2,
+        "max_staleness": 4,
+        "temperature": 1.0,
+        "vocab_size": len(tokenizer),
+        "eos_token_ids": [tokenizer.eos_token_id],
+        "pad_token_id": tokenizer.pad_token_id,
+    }
     return TraceSource(path, tokenizer, **{**defaults, **settings})
 
 
@@ -102,10 +115,13 @@ MALFORMED = [  # (line, the field the error names, whether the JSON Schema rejec
     (record(1, task="q"), "task", True),
     (record(1, type="other"), "type", True),
     ({"type": "feedback", "id": "r0"}, "reward", True),
-    (record(1, completion_token_ids=DROP, logprobs=DROP, segments=[{"role": "critic", "token_ids": [5]}]),
-     "segments[0].role", True),
+    (
+        record(1, completion_token_ids=DROP, logprobs=DROP, segments=[{"role": "critic", "token_ids": [5]}]),
+        "segments[0].role",
+        True,
+    ),
     (record(1, turn_rewards=[1.0]), "turn_rewards", True),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("line,field,schema_rejects", MALFORMED, ids=[f"{i}-{m[1]}" for i, m in enumerate(MALFORMED)])
@@ -133,9 +149,14 @@ def test_the_hand_validator_and_the_json_schema_agree(tmp_path, tokenizer):
     assert tuple(feedback["required"]) == FEEDBACK_REQUIRED
     jsonschema = pytest.importorskip("jsonschema")
     validator = jsonschema.Draft202012Validator(schema)
-    good = [record(0), {"type": "feedback", "id": "r0", "reward": 0.5}, choices_record("7+5=12"),
-            segments_record(), record(3, reward=DROP, task={"question": "q", "answer": "1"}),
-            record(4, messages=[{"role": "user", "content": "hi"}], prompt_token_ids=DROP)]  # fmt: skip
+    good = [
+        record(0),
+        {"type": "feedback", "id": "r0", "reward": 0.5},
+        choices_record("7+5=12"),
+        segments_record(),
+        record(3, reward=DROP, task={"question": "q", "answer": "1"}),
+        record(4, messages=[{"role": "user", "content": "hi"}], prompt_token_ids=DROP),
+    ]
     for rec in good:
         assert not list(validator.iter_errors(rec)), rec
         check_record(rec)
@@ -150,10 +171,16 @@ def test_the_hand_validator_and_the_json_schema_agree(tmp_path, tokenizer):
 
 def choices_record(content, entries=None, i=0, finish="stop", **changes):
     if entries is None:
-        entries = [{"token": bytes([b]).decode("utf-8", "replace"), "logprob": -0.25, "bytes": [b]}
-                   for b in content.encode("utf-8")]  # fmt: skip
-    choice = {"index": 0, "message": {"role": "assistant", "content": content},
-              "logprobs": {"content": entries}, "finish_reason": finish}  # fmt: skip
+        entries = [
+            {"token": bytes([b]).decode("utf-8", "replace"), "logprob": -0.25, "bytes": [b]}
+            for b in content.encode("utf-8")
+        ]
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": content},
+        "logprobs": {"content": entries},
+        "finish_reason": finish,
+    }
     return record(i, completion_token_ids=DROP, logprobs=DROP, choices=[choice], **changes)
 
 
@@ -202,11 +229,15 @@ def test_staleness_bounds_future_versions_and_duplicate_ids(tmp_path, tokenizer)
 
 def test_feedback_brings_rewards_and_trajectories_without_one_are_counted(tmp_path, tokenizer):
     lines = [
-        record(1, reward=DROP), record(2, reward=0.25), {"type": "feedback", "id": "r1", "reward": 0.5},
-        {"type": "feedback", "id": "r9", "reward": 0.75}, record(9, reward=DROP),  # feedback first, then its trace
+        record(1, reward=DROP),
+        record(2, reward=0.25),
+        {"type": "feedback", "id": "r1", "reward": 0.5},
+        {"type": "feedback", "id": "r9", "reward": 0.75},
+        record(9, reward=DROP),  # feedback first, then its trace
         record(3, reward=DROP, task={"question": "What is 1+1?", "answer": "2"}),  # graded by the trainer
-        record(4, reward=DROP), {"type": "feedback", "id": "r2", "reward": 1.0},  # r2 had one: ignored
-    ]  # fmt: skip
+        record(4, reward=DROP),
+        {"type": "feedback", "id": "r2", "reward": 1.0},  # r2 had one: ignored
+    ]
     path = write_log(tmp_path / "log.jsonl", lines)
     source = make_source(path, tokenizer, batch_size=4)
     (batch,) = drain(source)
@@ -218,11 +249,14 @@ def test_feedback_brings_rewards_and_trajectories_without_one_are_counted(tmp_pa
 
 
 def segments_record(i=0, **changes):
-    segments = [{"role": "assistant", "token_ids": [72, 73], "logprobs": [-0.1, -0.2]},
-                {"role": "tool", "token_ids": [74, 75]},
-                {"role": "assistant", "token_ids": [76, 2], "logprobs": [-0.3, -0.4]}]  # fmt: skip
-    return record(i, completion_token_ids=DROP, logprobs=DROP, reward=DROP, segments=segments,
-                  turn_rewards=[0.5, 1.0], **changes)  # fmt: skip
+    segments = [
+        {"role": "assistant", "token_ids": [72, 73], "logprobs": [-0.1, -0.2]},
+        {"role": "tool", "token_ids": [74, 75]},
+        {"role": "assistant", "token_ids": [76, 2], "logprobs": [-0.3, -0.4]},
+    ]
+    return record(
+        i, completion_token_ids=DROP, logprobs=DROP, reward=DROP, segments=segments, turn_rewards=[0.5, 1.0], **changes
+    )
 
 
 def test_multi_turn_segments_mask_observations_and_put_each_turns_reward_on_its_last_action(tmp_path, tokenizer):
@@ -247,8 +281,12 @@ def spanning_record(i, versions, **changes):
 def test_a_trajectory_served_by_several_versions_has_each_tokens_staleness_and_its_oldest_bounds_it(
     tmp_path, tokenizer
 ):
-    lines = [spanning_record(0, (1, 3)), record(1, policy_version=2), spanning_record(2, (0, 3)),
-             spanning_record(3, (2, 5))]  # fmt: skip
+    lines = [
+        spanning_record(0, (1, 3)),
+        record(1, policy_version=2),
+        spanning_record(2, (0, 3)),
+        spanning_record(3, (2, 5)),
+    ]
     source = make_source(write_log(tmp_path / "log.jsonl", lines), tokenizer, max_staleness=2)
     (batch,) = drain(source, policy_version=3)
     assert batch.task_ids == ["r0", "r1"] and batch.staleness == [2, 1]  # a row's staleness: its oldest token's
@@ -374,19 +412,29 @@ def sampled(tiny_model_dir, tmp_path_factory):
     logs = {"rows": []}  # each row whole, for the other systems' formats: prompt both ways, both log-probs
     for i, task in enumerate(tasks):
         m = r.response_mask[i]
-        logs["rows"].append({"messages": build_messages(task.question, tiny.TINY_INSTRUCTION),
-                             "prompt_token_ids": r.prompt_ids[i][r.prompt_mask[i]].tolist(),
-                             "completion_token_ids": r.response_ids[i][m].tolist(),
-                             "logprobs": r.sampler_logprobs[i][m].tolist(), "logprobs_at_1": at_one[i][m].tolist(),
-                             "finish_reason": "length" if bool(r.truncated[i]) else "stop",
-                             "task": {"question": task.question, "answer": task.answer}})  # fmt: skip
+        logs["rows"].append(
+            {
+                "messages": build_messages(task.question, tiny.TINY_INSTRUCTION),
+                "prompt_token_ids": r.prompt_ids[i][r.prompt_mask[i]].tolist(),
+                "completion_token_ids": r.response_ids[i][m].tolist(),
+                "logprobs": r.sampler_logprobs[i][m].tolist(),
+                "logprobs_at_1": at_one[i][m].tolist(),
+                "finish_reason": "length" if bool(r.truncated[i]) else "stop",
+                "task": {"question": task.question, "answer": task.answer},
+            }
+        )
     for name, logprobs in (("good", r.sampler_logprobs), ("before_temperature", at_one)):
         lines = []
         for i, task in enumerate(tasks):
             m = r.response_mask[i]
-            line = {"id": f"t{i}", "policy_version": 0, "temperature": TEMPERATURE,
-                    "completion_token_ids": r.response_ids[i][m].tolist(), "logprobs": logprobs[i][m].tolist(),
-                    "finish_reason": "length" if bool(r.truncated[i]) else "stop"}  # fmt: skip
+            line = {
+                "id": f"t{i}",
+                "policy_version": 0,
+                "temperature": TEMPERATURE,
+                "completion_token_ids": r.response_ids[i][m].tolist(),
+                "logprobs": logprobs[i][m].tolist(),
+                "finish_reason": "length" if bool(r.truncated[i]) else "stop",
+            }
             if i % 2:
                 line["messages"] = build_messages(task.question, tiny.TINY_INSTRUCTION)
             else:
@@ -401,8 +449,27 @@ def sampled(tiny_model_dir, tmp_path_factory):
 
 
 def train_args(log, out, *extra):
-    return ["train", "--preset", "tiny", "--traces", str(log), "--temperature", str(TEMPERATURE), "--batch-size", "8",
-            "--critic-warmup", "1", "--steps", "3", "--out", str(out), "--quiet", "--threads", "1", *extra]  # fmt: skip
+    return [
+        "train",
+        "--preset",
+        "tiny",
+        "--traces",
+        str(log),
+        "--temperature",
+        str(TEMPERATURE),
+        "--batch-size",
+        "8",
+        "--critic-warmup",
+        "1",
+        "--steps",
+        "3",
+        "--out",
+        str(out),
+        "--quiet",
+        "--threads",
+        "1",
+        *extra,
+    ]
 
 
 def test_training_on_the_samplers_own_traces_reproduces_its_log_probs_at_staleness_0(sampled, tmp_path, capsys):
@@ -443,13 +510,34 @@ def test_log_probs_taken_before_temperature_are_refused_in_one_line(sampled, tmp
 def openenv_log(rows, path: Path, logprobs: str = "logprobs") -> Path:
     """The rows as TRL's OpenEnv proxy trace entries: the chat body sent (messages, temperature, the task as
     metadata), the upstream reply, the generated ids and their log-probs."""
-    return write_log(path, [{"request": {"model": "tiny", "messages": row["messages"], "temperature": TEMPERATURE,
-                                         "max_tokens": 20, "metadata": row["task"]},
-                             "response": {"id": f"chatcmpl-{i}", "object": "chat.completion",
-                                          "choices": [{"index": 0, "finish_reason": row["finish_reason"],
-                                                       "message": {"role": "assistant", "content": ""}}]},
-                             "completion_token_ids": row["completion_token_ids"], "per_token_logps": row[logprobs]}
-                            for i, row in enumerate(rows)])  # fmt: skip
+    return write_log(
+        path,
+        [
+            {
+                "request": {
+                    "model": "tiny",
+                    "messages": row["messages"],
+                    "temperature": TEMPERATURE,
+                    "max_tokens": 20,
+                    "metadata": row["task"],
+                },
+                "response": {
+                    "id": f"chatcmpl-{i}",
+                    "object": "chat.completion",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": row["finish_reason"],
+                            "message": {"role": "assistant", "content": ""},
+                        }
+                    ],
+                },
+                "completion_token_ids": row["completion_token_ids"],
+                "per_token_logps": row[logprobs],
+            }
+            for i, row in enumerate(rows)
+        ],
+    )
 
 
 def tinker_log(rows, path: Path) -> Path:
@@ -457,14 +545,35 @@ def tinker_log(rows, path: Path) -> Path:
     per sample: the capture records no reward."""
     lines = []
     for i, row in enumerate(rows):
-        lines.append({"kind": "sample", "scope": {"run_id": "run-1", "iteration": i // 8}, "created_at": 1.7e9 + i,
-                      "num_samples": 1, "sampling_session_id": "sess-0", "seq_id": i, "base_model": "tiny",
-                      "prompt_tokens": row["prompt_token_ids"], "prompt_length": len(row["prompt_token_ids"]),
-                      "sampling_params": {"max_tokens": 20, "temperature": TEMPERATURE, "top_p": 1.0, "top_k": -1,
-                                          "seed": None},
-                      "samples": [{"tokens": row["completion_token_ids"], "logprobs": row["logprobs"],
-                                   "stop_reason": row["finish_reason"]}],
-                      "status": "ok", "latency_sec": 0.1})  # fmt: skip
+        lines.append(
+            {
+                "kind": "sample",
+                "scope": {"run_id": "run-1", "iteration": i // 8},
+                "created_at": 1.7e9 + i,
+                "num_samples": 1,
+                "sampling_session_id": "sess-0",
+                "seq_id": i,
+                "base_model": "tiny",
+                "prompt_tokens": row["prompt_token_ids"],
+                "prompt_length": len(row["prompt_token_ids"]),
+                "sampling_params": {
+                    "max_tokens": 20,
+                    "temperature": TEMPERATURE,
+                    "top_p": 1.0,
+                    "top_k": -1,
+                    "seed": None,
+                },
+                "samples": [
+                    {
+                        "tokens": row["completion_token_ids"],
+                        "logprobs": row["logprobs"],
+                        "stop_reason": row["finish_reason"],
+                    }
+                ],
+                "status": "ok",
+                "latency_sec": 0.1,
+            }
+        )
         if i % 8 == 7:
             lines.append({"kind": "train_op", "op": "optim_step", "scope": {"run_id": "run-1"}, "status": "ok"})
     lines += [{"type": "feedback", "id": f"sess-0:{i}:0", "reward": float(i % 2)} for i in range(len(rows))]
@@ -520,8 +629,13 @@ def test_a_run_killed_mid_way_resumes_to_the_same_log_using_no_trace_twice(sampl
     assert cli.main(args) == 0
     killed = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    child = subprocess.run([sys.executable, "-c", CHILD, "3", *train_args(sampled["good"], killed, "--steps", "4")],
-                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, "3", *train_args(sampled["good"], killed, "--steps", "4")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
     assert len(run_log(killed)) == 3
     assert cli.main([*train_args(sampled["good"], killed, "--steps", "4"), "--resume"]) == 0
@@ -552,8 +666,16 @@ def test_follow_reads_a_log_as_it_grows_and_ends_after_the_timeout(sampled, tmp_
             with open(log, "a", encoding="utf-8") as handle:
                 handle.write("".join(lines[start : start + 4]))
 
-    config = Config.load("tiny", traces=str(log), follow=True, follow_timeout=1.5, temperature=TEMPERATURE,
-                           batch_size=8, critic_warmup=1, steps=10)  # fmt: skip
+    config = Config.load(
+        "tiny",
+        traces=str(log),
+        follow=True,
+        follow_timeout=1.5,
+        temperature=TEMPERATURE,
+        batch_size=8,
+        critic_warmup=1,
+        steps=10,
+    )
     thread = threading.Thread(target=writer)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the CLI sets it for the tiny model

@@ -35,16 +35,18 @@ def _one_line(error: BaseException, *needles: str) -> str:
 
 @pytest.mark.parametrize(
     ("fake", "call"),
-    [("silent", "models"), ("silent", "complete"), ("silent", "load"), ("trickle", "models"),
-     ("trickle", "complete")],
+    [("silent", "models"), ("silent", "complete"), ("silent", "load"), ("trickle", "models"), ("trickle", "complete")],
     indirect=["fake"],
-)  # fmt: skip
+)
 def test_every_call_gives_up_within_its_timeout(fake, call, faults):
     """Accepting and never answering, or answering a byte every 0.2 s (each read alone within any socket timeout),
     costs the caller its timeout once: one line naming the server and the flag, and the call is not retried."""
     client = VllmClient(fake.url, timeout=DEADLINE, connect_deadline=DEADLINE, setting="--vllm-timeout")
-    calls = {"models": client.models, "complete": lambda: client.complete([1, 2, 3], model="base-model", max_tokens=4),
-             "load": lambda: client.load_adapter("a", "/nowhere")}  # fmt: skip
+    calls = {
+        "models": client.models,
+        "complete": lambda: client.complete([1, 2, 3], model="base-model", max_tokens=4),
+        "load": lambda: client.load_adapter("a", "/nowhere"),
+    }
     began = time.monotonic()
     with pytest.raises(VllmError) as caught:
         calls[call]()
@@ -52,8 +54,9 @@ def test_every_call_gives_up_within_its_timeout(fake, call, faults):
     _one_line(caught.value, fake.url, f"within {DEADLINE:g} s (--vllm-timeout)")
     assert took < BOUND, f"gave up after {took:.1f} s"
     assert len(fake.calls) == 1, "a call past its timeout is not sent again"
-    faults.record("vLLM behind sao", f"a server that {'never answers' if fake.mode == 'silent' else 'trickles'} "
-                  f"({call})")  # fmt: skip
+    faults.record(
+        "vLLM behind sao", f"a server that {'never answers' if fake.mode == 'silent' else 'trickles'} ({call})"
+    )
 
 
 @pytest.mark.parametrize("fake", ["endless"], indirect=True)
@@ -89,15 +92,34 @@ def test_a_server_that_answers_is_unchanged(fake):
 
 
 @pytest.mark.parametrize("fake", ["silent"], indirect=True)
-def test_sao_train_on_a_vllm_that_never_answers_stops_within_vllm_timeout(fake, tmp_path, capsys, faults,
-                                                                         tiny_model_dir):  # fmt: skip
+def test_sao_train_on_a_vllm_that_never_answers_stops_within_vllm_timeout(
+    fake, tmp_path, capsys, faults, tiny_model_dir
+):
     """The run's first request (the published adapter's load) is given up on after --vllm-timeout: one line, exit 2,
     --out left as it was found."""
     from helpers import refused_in_one_line
 
     out = tmp_path / "run"
-    argv = ["train", "--preset", "tiny", "--rollout", "vllm", "--vllm-url", fake.url, "--vllm-timeout", "2",
-            "--batch-size", "8", "--steps", "1", "--critic-warmup", "1", "--quiet", "--out", str(out)]  # fmt: skip
+    argv = [
+        "train",
+        "--preset",
+        "tiny",
+        "--rollout",
+        "vllm",
+        "--vllm-url",
+        fake.url,
+        "--vllm-timeout",
+        "2",
+        "--batch-size",
+        "8",
+        "--steps",
+        "1",
+        "--critic-warmup",
+        "1",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     began = time.monotonic()
     refused_in_one_line(capsys, argv, out, fake.url, "within 2 s (--vllm-timeout)")
     assert fake.calls and time.monotonic() - began < 300, "not the 300 s socket timeout"

@@ -60,8 +60,11 @@ def test_a_sampler_that_never_receives_the_published_adapter_stops_the_run(tiny_
 
 def test_the_asynchronous_source_spreads_requests_and_drops_nothing(tiny_vllm, tmp_path):
     url = f"{tiny_vllm.url},{tiny_vllm.url}"  # two addresses: requests alternate between them
-    trainer = sao.train({**SMALL, "rollout": "vllm-async", "vllm_url": url, "max_staleness": 2, "steps": 5},
-                        tmp_path / "run", progress=False)  # fmt: skip
+    trainer = sao.train(
+        {**SMALL, "rollout": "vllm-async", "vllm_url": url, "max_staleness": 2, "steps": 5},
+        tmp_path / "run",
+        progress=False,
+    )
     records = trainer.records
     assert len(records) == 6 and all(r["staleness_max"] <= 2 for r in records if "staleness_max" in r)
     assert records[-1]["admitted_total"] == 6 * SMALL["batch_size"]
@@ -84,16 +87,24 @@ class Echo:
         self.turn += 1
         done = self.turn >= 2
         reward = float(action.strip().endswith(self.answer)) if done else 0.0
-        return {"observations": [] if done else [{"role": "user", "content": "go on"}], "reward": reward,
-                "done": done, "metadata": {"tool_calls": 1}}  # fmt: skip
+        return {
+            "observations": [] if done else [{"role": "user", "content": "go on"}],
+            "reward": reward,
+            "done": done,
+            "metadata": {"tool_calls": 1},
+        }
 
     def close(self):
         pass
 
 
 def test_multi_turn_episodes_run_an_action_per_request(tiny_vllm, tmp_path):
-    trainer = sao.train({**SMALL, "rollout": "vllm", "vllm_url": tiny_vllm.url, "steps": 2, "max_turns": 3,
-                         "max_total_tokens": 64}, tmp_path / "run", env_factory=Echo, progress=False)  # fmt: skip
+    trainer = sao.train(
+        {**SMALL, "rollout": "vllm", "vllm_url": tiny_vllm.url, "steps": 2, "max_turns": 3, "max_total_tokens": 64},
+        tmp_path / "run",
+        env_factory=Echo,
+        progress=False,
+    )
     records = trainer.records
     assert all(r["turns_mean"] > 1 for r in records) and all(r["observation_share"] > 0 for r in records)
     fresh = [r["mismatch_fresh"] for r in records if r["staleness"] == 0]
@@ -138,8 +149,15 @@ def test_asynchronous_episodes_go_on_under_each_published_adapter_and_each_token
     from sao import api as sao_api
 
     K, steps = 2, 5
-    config = {**SMALL, "rollout": "vllm-async", "vllm_url": tiny_vllm.url, "max_staleness": K, "steps": steps,
-              "max_turns": 3, "max_total_tokens": 64}  # fmt: skip
+    config = {
+        **SMALL,
+        "rollout": "vllm-async",
+        "vllm_url": tiny_vllm.url,
+        "max_staleness": K,
+        "steps": steps,
+        "max_turns": 3,
+        "max_total_tokens": 64,
+    }
     trainer = sao_api.trainer(config, tmp_path / "run", env_factory=SlowTool, progress=False)
     batches, next_batch = [], trainer.source.next_batch
 
@@ -161,8 +179,9 @@ def test_asynchronous_episodes_go_on_under_each_published_adapter_and_each_token
             for row, mask in zip(versions, action, strict=True):
                 drawn = row[mask].tolist()
                 assert drawn == sorted(drawn), "an episode only ever moves to a newer adapter"
-            assert record["token_staleness_hist"] == {str(s): int((token[action] == s).sum())
-                                                      for s in sorted(set(token[action].tolist()))}  # fmt: skip
+            assert record["token_staleness_hist"] == {
+                str(s): int((token[action] == s).sum()) for s in sorted(set(token[action].tolist()))
+            }
         assert int(token[action].max()) <= K and record["staleness"] == max(batch.staleness) <= K
         assert batch.staleness == [int(t[a].max()) for t, a in zip(token, action, strict=True)]
     assert any(len(r.get("token_staleness_hist", {})) > 1 for r in records), "rows that span versions"
@@ -187,9 +206,20 @@ class Flaky(Echo):
 
 def test_a_tool_that_raises_or_hangs_ends_only_its_own_trajectory_through_vllm(tiny_vllm, tmp_path):
     started = time.perf_counter()
-    trainer = sao.train({**SMALL, "rollout": "vllm", "vllm_url": tiny_vllm.url, "steps": 1, "max_turns": 3,
-                         "max_total_tokens": 64, "env_timeout": 1.0}, tmp_path / "run", env_factory=Flaky,
-                        progress=False)  # fmt: skip
+    trainer = sao.train(
+        {
+            **SMALL,
+            "rollout": "vllm",
+            "vllm_url": tiny_vllm.url,
+            "steps": 1,
+            "max_turns": 3,
+            "max_total_tokens": 64,
+            "env_timeout": 1.0,
+        },
+        tmp_path / "run",
+        env_factory=Flaky,
+        progress=False,
+    )
     records = trainer.records
     assert all(0 < r["env_fault_share"] < 1 for r in records), [r["env_fault_share"] for r in records]
     assert time.perf_counter() - started < 25, "a hung tool held its batch past the timeout"
@@ -205,13 +235,20 @@ def test_serve_upstream_logs_concurrent_replies_and_takes_published_adapters(tin
     server = Server(config, tmp_path / "traces.jsonl", port=0, watch=run, say=lambda line: None)
     server.start()
     try:
-        body = {"messages": [{"role": "user", "content": "What is 3+4?\n\nEnd with #### N."}], "logprobs": True,
-                "metadata": {"answer": "7"}, "seed": 1}  # fmt: skip
+        body = {
+            "messages": [{"role": "user", "content": "What is 3+4?\n\nEnd with #### N."}],
+            "logprobs": True,
+            "metadata": {"answer": "7"},
+            "seed": 1,
+        }
         replies: list[dict] = []
 
         def ask():
-            request = urllib.request.Request(f"{server.url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                             headers={"Content-Type": "application/json"})  # fmt: skip
+            request = urllib.request.Request(
+                f"{server.url}/v1/chat/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             with urllib.request.urlopen(request, timeout=120) as response:
                 replies.append(json.loads(response.read()))
 
@@ -249,8 +286,12 @@ def test_a_launched_server_killed_mid_run_is_restarted_and_stopped_with_the_run(
                 killed.append(pid)
 
     out = tmp_path / "run"
-    trainer = sao.train({**SMALL, "rollout": "vllm", "vllm_launch": True, "steps": 2, "lag": 1}, out,
-                        hooks=[KillTheServer()], progress=False)  # fmt: skip
+    trainer = sao.train(
+        {**SMALL, "rollout": "vllm", "vllm_launch": True, "steps": 2, "lag": 1},
+        out,
+        hooks=[KillTheServer()],
+        progress=False,
+    )
     records = trainer.records
     assert len(records) == 3 and killed and records[-1]["engine_restarts_total"] == 1
     assert all(r["nonfinite"] == 0 for r in records) and all(r["reward_mean"] == r["reward_mean"] for r in records)
@@ -267,8 +308,14 @@ def test_an_asynchronous_run_killed_mid_run_resumes_without_a_trajectory_twice(t
     from helpers import run_log
     from sao import api as sao_api
 
-    config = {**SMALL, "rollout": "vllm-async", "vllm_url": tiny_vllm.url, "max_staleness": 2, "steps": 4,
-              "checkpoint_every": 1}  # fmt: skip
+    config = {
+        **SMALL,
+        "rollout": "vllm-async",
+        "vllm_url": tiny_vllm.url,
+        "max_staleness": 2,
+        "steps": 4,
+        "checkpoint_every": 1,
+    }
     first = sao_api.trainer(config, tmp_path / "run", progress=False)
     next_batch = first.source.next_batch
 
@@ -296,8 +343,15 @@ def test_a_full_batch_of_seeded_prompts_is_served_at_once(tiny_vllm):
     from sao.rollout.vllm import complete_many
 
     prompts = [[1, *((7 * i + j) % 90 + 20 for j in range(44))] for i in range(64)]  # distinct: no prefix cache hits
-    replies = complete_many(tiny_vllm.client(), prompts, seeds=list(range(64)), max_concurrency=64,
-                            model=str(tiny_vllm.model), max_tokens=4, ignore_eos=True)  # fmt: skip
+    replies = complete_many(
+        tiny_vllm.client(),
+        prompts,
+        seeds=list(range(64)),
+        max_concurrency=64,
+        model=str(tiny_vllm.model),
+        max_tokens=4,
+        ignore_eos=True,
+    )
     assert len(replies) == 64 and all(len(r.completion_token_ids) == 4 for r in replies)
     assert "--no-enable-chunked-prefill" in tiny_vllm.command()
 

@@ -62,14 +62,18 @@ def versions(tiny_vllm, tiny_model_dir, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("weights")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    models = {"base": _model(tiny_model_dir), "v1": _model(tiny_model_dir, noise=0.05, seed=1),
-              "v2": _model(tiny_model_dir, noise=0.05, seed=2)}  # fmt: skip
+    models = {
+        "base": _model(tiny_model_dir),
+        "v1": _model(tiny_model_dir, noise=0.05, seed=1),
+        "v2": _model(tiny_model_dir, noise=0.05, seed=2),
+    }
     folders = {name: save_full_weights(model, root / name, tokenizer=tokenizer) for name, model in models.items()}
     client = tiny_vllm.client()
     yield {"client": client, "base_name": str(tiny_model_dir), "models": models, "folders": folders, "root": root}
     load_weights(tiny_vllm.client(), folders["base"], "default")  # the session's server goes on serving the base
-    done = tiny_vllm.client().complete(LONG_PROMPT, model=str(tiny_model_dir), max_tokens=8,
-                                       temperature=TEMPERATURE, seed=9, ignore_eos=True)  # fmt: skip
+    done = tiny_vllm.client().complete(
+        LONG_PROMPT, model=str(tiny_model_dir), max_tokens=8, temperature=TEMPERATURE, seed=9, ignore_eos=True
+    )
     assert _gap(models["base"], done).max() < 1e-3, "the tiny model's weights are back"
 
 
@@ -114,8 +118,9 @@ def test_a_full_weight_push_the_server_refuses_is_one_line_and_it_serves_the_las
     assert "\n" not in message and "filesystem the server's node shares" in message and "serves" in message
     assert sent == [str(folders["v2"]), str(folders["v1"])]
     assert client.weight_version() == "1"
-    after = client.complete(LONG_PROMPT, model=versions["base_name"], max_tokens=8, temperature=TEMPERATURE, seed=4,
-                            ignore_eos=True)  # fmt: skip
+    after = client.complete(
+        LONG_PROMPT, model=versions["base_name"], max_tokens=8, temperature=TEMPERATURE, seed=4, ignore_eos=True
+    )
     assert _gap(models["v1"], after).max() < 1e-3, "the server still serves v1"
     faults.record("sampler servers", "a full-weight version the vLLM server refuses to load")
 
@@ -143,8 +148,12 @@ def test_the_fleet_loads_a_version_into_every_server_and_samples_with_it(version
     try:
         name = source.fleet.load_weights(versions["folders"]["v2"], 7)
         assert name == versions["base_name"] and source.fleet.weights[1] == 7
-        replies = [source.fleet.complete(i, LONG_PROMPT[:40], model=name, max_tokens=8, temperature=TEMPERATURE,
-                                         seed=i, ignore_eos=True) for i in range(2)]  # fmt: skip
+        replies = [
+            source.fleet.complete(
+                i, LONG_PROMPT[:40], model=name, max_tokens=8, temperature=TEMPERATURE, seed=i, ignore_eos=True
+            )
+            for i in range(2)
+        ]
     finally:
         source.close()
     assert all(_gap(versions["models"]["v2"], r).max() < 1e-3 for r in replies)
@@ -194,10 +203,18 @@ def test_serve_upstream_takes_a_published_full_weight_version(versions, tiny_vll
     server = Server(config, tmp_path / "traces.jsonl", port=0, watch=run, say=lambda line: None)
     server.start()
     try:
-        body = {"messages": [{"role": "user", "content": "What is 3+4?\n\nEnd with #### N."}], "logprobs": True,
-                "metadata": {"answer": "7"}, "seed": 1, "temperature": TEMPERATURE}  # fmt: skip
-        request = urllib.request.Request(f"{server.url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        body = {
+            "messages": [{"role": "user", "content": "What is 3+4?\n\nEnd with #### N."}],
+            "logprobs": True,
+            "metadata": {"answer": "7"},
+            "seed": 1,
+            "temperature": TEMPERATURE,
+        }
+        request = urllib.request.Request(
+            f"{server.url}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=120) as response:
             reply = json.loads(response.read())
     finally:
@@ -223,10 +240,16 @@ def _safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
 def test_the_expected_checksums_are_vllms_digests_fused_parts_included(tmp_path):
     q, k, v = torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3)
     embed = torch.randn(5, 3)
-    _safetensors(tmp_path / "w" / "model.safetensors",
-                 {"model.layers.0.self_attn.q_proj.weight": q, "model.layers.0.self_attn.k_proj.weight": k,
-                  "model.layers.0.self_attn.v_proj.weight": v, "model.embed_tokens.weight": embed,
-                  "lm_head.weight": embed.clone()})  # fmt: skip
+    _safetensors(
+        tmp_path / "w" / "model.safetensors",
+        {
+            "model.layers.0.self_attn.q_proj.weight": q,
+            "model.layers.0.self_attn.k_proj.weight": k,
+            "model.layers.0.self_attn.v_proj.weight": v,
+            "model.embed_tokens.weight": embed,
+            "lm_head.weight": embed.clone(),
+        },
+    )
     folder = WeightFolder(tmp_path / "w")
 
     def digest(t: torch.Tensor) -> str:  # as vLLM's /weight_checker computes it
@@ -237,9 +260,11 @@ def test_the_expected_checksums_are_vllms_digests_fused_parts_included(tmp_path)
     padded = torch.cat([embed, torch.zeros(59, 3)])  # vLLM pads the vocabulary to a multiple of 64 with zeros
     assert folder.digests("model.embed_tokens.weight") == {digest(embed), digest(padded)}
     assert folder.digests("model.layers.0.mlp.gate_up_proj.weight") == set()  # not in the folder
-    served = {f"dp0:pp0:pcp0:tp0:{qkv}": digest(torch.cat([q, k, v])),
-              "dp0:pp0:pcp0:tp0:model.embed_tokens.weight": digest(padded + 1),
-              "dp0:pp0:pcp0:tp0:model.layers.0.self_attn.o_proj.base_layer.weight": EMPTY_DIGEST}  # fmt: skip
+    served = {
+        f"dp0:pp0:pcp0:tp0:{qkv}": digest(torch.cat([q, k, v])),
+        "dp0:pp0:pcp0:tp0:model.embed_tokens.weight": digest(padded + 1),
+        "dp0:pp0:pcp0:tp0:model.layers.0.self_attn.o_proj.base_layer.weight": EMPTY_DIGEST,
+    }
     check = folder.compare(served)
     assert (check.checked, check.unverifiable, check.differ) == (2, 1, ["model.embed_tokens.weight"])
     sharded = {"dp0:pp0:pcp0:tp0:model.embed_tokens.weight": "a", "dp0:pp0:pcp0:tp1:model.embed_tokens.weight": "b"}
@@ -256,8 +281,16 @@ def test_a_folder_the_server_could_not_use_is_refused_before_any_request(tmp_pat
     (tmp_path / "empty").mkdir()
     index = tmp_path / "index"
     _safetensors(index / "model-00001-of-00002.safetensors", {"lm_head.weight": torch.randn(5, 3)})
-    (index / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "lm_head.weight": "model-00001-of-00002.safetensors", "x": "model-00002-of-00002.safetensors"}}))  # fmt: skip
+    (index / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    "lm_head.weight": "model-00001-of-00002.safetensors",
+                    "x": "model-00002-of-00002.safetensors",
+                }
+            }
+        )
+    )
     cases["shard missing"] = (index, "names 1 shard\\(s\\) not in the folder")
     torn = tmp_path / "torn" / "model.safetensors"
     torn.parent.mkdir()
@@ -270,13 +303,19 @@ def test_a_folder_the_server_could_not_use_is_refused_before_any_request(tmp_pat
     # A version that does not fit the served weights: vLLM would die half-loaded, so it is never sent.
     served = {"model.embed_tokens.weight": torch.randn(5, 3), "lm_head.weight": torch.randn(5, 3)}
     _safetensors(tmp_path / "served" / "model.safetensors", served)
-    for name, changed in {"shape": {**served, "lm_head.weight": torch.randn(6, 3)},
-                          "extra": {**served, "model.extra.weight": torch.randn(2)},
-                          "missing": {"lm_head.weight": torch.randn(5, 3)}}.items():  # fmt: skip
+    for name, changed in {
+        "shape": {**served, "lm_head.weight": torch.randn(6, 3)},
+        "extra": {**served, "model.extra.weight": torch.randn(2)},
+        "missing": {"lm_head.weight": torch.randn(5, 3)},
+    }.items():
         _safetensors(tmp_path / name / "model.safetensors", changed)
         with pytest.raises(ConfigError, match="do not fit the served model") as caught:
-            load_weights(VllmClient("http://127.0.0.1:9", connect_deadline=0.0), tmp_path / name, 1,
-                         previous=WeightFolder(tmp_path / "served"))  # fmt: skip
+            load_weights(
+                VllmClient("http://127.0.0.1:9", connect_deadline=0.0),
+                tmp_path / name,
+                1,
+                previous=WeightFolder(tmp_path / "served"),
+            )
         assert "\n" not in str(caught.value)
     faults.record("sampler servers", "a full-weight folder vLLM could not use")
 

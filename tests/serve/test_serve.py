@@ -30,8 +30,19 @@ from sao.serve.tracelog import OPEN, REWARDED, UNKNOWN, TraceLog
 
 TIMEOUT = 30
 PROMPT = [{"role": "user", "content": "What is 3+4?\n\nEnd with #### N."}]
-TRAJECTORY_FIELDS = {"id", "policy_version", "temperature", "messages", "prompt_token_ids", "completion_token_ids",
-                     "logprobs", "finish_reason", "adapter", "created", "model"}  # fmt: skip
+TRAJECTORY_FIELDS = {
+    "id",
+    "policy_version",
+    "temperature",
+    "messages",
+    "prompt_token_ids",
+    "completion_token_ids",
+    "logprobs",
+    "finish_reason",
+    "adapter",
+    "created",
+    "model",
+}
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------
@@ -74,8 +85,13 @@ def served(small_model_dir, tmp_path_factory):
     from sao.serve.server import Server
 
     root = tmp_path_factory.mktemp("serve")
-    server = Server(small_config(small_model_dir), root / "traces.jsonl", watch=root / "run", poll_interval=0.1,
-                    say=lambda line: None).start()  # fmt: skip
+    server = Server(
+        small_config(small_model_dir),
+        root / "traces.jsonl",
+        watch=root / "run",
+        poll_interval=0.1,
+        say=lambda line: None,
+    ).start()
     try:
         yield server
     finally:
@@ -98,8 +114,14 @@ def teacher_forced_logprobs(policy, prompt_ids: list[int], completion_ids: list[
     prompt = torch.tensor([prompt_ids])
     response = torch.tensor([completion_ids])
     with torch.no_grad():
-        out = teacher_forced(policy, prompt, torch.ones_like(prompt, dtype=torch.bool), response,
-                             torch.ones_like(response, dtype=torch.bool), temperature=temperature)  # fmt: skip
+        out = teacher_forced(
+            policy,
+            prompt,
+            torch.ones_like(prompt, dtype=torch.bool),
+            response,
+            torch.ones_like(response, dtype=torch.bool),
+            temperature=temperature,
+        )
     return out.logprobs[0]
 
 
@@ -155,8 +177,10 @@ def test_malformed_bodies_routes_and_methods_are_4xx(served):
     assert code == 400 and "not valid JSON" in reply["error"]["message"]
     # Declared too large: the server answers 413 from the header without reading the body (a client still
     # sending a megabyte would see the connection close under it), so only the header goes out.
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {(1 << 20) + 10}\r\nConnection: close\r\n\r\n")  # fmt: skip
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {(1 << 20) + 10}\r\nConnection: close\r\n\r\n"
+    )
     with socket.create_connection(("127.0.0.1", served.port), timeout=TIMEOUT) as sock:
         sock.sendall(head.encode())
         answer = b"".join(iter(lambda: sock.recv(65536), b""))
@@ -183,8 +207,9 @@ def test_logprobs_equal_teacher_forced_at_v0_and_after_a_published_adapter(serve
     recorded = torch.tensor([t["logprob"] for t in v0["choices"][0]["logprobs"]["content"]])
     v0_trace = read_log(served.log.path)[-1]["logprobs"]
     assert recorded.tolist() == v0_trace  # the response and the log carry the same numbers
-    expected = teacher_forced_logprobs(reference.policy, v0["sao"]["prompt_token_ids"],
-                                       v0["sao"]["completion_token_ids"], 0.7)  # fmt: skip
+    expected = teacher_forced_logprobs(
+        reference.policy, v0["sao"]["prompt_token_ids"], v0["sao"]["completion_token_ids"], 0.7
+    )
     assert (recorded - expected).abs().max().item() < 1e-5  # |log r| under 1e-5 in float32
     assert len(v0_trace) == len(v0["sao"]["completion_token_ids"]) == v0["usage"]["completion_tokens"]
 
@@ -202,12 +227,14 @@ def test_logprobs_equal_teacher_forced_at_v0_and_after_a_published_adapter(serve
     assert code == 200 and v1["sao"]["policy_version"] == 1
     assert read_log(served.log.path)[-1]["policy_version"] == 1
     recorded = torch.tensor([t["logprob"] for t in v1["choices"][0]["logprobs"]["content"]])
-    expected = teacher_forced_logprobs(reference.policy, v1["sao"]["prompt_token_ids"],
-                                       v1["sao"]["completion_token_ids"], 0.7)  # fmt: skip
+    expected = teacher_forced_logprobs(
+        reference.policy, v1["sao"]["prompt_token_ids"], v1["sao"]["completion_token_ids"], 0.7
+    )
     assert (recorded - expected).abs().max().item() < 1e-5
     # the adapter really changed the distribution: the same seed draws differently or scores differently
-    before = teacher_forced_logprobs(reference_models(small_model_dir).policy, v1["sao"]["prompt_token_ids"],
-                                     v1["sao"]["completion_token_ids"], 0.7)  # fmt: skip
+    before = teacher_forced_logprobs(
+        reference_models(small_model_dir).policy, v1["sao"]["prompt_token_ids"], v1["sao"]["completion_token_ids"], 0.7
+    )
     assert (before - expected).abs().max().item() > 1e-2
 
 
@@ -226,8 +253,9 @@ def test_a_broken_publication_keeps_the_served_version(served, small_model_dir):
 
 def test_trace_lines_are_whole_and_follow_the_contract(served):
     eos = served.policy.models.eos_token_ids
-    replies = [chat(served.url, seed=s, max_tokens=3 + s % 9, metadata={"answer": "7"} if s % 2 else None)[1]
-               for s in range(8)]  # fmt: skip
+    replies = [
+        chat(served.url, seed=s, max_tokens=3 + s % 9, metadata={"answer": "7"} if s % 2 else None)[1] for s in range(8)
+    ]
     assert len({r["id"] for r in replies}) == 8 and all(r["id"].startswith("cmpl-") for r in replies)
     by_id = {r["id"]: r for r in read_log(served.log.path)}
     for reply in replies:
@@ -252,7 +280,9 @@ def test_feedback_once_per_known_id(served):
     _, plain = chat(served.url)
     _, graded = chat(served.url, metadata={"answer": 7})
     assert request(served.url, "/v1/feedback", {"id": plain["id"], "reward": 0.5}) == (
-        200, {"id": plain["id"], "reward": 0.5, "object": "feedback"})  # fmt: skip
+        200,
+        {"id": plain["id"], "reward": 0.5, "object": "feedback"},
+    )
     assert read_log(served.log.path)[-1] == {"type": "feedback", "id": plain["id"], "reward": 0.5}
     code, reply = request(served.url, "/v1/feedback", {"id": plain["id"], "reward": 1})
     assert code == 409 and "already has a reward" in reply["error"]["message"]
@@ -266,8 +296,10 @@ def test_feedback_once_per_known_id(served):
 def test_the_server_survives_clients_that_hang_up(served):
     before = served.log.records
     body = json.dumps({"messages": PROMPT, "max_tokens": 12}).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     for payload in (head + body, head + body[:10], b"POST /v1/chat/comp"):  # whole, half a body, half a line
         with socket.create_connection(("127.0.0.1", served.port), timeout=TIMEOUT) as sock:
             sock.sendall(payload)
@@ -393,8 +425,9 @@ def test_the_agent_loop_survives_kills_spans_versions_holds_back_a_broken_adapte
     assert result["nothing_lost"] and result["nothing_used_twice"], result
     assert result["accounted"] == result["trajectories_logged"] == result["replies_answered"] >= 192
     assert any("while it ran" in event for event in result["events"])  # the trainer was killed mid-run
-    by_kind = {kind: [d for d in result["gate"] if d["decision"] == kind]
-               for kind in ("published", "held_back", "rolled_back")}  # fmt: skip
+    by_kind = {
+        kind: [d for d in result["gate"] if d["decision"] == kind] for kind in ("published", "held_back", "rolled_back")
+    }
     held = {d["version"] for d in by_kind["held_back"]}
     bound = [min(d["lower"], d.get("best_lower", d["lower"])) for d in by_kind["held_back"]]
     assert set(range(5, 15)) <= held and all(b <= -0.2 for b in bound), result["gate"]

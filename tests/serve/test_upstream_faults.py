@@ -65,8 +65,21 @@ def test_a_request_for_the_base_model_is_not_retried_as_an_adapter(small_model_d
 def test_sao_serve_on_a_server_listing_no_model_is_one_line(small_model_dir, fake, tmp_path, capsys, faults):
     pytest.importorskip("fastapi")
     log = tmp_path / "traces.jsonl"
-    argv = ["serve", "--model", str(small_model_dir), "--data", "tiny", "--traces", str(log), "--port", "0",
-            "--upstream", fake.url, "--upstream-timeout", "5"]  # fmt: skip
+    argv = [
+        "serve",
+        "--model",
+        str(small_model_dir),
+        "--data",
+        "tiny",
+        "--traces",
+        str(log),
+        "--port",
+        "0",
+        "--upstream",
+        fake.url,
+        "--upstream-timeout",
+        "5",
+    ]
     refused_in_one_line(capsys, argv, tmp_path, fake.url, "lists no model")
     faults.record("vLLM behind sao", "sao serve --upstream on a server listing no model")
 

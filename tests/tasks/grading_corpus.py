@@ -56,10 +56,7 @@ NASTY: list[tuple[str, str]] = [
     ("mathematical bold digits", "#### \U0001d7cf\U0001d7d6"),
     ("vulgar fraction", "#### \u00bd"),
     ("superscripts", "10\u00b2\u00b3"),
-    (
-        "mixed scripts 1 MB",
-        "".join(chr(_rng.choice([0x661, 0xFF11, 0x967, 0x30, 0x200F, 0x2212])) for _ in range(_MB)),
-    ),
+    ("mixed scripts 1 MB", "".join(chr(_rng.choice([0x661, 0xFF11, 0x967, 0x30, 0x200F, 0x2212])) for _ in range(_MB))),
     ("lone surrogates", "\ud800\udfff 18 \udc80"),
     ("random binary", bytes(_rng.randrange(256) for _ in range(_MB)).decode("utf-8", errors="replace")),
     ("random unicode", "".join(chr(_rng.randrange(0x110000)) for _ in range(200_000))),
@@ -277,12 +274,7 @@ LABELLED: list[tuple[str, str, str, bool]] = [
     ("words", "Each of the two boys gets 3 apples.", "3", True),
     ("words", "So in total she has eighteen eggs.", "18", True),
     # a hypothetical after the answer
-    (
-        "hypothetical",
-        "The answer is 18. If she sold all 16 eggs instead, the answer would be 32.",
-        "18",
-        True,
-    ),
+    ("hypothetical", "The answer is 18. If she sold all 16 eggs instead, the answer would be 32.", "18", True),
     ("hypothetical", "**Answer:** 7\n\n(If the question meant weeks, the answer would have been 49.)", "7", True),
     ("hypothetical", "The answer is 5; with one more friend the answer could be 4.", "5", True),
     ("hypothetical", "If she ate none, the answer would be 24. But she eats 6, so the answer is 18.", "18", True),

@@ -68,19 +68,32 @@ def test_gae_over_real_multi_turn_rollouts_matches_the_slow_reference(tiny_model
     factory = env_factory("skyrl:gsm8k_multi_turn", tokenizer, max_turns=3)
     envs = [factory(t.id, {"answer": t.answer, "question": t.question}) for t in split.train[:8]]
     rollout = draw_episodes(
-        PlainDecoder(lm), tokenizer, envs, [build_messages(t.question, tiny.TINY_INSTRUCTION) for t in split.train[:8]],
-        max_new_tokens=24, max_turns=3, max_total_tokens=200, temperature=1.0,
-        eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
+        PlainDecoder(lm),
+        tokenizer,
+        envs,
+        [build_messages(t.question, tiny.TINY_INSTRUCTION) for t in split.train[:8]],
+        max_new_tokens=24,
+        max_turns=3,
+        max_total_tokens=200,
+        temperature=1.0,
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
         generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
+    )
     assert int(rollout.turns.count.max()) > 1, "at least one episode took several turns"
     values = torch.randn(rollout.response_ids.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     sampler_logprobs = rollout.sampler_logprobs.double()
-    batch = {"logprobs": sampler_logprobs, "sampler_logprobs": sampler_logprobs, "values": values,
-             "rewards": rollout.turns.rewards.double(), "action_mask": rollout.action_mask}  # fmt: skip
+    batch = {
+        "logprobs": sampler_logprobs,
+        "sampler_logprobs": sampler_logprobs,
+        "values": values,
+        "rewards": rollout.turns.rewards.double(),
+        "action_mask": rollout.action_mask,
+    }
     update = SAO().update(batch)
-    advantages, targets, _ = reference_per_turn(values.tolist(), batch["rewards"].tolist(),
-                                                rollout.action_mask.tolist(), SAO().gae_alpha)  # fmt: skip
+    advantages, targets, _ = reference_per_turn(
+        values.tolist(), batch["rewards"].tolist(), rollout.action_mask.tolist(), SAO().gae_alpha
+    )
     torch.testing.assert_close(update.advantages, torch.tensor(advantages, dtype=torch.float64), rtol=0, atol=1e-12)
     torch.testing.assert_close(update.value_targets, torch.tensor(targets, dtype=torch.float64), rtol=0, atol=1e-12)
 
@@ -124,8 +137,23 @@ def test_recipe_on_tiny_calc_runs_both_arms_evals_and_verdict(tmp_path):
     from sao.cli import main
 
     out = tmp_path / "exp"
-    small = ["--batch-size", "16", "--steps", "4", "--critic-warmup", "2", "--train-prompts", "64",
-             "--test-prompts", "24", "--eval-samples", "2", "--base-evals", "2", "--quiet"]  # fmt: skip
+    small = [
+        "--batch-size",
+        "16",
+        "--steps",
+        "4",
+        "--critic-warmup",
+        "2",
+        "--train-prompts",
+        "64",
+        "--test-prompts",
+        "24",
+        "--eval-samples",
+        "2",
+        "--base-evals",
+        "2",
+        "--quiet",
+    ]
     assert main(["recipe", "--preset", "tiny", "--env", "tiny-calc", *small, "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["data"]["env"] == "tiny-calc" and results["config"]["rollout"]["max_new_tokens"] == 24

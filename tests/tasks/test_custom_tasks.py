@@ -673,8 +673,9 @@ def test_verl_rows_read_with_dotted_field_paths(tmp_path, suffix):
         i = int(task.answer)
         assert task.question == _question(i) and task.messages == rows[i]["prompt"]
         assert task.fields["reward_model"]["ground_truth"] == str(i)  # the whole row reaches the reward
-    by_text = load_custom(path, prompt_field="extra_info.question", answer_field="reward_model.ground_truth",
-                          n_train=4, n_test=3)  # fmt: skip
+    by_text = load_custom(
+        path, prompt_field="extra_info.question", answer_field="reward_model.ground_truth", n_train=4, n_test=3
+    )
     assert [t.question for t in by_text.test] == [t.question for t in split.test] and by_text.test[0].messages is None
 
 
@@ -683,8 +684,15 @@ def test_skyrl_rows_read_with_dotted_field_paths(tmp_path, suffix):
     rows = _skyrl_rows(10)
     write = _write_jsonl if suffix == ".jsonl" else _write_parquet
     path = write(tmp_path / f"skyrl{suffix}", rows)
-    split = task_set(Config(data=str(path), messages_field="prompt", answer_field="reward_spec.ground_truth",
-                            train_prompts=3, test_prompts=2))  # fmt: skip
+    split = task_set(
+        Config(
+            data=str(path),
+            messages_field="prompt",
+            answer_field="reward_spec.ground_truth",
+            train_prompts=3,
+            test_prompts=2,
+        )
+    )
     for task in [*split.train, *split.test]:
         assert task.messages[0] == {"role": "system", "content": "Be brief."} and task.question == _question(
             int(task.answer)
@@ -728,8 +736,19 @@ def test_sao_train_refuses_a_missing_field_path_in_one_line(tmp_path, capsys, fa
 
     path = _write_jsonl(tmp_path / "verl.jsonl", _verl_rows(4))
     out = tmp_path / "run"
-    argv = ["train", "--preset", "tiny", "--data", str(path), "--messages-field", "prompt",
-            "--answer-field", "reward_model.answer", "--out", str(out)]  # fmt: skip
+    argv = [
+        "train",
+        "--preset",
+        "tiny",
+        "--data",
+        str(path),
+        "--messages-field",
+        "prompt",
+        "--answer-field",
+        "reward_model.answer",
+        "--out",
+        str(out),
+    ]
     refused_in_one_line(capsys, argv, out, f"{path} line 1: no 'reward_model.answer' field", "--answer-field")
     faults.record("conventions", "sao train --answer-field path missing from a verl row")
 
@@ -744,8 +763,11 @@ def test_data_file_prompts_reach_the_model_as_the_chat_template_of_the_users_mes
 
     rows = _skyrl_rows(8) if layout == "messages" else [{"q": _question(i), "a": str(i)} for i in range(8)]
     path = _write_jsonl(tmp_path / "mine.jsonl", rows)
-    fields = {"messages_field": "prompt", "answer_field": "reward_spec.ground_truth"} if layout == "messages" else {
-        "prompt_field": "q", "answer_field": "a"}  # fmt: skip
+    fields = (
+        {"messages_field": "prompt", "answer_field": "reward_spec.ground_truth"}
+        if layout == "messages"
+        else {"prompt_field": "q", "answer_field": "a"}
+    )
     config = Config(data=str(path), train_prompts=4, test_prompts=2, env="gsm8k", **fields)
     tasks = task_set(config)
     tokenizer = build_tokenizer()

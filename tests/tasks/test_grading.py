@@ -361,10 +361,7 @@ def test_a_reply_cut_off_mid_calculation_has_no_answer(reply, expected):
 
 # Rule 5: numbers after an unmarked answer that only repeat earlier ones restate the question.
 RESTATED = [
-    (
-        "16 - 3 - 4 = 9 eggs. 9 * 2 = 18. Therefore, Janet makes $18 every day by selling 9 duck eggs at $2 each.",
-        "18",
-    ),
+    ("16 - 3 - 4 = 9 eggs. 9 * 2 = 18. Therefore, Janet makes $18 every day by selling 9 duck eggs at $2 each.", "18"),
     ("He runs 3 * 3 = 9 sprints, 9 * 60 = 540 meters. So 540 meters: 3 sprints, 3 times, 60 meters each.", "540"),
     ("The white fiber is 2 / 2 = 1 bolt, so 2 + 1 = 3 bolts (2 blue and 1 white).", "3"),
     ("Therefore 9 * 2 = 18 dollars, from the 16 eggs minus 3 minus 4 = 9.", "9"),  # the last equation counts
@@ -679,8 +676,23 @@ def test_a_number_with_a_scale_word_is_scaled(reply, expected):
 
 
 def test_rule_tables_hold_several_cases_and_near_misses():
-    tables = [WINDOW_EDGE, HEDGES, HYPOTHETICALS, UNFINISHED, RESTATED, RESULTS, THOUSANDS, MIXED, CLOCKS, WORDS,
-              RESTATED_DATA, CORRECTIONS, REJECTED, RATES, SCALED]  # fmt: skip
+    tables = [
+        WINDOW_EDGE,
+        HEDGES,
+        HYPOTHETICALS,
+        UNFINISHED,
+        RESTATED,
+        RESULTS,
+        THOUSANDS,
+        MIXED,
+        CLOCKS,
+        WORDS,
+        RESTATED_DATA,
+        CORRECTIONS,
+        REJECTED,
+        RATES,
+        SCALED,
+    ]
     for table in tables:
         assert len(table) >= 8
         assert len({expected for _, expected in table}) >= 2  # replies the rule changes and ones it leaves

@@ -43,8 +43,11 @@ def _one_line(error: BaseException, *needles: str) -> None:
 @pytest.mark.parametrize("flag", ["--reward", "--env", "--env skyrl:"])
 def test_a_module_that_exits_while_imported_is_one_line(user_module, flag, code, faults):
     name = user_module(EXITS.format(code=code))
-    load = {"--reward": lambda: load_reward(f"{name}:reward"), "--env": lambda: load_env_class(f"{name}:Env"),
-            "--env skyrl:": lambda: env_factory(f"skyrl:{name}:some-id", None, max_turns=2)}[flag]  # fmt: skip
+    load = {
+        "--reward": lambda: load_reward(f"{name}:reward"),
+        "--env": lambda: load_env_class(f"{name}:Env"),
+        "--env skyrl:": lambda: env_factory(f"skyrl:{name}:some-id", None, max_turns=2),
+    }[flag]
     if flag == "--env skyrl:":
         pytest.importorskip("skyrl_gym")
     with pytest.raises(ConfigError) as caught:
@@ -87,13 +90,26 @@ def test_skyrl_finds_a_module_in_the_working_folder_as_module_class_does(tmp_pat
     faults.record("plug-in modules", "--env skyrl:module:id with the module in the working folder")
 
 
-def test_sao_train_with_a_reward_module_that_exits_is_exit_2_not_0(tmp_path, user_module, capsys, faults,
-                                                                  tiny_model_dir):  # fmt: skip
+def test_sao_train_with_a_reward_module_that_exits_is_exit_2_not_0(
+    tmp_path, user_module, capsys, faults, tiny_model_dir
+):
     from helpers import refused_in_one_line
 
     name = user_module(EXITS.format(code=0))
     out = tmp_path / "run"
-    argv = ["train", "--preset", "tiny", "--batch-size", "8", "--steps", "1", "--quiet", "--reward",
-            f"{name}:reward", "--out", str(out)]  # fmt: skip
+    argv = [
+        "train",
+        "--preset",
+        "tiny",
+        "--batch-size",
+        "8",
+        "--steps",
+        "1",
+        "--quiet",
+        "--reward",
+        f"{name}:reward",
+        "--out",
+        str(out),
+    ]
     refused_in_one_line(capsys, argv, out, f"--reward '{name}:reward'", "called sys.exit(0)")
     faults.record("plug-in modules", "sao train --reward on a module that exits 0 at import (exit code 2)")

@@ -124,8 +124,13 @@ def test_an_abandoned_reward_call_never_keeps_the_process_alive(kind):
     """Abandoned calls run on daemon threads: the process exits when its work is done, whatever they still do."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     try:
-        done = subprocess.run([sys.executable, "-c", textwrap.dedent(ABANDONED), kind], capture_output=True,
-                              text=True, env=env, timeout=120)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(ABANDONED), kind],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("the process was kept alive by an abandoned reward call")
     assert done.returncode == 0, done.stderr[-2000:]

@@ -38,8 +38,21 @@ sys.exit(cli.main(sys.argv[2:]))
 """
 
 SETTINGS = {"batch_size": 8, "steps": 2, "critic_warmup": 1, "train_prompts": 64, "lag": 1}
-FLAGS = ["--preset", "tiny", "--batch-size", "8", "--steps", "2", "--critic-warmup", "1", "--train-prompts", "64",
-         "--lag", "1", "--quiet"]  # fmt: skip
+FLAGS = [
+    "--preset",
+    "tiny",
+    "--batch-size",
+    "8",
+    "--steps",
+    "2",
+    "--critic-warmup",
+    "1",
+    "--train-prompts",
+    "64",
+    "--lag",
+    "1",
+    "--quiet",
+]
 TORCHRUN_TIMEOUT_S = 600
 
 
@@ -117,8 +130,17 @@ def test_rollout_rows_cut_every_per_row_field_and_keep_the_widths():
 def _torchrun(child: Path, kill_at: int, args: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # one thread per rank on 2 cores
     env.pop("WORLD_SIZE", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(child), str(kill_at), *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(child),
+        str(kill_at),
+        *args,
+    ]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
 
 
@@ -155,20 +177,36 @@ def test_torchrun_two_processes_take_the_single_process_steps_and_resume(tiny_mo
         assert mine["world_size"] == 2 and ref["world_size"] == 1
         assert mine["reward_mean"] == ref["reward_mean"] and mine["staleness_hist"] == ref["staleness_hist"]
         assert mine["response_length"] == ref["response_length"], "the same trajectories were drawn"
-        for key in ("loss", "grad_norm", "critic_loss", "masked_share", "ratio_max", "advantage_mean",
-                    "explained_variance", "abs_log_ratio_max"):  # fmt: skip
+        for key in (
+            "loss",
+            "grad_norm",
+            "critic_loss",
+            "masked_share",
+            "ratio_max",
+            "advantage_mean",
+            "explained_variance",
+            "abs_log_ratio_max",
+        ):
             assert _close(mine[key], ref[key]), (mine["step"], key, mine[key], ref[key])
     assert any(r["phase"] == "policy" and r["grad_norm"] > 0 for r in records), "policy steps took a gradient"
 
     assert json.loads((out / "config.json").read_text())["world_size"] == 2
-    assert sorted(p.name for p in out.iterdir()) == ["adapter", "checkpoints", "config.json", "timeline.json",
-                                                     "train_log.jsonl"]  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter",
+        "checkpoints",
+        "config.json",
+        "timeline.json",
+        "train_log.jsonl",
+    ]
     trace = json.loads((out / "timeline.json").read_text())  # rank 0 writes every rank's phases, in both runs
     processes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     assert set(processes.values()) >= {"trainer rank 0", "trainer rank 1"}
     for rank in (0, 1):
-        steps = [e["args"]["step"] for e in trace["traceEvents"]
-                 if e.get("cat") == "step" and processes[e["pid"]] == f"trainer rank {rank}"]  # fmt: skip
+        steps = [
+            e["args"]["step"]
+            for e in trace["traceEvents"]
+            if e.get("cat") == "step" and processes[e["pid"]] == f"trainer rank {rank}"
+        ]
         assert set(steps) == {r["step"] for r in records}, (rank, steps)
     ours, theirs = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (out, tmp_path / "single"))
     assert ours.keys() == theirs.keys()
@@ -193,13 +231,39 @@ def test_two_nodes_joined_by_a_c10d_rendezvous_take_the_single_process_steps(tin
     env.pop("WORLD_SIZE", None)
     endpoint, out = f"127.0.0.1:{free_port()}", tmp_path / "nodes"
     nodes = [
-        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                          "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                          "--rdzv-id", "sao-test", "--rdzv-conf", f"is_host={int(rank == 0)}",
-                          "--local-addr", "127.0.0.1", "-m", "sao", "train", *FLAGS, "--out", str(out)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "sao-test",
+                "--rdzv-conf",
+                f"is_host={int(rank == 0)}",
+                "--local-addr",
+                "127.0.0.1",
+                "-m",
+                "sao",
+                "train",
+                *FLAGS,
+                "--out",
+                str(out),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for rank in (0, 1)
-    ]  # fmt: skip
+    ]
     try:
         finished = [node.communicate(timeout=TORCHRUN_TIMEOUT_S) for node in nodes]
     finally:

@@ -114,8 +114,16 @@ class BreakAt(Hook):
 
 
 def gated(tiny_config: Config, **changes) -> Config:
-    return tiny_config.replace(batch_size=8, micro_batch=8, critic_warmup=1, gate="held-out", gate_margin=MARGIN,
-                               gate_alpha=ALPHA, gate_tasks=TASKS, **changes)  # fmt: skip
+    return tiny_config.replace(
+        batch_size=8,
+        micro_batch=8,
+        critic_warmup=1,
+        gate="held-out",
+        gate_margin=MARGIN,
+        gate_alpha=ALPHA,
+        gate_tasks=TASKS,
+        **changes,
+    )
 
 
 def test_the_gates_episodes_run_under_the_runs_environment_settings(tiny_config, tmp_path):
@@ -123,8 +131,15 @@ def test_the_gates_episodes_run_under_the_runs_environment_settings(tiny_config,
     rejoin rule (they were assembled apart once, and ran with no timeout at all)."""
     from sao.training import build
 
-    config = gated(tiny_config, env="tiny-calc", env_timeout=7.0, env_concurrency=3, env_rejoin="row",
-                   max_turns=2, max_total_tokens=64)  # fmt: skip
+    config = gated(
+        tiny_config,
+        env="tiny-calc",
+        env_timeout=7.0,
+        env_concurrency=3,
+        env_rejoin="row",
+        max_turns=2,
+        max_total_tokens=64,
+    )
     trainer = build.trainer(config, tmp_path / "run", progress=False)
     try:
         gate = next(h for h in trainer.hooks if isinstance(h, Gate))
@@ -145,8 +160,12 @@ def test_the_gate_publishes_a_normal_adapter_and_holds_back_a_broken_one(tiny_co
     records = trainer.run()
     decisions = read_decisions(out)
     assert [(d["decision"], d["version"]) for d in decisions] == [
-        ("published", 0), ("published", 1), ("published", 2), ("held_back", 3), ("held_back", 4),
-    ]  # fmt: skip
+        ("published", 0),
+        ("published", 1),
+        ("published", 2),
+        ("held_back", 3),
+        ("held_back", 4),
+    ]
     broken = decisions[3]
     assert broken["lower"] <= -MARGIN and broken["candidate_mean"] < broken["served_mean"] - MARGIN
     assert broken["served"] == 2 and broken["n"] == TASKS and broken["margin"] == MARGIN
@@ -155,8 +174,13 @@ def test_the_gate_publishes_a_normal_adapter_and_holds_back_a_broken_one(tiny_co
     assert latest == {"version": 2, "path": "v2"}  # the server keeps the last version that passed
     assert not (out / "published" / "v3").exists() and not (out / "published" / "v4").exists()
     logged = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    assert [r.get("gate_decisions") for r in logged] == [None, ["published"], ["published"], ["held_back"],
-                                                          ["held_back"]]  # fmt: skip
+    assert [r.get("gate_decisions") for r in logged] == [
+        None,
+        ["published"],
+        ["published"],
+        ["held_back"],
+        ["held_back"],
+    ]
     assert logged[3]["gate_served"] == 2 and logged[3]["gate_lower"] == pytest.approx(broken["lower"])
     assert len(records) == 5
     gate = next(h for h in trainer.hooks if isinstance(h, Gate))
@@ -193,8 +217,16 @@ def test_a_gated_run_killed_before_a_checkpoint_resumes_with_each_decision_once(
 
 def fake_trainer(out: Path, policy_version: int = 5) -> SimpleNamespace:
     said: list[str] = []
-    return SimpleNamespace(out=out, world=SimpleNamespace(is_main=True), label="test", next_step=7,
-                           policy_version=policy_version, say=said.append, warn=said.append, said=said)  # fmt: skip
+    return SimpleNamespace(
+        out=out,
+        world=SimpleNamespace(is_main=True),
+        label="test",
+        next_step=7,
+        policy_version=policy_version,
+        say=said.append,
+        warn=said.append,
+        said=said,
+    )
 
 
 def served_chain(out: Path, versions: list[int]) -> Gate:
@@ -210,8 +242,12 @@ def served_chain(out: Path, versions: list[int]) -> Gate:
 def log_rewards(path: Path, version: int, rewards: list[float], start: int = 0) -> None:
     with open(path, "a", encoding="utf-8") as handle:
         for i, r in enumerate(rewards):
-            handle.write(json.dumps({"id": f"v{version}-{start + i}", "policy_version": version, "temperature": 0.7,
-                                     "reward": r}) + "\n")  # fmt: skip
+            handle.write(
+                json.dumps(
+                    {"id": f"v{version}-{start + i}", "policy_version": version, "temperature": 0.7, "reward": r}
+                )
+                + "\n"
+            )
 
 
 def test_a_candidate_within_the_margin_of_the_served_version_but_not_of_the_best_one_is_held_back(tmp_path):
@@ -267,9 +303,12 @@ def test_a_version_as_good_as_its_predecessor_is_never_rolled_back_however_often
 
 def test_rewards_by_version_come_from_traces_and_their_feedback(tmp_path):
     log = tmp_path / "traces.jsonl"
-    lines = [{"id": "a", "policy_version": 1, "reward": 1.0}, {"id": "b", "policy_version": 1},
-             {"id": "c", "policy_version": 2, "turn_rewards": [0.25, 0.5]},
-             {"type": "feedback", "id": "b", "reward": 0}]  # fmt: skip
+    lines = [
+        {"id": "a", "policy_version": 1, "reward": 1.0},
+        {"id": "b", "policy_version": 1},
+        {"id": "c", "policy_version": 2, "turn_rewards": [0.25, 0.5]},
+        {"type": "feedback", "id": "b", "reward": 0},
+    ]
     log.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"id": "torn", "policy_ver')
     live = LiveRewards(log)
     assert live.read() == 3
@@ -301,8 +340,10 @@ def test_the_upstream_server_switches_back_to_a_version_vllm_still_holds(tmp_pat
     from sao.serve.upstream import UpstreamPolicy
 
     calls: list[tuple[str, str]] = []
-    client = SimpleNamespace(load_adapter=lambda name, folder: calls.append(("load", name)),
-                             unload_adapter=lambda name: calls.append(("unload", name)))  # fmt: skip
+    client = SimpleNamespace(
+        load_adapter=lambda name, folder: calls.append(("load", name)),
+        unload_adapter=lambda name: calls.append(("unload", name)),
+    )
     upstream = UpstreamPolicy.__new__(UpstreamPolicy)
     upstream.client, upstream.tag, upstream.keep, upstream.loaded = client, "t", 3, []
     upstream.lock = __import__("threading").Lock()
@@ -317,9 +358,20 @@ def test_the_upstream_server_switches_back_to_a_version_vllm_still_holds(tmp_pat
 
 def test_gate_jsonl_is_strict_json_even_while_an_interval_is_unbounded(tmp_path):
     trainer, gate = fake_trainer(tmp_path), served_chain(tmp_path, [0, 2])
-    gate._decide(trainer, "rollback_impossible", version=2, served=2, to=0, delta=float("nan"), lower=float("-inf"),
-                 upper=float("inf"), n=0, n_before=0, live_mean=float("nan"),
-                 live_mean_before=float("nan"))  # fmt: skip
+    gate._decide(
+        trainer,
+        "rollback_impossible",
+        version=2,
+        served=2,
+        to=0,
+        delta=float("nan"),
+        lower=float("-inf"),
+        upper=float("inf"),
+        n=0,
+        n_before=0,
+        live_mean=float("nan"),
+        live_mean_before=float("nan"),
+    )
     gate._write(trainer)
     text = (tmp_path / GATE_FILE).read_text()
     assert "Infinity" not in text and json.loads(text)["upper"] is None

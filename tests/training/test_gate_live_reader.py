@@ -32,10 +32,18 @@ def test_a_deeply_nested_or_huge_line_is_skipped_as_the_trace_reader_skips_it(tm
     faults.record("the gate's live reader", "a trace line longer than any record")
 
 
-PAST_THE_RULE = [{"reward": 2e6}, {"reward": -1e7}, {"turn_rewards": [0.5, 1e7]},
-                 b'{"id": "x", "policy_version": 1, "reward": 1e400}']  # fmt: skip
-NOT_NUMBERS = [{"reward": "1"}, {"reward": True}, {"turn_rewards": [0.5, "1"]},
-               b'{"id": "x", "policy_version": 1, "reward": NaN}']  # fmt: skip
+PAST_THE_RULE = [
+    {"reward": 2e6},
+    {"reward": -1e7},
+    {"turn_rewards": [0.5, 1e7]},
+    b'{"id": "x", "policy_version": 1, "reward": 1e400}',
+]
+NOT_NUMBERS = [
+    {"reward": "1"},
+    {"reward": True},
+    {"turn_rewards": [0.5, "1"]},
+    b'{"id": "x", "policy_version": 1, "reward": NaN}',
+]
 
 
 @pytest.mark.parametrize("bad", PAST_THE_RULE + NOT_NUMBERS)
@@ -52,9 +60,14 @@ def test_a_reward_the_trace_reader_refuses_does_not_count(tmp_path, bad, faults)
 
 def test_a_refused_feedback_reward_does_not_count_either(tmp_path, faults):
     log = tmp_path / "traces.jsonl"
-    log.write_bytes(_lines({"id": "a", "policy_version": 2}, {"type": "feedback", "id": "a", "reward": 5e6},
-                           {"id": "b", "policy_version": 2},
-                           {"type": "feedback", "id": "b", "reward": 0.25}))  # fmt: skip
+    log.write_bytes(
+        _lines(
+            {"id": "a", "policy_version": 2},
+            {"type": "feedback", "id": "a", "reward": 5e6},
+            {"id": "b", "policy_version": 2},
+            {"type": "feedback", "id": "b", "reward": 0.25},
+        )
+    )
     live = LiveRewards(log)
     live.read()
     assert live.of(2) == (0.25, 1)

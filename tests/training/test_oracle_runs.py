@@ -16,8 +16,17 @@ from sao.training.oracle import snapshot_path
 
 
 def test_the_oracle_baseline_and_the_ceiling_snapshots_on_a_tiny_run(tiny_config, tmp_path):
-    config = tiny_config.replace(baseline="oracle", oracle_samples=2, ceiling_every=1, ceiling_prompts=4, steps=2,
-                                 critic_warmup=1, batch_size=8, micro_batch=8, lag=1)  # fmt: skip
+    config = tiny_config.replace(
+        baseline="oracle",
+        oracle_samples=2,
+        ceiling_every=1,
+        ceiling_prompts=4,
+        steps=2,
+        critic_warmup=1,
+        batch_size=8,
+        micro_batch=8,
+        lag=1,
+    )
     trainer = build.trainer(config, tmp_path / "run", progress=False)
     records = trainer.run()
     # the baseline: every step's K = 2 fresh rollouts per prompt, shrunk; the update's EV is the oracle's, the

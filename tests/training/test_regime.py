@@ -86,7 +86,7 @@ def test_full_weights_and_a_value_model_train_every_weight_and_resume_exactly(ti
 
 def test_fsdp_without_torchrun_is_the_unsharded_step_and_resumes_from_its_sharded_checkpoint(
     tiny_model_dir, tmp_path, capsys, monkeypatch
-):  # fmt: skip
+):
     import torch.distributed.checkpoint as dcp
 
     from sao.core.config import Config
@@ -135,8 +135,9 @@ def test_a_value_model_of_another_vocabulary_is_refused_in_one_line(tiny_model_d
     tokenizer.add_tokens(["<another-token>"])
     tokenizer.save_pretrained(other)
     out = tmp_path / "run"
-    code = cli.main(["train", "--preset", "tiny", "--critic", "model", "--critic-model", str(other), "--out", str(out),
-                     "--quiet"])  # fmt: skip
+    code = cli.main(
+        ["train", "--preset", "tiny", "--critic", "model", "--critic-model", str(other), "--out", str(out), "--quiet"]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "its tokenizer is not the policy's (260 tokens against 259" in err
     assert not out.exists()

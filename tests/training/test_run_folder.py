@@ -33,8 +33,9 @@ def _modes(root: Path) -> dict[str, int]:
 
 def _run(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def test_a_checkpoints_files_follow_the_umask(tmp_path, faults):
@@ -42,8 +43,10 @@ def test_a_checkpoints_files_follow_the_umask(tmp_path, faults):
     folder = checkpoint.save(tmp_path, _state(1), records=[{"step": 0}])
     modes = _modes(tmp_path)
     files = {name: mode for name, mode in modes.items() if (tmp_path / name).is_file()}
-    assert files == {f"checkpoints/{folder.name}/{checkpoint.TENSORS_FILE}": file_mode(),
-                     f"checkpoints/{folder.name}/{checkpoint.STATE_FILE}": file_mode()}, modes  # fmt: skip
+    assert files == {
+        f"checkpoints/{folder.name}/{checkpoint.TENSORS_FILE}": file_mode(),
+        f"checkpoints/{folder.name}/{checkpoint.STATE_FILE}": file_mode(),
+    }, modes
     assert all(mode == folder_mode() for name, mode in modes.items() if (tmp_path / name).is_dir()), modes
     faults.record("run folders", "a checkpoint's safetensors under the umask")
 
@@ -103,8 +106,9 @@ HOLD = """
 def test_a_killed_run_leaves_no_stale_lock(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLD), str(out)], stdout=subprocess.PIPE,
-                              text=True, env=env)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(HOLD), str(out)], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(ConfigError, match="in use by another sao run"):

@@ -35,8 +35,23 @@ sys.exit(cli.main(sys.argv[2:]))
 """
 
 SETTINGS = {"batch_size": 8, "steps": 2, "critic_warmup": 1, "train_prompts": 64, "lag": 1}
-FLAGS = ["--preset", "tiny", "--batch-size", "8", "--steps", "2", "--critic-warmup", "1", "--train-prompts", "64",
-         "--lag", "1", "--quiet", "--shard", "fsdp"]  # fmt: skip
+FLAGS = [
+    "--preset",
+    "tiny",
+    "--batch-size",
+    "8",
+    "--steps",
+    "2",
+    "--critic-warmup",
+    "1",
+    "--train-prompts",
+    "64",
+    "--lag",
+    "1",
+    "--quiet",
+    "--shard",
+    "fsdp",
+]
 COMPARED = ("loss", "grad_norm", "critic_loss", "masked_share", "ratio_max", "advantage_mean", "explained_variance")
 TORCHRUN_TIMEOUT_S = 600
 
@@ -46,8 +61,17 @@ def _torchrun(tmp_path: Path, args: list[str], kill_at: int = -1) -> subprocess.
     child.write_text(CHILD)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # one thread per rank on 2 cores
     env.pop("WORLD_SIZE", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(child),
-               str(kill_at), *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(child),
+        str(kill_at),
+        *args,
+    ]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
 
 
@@ -141,8 +165,10 @@ def test_full_weights_and_a_value_model_on_two_processes_take_the_single_process
     for folder in ("model", "critic"):  # gathered from the shards, tensor by tensor
         ours, theirs = (_tensors(d / folder / "model.safetensors") for d in (out, tmp_path / "single"))
         assert _all_close(ours, theirs), folder
-    assert _all_close(_tensors(out / "critic" / "value_head.safetensors"),
-                      _tensors(tmp_path / "single" / "critic" / "value_head.safetensors"))  # fmt: skip
+    assert _all_close(
+        _tensors(out / "critic" / "value_head.safetensors"),
+        _tensors(tmp_path / "single" / "critic" / "value_head.safetensors"),
+    )
 
 
 def _trace_log(tiny_model_dir: Path, path: Path, rows: int, temperature: float) -> Path:
@@ -162,12 +188,16 @@ def _trace_log(tiny_model_dir: Path, path: Path, rows: int, temperature: float) 
     with path.open("w") as handle:
         for i, task in enumerate(tasks):
             m = r.response_mask[i]
-            line = {"id": f"t{i}", "policy_version": 0, "temperature": temperature,
-                    "prompt_token_ids": r.prompt_ids[i][r.prompt_mask[i]].tolist(),
-                    "completion_token_ids": r.response_ids[i][m].tolist(),
-                    "logprobs": r.sampler_logprobs[i][m].tolist(),
-                    "finish_reason": "length" if bool(r.truncated[i]) else "stop",
-                    "task": {"question": task.question, "answer": task.answer}}  # fmt: skip
+            line = {
+                "id": f"t{i}",
+                "policy_version": 0,
+                "temperature": temperature,
+                "prompt_token_ids": r.prompt_ids[i][r.prompt_mask[i]].tolist(),
+                "completion_token_ids": r.response_ids[i][m].tolist(),
+                "logprobs": r.sampler_logprobs[i][m].tolist(),
+                "finish_reason": "length" if bool(r.truncated[i]) else "stop",
+                "task": {"question": task.question, "answer": task.answer},
+            }
             handle.write(json.dumps(line) + "\n")
     return path
 
@@ -176,8 +206,26 @@ def test_a_trace_log_trains_under_torchrun_and_its_end_stops_every_process(tiny_
     from sao import cli
 
     log = _trace_log(tiny_model_dir, tmp_path / "traces.jsonl", rows=24, temperature=0.7)
-    args = ["train", "--preset", "tiny", "--traces", str(log), "--temperature", "0.7", "--batch-size", "8",
-            "--critic-warmup", "1", "--steps", "10", "--quiet", "--threads", "1", "--shard", "fsdp"]  # fmt: skip
+    args = [
+        "train",
+        "--preset",
+        "tiny",
+        "--traces",
+        str(log),
+        "--temperature",
+        "0.7",
+        "--batch-size",
+        "8",
+        "--critic-warmup",
+        "1",
+        "--steps",
+        "10",
+        "--quiet",
+        "--threads",
+        "1",
+        "--shard",
+        "fsdp",
+    ]
     torch.set_num_threads(1)
     assert cli.main([*args, "--out", str(tmp_path / "single")]) == 0
     single = run_log(tmp_path / "single")

@@ -49,14 +49,16 @@ def _otel_sdk():
 def test_each_step_reaches_opentelemetry_as_an_rl_tree(tiny_config, tmp_path):
     memory = _otel_sdk()()
     config = tiny_config.replace(steps=2, critic_warmup=1, lag=1, timeline_steps=0)  # no file: OpenTelemetry alone
-    trainer = build.trainer(config, tmp_path / "run", progress=False,
-                            hooks=[Timeline(0, otel.Telemetry(exporter=memory))])  # fmt: skip
+    trainer = build.trainer(
+        config, tmp_path / "run", progress=False, hooks=[Timeline(0, otel.Telemetry(exporter=memory))]
+    )
     records = trainer.run()
     assert not (tmp_path / "run" / "timeline.json").exists()
     spans = memory.get_finished_spans()
     roots = [s for s in spans if s.name == "rl.loop"]
-    assert [s.attributes["rl.step"] for s in roots] == [r["step"] for r in records] and all(s.parent is None
-                                                                                            for s in roots)  # fmt: skip
+    assert [s.attributes["rl.step"] for s in roots] == [r["step"] for r in records] and all(
+        s.parent is None for s in roots
+    )
     for root, record in zip(roots, records, strict=True):
         mine = [s for s in spans if s.context.trace_id == root.context.trace_id]
         children = [s for s in mine if s.parent is not None and s.parent.span_id == root.context.span_id]
@@ -91,9 +93,18 @@ def test_an_unreachable_collector_costs_one_warning_and_never_blocks_a_step(monk
     slowest = 0.0
     for step in range(40):  # spans of 40 steps, made while the exporter fails in the background
         start = 1_000.0 + step
-        events = [timeline._span("pass", "phase", "trainer rank 0", "step", start, start + 0.5, {"step": step}),
-                  timeline._span("step", "step", "trainer rank 0", "step", start, start + 1.0,
-                                 {"step": step, "version": step, "staleness": 0})]  # fmt: skip
+        events = [
+            timeline._span("pass", "phase", "trainer rank 0", "step", start, start + 0.5, {"step": step}),
+            timeline._span(
+                "step",
+                "step",
+                "trainer rank 0",
+                "step",
+                start,
+                start + 1.0,
+                {"step": step, "version": step, "staleness": 0},
+            ),
+        ]
         began = time.perf_counter()
         telemetry.steps("run", events)
         slowest = max(slowest, time.perf_counter() - began)

@@ -19,14 +19,35 @@ from sao.training import learn as learn_module
 from sao.training.hooks import Reachability
 
 SPEC_FIELDS = {
-    "step", "phase", "staleness", "reward_mean", "masked_share", "would_be_masked_share", "ratio_min",
-    "ratio_mean", "ratio_max", "ratio_p99", "advantage_mean", "explained_variance", "critic_loss",
-    "response_length", "truncation_share", "grad_norm", "skipped", "time",
+    "step",
+    "phase",
+    "staleness",
+    "reward_mean",
+    "masked_share",
+    "would_be_masked_share",
+    "ratio_min",
+    "ratio_mean",
+    "ratio_max",
+    "ratio_p99",
+    "advantage_mean",
+    "explained_variance",
+    "critic_loss",
+    "response_length",
+    "truncation_share",
+    "grad_norm",
+    "skipped",
+    "time",
     # the off-policy diagnostics: the ratios' effective sample size, the masked share by the band's side, and which
     # tokens fall outside the band and where in the reply
-    "ratio_ess_share", "masked_share_low", "masked_share_high", "would_be_masked_share_low",
-    "would_be_masked_share_high", "outside_band_tokens", "outside_band_by_position", "tokens_by_position",
-}  # fmt: skip
+    "ratio_ess_share",
+    "masked_share_low",
+    "masked_share_high",
+    "would_be_masked_share_low",
+    "would_be_masked_share_high",
+    "outside_band_tokens",
+    "outside_band_by_position",
+    "tokens_by_position",
+}
 
 
 @pytest.mark.parametrize("lag", [0, 1, 4])
@@ -76,8 +97,9 @@ def test_log_has_every_spec_field_and_is_valid_json(tiny_config, tmp_path):
     for r in records:
         assert set(r) >= SPEC_FIELDS
         assert 0 < r["ratio_ess_share"] <= 1 + 1e-9 and sum(r["tokens_by_position"]) > 0
-        assert all(isinstance(text, str) and seen >= below + above for text, below, above, seen in
-                   r["outside_band_tokens"])  # fmt: skip
+        assert all(
+            isinstance(text, str) and seen >= below + above for text, below, above, seen in r["outside_band_tokens"]
+        )
     assert [r["phase"] for r in records[:2]] == ["critic-warmup"] * 2
     assert all(r["grad_norm"] is None for r in records[:2]), "warmup steps take no policy step"
     assert all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in records[2:])
@@ -260,8 +282,9 @@ def test_observation_tokens_carry_no_critic_loss():
     (loss, params), (other_loss, other_params) = train(hidden, targets), train(other_hidden, other_targets)
     assert loss == other_loss and all(torch.equal(a, b) for a, b in zip(params, other_params, strict=True))
     head = ValueHead(H)
-    everywhere = learn_module.critic_steps(head, torch.optim.AdamW(head.parameters()), other_hidden, other_targets,
-                                           torch.ones_like(actions), steps=1)  # fmt: skip
+    everywhere = learn_module.critic_steps(
+        head, torch.optim.AdamW(head.parameters()), other_hidden, other_targets, torch.ones_like(actions), steps=1
+    )
     assert everywhere > 10 * loss, "the check can fail: counting observation positions changes the loss"
 
 
@@ -374,8 +397,9 @@ def test_an_automatic_critic_warmup_ends_when_the_target_is_met_twice_or_at_its_
 
 def test_an_automatic_critic_warmup_resumes_with_the_length_it_chose(tiny_config, tmp_path, monkeypatch):
     """A run killed after its automatic warmup ended resumes with the same warmup length and the same steps."""
-    config = tiny_config.replace(critic_warmup="auto", critic_warmup_target=-1.0, critic_warmup_limit=4, steps=3,
-                                 checkpoint_every=1)  # fmt: skip
+    config = tiny_config.replace(
+        critic_warmup="auto", critic_warmup_target=-1.0, critic_warmup_limit=4, steps=3, checkpoint_every=1
+    )
     whole = build.trainer(config, tmp_path / "whole", progress=False).run()
     first = build.trainer(config, tmp_path / "run", progress=False)
     step = first.step

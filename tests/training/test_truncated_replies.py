@@ -22,9 +22,12 @@ TASKS = {"a": Task("a", "What is 3+4?", "7"), "b": Task("b", "What is 2+2?", "4"
 
 def _rewards(rule: str) -> tuple[torch.Tensor, dict[str, int]]:
     """The scorer's training rewards on four replies, two cut off (one of them holding the right number)."""
-    rollout = SimpleNamespace(turns=None, texts=["3+4=7\n#### 7", "3+4=7", "3+4=8\n#### 8", "2+2=5"],
-                              cut=torch.tensor([False, True, False, True]),
-                              action_mask=torch.ones(4, 3, dtype=torch.bool))  # fmt: skip
+    rollout = SimpleNamespace(
+        turns=None,
+        texts=["3+4=7\n#### 7", "3+4=7", "3+4=8\n#### 8", "2+2=5"],
+        cut=torch.tensor([False, True, False, True]),
+        action_mask=torch.ones(4, 3, dtype=torch.bool),
+    )
     scorer = Scorer(lambda text, row: float(text.rstrip().endswith(row["answer"])), truncated_reward=rule)
     return scorer.rewards(rollout, [TASKS[i].row() for i in ["a", "a", "a", "b"]])
 
@@ -42,9 +45,20 @@ def test_the_trainer_scores_a_cut_off_reply_zero_by_default_and_counts_it():
 
 
 def test_old_eval_files_read_back_as_graded():
-    old = {"label": "x", "pass_at_1": 0.5, "per_task": [0.5], "task_ids": ["t"], "samples": 2, "temperature": 0.7,
-           "seed": 0, "mean_reply_chars": 3.0, "mean_reply_tokens": 3.0, "truncation_share": 0.0, "seconds": 1.0,
-           "examples": []}  # fmt: skip
+    old = {
+        "label": "x",
+        "pass_at_1": 0.5,
+        "per_task": [0.5],
+        "task_ids": ["t"],
+        "samples": 2,
+        "temperature": 0.7,
+        "seed": 0,
+        "mean_reply_chars": 3.0,
+        "mean_reply_tokens": 3.0,
+        "truncation_share": 0.0,
+        "seconds": 1.0,
+        "examples": [],
+    }
     result = EvalResult.from_dict(old)
     assert result.truncated_reward == "grade" and result.truncated_replies == 0
 
@@ -55,9 +69,18 @@ def test_the_eval_scores_cut_off_replies_zero_and_counts_those_the_grader_would_
     decoder = make_decoder(model, None, "plain")
 
     def run(rule: str, max_new_tokens: int) -> EvalResult:
-        return evaluate(decoder, tokenizer, tasks, instruction=tiny.TINY_INSTRUCTION, samples=2, temperature=0.7,
-                        max_new_tokens=max_new_tokens, seed=5, eos_token_ids=eos_ids(tokenizer, model),
-                        scorer=Scorer(gsm8k.reward, truncated_reward=rule))  # fmt: skip
+        return evaluate(
+            decoder,
+            tokenizer,
+            tasks,
+            instruction=tiny.TINY_INSTRUCTION,
+            samples=2,
+            temperature=0.7,
+            max_new_tokens=max_new_tokens,
+            seed=5,
+            eos_token_ids=eos_ids(tokenizer, model),
+            scorer=Scorer(gsm8k.reward, truncated_reward=rule),
+        )
 
     # 6 tokens cut "7+5=12\n#### 12" after "7+5=12": every reply is cut off, some right after the answer
     zero, graded = run("zero", 6), run("grade", 6)

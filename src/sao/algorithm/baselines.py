@@ -50,11 +50,14 @@ def none(rewards: Tensor, action_mask: Tensor) -> Tensor:
 
 def oracle(rewards: Tensor, action_mask: Tensor, oracle_rates: Tensor | None = None) -> Tensor:
     if oracle_rates is None:
-        raise ConfigError("the oracle baseline needs each row's oracle rate (oracle_rates [B]): the local source draws "
-                          "them beside every batch (--rollout local)")  # fmt: skip
+        raise ConfigError(
+            "the oracle baseline needs each row's oracle rate (oracle_rates [B]): the local source draws "
+            "them beside every batch (--rollout local)"
+        )
     rates = oracle_rates.to(device=action_mask.device, dtype=torch.float64)  # [B]
     if tuple(rates.shape) != (action_mask.shape[0],):
-        raise ConfigError(f"oracle_rates must have one rate per row, shape [{action_mask.shape[0]}], got "
-                          f"{list(rates.shape)}")  # fmt: skip
+        raise ConfigError(
+            f"oracle_rates must have one rate per row, shape [{action_mask.shape[0]}], got {list(rates.shape)}"
+        )
     values = rates[:, None].expand(action_mask.shape)  # [B, T]
     return torch.where(action_mask, values, torch.zeros_like(values))

@@ -69,8 +69,9 @@ def random(ratio: Tensor, action_mask: Tensor, sao: SAO, batch: Mapping[str, Ten
     keys = batch.get("random_key")
     keys = row_keys(0, 0, B) if keys is None else keys.detach().to("cpu")
     if keys.dtype != torch.int64 or tuple(keys.shape) != (B,):
-        raise ConfigError(f"batch['random_key'] must be a [{B}] int64 tensor (row_keys), got {keys.dtype} "
-                          f"{list(keys.shape)}")  # fmt: skip
+        raise ConfigError(
+            f"batch['random_key'] must be a [{B}] int64 tensor (row_keys), got {keys.dtype} {list(keys.shape)}"
+        )
     drop = (token_uniforms(keys, T) < shares[:, None]).to(ratio.device)  # [B, T]
     return torch.where(drop, torch.zeros_like(ratio), ratio)
 

@@ -90,17 +90,20 @@ def ceiling(
     s1 = w.sum(axis=1, keepdims=True) - w  # [P, K] Σ of the other rollouts' lengths
     s2 = (w**2).sum(axis=1, keepdims=True) - w**2
     others = np.divide((w * r).sum(axis=1, keepdims=True) - w * r, s1, out=np.zeros_like(r), where=s1 > 0)
-    residual = np.where(s1 > 0, (r - others) ** 2 / (1 + np.divide(s2, s1**2, out=np.zeros_like(r), where=s1 > 0)),
-                        0.0)  # fmt: skip
+    residual = np.where(s1 > 0, (r - others) ** 2 / (1 + np.divide(s2, s1**2, out=np.zeros_like(r), where=s1 > 0)), 0.0)
     mean_w = float((w * r).sum() / w.sum())
     total_w = float((w * (r - mean_w) ** 2).sum() / w.sum())
     nan = float("nan")
     return Ceiling(
-        prompts=p, samples=k, mean=float(r.mean()), var_total=total, var_prompt=total - within,
+        prompts=p,
+        samples=k,
+        mean=float(r.mean()),
+        var_total=total,
+        var_prompt=total - within,
         prompt_level=1.0 - within / total if total > 0 else nan,
         token_level=1.0 - float((w * residual).sum() / w.sum()) / total_w if total_w > 0 else nan,
         in_sample=float(r.mean(axis=1).var()) / total if total > 0 else nan,
-    )  # fmt: skip
+    )
 
 
 def share_of(explained: float, reachable: float) -> float:
@@ -152,9 +155,13 @@ def _choose(x: np.ndarray, y: np.ndarray, groups: np.ndarray, seed: int) -> floa
 
 
 def ridge_probe(
-    features: np.ndarray, targets: np.ndarray, groups: np.ndarray | None = None, *, folds: int = PROBE_FOLDS,
+    features: np.ndarray,
+    targets: np.ndarray,
+    groups: np.ndarray | None = None,
+    *,
+    folds: int = PROBE_FOLDS,
     seed: int = 0,
-) -> dict[str, float | int | list[float]]:  # fmt: skip
+) -> dict[str, float | int | list[float]]:
     """Out-of-fold R² of a ridge regression from ``features`` [n, d] to ``targets`` [n], the folds made of whole
     ``groups`` [n] (default: each row its own), the penalty chosen by an inner cross-validation in each training
     fold. R² = 1 − Σ(y − ŷ)² / Σ(y − ȳ)² over every row scored out of fold: about 0 (or below) when the features

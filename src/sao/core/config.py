@@ -384,9 +384,10 @@ class TrainingSettings(Section):
         64, "Prompts (= trajectories: one rollout per prompt) per optimizer step. The page's 64.", check=at_least(1)
     )
     lr: float = option(
-        1e-5, "AdamW on the LoRA adapter. The page's round 1 (round 2 is 1e-4).",
+        1e-5,
+        "AdamW on the LoRA adapter. The page's round 1 (round 2 is 1e-4).",
         check=all_of(positive, lambda v: None if v <= MAX_LR else f"must be at most {MAX_LR:g}"),
-    )  # fmt: skip
+    )
     lr_schedule: str = option(
         "constant",
         'The policy learning rate over the policy steps: "constant" (the page\'s), "linear" (to 0 at the last step) '
@@ -601,8 +602,9 @@ class EvalSettings(Section):
 @dataclass(frozen=True)
 class ServeSettings(Section):
     host: str = option("127.0.0.1", "Address `sao serve` listens on; anything but a loopback address warns.")
-    port: int = option(8000, "TCP port (0: any free one; the first line printed says which).",
-                       check=between(0, MAX_PORT))  # fmt: skip
+    port: int = option(
+        8000, "TCP port (0: any free one; the first line printed says which).", check=between(0, MAX_PORT)
+    )
     watch: str | None = option(
         None, "A `sao train --traces` run folder: serve each adapter it publishes.", check=not_blank
     )
@@ -644,13 +646,18 @@ def _flat_names() -> dict[str, tuple[str, str]]:
 
 
 FLAT = _flat_names()
-CANONICAL = {name: flag_of(next(f for f in dataclasses.fields(SECTIONS[s]) if f.name == n))
-             for name, (s, n) in FLAT.items()}  # fmt: skip
-NOTICES = {alias: f"--{alias} is now --{CANONICAL[alias]} (same values); --{alias} still works"
-           for alias in ("engine", "band", "arm")}  # fmt: skip
+CANONICAL = {
+    name: flag_of(next(f for f in dataclasses.fields(SECTIONS[s]) if f.name == n)) for name, (s, n) in FLAT.items()
+}
+NOTICES = {
+    alias: f"--{alias} is now --{CANONICAL[alias]} (same values); --{alias} still works"
+    for alias in ("engine", "band", "arm")
+}
 # Names older sao versions wrote inside a section, read as today's flat names (settings files and config.json).
-OLD_FIELDS = {("data", "seed"): "data_seed", **{("eval", n): f"eval_{n}" for n in
-              ("samples", "temperature", "max_new_tokens", "batch", "every")}}  # fmt: skip
+OLD_FIELDS = {
+    ("data", "seed"): "data_seed",
+    **{("eval", n): f"eval_{n}" for n in ("samples", "temperature", "max_new_tokens", "batch", "every")},
+}
 
 
 def source_fields(section: type[SourceSection]) -> dict[str, dataclasses.Field]:
@@ -691,8 +698,10 @@ class Config:
         own = {name: flat.pop(name) for name in list(flat) if name not in FLAT and name in source_fields(section)}
         for name in flat:
             if name not in FLAT and _taken_by(name):
-                raise ConfigError(f"--{name.replace('_', '-')} is a setting of --rollout "
-                                  f"{', '.join(_taken_by(name))}, not of --rollout {kind}")  # fmt: skip
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} is a setting of --rollout "
+                    f"{', '.join(_taken_by(name))}, not of --rollout {kind}"
+                )
         grouped = _group(flat, where="")
         for name, cls in SECTIONS.items():
             base = sections.get(name) or cls()
@@ -751,8 +760,7 @@ class Config:
         ``rollout`` starts from that source's defaults."""
         changes = canonical(changes)
         keep = "rollout" not in changes or changes["rollout"] == self.rollout.source
-        return Config(**{s: getattr(self, s) for s in SECTIONS}, **({"source": self.source} if keep else {}),
-                      **changes)  # fmt: skip
+        return Config(**{s: getattr(self, s) for s in SECTIONS}, **({"source": self.source} if keep else {}), **changes)
 
     def to_dict(self) -> dict[str, Any]:
         """The sectioned settings, as config.json holds them: the source's own inside ``rollout``, by its name."""
@@ -783,8 +791,10 @@ def _source_kind(flat: dict[str, Any], default: str) -> str:
         raise ConfigError(f"--rollout {_in_registry(sources)(str(kind))}, got {kind!r}")
     for other in implied:
         if other != kind:
-            raise ConfigError(f"--{sources().get(other).implied_by} goes with --rollout {other} (the trajectories "
-                              f"come from it), not with --rollout {kind}; leave one of them out")  # fmt: skip
+            raise ConfigError(
+                f"--{sources().get(other).implied_by} goes with --rollout {other} (the trajectories "
+                f"come from it), not with --rollout {kind}; leave one of them out"
+            )
     return kind
 
 
@@ -938,8 +948,10 @@ def _group(values: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
 
 def _random_needs_a_share(c: Config) -> str | None:
     if c.algorithm.correction == "random" and c.algorithm.random_mask_share is None:
-        return ("--correction random needs --random-mask-share (sao sweep and sao confirm take it from the dis arm of "
-                "the same cell and seed)")  # fmt: skip
+        return (
+            "--correction random needs --random-mask-share (sao sweep and sao confirm take it from the dis arm of "
+            "the same cell and seed)"
+        )
     return None
 
 
@@ -959,9 +971,11 @@ def _gate_fits(c: Config) -> str | None:
     need = tasks_for_margin(t.gate_margin, t.gate_alpha)
     if have < need:
         given = f"--gate-tasks {t.gate_tasks}" if t.gate_tasks else f"--test-prompts {c.data.test_prompts}"
-        return (f"--gate held-out cannot reach --gate-margin {t.gate_margin:g} at --gate-alpha {t.gate_alpha:g} with "
-                f"{have} held-aside tasks ({given}): it needs at least {need} (the worst-case sd 1 of a paired reward "
-                "difference); give more tasks or a wider margin")  # fmt: skip
+        return (
+            f"--gate held-out cannot reach --gate-margin {t.gate_margin:g} at --gate-alpha {t.gate_alpha:g} with "
+            f"{have} held-aside tasks ({given}): it needs at least {need} (the worst-case sd 1 of a paired reward "
+            "difference); give more tasks or a wider margin"
+        )
     return None
 
 
@@ -981,14 +995,20 @@ def _full_finetune_fits(c: Config) -> str | None:
     if c.model.finetune != "full":
         return None
     if c.training.kl_coef > 0:
-        return ("--kl-coef with --finetune full: the KL reference is the base without the adapter, and full "
-                "fine-tuning has no adapter to switch off; leave --kl-coef at 0")  # fmt: skip
+        return (
+            "--kl-coef with --finetune full: the KL reference is the base without the adapter, and full "
+            "fine-tuning has no adapter to switch off; leave --kl-coef at 0"
+        )
     if not type(c.source).full_weights:
-        return (f"--finetune full with --rollout {c.rollout.source}: its sampler takes LoRA adapters only; use "
-                "--rollout local or vllm, or --finetune lora")  # fmt: skip
+        return (
+            f"--finetune full with --rollout {c.rollout.source}: its sampler takes LoRA adapters only; use "
+            "--rollout local or vllm, or --finetune lora"
+        )
     if getattr(c.source, "sampler_dtype", "auto") != "auto" or getattr(c.source, "sampler_logit_noise", 0.0):
-        return ("--sampler-dtype with --finetune full is not offered (nor --sampler-logit-noise): the stale sampler "
-                "is a copy of the whole model")  # fmt: skip
+        return (
+            "--sampler-dtype with --finetune full is not offered (nor --sampler-logit-noise): the stale sampler "
+            "is a copy of the whole model"
+        )
     if c.training.gate != "off":
         return "--gate held-out compares LoRA adapters: it needs --finetune lora"
     return None
@@ -998,11 +1018,15 @@ def _shard_fits(c: Config) -> str | None:
     if c.training.shard != "fsdp":
         return None
     if c.rollout.decoder == "graph":
-        return ("--decoder graph with --shard fsdp: the graph engine keeps pointers to weights that FSDP gathers "
-                "anew for every draw; use --decoder plain or auto")  # fmt: skip
+        return (
+            "--decoder graph with --shard fsdp: the graph engine keeps pointers to weights that FSDP gathers "
+            "anew for every draw; use --decoder plain or auto"
+        )
     if getattr(c.source, "sampler_dtype", "auto") != "auto" or getattr(c.source, "sampler_logit_noise", 0.0):
-        return ("--sampler-dtype with --shard fsdp is not offered (nor --sampler-logit-noise): the sampler's copy "
-                "would hold the whole model unsharded")  # fmt: skip
+        return (
+            "--sampler-dtype with --shard fsdp is not offered (nor --sampler-logit-noise): the sampler's copy "
+            "would hold the whole model unsharded"
+        )
     if c.training.gate != "off":
         return "--gate held-out with --shard fsdp is not offered: the gate draws with unsharded adapter copies"
     return None
@@ -1012,16 +1036,28 @@ def _oracle_draws_locally(c: Config) -> str | None:
     if c.source.draws_on_demand:
         return None
     if c.algorithm.baseline == "oracle":
-        return (f"--baseline oracle draws --oracle-samples more rollouts of every prompt beside each batch, which only "
-                f"--rollout local does; --rollout {c.rollout.source} cannot")  # fmt: skip
+        return (
+            f"--baseline oracle draws --oracle-samples more rollouts of every prompt beside each batch, which only "
+            f"--rollout local does; --rollout {c.rollout.source} cannot"
+        )
     if c.training.ceiling_every:
-        return (f"--ceiling-every rolls out prompts by the sampler at each snapshot, which only --rollout local does; "
-                f"--rollout {c.rollout.source} cannot")  # fmt: skip
+        return (
+            f"--ceiling-every rolls out prompts by the sampler at each snapshot, which only --rollout local does; "
+            f"--rollout {c.rollout.source} cannot"
+        )
     return None
 
 
-RULES = (_random_needs_a_share, _seeds_fit, _gate_fits, _device_exists, _critic_model_named, _full_finetune_fits,
-         _shard_fits, _oracle_draws_locally)  # fmt: skip
+RULES = (
+    _random_needs_a_share,
+    _seeds_fit,
+    _gate_fits,
+    _device_exists,
+    _critic_model_named,
+    _full_finetune_fits,
+    _shard_fits,
+    _oracle_draws_locally,
+)
 
 
 # --- settings files ---------------------------------------------------------------------------------------------
@@ -1108,8 +1144,10 @@ def _replayed(record: dict[str, Any], where: str) -> dict[str, Any]:
     if record.get("replayable") is False:
         reasons = record.get("not_replayable")
         why = "; ".join(str(r) for r in reasons) if isinstance(reasons, list) and reasons else "it says so"
-        raise ConfigError(f"{where}: this run cannot be replayed from its settings ({why}); run it again from Python "
-                          "with the same objects")  # fmt: skip
+        raise ConfigError(
+            f"{where}: this run cannot be replayed from its settings ({why}); run it again from Python "
+            "with the same objects"
+        )
     passed = record.get("passed")
     if passed is None:
         return {}
@@ -1118,8 +1156,10 @@ def _replayed(record: dict[str, Any], where: str) -> dict[str, Any]:
     out = {}
     for name, value in passed.items():
         if name not in PASSED_AS:
-            raise ConfigError(f"{where}: the run was passed {name} as an object, which no setting names; run it "
-                              "again from Python with the same objects")  # fmt: skip
+            raise ConfigError(
+                f"{where}: the run was passed {name} as an object, which no setting names; run it "
+                "again from Python with the same objects"
+            )
         if not isinstance(value, str):
             raise ConfigError(f"{where}: passed.{name} must be a string, got {_kind(value)}")
         out[PASSED_AS[name]] = value

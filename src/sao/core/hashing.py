@@ -20,9 +20,16 @@ from sao.core.reading import Limits, parse_json, read_json_file
 CHUNK = 1 << 24  # bytes read at a time while hashing a tensor (16 MiB)
 MODEL_FILES = Limits(max_bytes=1 << 30)  # a model's tokenizer.json or safetensors header: large, never deep
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def weights_sha256(folder: str | os.PathLike[str]) -> tuple[str | None, str]:

@@ -97,5 +97,7 @@ def check_reachable(repo_id: str, *, kind: str = "model", fix: str) -> None:
     host, port = endpoint()
     reason = _probe(host, port)
     if reason is not None:
-        raise ConfigError(f"{kind} {repo_id!r} is not in the local hub cache and the hub ({host}:{port}) cannot be "
-                          f"reached ({reason}); {fix}")  # fmt: skip
+        raise ConfigError(
+            f"{kind} {repo_id!r} is not in the local hub cache and the hub ({host}:{port}) cannot be "
+            f"reached ({reason}); {fix}"
+        )

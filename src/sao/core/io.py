@@ -100,16 +100,19 @@ def output_problem(path: Path, error: OSError) -> OutputError:
     if error.errno in (errno.ENOTDIR, errno.EEXIST):  # some folder on the way is a file (or a device)
         blocker = next((p for p in path.parents if os.path.lexists(p) and not os.path.isdir(p)), None)
         if blocker is not None:
-            return OutputError(f"{where}: {blocker} is {_kind_of(blocker) or 'a file'}, not a folder; "
-                               "choose another output path")  # fmt: skip
+            return OutputError(
+                f"{where}: {blocker} is {_kind_of(blocker) or 'a file'}, not a folder; choose another output path"
+            )
     if error.errno == errno.EISDIR:
         return OutputError(f"{where}: it is a folder; name a file instead")
     if error.errno in (errno.EACCES, errno.EPERM):
         return OutputError(f"{where}; choose an output path you can write to (or change the folder's permissions)")
     if error.errno == errno.EROFS:
         return OutputError(f"{where}; the file system is read-only: choose another output path")
-    return OutputError(f"{where}; {_first_existing(path.parent)} cannot hold sao's files: choose an output path on "
-                       "an ordinary, writable disk")  # fmt: skip
+    return OutputError(
+        f"{where}; {_first_existing(path.parent)} cannot hold sao's files: choose an output path on "
+        "an ordinary, writable disk"
+    )
 
 
 def check_output_path(path: str | os.PathLike[str], *, folder: bool) -> None:
@@ -120,8 +123,9 @@ def check_output_path(path: str | os.PathLike[str], *, folder: bool) -> None:
     path = Path(path)
     above = next((p for p in path.parents if os.path.lexists(p)), None)
     if above is not None and not os.path.isdir(above):
-        raise OutputError(f"cannot write {path}: {above} is {_kind_of(above) or 'a file'}, not a folder; "
-                          "choose another output path")  # fmt: skip
+        raise OutputError(
+            f"cannot write {path}: {above} is {_kind_of(above) or 'a file'}, not a folder; choose another output path"
+        )
     if not os.path.lexists(path):
         return
     kind = _kind_of(path) or "a file"

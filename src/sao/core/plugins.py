@@ -59,8 +59,15 @@ def call(fn: Callable[..., Any], *args: Any, plugin: str, row: str, timeout: flo
     return value
 
 
-def call_each(fn: Callable[[Any], Any], items: Sequence[Any], *, plugin: str, rows: Sequence[str],
-              timeout: float = 0.0, concurrency: int = 16) -> list[Any]:  # fmt: skip
+def call_each(
+    fn: Callable[[Any], Any],
+    items: Sequence[Any],
+    *,
+    plugin: str,
+    rows: Sequence[str],
+    timeout: float = 0.0,
+    concurrency: int = 16,
+) -> list[Any]:
     """``fn(item)`` for every item, at most ``concurrency`` at once, the results in item order. A call past ``timeout``
     seconds (counted from when it started; 0: no limit) is abandoned and its place holds a ``PluginTimeout``; once one
     has timed out, the items not yet started are given up the same way (every worker may be held by a hung call: a

@@ -351,8 +351,11 @@ def safetensors_problem(path: str | os.PathLike[str]) -> str | None:
         return "not a safetensors file (its header is not JSON)"
     if not isinstance(header, dict):
         return "not a safetensors file (its header is not a JSON object)"
-    ends = [info.get("data_offsets", [0, 0])[-1] for name, info in header.items()
-            if name != "__metadata__" and isinstance(info, dict)]  # fmt: skip
+    ends = [
+        info.get("data_offsets", [0, 0])[-1]
+        for name, info in header.items()
+        if name != "__metadata__" and isinstance(info, dict)
+    ]
     need = 8 + length + max((e for e in ends if isinstance(e, int)), default=0)
     if need > size:
         return f"truncated: its tensors need {need} bytes, the file holds {size}"

@@ -152,8 +152,11 @@ def compare(
         raise ConfigError(f"alpha must be a number in (0, 0.5), got {alpha!r}")
     if verdict_rule not in VERDICT_RULES:
         raise ConfigError(f"verdict_rule must be one of {list(VERDICT_RULES)}, got {verdict_rule!r}")
-    effect, source = (float(smallest_effect), "given") if smallest_effect is not None else (
-        (floor, "noise floor") if floor is not None else (None, None))  # fmt: skip
+    effect, source = (
+        (float(smallest_effect), "given")
+        if smallest_effect is not None
+        else ((floor, "noise floor") if floor is not None else (None, None))
+    )
 
     if before_fixed and b.shape[0] != 1:
         raise ConfigError(f"before_fixed: before must be one model's per-task scores, got {b.shape[0]} rows")
@@ -184,9 +187,11 @@ def compare(
     else:
         (verdict, reason), magnitude = _verdict(test, effect, source, seeds, unit, about, alpha), None
     if test.sd_floored:
-        reason += (f" The sd over {unit}s, {test.sd:.3g}, is below the eval's own noise, {sd_min:.3g} per {unit} "
-                   f"({eval_sd_how}), so the interval uses {sd_min:.3g}: no spread can be smaller than re-evaluating "
-                   "the same models.")  # fmt: skip
+        reason += (
+            f" The sd over {unit}s, {test.sd:.3g}, is below the eval's own noise, {sd_min:.3g} per {unit} "
+            f"({eval_sd_how}), so the interval uses {sd_min:.3g}: no spread can be smaller than re-evaluating "
+            "the same models."
+        )
     if smallest_effect is not None and floor is not None and smallest_effect < floor:
         reason += f" δ {smallest_effect:.3f} is below the noise floor {floor:.3f} of re-evaluating one model."
 
@@ -350,8 +355,11 @@ def _beyond_exact(null: np.ndarray, observed: float, side: float) -> float:
 def _tail_shares(null: np.ndarray, observed: float) -> tuple[float, float, float]:
     """(two-sided, upper, lower) shares of a null distribution at least as extreme as ``observed``, ties counted."""
     tol = 1e-12 * (1.0 + float(np.max(np.abs(null))) + abs(observed))
-    return (float(np.mean(np.abs(null) >= abs(observed) - tol)), float(np.mean(null >= observed - tol)),
-            float(np.mean(null <= observed + tol)))  # fmt: skip
+    return (
+        float(np.mean(np.abs(null) >= abs(observed) - tol)),
+        float(np.mean(null >= observed - tol)),
+        float(np.mean(null <= observed + tol)),
+    )
 
 
 def _one_sample(d: np.ndarray, sd_min: float | None, alpha: float, effect: float | None) -> _Test:
@@ -372,16 +380,34 @@ def _one_sample(d: np.ndarray, sd_min: float | None, alpha: float, effect: float
         p_exact = _tail_shares(signs @ d / n, delta)[0]
         least = 2.0 ** (1 - n)
         if effect is not None:  # H0 mean <= −δ (reject when d + δ sits high) and H0 mean >= δ (d − δ sits low)
-            p_eq_exact = max(_tail_shares(signs @ (d + effect) / n, delta + effect)[1],
-                             _tail_shares(signs @ (d - effect) / n, delta - effect)[2])  # fmt: skip
+            p_eq_exact = max(
+                _tail_shares(signs @ (d + effect) / n, delta + effect)[1],
+                _tail_shares(signs @ (d - effect) / n, delta - effect)[2],
+            )
         if p_beyond is not None and p_beyond < 1:  # H0 |mean| <= δ on delta's side: d shifted to that edge
             side = math.copysign(1.0, delta)
             p_beyond = max(p_beyond, _beyond_exact(signs @ (d - side * effect) / n, delta - side * effect, side))
-    return _Test(delta=delta, low=delta - half, high=delta + half, eq_low=delta - half_eq, eq_high=delta + half_eq,
-                 n=n, df=n - 1, p_t=p_t, p_exact=p_exact, exact_least=least, exact_kind="sign-flip",
-                 exact_over=f"{n} units", exact_with=f"{n} units", exact_count=2**n,
-                 p_equivalence=_equivalence(p_eq, p_eq_exact), p_equivalence_exact=p_eq_exact, sd=sd,
-                 sd_floored=floored, p_beyond=p_beyond)  # fmt: skip
+    return _Test(
+        delta=delta,
+        low=delta - half,
+        high=delta + half,
+        eq_low=delta - half_eq,
+        eq_high=delta + half_eq,
+        n=n,
+        df=n - 1,
+        p_t=p_t,
+        p_exact=p_exact,
+        exact_least=least,
+        exact_kind="sign-flip",
+        exact_over=f"{n} units",
+        exact_with=f"{n} units",
+        exact_count=2**n,
+        p_equivalence=_equivalence(p_eq, p_eq_exact),
+        p_equivalence_exact=p_eq_exact,
+        sd=sd,
+        sd_floored=floored,
+        p_beyond=p_beyond,
+    )
 
 
 def _welch(b: np.ndarray, a: np.ndarray, sd_min: float | None, alpha: float, effect: float | None) -> _Test:
@@ -410,18 +436,34 @@ def _welch(b: np.ndarray, a: np.ndarray, sd_min: float | None, alpha: float, eff
         p_exact = _tail_shares(null(0.0), delta)[0]
         least = (2.0 if a.size == b.size else 1.0) / len(groups)
         if effect is not None:
-            p_eq_exact = max(_tail_shares(null(-effect), delta + effect)[1],
-                             _tail_shares(null(effect), delta - effect)[2])  # fmt: skip
+            p_eq_exact = max(
+                _tail_shares(null(-effect), delta + effect)[1], _tail_shares(null(effect), delta - effect)[2]
+            )
         if p_beyond is not None and p_beyond < 1:
             side = math.copysign(1.0, delta)
             p_beyond = max(p_beyond, _beyond_exact(null(side * effect), delta - side * effect, side))
     count = math.comb(a.size + b.size, a.size)
-    return _Test(delta=delta, low=delta - half, high=delta + half, eq_low=delta - half_eq, eq_high=delta + half_eq,
-                 n=n, df=df, p_t=p_t, p_exact=p_exact, exact_least=least, exact_kind="permutation",
-                 exact_over=f"the {count} labellings of {a.size} and {b.size} units",
-                 exact_with=f"{a.size} and {b.size} units", exact_count=count,
-                 p_equivalence=_equivalence(p_eq, p_eq_exact), p_equivalence_exact=p_eq_exact, sd=max(sds),
-                 sd_floored=floored, p_beyond=p_beyond)  # fmt: skip
+    return _Test(
+        delta=delta,
+        low=delta - half,
+        high=delta + half,
+        eq_low=delta - half_eq,
+        eq_high=delta + half_eq,
+        n=n,
+        df=df,
+        p_t=p_t,
+        p_exact=p_exact,
+        exact_least=least,
+        exact_kind="permutation",
+        exact_over=f"the {count} labellings of {a.size} and {b.size} units",
+        exact_with=f"{a.size} and {b.size} units",
+        exact_count=count,
+        p_equivalence=_equivalence(p_eq, p_eq_exact),
+        p_equivalence_exact=p_eq_exact,
+        sd=max(sds),
+        sd_floored=floored,
+        p_beyond=p_beyond,
+    )
 
 
 def _equivalence(p_t: float, p_exact: float | None) -> float | None:
@@ -585,10 +627,18 @@ def rank_estimate(deltas: Sequence[float], alpha: float = ALPHA) -> RankEstimate
     c, coverage = _signed_rank_cut(n, alpha)
     low, high = (float(walsh[c]), float(walsh[walsh.size - 1 - c])) if c >= 0 else (None, None)
     positive, negative = int(np.sum(d > TIE)), int(np.sum(d < -TIE))
-    return RankEstimate(hodges_lehmann=float(np.median(walsh)), low=low, high=high,
-                        confidence=coverage if c >= 0 else None, sign_p=_sign_p(positive, negative),
-                        positive=positive, negative=negative, ties=n - positive - negative, n=n,
-                        alpha=float(alpha))  # fmt: skip
+    return RankEstimate(
+        hodges_lehmann=float(np.median(walsh)),
+        low=low,
+        high=high,
+        confidence=coverage if c >= 0 else None,
+        sign_p=_sign_p(positive, negative),
+        positive=positive,
+        negative=negative,
+        ties=n - positive - negative,
+        n=n,
+        alpha=float(alpha),
+    )
 
 
 @dataclass(frozen=True)
@@ -618,9 +668,12 @@ COLLAPSE_VERDICTS = ("fewer collapses", "more collapses")
 
 
 def collapse_compare(
-    before: Sequence[float], after: Sequence[float], floor: float, alpha: float = ALPHA,
+    before: Sequence[float],
+    after: Sequence[float],
+    floor: float,
+    alpha: float = ALPHA,
     names: tuple[str, str] = ("after", "before"),
-) -> CollapseComparison:  # fmt: skip
+) -> CollapseComparison:
     """Collapse rates of two arms over the same seeds (pass@1 per seed, paired by index): a run collapsed when its
     pass@1 is below ``floor``. McNemar's exact test: among the seeds where exactly one arm collapsed, is it either
     arm's run as often as a fair coin says? ``names``: (after, before) for the reason."""
@@ -639,15 +692,32 @@ def collapse_compare(
     if p < alpha:
         verdict = COLLAPSE_VERDICTS[0] if after_only < before_only else COLLAPSE_VERDICTS[1]
     after_name, before_name = names
-    reason = (f"{verdict}: below pass@1 {floor:g}, {after_name} collapsed in {int(ca.sum())} of {n} seeds and "
-              f"{before_name} in {int(cb.sum())}; {after_only} seed(s) collapsed under {after_name} only, "
-              f"{before_only} under {before_name} only (McNemar's exact p = {p:.3g}"
-              + (f", at least {_sign_p(0, after_only + before_only):.3g} with {after_only + before_only} such seeds"
-                 if after_only + before_only else ", no seed separates them") + ").")  # fmt: skip
-    return CollapseComparison(floor=float(floor), n=n, after_collapsed=int(ca.sum()), before_collapsed=int(cb.sum()),
-                              after_only=after_only, before_only=before_only, rate_after=float(ca.mean()),
-                              rate_before=float(cb.mean()), delta=float(ca.mean() - cb.mean()), p_value=p,
-                              alpha=float(alpha), verdict=verdict, reason=reason)  # fmt: skip
+    reason = (
+        f"{verdict}: below pass@1 {floor:g}, {after_name} collapsed in {int(ca.sum())} of {n} seeds and "
+        f"{before_name} in {int(cb.sum())}; {after_only} seed(s) collapsed under {after_name} only, "
+        f"{before_only} under {before_name} only (McNemar's exact p = {p:.3g}"
+        + (
+            f", at least {_sign_p(0, after_only + before_only):.3g} with {after_only + before_only} such seeds"
+            if after_only + before_only
+            else ", no seed separates them"
+        )
+        + ")."
+    )
+    return CollapseComparison(
+        floor=float(floor),
+        n=n,
+        after_collapsed=int(ca.sum()),
+        before_collapsed=int(cb.sum()),
+        after_only=after_only,
+        before_only=before_only,
+        rate_after=float(ca.mean()),
+        rate_before=float(cb.mean()),
+        delta=float(ca.mean() - cb.mean()),
+        p_value=p,
+        alpha=float(alpha),
+        verdict=verdict,
+        reason=reason,
+    )
 
 
 @dataclass(frozen=True)
@@ -680,8 +750,7 @@ class Mixture:
     def draw(self, effect: float, n: int, draws: int, rng: np.random.Generator) -> np.ndarray:
         """[draws, n] per-seed deltas (after − before) of ``draws`` simulated experiments of ``n`` paired seeds."""
         noise = rng.normal(0.0, self.sd / math.sqrt(2.0), size=(2, draws, n))
-        after = np.where(rng.random((draws, n)) < self.collapse_after, self.collapsed,
-                         self.healthy + effect + noise[0])  # fmt: skip
+        after = np.where(rng.random((draws, n)) < self.collapse_after, self.collapsed, self.healthy + effect + noise[0])
         before = np.where(rng.random((draws, n)) < self.collapse_before, self.collapsed, self.healthy + noise[1])
         return after - before
 
@@ -700,14 +769,26 @@ def fit_mixture(before: Sequence[float], after: Sequence[float], floor: float) -
     sd = float(np.std(a[both] - b[both], ddof=1))
     healthy = float(b[~cb].mean()) if (~cb).any() else float(a[~ca].mean())
     fallen = np.concatenate([a[ca], b[cb]])
-    return Mixture(collapse_after=float(ca.mean()), collapse_before=float(cb.mean()), sd=sd, healthy=healthy,
-                   collapsed=float(fallen.mean()) if fallen.size else 0.0)  # fmt: skip
+    return Mixture(
+        collapse_after=float(ca.mean()),
+        collapse_before=float(cb.mean()),
+        sd=sd,
+        healthy=healthy,
+        collapsed=float(fallen.mean()) if fallen.size else 0.0,
+    )
 
 
 def mixture_power(
-    model: Mixture, effect: float, n: int, alpha: float = ALPHA, *, smallest_effect: float | None = None,
-    draws: int = MIXTURE_DRAWS, seed: int = 0, ranks: bool = True,
-) -> dict[str, float]:  # fmt: skip
+    model: Mixture,
+    effect: float,
+    n: int,
+    alpha: float = ALPHA,
+    *,
+    smallest_effect: float | None = None,
+    draws: int = MIXTURE_DRAWS,
+    seed: int = 0,
+    ranks: bool = True,
+) -> dict[str, float]:
     """Power by simulation: ``draws`` experiments of ``n`` paired seeds drawn from ``model`` with the true effect
     ``effect`` on healthy runs, each tested as the run will be. Returns the share of them in which
 
@@ -765,9 +846,13 @@ def power_beyond(effect: float, smallest_effect: float, sd: float, n: int, alpha
 
 
 def realised_power(
-    before: Sequence[float], after: Sequence[float], smallest_effect: float, alpha: float,
-    collapse_floor: float | None = None, expected_effect: float | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    before: Sequence[float],
+    after: Sequence[float],
+    smallest_effect: float,
+    alpha: float,
+    collapse_floor: float | None = None,
+    expected_effect: float | None = None,
+) -> dict[str, Any]:
     """What the plan's power turned out to be: the same test (paired t at ``alpha`` for δ over the same seeds) with
     the sd the runs gave in place of the one assumed; with ``collapse_floor``, also from the mixture fitted to the
     runs (``fit_mixture``; None where fewer than 2 seeds stayed healthy in both arms). With ``expected_effect``, the
@@ -784,9 +869,16 @@ def realised_power(
             return power(smallest_effect, sd_, n, alpha)
         return power_beyond(expected_effect, smallest_effect, sd_, n, alpha)
 
-    out: dict[str, Any] = {"seeds": n, "sd": sd, "alpha": float(alpha), "smallest_effect": float(smallest_effect),
-                           "effect": float(effect), "power": at(sd) if ok else 0.0, "mixture": None,
-                           "mixture_power": None}  # fmt: skip
+    out: dict[str, Any] = {
+        "seeds": n,
+        "sd": sd,
+        "alpha": float(alpha),
+        "smallest_effect": float(smallest_effect),
+        "effect": float(effect),
+        "power": at(sd) if ok else 0.0,
+        "mixture": None,
+        "mixture_power": None,
+    }
     if collapse_floor is not None and n >= 2:
         try:
             model = fit_mixture(b, a, collapse_floor)
@@ -840,9 +932,17 @@ def noninferior(served: Sequence[float], candidate: Sequence[float], margin: flo
         p = float(_student_t().sf((test.delta + margin) / se, test.n - 1))
     else:
         p = 0.0 if test.delta > -margin else 1.0
-    return NonInferiority(delta=test.delta, lower=test.eq_low, margin=float(margin), alpha=float(alpha), n=test.n,
-                          p_value=p, candidate_mean=float(a.mean()), served_mean=float(b.mean()),
-                          passed=bool(test.eq_low > -margin))  # fmt: skip
+    return NonInferiority(
+        delta=test.delta,
+        lower=test.eq_low,
+        margin=float(margin),
+        alpha=float(alpha),
+        n=test.n,
+        p_value=p,
+        candidate_mean=float(a.mean()),
+        served_mean=float(b.mean()),
+        passed=bool(test.eq_low > -margin),
+    )
 
 
 def tasks_for_margin(margin: float, alpha: float, most: int = 10_000_000) -> int:
@@ -912,9 +1012,18 @@ def regression(total: float, n: int, total_before: float, n_before: int, margin:
     r, r0 = mean_radius(n, alpha / 2), mean_radius(n_before, alpha / 2)
     delta = mean - before if n and n_before else math.nan
     lower, upper = (delta - r - r0, delta + r + r0) if n and n_before else (-math.inf, math.inf)
-    return Regression(delta=delta, lower=lower, upper=upper, margin=float(margin), alpha=float(alpha), n=int(n),
-                      n_before=int(n_before), mean=mean, mean_before=before,
-                      regressed=bool(upper < -margin))  # fmt: skip
+    return Regression(
+        delta=delta,
+        lower=lower,
+        upper=upper,
+        margin=float(margin),
+        alpha=float(alpha),
+        n=int(n),
+        n_before=int(n_before),
+        mean=mean,
+        mean_before=before,
+        regressed=bool(upper < -margin),
+    )
 
 
 def _pct(x: float) -> str:
@@ -946,11 +1055,12 @@ def _phrases(t: _Test, effect: float | None, source: str | None, unit: str, alph
     over, had = (x.replace("units", unit + "s") for x in (t.exact_over, t.exact_with))
     exact_txt = ""
     if t.p_exact is not None:
-        exact_txt = (f"the exact {t.exact_kind} p over {over} is {t.p_exact:.3g}: with {had} nothing better than "
-                     f"{t.exact_least:.3g} can be claimed")  # fmt: skip
+        exact_txt = (
+            f"the exact {t.exact_kind} p over {over} is {t.p_exact:.3g}: with {had} nothing better than "
+            f"{t.exact_least:.3g} can be claimed"
+        )
     p_txt = f"{exact_txt}; the t test's p is {t.p_t:.3g}" if t.rule != "t" else f"p = {t.p_value:.3g}, t test"
-    return _Phrases(span=span, eq_interval=eq_interval, effect=effect_txt, over=over, had=had, exact=exact_txt,
-                    p=p_txt)  # fmt: skip
+    return _Phrases(span=span, eq_interval=eq_interval, effect=effect_txt, over=over, had=had, exact=exact_txt, p=p_txt)
 
 
 def _one_seed(about: str, span: str, separated: bool, alpha: float = ALPHA) -> str:
@@ -961,8 +1071,10 @@ def _one_seed(about: str, span: str, separated: bool, alpha: float = ALPHA) -> s
     if separated:
         why += " (it separates those two models, which a second seed could reverse)"
     fewest = seeds_for_a_verdict(alpha)
-    return why + (f"; pass --train-runs {fewest} or more to judge the procedure (with fewer seeds the exact "
-                  f"sign-flip p cannot go below alpha {alpha:g}).")  # fmt: skip
+    return why + (
+        f"; pass --train-runs {fewest} or more to judge the procedure (with fewer seeds the exact "
+        f"sign-flip p cannot go below alpha {alpha:g})."
+    )
 
 
 def _not_separated(t: _Test, w: _Phrases, effect: float | None, alpha: float) -> str:
@@ -975,8 +1087,10 @@ def _not_separated(t: _Test, w: _Phrases, effect: float | None, alpha: float) ->
     else:
         why += f"; its {w.eq_interval} reaches beyond ± {w.effect}, so it is not shown flat either"
         if t.p_equivalence_exact is not None and t.p_equivalence_exact >= alpha:
-            why += (f" (the exact equivalence p over {w.over} is {t.p_equivalence_exact:.3g}; with {w.had} it "
-                    f"cannot go below {1 / t.exact_count:.3g})")  # fmt: skip
+            why += (
+                f" (the exact equivalence p over {w.over} is {t.p_equivalence_exact:.3g}; with {w.had} it "
+                f"cannot go below {1 / t.exact_count:.3g})"
+            )
         why += "; more seeds or tasks would narrow it"
     return why + "."
 
@@ -1002,15 +1116,21 @@ def _verdict_by_direction(
             return word, None, why + f" Its size is judged against nothing ({w.effect})."
         edge = "+" if t.delta > 0 else "−"
         if beyond:
-            why += (f" By more than δ: the interval lies beyond {edge}δ, {w.effect} (the minimum-effect test of "
-                    f"|delta| <= δ: p = {t.p_beyond:.3g}).")  # fmt: skip
+            why += (
+                f" By more than δ: the interval lies beyond {edge}δ, {w.effect} (the minimum-effect test of "
+                f"|delta| <= δ: p = {t.p_beyond:.3g})."
+            )
         elif within:
             change = "gain" if t.delta > 0 else "loss"
-            why += (f" By less than δ: its {w.eq_interval} lies inside ± {w.effect} (two one-sided tests: p = "
-                    f"{eq_p}): a real {change} smaller than the effect that matters.")  # fmt: skip
+            why += (
+                f" By less than δ: its {w.eq_interval} lies inside ± {w.effect} (two one-sided tests: p = "
+                f"{eq_p}): a real {change} smaller than the effect that matters."
+            )
         else:
-            why += (f" Its size against {w.effect} is undetermined: the interval reaches both inside and beyond "
-                    f"{edge}δ (the minimum-effect test: p = {t.p_beyond:.3g}; equivalence: p = {eq_p}).")  # fmt: skip
+            why += (
+                f" Its size against {w.effect} is undetermined: the interval reaches both inside and beyond "
+                f"{edge}δ (the minimum-effect test: p = {t.p_beyond:.3g}; equivalence: p = {eq_p})."
+            )
         return word, magnitude, why
     if within:
         return (

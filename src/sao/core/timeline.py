@@ -198,8 +198,16 @@ def _finite(value: Any) -> Any:
 
 def _span(name: str, cat: str, process: str, thread: str, start: float, end: float, args: dict[str, Any]) -> dict:
     """A complete event ("X") from wall-clock seconds."""
-    return {"name": name, "cat": cat, "ph": "X", "ts": start * 1e6, "dur": max(end - start, 0.0) * 1e6,
-            "pid": process, "tid": thread, "args": _finite(args)}  # fmt: skip
+    return {
+        "name": name,
+        "cat": cat,
+        "ph": "X",
+        "ts": start * 1e6,
+        "dur": max(end - start, 0.0) * 1e6,
+        "pid": process,
+        "tid": thread,
+        "args": _finite(args),
+    }
 
 
 class Recorder:
@@ -282,8 +290,19 @@ def instant(name: str, cat: str, process: str, thread: str, **args: Any) -> None
     """A moment (a delivery check's verdict, a resume), if this process records."""
     recorder = _recorder
     if recorder is not None:
-        recorder.add({"name": name, "cat": cat, "ph": "i", "s": "t", "ts": now() * 1e6, "pid": process,
-                      "tid": thread, "args": _finite(args)}, True)  # fmt: skip
+        recorder.add(
+            {
+                "name": name,
+                "cat": cat,
+                "ph": "i",
+                "s": "t",
+                "ts": now() * 1e6,
+                "pid": process,
+                "tid": thread,
+                "args": _finite(args),
+            },
+            True,
+        )
 
 
 @contextlib.contextmanager
@@ -394,9 +413,16 @@ class TraceFile:
         if pid is None:
             pid = self.pids[process] = len(self.pids) + 1
             order = next((rank for word, rank in KINDS if word in process), len(KINDS))
-            for event in ({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": process}},
-                          {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
-                           "args": {"sort_index": order * 1000 + pid}}):  # fmt: skip
+            for event in (
+                {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": process}},
+                {
+                    "name": "process_sort_index",
+                    "ph": "M",
+                    "pid": pid,
+                    "tid": 0,
+                    "args": {"sort_index": order * 1000 + pid},
+                },
+            ):
                 new.append(_line(event))
         tid = self.tids.get((process, thread))
         if tid is None:
@@ -404,8 +430,9 @@ class TraceFile:
             last = thread.rsplit(" ", 1)[-1]
             order = int(last) if last.isdigit() else -1  # "step" first, then rows and threads by number
             new.append(_line({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": thread}}))
-            new.append(_line({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
-                              "args": {"sort_index": order}}))  # fmt: skip
+            new.append(
+                _line({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": order}})
+            )
         return pid, tid
 
     def write(self, events: list[dict[str, Any]]) -> None:
@@ -439,8 +466,12 @@ class TraceFile:
         self.empty = False
 
     def _rewrite(self) -> None:
-        about = {**self.about, "origin_unix_us": self.origin, "window_steps": self.window,
-                 "note": "ts in µs since origin_unix_us; open in Perfetto or chrome://tracing"}  # fmt: skip
+        about = {
+            **self.about,
+            "origin_unix_us": self.origin,
+            "window_steps": self.window,
+            "note": "ts in µs since origin_unix_us; open in Perfetto or chrome://tracing",
+        }
         header = {"displayTimeUnit": "ms", "otherData": about}
         head = json.dumps(header)[:-1].encode() + b', "traceEvents": [\n'
         body = b",\n".join(part for part in (*self.names, *self.chunks) if part)

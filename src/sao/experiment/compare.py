@@ -43,12 +43,20 @@ def compare_sides(
         if len(noise.runs) < 2:
             raise DataError(f"--noise {noise.path} holds one run: the noise floor needs repeated evals (2 or more)")
     if before_fixed and len(before.runs) != 1:
-        raise ConfigError(f"--before-fixed: BEFORE must be one run of one fixed model, {before.path} holds "
-                          f"{len(before.runs)}")  # fmt: skip
+        raise ConfigError(
+            f"--before-fixed: BEFORE must be one run of one fixed model, {before.path} holds {len(before.runs)}"
+        )
     tasks = before.tasks()
     floor = results.noise_block([run.mean for run in noise.runs] if noise is not None else [])
-    c = stats.compare(before.matrix(tasks), after.matrix(tasks), run_std=floor["run_std"], run_std_runs=floor["runs"],
-                      before_fixed=before_fixed, smallest_effect=smallest_effect, alpha=alpha)  # fmt: skip
+    c = stats.compare(
+        before.matrix(tasks),
+        after.matrix(tasks),
+        run_std=floor["run_std"],
+        run_std_runs=floor["runs"],
+        before_fixed=before_fixed,
+        smallest_effect=smallest_effect,
+        alpha=alpha,
+    )
     what = f"{before.benchmark} " if before.benchmark else ""
     return {
         "kind": report.COMPARISON_KIND,  # what `sao report` tells a comparison by
@@ -94,8 +102,10 @@ def _check_out(out: Path) -> None:
     check_output_path(out, folder=True)
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held and (set(held) - set(OUTPUTS) or report.comparison_results(out) is None):
-        raise ConfigError(f"--out {out} holds other files ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): "
-                          "choose a new or empty folder, or one a comparison wrote")  # fmt: skip
+        raise ConfigError(
+            f"--out {out} holds other files ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): "
+            "choose a new or empty folder, or one a comparison wrote"
+        )
 
 
 def run(
@@ -117,11 +127,14 @@ def run(
     """Read both sides (and the noise runs), compare, then write OUT/results.json and OUT/report.md; nothing is
     written when anything is refused."""
     _check_out(Path(out))
-    sides = [read_side(before, "BEFORE", metric=metric, filter=filter, run=before_run),
-             read_side(after, "AFTER", metric=metric, filter=filter, run=after_run)]  # fmt: skip
+    sides = [
+        read_side(before, "BEFORE", metric=metric, filter=filter, run=before_run),
+        read_side(after, "AFTER", metric=metric, filter=filter, run=after_run),
+    ]
     noisy = read_side(noise, "--noise", metric=metric, filter=filter, run=noise_run) if noise is not None else None
-    found = compare_sides(*sides, noisy, smallest_effect=smallest_effect, alpha=alpha, before_fixed=before_fixed,
-                          command=command)  # fmt: skip
+    found = compare_sides(
+        *sides, noisy, smallest_effect=smallest_effect, alpha=alpha, before_fixed=before_fixed, command=command
+    )
     text = report.render_comparison(found)  # before anything is written
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

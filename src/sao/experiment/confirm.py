@@ -42,9 +42,30 @@ OLD_RULE = "observed-above-delta"  # a plan that states no decision_rule: the ru
 COLLAPSE = "collapse:"  # a secondary comparison of collapse rates: collapse:dis_vs_none
 INTERACTION = "interaction:"  # a comparison's per-seed delta in the primary cell against the same in another cell
 PLAN_SET = ("lag", "lr", "ratio", "correction", "seed", "train_runs")  # the plan sets these, not its settings
-KEYS = {"question", "written", "preset", "settings", "grid", "arms", "primary", "secondary", "seeds", "exploratory",
-        "correction", "alpha", "smallest_effect", "expected_sd", "gatekeeping", "decision_rule", "expected_effect",
-        "rank_estimand", "collapse_floor", "power_model", "define", "power_fit"}  # fmt: skip
+KEYS = {
+    "question",
+    "written",
+    "preset",
+    "settings",
+    "grid",
+    "arms",
+    "primary",
+    "secondary",
+    "seeds",
+    "exploratory",
+    "correction",
+    "alpha",
+    "smallest_effect",
+    "expected_sd",
+    "gatekeeping",
+    "decision_rule",
+    "expected_effect",
+    "rank_estimand",
+    "collapse_floor",
+    "power_model",
+    "define",
+    "power_fit",
+}
 # The fields this module adds to a plan (docs/design/confirm.md has the whole plan):
 #   smallest_effect: δ > 0, the smallest delta of pass@1 that would matter, fixed before the run. Every comparison of
 #     the family uses it: improved/regressed need |delta| > δ, flat needs the 1 − 2·alpha interval inside ± δ. Absent:
@@ -110,8 +131,12 @@ class Plan:
     @property
     def family(self) -> list[tuple[str, str]]:
         first = (self.primary["cell"], self.primary["comparison"])
-        rest = [(c["name"], k) for c in self.grid.cells() for k in self.secondary if (c["name"], k) != first
-                and not (k.startswith(INTERACTION) and c["name"] == first[0])]  # fmt: skip
+        rest = [
+            (c["name"], k)
+            for c in self.grid.cells()
+            for k in self.secondary
+            if (c["name"], k) != first and not (k.startswith(INTERACTION) and c["name"] == first[0])
+        ]
         return [first, *rest]
 
     def to_dict(self) -> dict[str, Any]:
@@ -232,8 +257,11 @@ def read_plan(path: str | Path) -> Plan:
             define=data.get("define") or {},
         )
         for arm in arms:
-            Config.load(preset, **{**settings, **grid.settings_of(arm)},
-                          random_mask_share=config.algorithm.random_mask_share or 0.0)  # fmt: skip
+            Config.load(
+                preset,
+                **{**settings, **grid.settings_of(arm)},
+                random_mask_share=config.algorithm.random_mask_share or 0.0,
+            )
     except (ConfigError, TypeError, ValueError) as error:
         raise _fail(path, f"grid or arms: {error}") from None
     after, before = _comparison(path, primary["comparison"], grid.arms, "primary.comparison")
@@ -254,8 +282,9 @@ def read_plan(path: str | Path) -> Plan:
         if str(key).startswith(INTERACTION) and len(grid.cells()) < 2:
             raise _fail(path, f"secondary {key} compares the primary cell with the others: the grid has one cell")
     collapse_floor = data.get("collapse_floor")
-    if collapse_floor is not None and (isinstance(collapse_floor, bool) or not isinstance(collapse_floor, (int, float))
-                                       or not 0 < collapse_floor <= 1):  # fmt: skip
+    if collapse_floor is not None and (
+        isinstance(collapse_floor, bool) or not isinstance(collapse_floor, (int, float)) or not 0 < collapse_floor <= 1
+    ):
         raise _fail(path, f"collapse_floor must be a pass@1 in (0, 1], got {collapse_floor!r}")
     if collapse_floor is None and any(str(k).startswith(COLLAPSE) for k in secondary):
         raise _fail(path, "a collapse: comparison needs collapse_floor (the pass@1 below which a run collapsed)")
@@ -267,8 +296,11 @@ def read_plan(path: str | Path) -> Plan:
         raise _fail(path, f"rank_estimand must be true or false, got {rank_estimand!r}")
     power_model = _power_model(path, data.get("power_model"), collapse_floor)
     power_fit = data.get("power_fit")
-    if power_fit is not None and (not isinstance(power_fit, dict) or set(power_fit) != {"cell", "comparison"}
-                                  or not all(isinstance(v, str) for v in power_fit.values())):  # fmt: skip
+    if power_fit is not None and (
+        not isinstance(power_fit, dict)
+        or set(power_fit) != {"cell", "comparison"}
+        or not all(isinstance(v, str) for v in power_fit.values())
+    ):
         raise _fail(path, f"power_fit must be {{cell: NAME, comparison: A_vs_B}} of a cited run, got {power_fit!r}")
     if power_fit is not None and power_model is None:
         raise _fail(path, "power_fit says what the power model is fitted to: it needs power_model")
@@ -281,12 +313,17 @@ def read_plan(path: str | Path) -> Plan:
         raise _fail(path, f"alpha must be a number in (0, 1), got {alpha!r}")
     written = data.get("written")
     smallest_effect, expected_sd, expected_effect = (
-        _positive(path, data, key) for key in ("smallest_effect", "expected_sd", "expected_effect"))  # fmt: skip
-    if decision_rule == "minimum-effect" and (smallest_effect is None or expected_effect is None
-                                              or expected_effect <= smallest_effect):  # fmt: skip
-        raise _fail(path, "the minimum-effect rule needs smallest_effect (δ) and expected_effect, the true delta "
-                          "the plan expects, above δ: a true effect of δ itself is shown beyond δ at most alpha/2 "
-                          "of the time")  # fmt: skip
+        _positive(path, data, key) for key in ("smallest_effect", "expected_sd", "expected_effect")
+    )
+    if decision_rule == "minimum-effect" and (
+        smallest_effect is None or expected_effect is None or expected_effect <= smallest_effect
+    ):
+        raise _fail(
+            path,
+            "the minimum-effect rule needs smallest_effect (δ) and expected_effect, the true delta "
+            "the plan expects, above δ: a true effect of δ itself is shown beyond δ at most alpha/2 "
+            "of the time",
+        )
     if power_model is not None and expected_sd is not None:
         raise _fail(path, "expected_sd and power_model both set the power's sd: give power_model.sd instead")
     gatekeeping = data.get("gatekeeping", smallest_effect is not None)
@@ -301,16 +338,34 @@ def read_plan(path: str | Path) -> Plan:
         listed = "; ".join(f"{k} used {v}" for k, v in reused.items())
         raise _fail(path, f"the seeds are not fresh: {listed}. Choose seeds no exploratory run has used")
     plan = Plan(
-        path=path, sha256=hashlib.sha256(raw).hexdigest(), question=data["question"],
-        written=None if written is None else str(written), config=config, grid=grid,
-        primary={"cell": name, "comparison": f"{after}_vs_{before}", "after": after, "before": before,
-                 "expect": expect},
-        secondary=[str(k) for k in secondary], seeds=seeds, correction=correction, alpha=float(alpha),
-        exploratory=exploratory, smallest_effect=smallest_effect, expected_sd=expected_sd, gatekeeping=gatekeeping,
-        decision_rule=decision_rule, expected_effect=expected_effect, rank_estimand=rank_estimand,
-        collapse_floor=None if collapse_floor is None else float(collapse_floor), power_model=power_model,
+        path=path,
+        sha256=hashlib.sha256(raw).hexdigest(),
+        question=data["question"],
+        written=None if written is None else str(written),
+        config=config,
+        grid=grid,
+        primary={
+            "cell": name,
+            "comparison": f"{after}_vs_{before}",
+            "after": after,
+            "before": before,
+            "expect": expect,
+        },
+        secondary=[str(k) for k in secondary],
+        seeds=seeds,
+        correction=correction,
+        alpha=float(alpha),
+        exploratory=exploratory,
+        smallest_effect=smallest_effect,
+        expected_sd=expected_sd,
+        gatekeeping=gatekeeping,
+        decision_rule=decision_rule,
+        expected_effect=expected_effect,
+        rank_estimand=rank_estimand,
+        collapse_floor=None if collapse_floor is None else float(collapse_floor),
+        power_model=power_model,
         power_fit=power_fit,
-    )  # fmt: skip
+    )
     return replace(plan, power=plan_power(plan, [(record["path"], got) for record, got in cited]))
 
 
@@ -329,8 +384,9 @@ def _power_model(path: Path, spec: Any, floor: Any) -> dict[str, Any] | None:
     for key, value in spec.items():
         values = value if key == "collapse" and isinstance(value, list) and len(value) == 2 else [value]
         if not all(_finite(v) for v in values):
-            raise _fail(path, f"power_model.{key} must be a number{' or [after, before]' * (key == 'collapse')}, "
-                              f"got {value!r}")  # fmt: skip
+            raise _fail(
+                path, f"power_model.{key} must be a number{' or [after, before]' * (key == 'collapse')}, got {value!r}"
+            )
         out[key] = [float(v) for v in values] if len(values) == 2 else float(values[0])
     return out
 
@@ -373,8 +429,9 @@ def _mixture(plan: Plan, cited: list[tuple[str, dict[str, Any]]]) -> tuple[stats
     after, before, cell = plan.primary["after"], plan.primary["before"], plan.primary["cell"]
     if plan.power_fit is not None:  # another comparison of the cited runs stands in for the primary
         cell = plan.power_fit["cell"]
-        after, before = _comparison(plan.path, plan.power_fit["comparison"], _arms_in(cited, cell),
-                                    "power_fit.comparison")  # fmt: skip
+        after, before = _comparison(
+            plan.path, plan.power_fit["comparison"], _arms_in(cited, cell), "power_fit.comparison"
+        )
     given = plan.power_model or {}
     runs = [(where, got) for where, data in cited if (got := _primary_pass(data, cell, after, before))]
     where, got = max(runs, key=lambda r: len(r[1][0]), default=(None, None))
@@ -386,8 +443,13 @@ def _mixture(plan: Plan, cited: list[tuple[str, dict[str, Any]]]) -> tuple[stats
             fit_error = f"{where}: {error}"
     q = given.get("collapse")
     q_after, q_before = q if isinstance(q, list) else (q, q)
-    fields = {"collapse_after": q_after, "collapse_before": q_before, "sd": given.get("sd"),
-              "healthy": given.get("healthy"), "collapsed": given.get("collapsed")}  # fmt: skip
+    fields = {
+        "collapse_after": q_after,
+        "collapse_before": q_before,
+        "sd": given.get("sd"),
+        "healthy": given.get("healthy"),
+        "collapsed": given.get("collapsed"),
+    }
     missing = [k for k, v in fields.items() if v is None and k != "collapsed"]
     if missing and fitted is None:
         raise _fail(plan.path, f"power_model leaves {missing} to be fitted, but {fit_error}: state them")
@@ -400,9 +462,12 @@ def _mixture(plan: Plan, cited: list[tuple[str, dict[str, Any]]]) -> tuple[stats
         raise _fail(plan.path, f"power_model: {error}") from None
     left = [k for k in MODEL_KEYS if k not in given]
     fit_to = f" ({after} − {before} in {cell})" if plan.power_fit is not None else ""
-    source = ("the plan's power_model" if not left or fitted is None else
-              f"{', '.join(left)} fitted to {len(got[0])} seeds of {where}{fit_to} (collapsed: pass@1 below "
-              f"{plan.collapse_floor:g}){', the rest from the plan' if given else ''}")  # fmt: skip
+    source = (
+        "the plan's power_model"
+        if not left or fitted is None
+        else f"{', '.join(left)} fitted to {len(got[0])} seeds of {where}{fit_to} (collapsed: pass@1 below "
+        f"{plan.collapse_floor:g}){', the rest from the plan' if given else ''}"
+    )
     return model, source
 
 
@@ -456,19 +521,28 @@ def plan_power(plan: Plan, cited: list[tuple[str, dict[str, Any]]]) -> dict[str,
         sd = statistics.stdev(best[1])
         sd_source = f"the sd of the {len(best[1])} per-seed {after} − {before} deltas in {cell} of {best[0]}"
     else:
-        raise _fail(plan.path, f"states no expected_sd, and no exploratory run it cites holds per-seed pass@1 of "
-                               f"{after} and {before} in {cell}: add expected_sd (the sd of the per-seed {after} − "
-                               f"{before} deltas expected) so that its power can be computed")  # fmt: skip
+        raise _fail(
+            plan.path,
+            f"states no expected_sd, and no exploratory run it cites holds per-seed pass@1 of "
+            f"{after} and {before} in {cell}: add expected_sd (the sd of the per-seed {after} − "
+            f"{before} deltas expected) so that its power can be computed",
+        )
     first = [(best[0], best[2])] if best else []  # the run the sd came from, then every run in the plan's order
-    floors = [(where, f) for where, data in first + cited
-              if _finite(f := (data.get("base") or {}).get("noise_floor")) and f > 0]  # fmt: skip
+    floors = [
+        (where, f)
+        for where, data in first + cited
+        if _finite(f := (data.get("base") or {}).get("noise_floor")) and f > 0
+    ]
     if plan.smallest_effect is not None:
         delta, delta_source = plan.smallest_effect, "the plan's smallest_effect"
     elif floors:
         delta, delta_source = floors[0][1], f"no smallest_effect: the noise floor of {floors[0][0]}"
     else:
-        raise _fail(plan.path, "states no smallest_effect, and no exploratory run it cites records a noise floor: "
-                               "add smallest_effect (the smallest delta of pass@1 that would matter)")  # fmt: skip
+        raise _fail(
+            plan.path,
+            "states no smallest_effect, and no exploratory run it cites records a noise floor: "
+            "add smallest_effect (the smallest delta of pass@1 that would matter)",
+        )
     n, m = len(plan.seeds), len(plan.family)
     level = plan.alpha if plan.gatekeeping or m == 1 else plan.alpha / m
     least = stats.least_exact_p(n)
@@ -478,31 +552,55 @@ def plan_power(plan: Plan, cited: list[tuple[str, dict[str, Any]]]) -> dict[str,
     def at(alpha: float) -> float:
         return 0.0 if n < 2 or least >= alpha else stats.power(delta, sd, n, alpha)
 
-    out = {"smallest_effect": delta, "smallest_effect_source": delta_source, "sd": sd, "sd_source": sd_source,
-           "seeds": n, "alpha": plan.alpha, "alpha_primary": level, "test": "paired t over seeds, two-sided",
-           "power": at(level), "power_at_alpha": at(plan.alpha), "least_exact_p": least, "target": POWER_TARGET,
-           "seeds_for_power": stats.seeds_for_power(delta, sd, level, POWER_TARGET)}  # fmt: skip
-    how = (f"the primary alone at alpha {plan.alpha:g} (gatekeeping)" if level == plan.alpha else
-           f"alpha {plan.alpha:g} / {m} = {level:.3g}, the primary's level when its p is the family's smallest "
-           f"under Holm (at full alpha it would be {out['power_at_alpha']:.2f})")  # fmt: skip
-    out["summary"] = (f"power {out['power']:.2f} to detect δ {delta:.3g} ({delta_source}) with sd {sd:.3g} "
-                      f"({sd_source}) over {n} paired seeds at {how}; {out['seeds_for_power']} seeds would give "
-                      f"{POWER_TARGET:g}. It is the chance of p < alpha when the true delta is δ: improved also "
-                      "needs the observed |delta| above δ, which a true effect of exactly δ shows about half the "
-                      "time")  # fmt: skip
+    out = {
+        "smallest_effect": delta,
+        "smallest_effect_source": delta_source,
+        "sd": sd,
+        "sd_source": sd_source,
+        "seeds": n,
+        "alpha": plan.alpha,
+        "alpha_primary": level,
+        "test": "paired t over seeds, two-sided",
+        "power": at(level),
+        "power_at_alpha": at(plan.alpha),
+        "least_exact_p": least,
+        "target": POWER_TARGET,
+        "seeds_for_power": stats.seeds_for_power(delta, sd, level, POWER_TARGET),
+    }
+    how = (
+        f"the primary alone at alpha {plan.alpha:g} (gatekeeping)"
+        if level == plan.alpha
+        else f"alpha {plan.alpha:g} / {m} = {level:.3g}, the primary's level when its p is the family's smallest "
+        f"under Holm (at full alpha it would be {out['power_at_alpha']:.2f})"
+    )
+    out["summary"] = (
+        f"power {out['power']:.2f} to detect δ {delta:.3g} ({delta_source}) with sd {sd:.3g} "
+        f"({sd_source}) over {n} paired seeds at {how}; {out['seeds_for_power']} seeds would give "
+        f"{POWER_TARGET:g}. It is the chance of p < alpha when the true delta is δ: improved also "
+        "needs the observed |delta| above δ, which a true effect of exactly δ shows about half the "
+        "time"
+    )
     out["warning"] = None
     if out["power"] < POWER_TARGET:
         missed = f"a true effect of δ would be missed {1 - out['power']:.0%} of the time"
         why = f"with {n} seeds the exact sign-flip p cannot go below {least:.3g}" if least >= level else missed
-        out["warning"] = (f"the plan's power is {out['power']:.2f}, below {POWER_TARGET:g}: {why}; "
-                          f"{out['seeds_for_power']} seeds would give {POWER_TARGET:g}")  # fmt: skip
+        out["warning"] = (
+            f"the plan's power is {out['power']:.2f}, below {POWER_TARGET:g}: {why}; "
+            f"{out['seeds_for_power']} seeds would give {POWER_TARGET:g}"
+        )
     return out
 
 
 def _power(
-    plan: Plan, delta: float, delta_source: str, sd: float, sd_source: str, model: stats.Mixture | None,
-    model_source: str | None, level: float,
-) -> dict[str, Any]:  # fmt: skip
+    plan: Plan,
+    delta: float,
+    delta_source: str,
+    sd: float,
+    sd_source: str,
+    model: stats.Mixture | None,
+    model_source: str | None,
+    level: float,
+) -> dict[str, Any]:
     """``plan_power`` for a plan that states a decision rule, a rank estimand or a power model."""
     after, before = plan.primary["after"], plan.primary["before"]
     n, m = len(plan.seeds), len(plan.family)
@@ -515,52 +613,85 @@ def _power(
             return 0.0
         if model is None:
             return stats.power_beyond(effect, delta, sd, k, alpha) if beyond else stats.power(delta, sd, k, alpha)
-        got = stats.mixture_power(model, effect, k, alpha, smallest_effect=delta if beyond else None, ranks=False,
-                                  draws=draws)  # fmt: skip
+        got = stats.mixture_power(
+            model, effect, k, alpha, smallest_effect=delta if beyond else None, ranks=False, draws=draws
+        )
         return got["beyond" if beyond else "t"]
 
     most = MIXTURE_MOST_SEEDS if model is not None else 100_000
     out: dict[str, Any] = {
-        "smallest_effect": delta, "smallest_effect_source": delta_source, "sd": sd, "sd_source": sd_source,
-        "seeds": n, "alpha": plan.alpha, "alpha_primary": level, "decision_rule": plan.decision_rule,
-        "effect": effect, "model": "normal" if model is None else "mixture",
-        "mixture": None if model is None else model.to_dict(), "mixture_source": model_source,
-        "test": "the interval beyond δ (minimum-effect test), paired t over seeds" if beyond else
-                "paired t over seeds, two-sided",
-        "power": at(n, level), "power_at_alpha": at(n, plan.alpha), "least_exact_p": least, "target": POWER_TARGET,
+        "smallest_effect": delta,
+        "smallest_effect_source": delta_source,
+        "sd": sd,
+        "sd_source": sd_source,
+        "seeds": n,
+        "alpha": plan.alpha,
+        "alpha_primary": level,
+        "decision_rule": plan.decision_rule,
+        "effect": effect,
+        "model": "normal" if model is None else "mixture",
+        "mixture": None if model is None else model.to_dict(),
+        "mixture_source": model_source,
+        "test": "the interval beyond δ (minimum-effect test), paired t over seeds"
+        if beyond
+        else "paired t over seeds, two-sided",
+        "power": at(n, level),
+        "power_at_alpha": at(n, plan.alpha),
+        "least_exact_p": least,
+        "target": POWER_TARGET,
         "seeds_for_power": _fewest(lambda k: at(k, level, SEARCH_DRAWS) >= POWER_TARGET, most),
-    }  # fmt: skip
-    how = (f"the primary alone at alpha {plan.alpha:g} (gatekeeping)" if level == plan.alpha else
-           f"alpha {plan.alpha:g} / {m} = {level:.3g}, the primary's level when its p is the family's smallest "
-           f"under Holm (at full alpha it would be {out['power_at_alpha']:.2f})")  # fmt: skip
+    }
+    how = (
+        f"the primary alone at alpha {plan.alpha:g} (gatekeeping)"
+        if level == plan.alpha
+        else f"alpha {plan.alpha:g} / {m} = {level:.3g}, the primary's level when its p is the family's smallest "
+        f"under Holm (at full alpha it would be {out['power_at_alpha']:.2f})"
+    )
     if model is None:
         outcomes = f"sd {sd:.3g} ({sd_source})"
     else:
-        outcomes = (f"a mixture of collapsed and healthy runs ({after} collapses with probability "
-                    f"{model.collapse_after:.2f}, {before} with {model.collapse_before:.2f}; the rest differ with sd "
-                    f"{model.sd:.3g} around a healthy pass@1 of {model.healthy:.3f}; {model_source}; "
-                    f"{stats.MIXTURE_DRAWS} simulated experiments)")  # fmt: skip
-    goal = (f"show the interval beyond δ {delta:.3g} ({delta_source}) when the true delta is {effect:.3g}" if beyond
-            else f"detect δ {delta:.3g} ({delta_source})")  # fmt: skip
-    needed = (f"{out['seeds_for_power']} seeds would give {POWER_TARGET:g}" if out["seeds_for_power"] else
-              f"more than {most} seeds would be needed for {POWER_TARGET:g}")  # fmt: skip
-    meaning = ("It is the chance that the whole interval clears δ" if beyond else
-               "It is the chance that the interval excludes 0 when the true delta is δ: the verdict's direction "
-               "(its size against δ is reported apart)" if plan.decision_rule == "direction" else
-               "It is the chance of p < alpha when the true delta is δ: improved also needs the observed |delta| "
-               "above δ, which a true effect of exactly δ shows about half the time")  # fmt: skip
+        outcomes = (
+            f"a mixture of collapsed and healthy runs ({after} collapses with probability "
+            f"{model.collapse_after:.2f}, {before} with {model.collapse_before:.2f}; the rest differ with sd "
+            f"{model.sd:.3g} around a healthy pass@1 of {model.healthy:.3f}; {model_source}; "
+            f"{stats.MIXTURE_DRAWS} simulated experiments)"
+        )
+    goal = (
+        f"show the interval beyond δ {delta:.3g} ({delta_source}) when the true delta is {effect:.3g}"
+        if beyond
+        else f"detect δ {delta:.3g} ({delta_source})"
+    )
+    needed = (
+        f"{out['seeds_for_power']} seeds would give {POWER_TARGET:g}"
+        if out["seeds_for_power"]
+        else f"more than {most} seeds would be needed for {POWER_TARGET:g}"
+    )
+    meaning = (
+        "It is the chance that the whole interval clears δ"
+        if beyond
+        else "It is the chance that the interval excludes 0 when the true delta is δ: the verdict's direction "
+        "(its size against δ is reported apart)"
+        if plan.decision_rule == "direction"
+        else "It is the chance of p < alpha when the true delta is δ: improved also needs the observed |delta| "
+        "above δ, which a true effect of exactly δ shows about half the time"
+    )
     out["summary"] = f"power {out['power']:.2f} to {goal} with {outcomes} over {n} paired seeds at {how}; {needed}. "
     out["summary"] += meaning
     if plan.rank_estimand:
         ranks = model or stats.Mixture(collapse_after=0.0, collapse_before=0.0, sd=sd, healthy=0.5)
         got = stats.mixture_power(ranks, delta, n, level) if n >= 2 else {"rank": 0.0, "sign": 0.0}
         out["power_rank"], out["power_sign"] = got["rank"], got["sign"]
-        out["summary"] += (f". Beside it, at a true δ on the healthy runs, the Hodges–Lehmann interval excludes 0 with "
-                           f"power {got['rank']:.2f} and the sign test rejects with {got['sign']:.2f}")  # fmt: skip
+        out["summary"] += (
+            f". Beside it, at a true δ on the healthy runs, the Hodges–Lehmann interval excludes 0 with "
+            f"power {got['rank']:.2f} and the sign test rejects with {got['sign']:.2f}"
+        )
     out["warning"] = None
     if out["power"] < POWER_TARGET:
-        missed = (f"a true effect of {effect:.3g} would not be shown beyond δ {1 - out['power']:.0%} of the time"
-                  if beyond else f"a true effect of δ would be missed {1 - out['power']:.0%} of the time")  # fmt: skip
+        missed = (
+            f"a true effect of {effect:.3g} would not be shown beyond δ {1 - out['power']:.0%} of the time"
+            if beyond
+            else f"a true effect of δ would be missed {1 - out['power']:.0%} of the time"
+        )
         why = f"with {n} seeds the exact sign-flip p cannot go below {least:.3g}" if least >= level else missed
         out["warning"] = f"the plan's power is {out['power']:.2f}, below {POWER_TARGET:g}: {why}; {needed}"
     return out
@@ -599,8 +730,11 @@ def _exploratory(plan: Path, item: Any) -> tuple[dict[str, Any], dict[str, Any]]
         found = [where / name for name in ("results.json", "sweep.json", "experiment.json", "config.json")]
         where = next((f for f in found if f.is_file()), where)
     if not where.is_file():
-        raise _fail(plan, f"exploratory {item}: no such file, or a folder without results.json, sweep.json, "
-                          "experiment.json or config.json, so its seeds cannot be checked")  # fmt: skip
+        raise _fail(
+            plan,
+            f"exploratory {item}: no such file, or a folder without results.json, sweep.json, "
+            "experiment.json or config.json, so its seeds cannot be checked",
+        )
     try:
         data = read_json_file(where, expect=dict, error=ConfigError)
     except ConfigError as error:
@@ -646,9 +780,27 @@ def confirmation(summary: dict[str, Any], plan: Plan) -> dict[str, Any]:
     return block
 
 
-ROW_KEYS = ("after", "before", "delta", "ci_low", "ci_high", "p_value", "p_t", "p_exact", "p_rule", "unit", "n",
-            "noise_floor", "smallest_effect", "smallest_effect_source", "equivalence_low", "equivalence_high",
-            "p_equivalence", "sd_floored", "alpha")  # fmt: skip
+ROW_KEYS = (
+    "after",
+    "before",
+    "delta",
+    "ci_low",
+    "ci_high",
+    "p_value",
+    "p_t",
+    "p_exact",
+    "p_rule",
+    "unit",
+    "n",
+    "noise_floor",
+    "smallest_effect",
+    "smallest_effect_source",
+    "equivalence_low",
+    "equivalence_high",
+    "p_equivalence",
+    "sd_floored",
+    "alpha",
+)
 MAGNITUDE_KEYS = ("verdict_rule", "p_beyond")  # a row's fields under a plan that states its decision rule
 
 
@@ -670,17 +822,46 @@ def family_rows(summary: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
         if plan.collapse_floor is not None:
             collapse = stats.collapse_compare(passes[1], passes[0], plan.collapse_floor, plan.alpha, (after, before))
         if key.startswith(COLLAPSE):
-            rows.append({"cell": cell_name_, "comparison": key, "kind": "collapse", "after": after, "before": before,
-                         "delta": collapse.delta, "ci_low": None, "ci_high": None, "p_value": collapse.p_value,
-                         "p_rule": "exact McNemar", "unit": "seed", "n": collapse.n, "smallest_effect": None,
-                         "alpha": plan.alpha, "collapse": collapse.to_dict(), "magnitude_unadjusted": None,
-                         "verdict_unadjusted": collapse.verdict, "reason_unadjusted": collapse.reason})  # fmt: skip
+            rows.append(
+                {
+                    "cell": cell_name_,
+                    "comparison": key,
+                    "kind": "collapse",
+                    "after": after,
+                    "before": before,
+                    "delta": collapse.delta,
+                    "ci_low": None,
+                    "ci_high": None,
+                    "p_value": collapse.p_value,
+                    "p_rule": "exact McNemar",
+                    "unit": "seed",
+                    "n": collapse.n,
+                    "smallest_effect": None,
+                    "alpha": plan.alpha,
+                    "collapse": collapse.to_dict(),
+                    "magnitude_unadjusted": None,
+                    "verdict_unadjusted": collapse.verdict,
+                    "reason_unadjusted": collapse.reason,
+                }
+            )
             continue
-        c = results.compare_arms(cell["arms"], after, before, summary["base"], smallest_effect=plan.smallest_effect,
-                                 alpha=plan.alpha, verdict_rule=plan.verdict_rule)  # fmt: skip
+        c = results.compare_arms(
+            cell["arms"],
+            after,
+            before,
+            summary["base"],
+            smallest_effect=plan.smallest_effect,
+            alpha=plan.alpha,
+            verdict_rule=plan.verdict_rule,
+        )
         cell["compare"][key] = c
-        row = {"cell": cell_name_, "comparison": key, **{k: c.get(k) for k in ROW_KEYS},
-               "verdict_unadjusted": c["verdict"], "reason_unadjusted": c["reason"]}  # fmt: skip
+        row = {
+            "cell": cell_name_,
+            "comparison": key,
+            **{k: c.get(k) for k in ROW_KEYS},
+            "verdict_unadjusted": c["verdict"],
+            "reason_unadjusted": c["reason"],
+        }
         if plan.verdict_rule != OLD_RULE:
             row.update({k: c.get(k) for k in MAGNITUDE_KEYS}, magnitude_unadjusted=c.get("magnitude"))
         if plan.rank_estimand:
@@ -702,11 +883,23 @@ def _interaction_row(home: dict[str, Any], cell: dict[str, Any], key: str, plan:
         a, b = (c["arms"][arm]["pass_at_1"] for arm in (after, before))
         return [[float(x) - float(y)] for x, y in zip(a, b, strict=True)]
 
-    c = stats.compare(deltas(cell), deltas(home), smallest_effect=plan.smallest_effect, alpha=plan.alpha,
-                      verdict_rule=plan.verdict_rule).to_dict()  # fmt: skip
-    row = {"cell": cell["name"], "comparison": key, "kind": "interaction", **{k: c.get(k) for k in ROW_KEYS},
-           "after": f"{after} − {before} in {home['name']}", "before": f"{after} − {before} in {cell['name']}",
-           "verdict_unadjusted": c["verdict"], "reason_unadjusted": c["reason"]}  # fmt: skip
+    c = stats.compare(
+        deltas(cell),
+        deltas(home),
+        smallest_effect=plan.smallest_effect,
+        alpha=plan.alpha,
+        verdict_rule=plan.verdict_rule,
+    ).to_dict()
+    row = {
+        "cell": cell["name"],
+        "comparison": key,
+        "kind": "interaction",
+        **{k: c.get(k) for k in ROW_KEYS},
+        "after": f"{after} − {before} in {home['name']}",
+        "before": f"{after} − {before} in {cell['name']}",
+        "verdict_unadjusted": c["verdict"],
+        "reason_unadjusted": c["reason"],
+    }
     if plan.verdict_rule != OLD_RULE:
         row.update({k: c.get(k) for k in MAGNITUDE_KEYS}, magnitude_unadjusted=c.get("magnitude"))
     if plan.rank_estimand:
@@ -742,10 +935,12 @@ def decide(rows: list[dict[str, Any]], plan: Plan) -> dict[str, Any]:
             for row in rest:
                 alone = row["verdict_unadjusted"]
                 row["verdict"] = "unresolved"
-                row["reason"] = (f"not claimed: under gatekeeping the secondary comparisons are tested only once the "
-                                 f"primary is {plan.primary['expect']}, and it is {said}; alone this "
-                                 f"would be {alone} (p = {row['p_value']:.3g}; Holm across the {len(rest)} secondary "
-                                 f"comparisons {row['p_holm']:.3g}).")  # fmt: skip
+                row["reason"] = (
+                    f"not claimed: under gatekeeping the secondary comparisons are tested only once the "
+                    f"primary is {plan.primary['expect']}, and it is {said}; alone this "
+                    f"would be {alone} (p = {row['p_value']:.3g}; Holm across the {len(rest)} secondary "
+                    f"comparisons {row['p_holm']:.3g})."
+                )
                 if "magnitude_unadjusted" in row:
                     row.update(magnitude=None, finding="unresolved")
     else:
@@ -754,9 +949,13 @@ def decide(rows: list[dict[str, Any]], plan: Plan) -> dict[str, Any]:
             row.update(p_holm=p, stage="family", claimed=True)
         _adjust(rows, [r["p_holm"] for r in rows], plan.alpha, f"across the {m} planned comparisons")
     first = rows[0]
-    outcome = ("confirmed" if _success(first, plan)
-               else "contradicted" if first["verdict"] in EXPECT and first["verdict"] != plan.primary["expect"]
-               else "not confirmed")  # fmt: skip
+    outcome = (
+        "confirmed"
+        if _success(first, plan)
+        else "contradicted"
+        if first["verdict"] in EXPECT and first["verdict"] != plan.primary["expect"]
+        else "not confirmed"
+    )
     block = {
         "correction": plan.correction,
         "alpha": plan.alpha,
@@ -787,9 +986,11 @@ def _adjust(rows: list[dict[str, Any]], adjusted: list[float], alpha: float, whe
         verdict, magnitude = row["verdict_unadjusted"], row.get("magnitude_unadjusted")
         if verdict in CLAIMS and p >= alpha:
             row["verdict"] = "flat" if magnitude == "within δ" else "unresolved"
-            row["reason"] = (f"{row['verdict']} after Holm's correction: alone it would be {verdict} "
-                             f"(p = {row['p_value']:.3g}), but {where} the adjusted p = {p:.3g} is not below alpha "
-                             f"{alpha:g}.")  # fmt: skip
+            row["reason"] = (
+                f"{row['verdict']} after Holm's correction: alone it would be {verdict} "
+                f"(p = {row['p_value']:.3g}), but {where} the adjusted p = {p:.3g} is not below alpha "
+                f"{alpha:g}."
+            )
             if magnitude == "beyond δ":
                 magnitude = "undetermined"
         else:
@@ -797,9 +998,11 @@ def _adjust(rows: list[dict[str, Any]], adjusted: list[float], alpha: float, whe
             row["reason"] = row["reason_unadjusted"] + (f" {name} = {p:.3g}, {where}." if verdict in CLAIMS else "")
         if magnitude == "beyond δ" and row["p_beyond_holm"] >= alpha:
             magnitude = "undetermined"
-            row["reason"] += (f" Beyond δ alone, but {where} the minimum-effect test's adjusted p = "
-                              f"{row['p_beyond_holm']:.3g} is not below alpha {alpha:g}: its size is "
-                              "undetermined.")  # fmt: skip
+            row["reason"] += (
+                f" Beyond δ alone, but {where} the minimum-effect test's adjusted p = "
+                f"{row['p_beyond_holm']:.3g} is not below alpha {alpha:g}: its size is "
+                "undetermined."
+            )
         if "magnitude_unadjusted" in row:
             row["magnitude"] = magnitude
             row["finding"] = stats.finding(row["verdict"], magnitude)
@@ -809,12 +1012,16 @@ def _exploratory_warnings(plan: Plan, weights: str | None) -> list[str]:
     out = []
     for e in plan.exploratory:
         if e["weights_sha256"] is None:
-            out.append(f"the exploratory run {e['path']} records no model hash, so whether it ran on the model "
-                       "confirmed here cannot be checked")  # fmt: skip
+            out.append(
+                f"the exploratory run {e['path']} records no model hash, so whether it ran on the model "
+                "confirmed here cannot be checked"
+            )
         elif weights is not None and e["weights_sha256"] != weights:
-            out.append(f"the exploratory run {e['path']} ran on other model weights "
-                       f"({e['weights_sha256'][:12]}) than this confirmation ({weights[:12]}): it is not a repeat of "
-                       "that experiment")  # fmt: skip
+            out.append(
+                f"the exploratory run {e['path']} ran on other model weights "
+                f"({e['weights_sha256'][:12]}) than this confirmation ({weights[:12]}): it is not a repeat of "
+                "that experiment"
+            )
     return out
 
 
@@ -824,14 +1031,20 @@ def check_power(plan: Plan, accept_low_power: bool = False) -> None:
     that cannot, or will most likely not, give a verdict is a choice to make knowingly."""
     warning = (plan.power or {}).get("warning")
     if warning and not accept_low_power:
-        raise ConfigError(f"{plan.path.name}: {warning}: add fresh seeds to the plan, or pass --accept-low-power to "
-                          "run it as planned")  # fmt: skip
+        raise ConfigError(
+            f"{plan.path.name}: {warning}: add fresh seeds to the plan, or pass --accept-low-power to run it as planned"
+        )
 
 
 def run(
-    plan_path: str | Path, out_dir: str | Path, *, resume: bool = False, progress: bool = True,
-    command: str | None = None, accept_low_power: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+    plan_path: str | Path,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    command: str | None = None,
+    accept_low_power: bool = False,
+) -> dict[str, Any]:
     """Run the plan in ``plan_path`` into ``out_dir``; write and return results.json's content. A plan below its
     power target is refused (``check_power``) unless ``accept_low_power`` (or ``resume``: it was started)."""
     plan = read_plan(plan_path)
@@ -840,8 +1053,16 @@ def run(
     copy = out / f"plan{plan.path.suffix.lower()}"
     if resume and copy.is_file() and hashlib.sha256(copy.read_bytes()).hexdigest() != plan.sha256:
         raise ConfigError(f"--resume: {plan.path} differs from the plan this confirmation started with ({copy})")
-    experiment = Experiment(plan.config, plan.grid, out, resume=resume, progress=progress, command=command,
-                            seeds=plan.seeds, record={"plan_sha256": plan.sha256})  # fmt: skip
+    experiment = Experiment(
+        plan.config,
+        plan.grid,
+        out,
+        resume=resume,
+        progress=progress,
+        command=command,
+        seeds=plan.seeds,
+        record={"plan_sha256": plan.sha256},
+    )
     if not copy.exists():
         out.mkdir(parents=True, exist_ok=True)
         copy.write_bytes(plan.path.read_bytes())  # the plan as given, before anything is trained

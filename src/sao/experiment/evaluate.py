@@ -102,9 +102,21 @@ def evaluate(
 
     def attempt(rows: int) -> EvalResult:  # out of memory: the eval restarts with half the batch
         return _evaluate_once(
-            decoder, tokenizer, tasks, instruction, samples, temperature, max_new_tokens, rows, seed,
-            eos_token_ids, label, progress, episodes, scorer,
-        )  # fmt: skip
+            decoder,
+            tokenizer,
+            tasks,
+            instruction,
+            samples,
+            temperature,
+            max_new_tokens,
+            rows,
+            seed,
+            eos_token_ids,
+            label,
+            progress,
+            episodes,
+            scorer,
+        )
 
     result, batch, retries = with_oom_retry(attempt, batch, lambda rows: None)
     result.seconds = time.perf_counter() - start
@@ -113,9 +125,21 @@ def evaluate(
 
 
 def _evaluate_once(
-    decoder, tokenizer, tasks, instruction, samples, temperature, max_new_tokens, batch, seed, eos_token_ids,
-    label, progress, episodes, scorer,
-) -> EvalResult:  # fmt: skip
+    decoder,
+    tokenizer,
+    tasks,
+    instruction,
+    samples,
+    temperature,
+    max_new_tokens,
+    batch,
+    seed,
+    eos_token_ids,
+    label,
+    progress,
+    episodes,
+    scorer,
+) -> EvalResult:
     from tqdm import tqdm
 
     sampling = Sampling(max_new_tokens, temperature, eos_token_ids or [tokenizer.eos_token_id], tokenizer.pad_token_id)
@@ -174,19 +198,30 @@ def _evaluate_once(
     )
 
 
-def pass_at_1(model, tokenizer, tasks: list[Task], label: str, *, seed: int, parts: TaskParts,
-              progress: bool = False) -> EvalResult:  # fmt: skip
+def pass_at_1(
+    model, tokenizer, tasks: list[Task], label: str, *, seed: int, parts: TaskParts, progress: bool = False
+) -> EvalResult:
     """The protocol's eval of ``model`` (its policy adapter, if it has one) on ``tasks`` with the run's eval settings
     and its parts (``setup.parts``: the scorer, and the environment with its settings): the task's reward on one
     reply per sample, or the environment's total reward on one episode per sample."""
     adapter = POLICY_ADAPTER if hasattr(model, "peft_config") else None
     e, sampling = parts.config.eval, parts.sampling(eval=True)
     return evaluate(
-        make_decoder(model, adapter, parts.config.rollout.decoder), tokenizer, tasks,
-        instruction=parts.tasks.instruction, samples=e.eval_samples, temperature=sampling.temperature,
-        max_new_tokens=sampling.max_new_tokens, batch=e.eval_batch, seed=seed, eos_token_ids=sampling.eos_token_ids,
-        label=label, progress=progress, episodes=parts.episodes_for(tasks), scorer=parts.scorer,
-    )  # fmt: skip
+        make_decoder(model, adapter, parts.config.rollout.decoder),
+        tokenizer,
+        tasks,
+        instruction=parts.tasks.instruction,
+        samples=e.eval_samples,
+        temperature=sampling.temperature,
+        max_new_tokens=sampling.max_new_tokens,
+        batch=e.eval_batch,
+        seed=seed,
+        eos_token_ids=sampling.eos_token_ids,
+        label=label,
+        progress=progress,
+        episodes=parts.episodes_for(tasks),
+        scorer=parts.scorer,
+    )
 
 
 def load_adapter(model: torch.nn.Module, adapter_dir: str | os.PathLike[str]) -> torch.nn.Module:

@@ -221,12 +221,15 @@ def split_facts() -> list[str]:
     inside = sum(t.question in pool for t in split.test)
     warm = WarmStart()
     each = warm.steps * warm.batch_size / len(pool)  # demonstrations per question, on average
-    return ["", f"The tiny task's held-out split (split version 2, the second confirmation's): {len(held)} held-out "
-            f"questions ask {len(set(held))} problems (a, op, b) that no training prompt asks; {len(plus)} of them "
-            f"are sums, and {len(twins)} of those have their commuted twin (b + a) among the training problems. The "
-            f"warm start draws its {warm.steps} × {warm.batch_size} demonstrations (the careless tutor's answers) "
-            f"from all {len(pool)} questions, {inside} of the {len(held)} held-out ones among them: about "
-            f"{each:.0f} demonstrations of each question before any RL."]  # fmt: skip
+    return [
+        "",
+        f"The tiny task's held-out split (split version 2, the second confirmation's): {len(held)} held-out "
+        f"questions ask {len(set(held))} problems (a, op, b) that no training prompt asks; {len(plus)} of them "
+        f"are sums, and {len(twins)} of those have their commuted twin (b + a) among the training problems. The "
+        f"warm start draws its {warm.steps} × {warm.batch_size} demonstrations (the careless tutor's answers) "
+        f"from all {len(pool)} questions, {inside} of the {len(held)} held-out ones among them: about "
+        f"{each:.0f} demonstrations of each question before any RL.",
+    ]
 
 
 THIRD = Path("confirm-v3")  # the third confirmation: one folder per plan
@@ -260,21 +263,33 @@ def third_confirmation(docs: Path) -> list[str]:
         done = results["confirmation"]
         first = done["primary"]
         power = done.get("realised_power") or {}
-        lines += ["", f"`{plan}` ({len(results['seeds'])} seeds per arm, {len(results['cells'])} cells): primary "
-                  f"{first['comparison']} at {first['cell']}: {_signed(first['delta'])} {_interval(first)}, "
-                  f"{first.get('finding') or first['verdict']}; outcome {done['outcome']}"
-                  + (f"; realised power {power['power']:.2f}" if isinstance(power.get("power"), float) else "")
-                  + ".", "", "| cell | comparison | delta [95%] | Hodges–Lehmann [95%] | collapsed (after, before) | "
-                  "adjusted p | finding |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+        lines += [
+            "",
+            f"`{plan}` ({len(results['seeds'])} seeds per arm, {len(results['cells'])} cells): primary "
+            f"{first['comparison']} at {first['cell']}: {_signed(first['delta'])} {_interval(first)}, "
+            f"{first.get('finding') or first['verdict']}; outcome {done['outcome']}"
+            + (f"; realised power {power['power']:.2f}" if isinstance(power.get("power"), float) else "")
+            + ".",
+            "",
+            "| cell | comparison | delta [95%] | Hodges–Lehmann [95%] | collapsed (after, before) | "
+            "adjusted p | finding |",
+            "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+        ]
         for row in done["family"]:
             rank, fell = row.get("rank") or {}, row.get("collapse") or {}
-            shift = (f"{_signed(rank['hodges_lehmann'])} [{_signed(rank['low'])}, {_signed(rank['high'])}]"
-                     if rank.get("hodges_lehmann") is not None else "—")  # fmt: skip
-            delta = (f"{_signed(row['delta'])} {_interval(row)}" if row.get("ci_low") is not None
-                     else _opt(row.get("delta")))  # fmt: skip
-            lines.append(f"| {row['cell']} | {row['comparison']} | {delta} | {shift} | "
-                         f"{fell.get('after_collapsed', '—')}, {fell.get('before_collapsed', '—')} | "
-                         f"{row['p_holm']:.3g} | {row.get('finding') or row['verdict']} |")  # fmt: skip
+            shift = (
+                f"{_signed(rank['hodges_lehmann'])} [{_signed(rank['low'])}, {_signed(rank['high'])}]"
+                if rank.get("hodges_lehmann") is not None
+                else "—"
+            )
+            delta = (
+                f"{_signed(row['delta'])} {_interval(row)}" if row.get("ci_low") is not None else _opt(row.get("delta"))
+            )
+            lines.append(
+                f"| {row['cell']} | {row['comparison']} | {delta} | {shift} | "
+                f"{fell.get('after_collapsed', '—')}, {fell.get('before_collapsed', '—')} | "
+                f"{row['p_holm']:.3g} | {row.get('finding') or row['verdict']} |"
+            )
         lines += _ceiling_lines(results, root / plan / "probe.json")
         lines += _defined_lines(results)
     return lines
@@ -289,22 +304,39 @@ def _ceiling_lines(results: dict[str, Any], probe: Path) -> list[str]:
                 for shot in (run.get("checks") or {}).get("ceiling") or []:
                     shots.setdefault(str(shot["snapshot"]), []).append(shot)
             for label, got in shots.items():
-                rows.append(f"| {cell['name']} | `{arm}` | {label} | "
-                            + " | ".join(_opt(_median([g.get(k) for g in got])) for k in
-                                         ("mean", "prompt_level", "token_level", "critic_ev", "critic_share"))
-                            + " |")  # fmt: skip
+                rows.append(
+                    f"| {cell['name']} | `{arm}` | {label} | "
+                    + " | ".join(
+                        _opt(_median([g.get(k) for g in got]))
+                        for k in ("mean", "prompt_level", "token_level", "critic_ev", "critic_share")
+                    )
+                    + " |"
+                )
     if not rows:
         return []
-    lines = ["", "The oracle ceiling against the critic (medians over each arm's runs; the critic's explained "
-             "variance on the snapshot's own rollouts, its share of the per-token ceiling):", "",
-             "| cell | arm | snapshot | success rate | ceiling per trajectory | ceiling per token | critic EV | "
-             "critic's share |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |", *rows]  # fmt: skip
+    lines = [
+        "",
+        "The oracle ceiling against the critic (medians over each arm's runs; the critic's explained "
+        "variance on the snapshot's own rollouts, its share of the per-token ceiling):",
+        "",
+        "| cell | arm | snapshot | success rate | ceiling per trajectory | ceiling per token | critic EV | "
+        "critic's share |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        *rows,
+    ]
     if probe.exists():
         summary = json.loads(probe.read_text()).get("summary") or []
-        lines += ["", "`sao probe` (medians over the probed runs): "
-                  + "; ".join(f"{s['snapshot']}: R² {_opt(s['prompt_token_r2'])} at the last prompt token, "
-                              f"{_opt(s['per_token_r2'])} per token, of at most {_opt(s['signal_share'])} "
-                              "that is signal" for s in summary) + "."]  # fmt: skip
+        lines += [
+            "",
+            "`sao probe` (medians over the probed runs): "
+            + "; ".join(
+                f"{s['snapshot']}: R² {_opt(s['prompt_token_r2'])} at the last prompt token, "
+                f"{_opt(s['per_token_r2'])} per token, of at most {_opt(s['signal_share'])} "
+                "that is signal"
+                for s in summary
+            )
+            + ".",
+        ]
     return lines
 
 
@@ -318,14 +350,21 @@ def _defined_lines(results: dict[str, Any]) -> list[str]:
             curves = block.get("curves") or {}
             mean = lambda key, curves=curves: (curves.get(key) or {}).get("mean")  # noqa: E731
             settings = ", ".join(f"{k} {v}" for k, v in (define.get(arm) or {}).items() if k != "correction") or "—"
-            rows.append(f"| {cell['name']} | `{arm}` | {settings} | {_opt(mean('would_be_masked_share'), '.4f')} | "
-                        f"{_opt(mean('would_be_masked_share_low'), '.4f')} | "
-                        f"{_opt(mean('would_be_masked_share_high'), '.4f')} | {_opt(mean('ratio_ess_share'), '.4f')} "
-                        f"| {block['pass_at_1_mean']:.3f} |")  # fmt: skip
-    return ["", "Every arm's would-be masked share (what the band leaves out, on any rule) and the ratios' effective "
-            "sample size, policy steps, the step-wise mean over seeds, with its mean pass@1:", "",
-            "| cell | arm | settings | would-be masked | low side | high side | ESS share | pass@1 |",
-            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |", *rows]  # fmt: skip
+            rows.append(
+                f"| {cell['name']} | `{arm}` | {settings} | {_opt(mean('would_be_masked_share'), '.4f')} | "
+                f"{_opt(mean('would_be_masked_share_low'), '.4f')} | "
+                f"{_opt(mean('would_be_masked_share_high'), '.4f')} | {_opt(mean('ratio_ess_share'), '.4f')} "
+                f"| {block['pass_at_1_mean']:.3f} |"
+            )
+    return [
+        "",
+        "Every arm's would-be masked share (what the band leaves out, on any rule) and the ratios' effective "
+        "sample size, policy steps, the step-wise mean over seeds, with its mean pass@1:",
+        "",
+        "| cell | arm | settings | would-be masked | low side | high side | ESS share | pass@1 |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        *rows,
+    ]
 
 
 def critic_ev(results: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -341,9 +380,17 @@ def critic_ev(results: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
                 if checks.get("critic_ev_last10") is not None:
                     entry["warmup"].append(float(checks["critic_ev_warmup_end"]))
                     entry["last10"].append(float(checks["critic_ev_last10"]))
-    return {arm: {"runs": len(e["last10"]), "above_0": sum(x > 0 for x in e["last10"]),
-                  "warmup_median": statistics.median(e["warmup"]), "last10_median": statistics.median(e["last10"]),
-                  "last10_min": min(e["last10"])} for arm, e in out.items() if e["last10"]}  # fmt: skip
+    return {
+        arm: {
+            "runs": len(e["last10"]),
+            "above_0": sum(x > 0 for x in e["last10"]),
+            "warmup_median": statistics.median(e["warmup"]),
+            "last10_median": statistics.median(e["last10"]),
+            "last10_min": min(e["last10"]),
+        }
+        for arm, e in out.items()
+        if e["last10"]
+    }
 
 
 def second_confirmation(docs: Path) -> list[str]:
@@ -361,30 +408,47 @@ def second_confirmation(docs: Path) -> list[str]:
             continue
         results = json.loads(path.read_text())
         verdict = results["confirmation"]["primary"] if "confirmation" in results else {}
-        lines += ["", f"`{plan}` ({len(results['seeds'])} seeds per arm, {len(results['cells'])} cells): primary "
-                  f"{verdict.get('comparison', '?')} at {verdict.get('cell', '?')}: {_signed(verdict['delta'])} "
-                  f"{_interval(verdict)}, {verdict.get('verdict', '?')}." if verdict.get("delta") is not None else
-                  f"`{plan}`:", ""]  # fmt: skip
+        lines += [
+            "",
+            f"`{plan}` ({len(results['seeds'])} seeds per arm, {len(results['cells'])} cells): primary "
+            f"{verdict.get('comparison', '?')} at {verdict.get('cell', '?')}: {_signed(verdict['delta'])} "
+            f"{_interval(verdict)}, {verdict.get('verdict', '?')}."
+            if verdict.get("delta") is not None
+            else f"`{plan}`:",
+            "",
+        ]
         ev = critic_ev(results)
         if ev:
-            lines += ["| cell | arm | critic EV at warmup end (median) | EV over the last 10 steps (median, smallest) "
-                      "| runs ending above 0 |", "| --- | --- | ---: | ---: | ---: |"]  # fmt: skip
+            lines += [
+                "| cell | arm | critic EV at warmup end (median) | EV over the last 10 steps (median, smallest) "
+                "| runs ending above 0 |",
+                "| --- | --- | ---: | ---: | ---: |",
+            ]
             for (cell, arm), e in ev.items():
-                lines.append(f"| {cell} | `{arm}` | {e['warmup_median']:+.4f} | {e['last10_median']:+.4f}, "
-                             f"{e['last10_min']:+.4f} | {e['above_0']} of {e['runs']} |")  # fmt: skip
+                lines.append(
+                    f"| {cell} | `{arm}` | {e['warmup_median']:+.4f} | {e['last10_median']:+.4f}, "
+                    f"{e['last10_min']:+.4f} | {e['above_0']} of {e['runs']} |"
+                )
         _, total, seeds = divergence(results)
         runs = seeds * len(results["cells"])
-        lines += ["", "Diverged runs, every arm: " + ", ".join(f"`{a}` {k} of {runs}" for a, k in total.items())
-                  + "."]  # fmt: skip
+        lines += ["", "Diverged runs, every arm: " + ", ".join(f"`{a}` {k} of {runs}" for a, k in total.items()) + "."]
         arms = set(results["cells"][0]["arms"])
-        pairs = [(a, b) for a, b in (("dis", "none"), ("dis", "dis+batch-mean"), ("dis", "random"),
-                                     ("tis", "none")) if a in arms and b in arms]  # fmt: skip
+        pairs = [
+            (a, b)
+            for a, b in (("dis", "none"), ("dis", "dis+batch-mean"), ("dis", "random"), ("tis", "none"))
+            if a in arms and b in arms
+        ]
         grids = [(a, b, whole_grid(results, a, b)) for a, b in pairs]
-        lines += ["", "Post hoc (chosen after the results were seen, not part of the plan), each arm against "
-                  f"another averaged over all {len(results['cells'])} cells, seeds as the unit: "
-                  + "; ".join(f"{a} − {b} {_signed(g['delta'])} [{_signed(g['ci_low'])}, {_signed(g['ci_high'])}]"
-                              for a, b, g in grids)
-                  + f" (95% t intervals over {len(results['seeds'])} seeds)."]  # fmt: skip
+        lines += [
+            "",
+            "Post hoc (chosen after the results were seen, not part of the plan), each arm against "
+            f"another averaged over all {len(results['cells'])} cells, seeds as the unit: "
+            + "; ".join(
+                f"{a} − {b} {_signed(g['delta'])} [{_signed(g['ci_low'])}, {_signed(g['ci_high'])}]"
+                for a, b, g in grids
+            )
+            + f" (95% t intervals over {len(results['seeds'])} seeds).",
+        ]
     return lines
 
 

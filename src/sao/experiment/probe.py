@@ -66,8 +66,13 @@ def probe_snapshot(path: Path, seed: int = 0) -> dict[str, Any]:
         raise ConfigError(f"{path} is not an oracle snapshot sao wrote ({error})") from None
     rates = returns.astype(np.float64).mean(axis=1)  # [P] each prompt's K-sample success rate
     share = signal_share(returns.astype(np.float64))
-    out: dict[str, Any] = {"step": step, "prompts": int(returns.shape[0]), "samples": int(returns.shape[1]),
-                           "rate_mean": float(rates.mean()), "signal_share": share}  # fmt: skip
+    out: dict[str, Any] = {
+        "step": step,
+        "prompts": int(returns.shape[0]),
+        "samples": int(returns.shape[1]),
+        "rate_mean": float(rates.mean()),
+        "signal_share": share,
+    }
     if float(rates.var()) == 0.0:
         return {**out, "prompt_token": None, "per_token": None, "note": "every prompt had the same rate"}
     out["prompt_token"] = ridge_probe(prompt_hidden, rates, seed=seed)
@@ -87,8 +92,11 @@ def probe_run(run: Path) -> dict[str, Any]:
 
 def _runs(root: Path) -> list[tuple[str, str, Path]]:
     """(cell, run label, folder) of every run under an experiment folder that kept oracle snapshots."""
-    return [(run.parent.parent.name, run.name, run) for run in sorted(root.glob("cells/*/runs/*"))
-            if any((run / "oracle").glob("step-*.safetensors"))]  # fmt: skip
+    return [
+        (run.parent.parent.name, run.name, run)
+        for run in sorted(root.glob("cells/*/runs/*"))
+        if any((run / "oracle").glob("step-*.safetensors"))
+    ]
 
 
 def probe(path: str | Path) -> tuple[dict[str, Any], str]:
@@ -103,8 +111,10 @@ def probe(path: str | Path) -> tuple[dict[str, Any], str]:
     else:
         listed = _runs(root)
         if not listed:
-            raise ConfigError(f"{root} holds no oracle snapshots (a run trained with --ceiling-every K keeps them in "
-                              "its oracle/ folder)")  # fmt: skip
+            raise ConfigError(
+                f"{root} holds no oracle snapshots (a run trained with --ceiling-every K keeps them in "
+                "its oracle/ folder)"
+            )
         runs = [{"cell": cell, **probe_run(run)} for cell, _, run in listed]
         found = {"kind": "experiment", "runs": runs}
     found["summary"] = summarize(runs)
@@ -126,10 +136,15 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for name, shots in names.items():
-        out.append({"snapshot": name, "runs": len(shots),
-                    "prompt_token_r2": median([(s.get("prompt_token") or {}).get("r2") for s in shots]),
-                    "per_token_r2": median([(s.get("per_token") or {}).get("r2") for s in shots]),
-                    "signal_share": median([s["signal_share"] for s in shots])})  # fmt: skip
+        out.append(
+            {
+                "snapshot": name,
+                "runs": len(shots),
+                "prompt_token_r2": median([(s.get("prompt_token") or {}).get("r2") for s in shots]),
+                "per_token_r2": median([(s.get("per_token") or {}).get("r2") for s in shots]),
+                "signal_share": median([s["signal_share"] for s in shots]),
+            }
+        )
     return out
 
 
@@ -138,8 +153,10 @@ def _fmt(x: float | None) -> str:
 
 
 def line(summary: list[dict[str, Any]], runs: int, written: Path) -> str:
-    parts = [f"{s['snapshot']} {_fmt(s['prompt_token_r2'])} / {_fmt(s['per_token_r2'])} "
-             f"(signal {_fmt(s['signal_share'])})" for s in summary]  # fmt: skip
+    parts = [
+        f"{s['snapshot']} {_fmt(s['prompt_token_r2'])} / {_fmt(s['per_token_r2'])} (signal {_fmt(s['signal_share'])})"
+        for s in summary
+    ]
     over = "" if runs == 1 else f" (medians over {runs} runs)"
     return (
         f"sao probe: the hidden state's cross-validated R² for the prompt's success rate, at its last token / per "

@@ -67,20 +67,58 @@ def model_block(model: str, name: str | None = None) -> dict[str, Any]:
     machine's paths end up in a results file."""
     folder = model_dir(model)
     if folder is None:
-        return {"name": name or model, "folder": None, "weights_sha256": None,
-                "weights_hashed": "not available locally", "tokenizer_sha256": None}  # fmt: skip
+        return {
+            "name": name or model,
+            "folder": None,
+            "weights_sha256": None,
+            "weights_hashed": "not available locally",
+            "tokenizer_sha256": None,
+        }
     weights, how = weights_sha256(folder)
-    return {"name": name or model, "folder": folder.name, "weights_sha256": weights, "weights_hashed": how,
-            "tokenizer_sha256": tokenizer_sha256(folder)}  # fmt: skip
+    return {
+        "name": name or model,
+        "folder": folder.name,
+        "weights_sha256": weights,
+        "weights_hashed": how,
+        "tokenizer_sha256": tokenizer_sha256(folder),
+    }
 
 
 # The instruction-set extensions that pick floating-point kernels (vector width, fused multiply-add, bf16/fp16,
 # matrix units), as /proc/cpuinfo names them on x86 ("flags") and on ARM ("Features").
-CPU_FLAGS = frozenset({
-    "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512dq", "avx512cd", "avx512bw",
-    "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx512ifma", "avx512vbmi", "amx_tile", "amx_bf16",
-    "amx_int8", "amx_fp16", "asimd", "asimdhp", "asimddp", "sve", "sve2", "bf16", "i8mm", "sme",
-})  # fmt: skip
+CPU_FLAGS = frozenset(
+    {
+        "sse4_1",
+        "sse4_2",
+        "avx",
+        "avx2",
+        "fma",
+        "f16c",
+        "avx_vnni",
+        "avx512f",
+        "avx512dq",
+        "avx512cd",
+        "avx512bw",
+        "avx512vl",
+        "avx512_vnni",
+        "avx512_bf16",
+        "avx512_fp16",
+        "avx512ifma",
+        "avx512vbmi",
+        "amx_tile",
+        "amx_bf16",
+        "amx_int8",
+        "amx_fp16",
+        "asimd",
+        "asimdhp",
+        "asimddp",
+        "sve",
+        "sve2",
+        "bf16",
+        "i8mm",
+        "sme",
+    }
+)
 
 
 def cpuinfo(path: str | Path = "/proc/cpuinfo") -> tuple[str | None, list[str] | None]:
@@ -211,14 +249,20 @@ def differences(blocks: Mapping[str, Mapping[str, Any]]) -> list[str]:
                 groups.setdefault(str(value), []).append(label)
         if len(groups) > 1:
             parts = "; ".join(f"{h[:12]}: {', '.join(labels)}" for h, labels in groups.items())
-            out.append(f"the {what} differ between the pieces aggregated here ({parts}): they are not runs of the "
-                       "same experiment, so comparing them measures the difference too")  # fmt: skip
-    varying = [what for path, what in ENVIRONMENT.items()
-               if len({json.dumps(v, sort_keys=True) for b in blocks.values() if (v := _get(b, path)) is not None}) > 1
-               ]  # fmt: skip
+            out.append(
+                f"the {what} differ between the pieces aggregated here ({parts}): they are not runs of the "
+                "same experiment, so comparing them measures the difference too"
+            )
+    varying = [
+        what
+        for path, what in ENVIRONMENT.items()
+        if len({json.dumps(v, sort_keys=True) for b in blocks.values() if (v := _get(b, path)) is not None}) > 1
+    ]
     if varying:
-        out.append(f"the pieces aggregated here ran with different {', '.join(varying)}: the same settings need "
-                   "not give the same numbers bit for bit")  # fmt: skip
+        out.append(
+            f"the pieces aggregated here ran with different {', '.join(varying)}: the same settings need "
+            "not give the same numbers bit for bit"
+        )
     return out
 
 

@@ -47,14 +47,23 @@ PLOTS = {  # file stem → caption in report.md; every plot has one panel per ce
     "evals": "pass@1 per cell and arm with its 95% interval (dots: seeds, ×: diverged; grey: base mean ± noise "
     "floor), and each arm's paired delta against `none` with its 95% interval (shaded: ± noise floor).",
 }
-EVAL_CURVE = ("eval_curve", "Held-out pass@1 over policy steps (`--eval-every`; thin: each seed, thick: the mean "
-              "over seeds; step 0 is the untrained policy, grey: base mean ± noise floor).")  # fmt: skip
-ESS_PLOT = ("ess", "Effective sample size of the trainer/sampler ratios per step, (Σ r)² / (N Σ r²) over the action "
-            "tokens: 1 when every ratio is equal, 1/N when one token carries the weight (thin: each seed; thick: the "
-            "mean over seeds).")  # fmt: skip
-PHASES_PLOT = ("phases", "Where each step's time goes: seconds per phase, stacked, the mean over the cell's runs "
-               "(`other`: the rest of the step; drawing and its environment calls first). Each run's timeline.json "
-               "holds every span behind these sums.")  # fmt: skip
+EVAL_CURVE = (
+    "eval_curve",
+    "Held-out pass@1 over policy steps (`--eval-every`; thin: each seed, thick: the mean "
+    "over seeds; step 0 is the untrained policy, grey: base mean ± noise floor).",
+)
+ESS_PLOT = (
+    "ess",
+    "Effective sample size of the trainer/sampler ratios per step, (Σ r)² / (N Σ r²) over the action "
+    "tokens: 1 when every ratio is equal, 1/N when one token carries the weight (thin: each seed; thick: the "
+    "mean over seeds).",
+)
+PHASES_PLOT = (
+    "phases",
+    "Where each step's time goes: seconds per phase, stacked, the mean over the cell's runs "
+    "(`other`: the rest of the step; drawing and its environment calls first). Each run's timeline.json "
+    "holds every span behind these sums.",
+)
 LOG_PLOTS = ("reward", "ratio_max", "mismatch", "ess", "phases")  # from train_log.json; the rest from results.json
 PHASE_KEYS = (
     "wait",
@@ -71,26 +80,85 @@ PHASE_KEYS = (
     "other",
 )  # a record's time_<phase>, in step order (sao.core.timeline.PHASES and the rest)
 TIMELINE = "timeline.json"  # each run's, under cells/<cell>/runs/<run>/
-MISMATCH_PLOT = ("mismatch", "Mean |log r| per action token, split by cause (mean over seeds, log scale): the "
-                 "sampling engine's numerics on staleness-0 rows (solid) and on stale rows re-scored under the "
-                 "version that drew them (dotted), against the drift staleness made (dashed). A mask that fires on "
-                 "the first calls for a numerics fix, on the last for a fresher sampler.")  # fmt: skip
-KEY_SERIES = ("reward_mean", "masked_share", "would_be_masked_share", "ratio_max", "explained_variance",
-              "response_length", "kl_sampler_policy",  # and, for agents (shown when logged):
-              "turns_mean", "tool_calls_mean", "tool_use_share", "tool_error_rate", "observation_share",
-              # and, when the Mismatch hook ran (a vLLM sampler): the ratio split into its two causes
-              "mismatch_fresh", "mismatch_rescored", "staleness_drift",
-              # and, where logged, the off-policy diagnostics
-              "ratio_ess_share", "masked_share_low", "masked_share_high")  # fmt: skip
-SHARE_SERIES = {"reward_mean", "masked_share", "would_be_masked_share", "tool_use_share", "tool_error_rate",
-                "observation_share", "ratio_ess_share", "masked_share_low", "masked_share_high"}  # fmt: skip
-CONFIG_KEYS = ("model", "data", "ratio", "lag", "lr", "critic_lr", "steps", "critic_warmup", "critic_steps",
-               "batch_size", "train_runs", "seed", "base_evals", "eval_samples", "eval_temperature", "temperature",
-               "max_new_tokens", "grad_clip", "lora_rank", "lora_alpha", "gae_alpha", "dead_band_share", "tis_cap",
-               "rollout", "env", "max_turns", "reward", "truncated_reward", "eval_every", "random_mask_share",
-               "threads")  # fmt: skip
-WALL_TOTALS = {"train_total": "**train, total**", "eval_total": "**eval, total**",
-               "compute_total": "**compute, total**", "this_invocation": "this invocation"}  # fmt: skip
+MISMATCH_PLOT = (
+    "mismatch",
+    "Mean |log r| per action token, split by cause (mean over seeds, log scale): the "
+    "sampling engine's numerics on staleness-0 rows (solid) and on stale rows re-scored under the "
+    "version that drew them (dotted), against the drift staleness made (dashed). A mask that fires on "
+    "the first calls for a numerics fix, on the last for a fresher sampler.",
+)
+KEY_SERIES = (
+    "reward_mean",
+    "masked_share",
+    "would_be_masked_share",
+    "ratio_max",
+    "explained_variance",
+    "response_length",
+    "kl_sampler_policy",  # and, for agents (shown when logged):
+    "turns_mean",
+    "tool_calls_mean",
+    "tool_use_share",
+    "tool_error_rate",
+    "observation_share",
+    # and, when the Mismatch hook ran (a vLLM sampler): the ratio split into its two causes
+    "mismatch_fresh",
+    "mismatch_rescored",
+    "staleness_drift",
+    # and, where logged, the off-policy diagnostics
+    "ratio_ess_share",
+    "masked_share_low",
+    "masked_share_high",
+)
+SHARE_SERIES = {
+    "reward_mean",
+    "masked_share",
+    "would_be_masked_share",
+    "tool_use_share",
+    "tool_error_rate",
+    "observation_share",
+    "ratio_ess_share",
+    "masked_share_low",
+    "masked_share_high",
+}
+CONFIG_KEYS = (
+    "model",
+    "data",
+    "ratio",
+    "lag",
+    "lr",
+    "critic_lr",
+    "steps",
+    "critic_warmup",
+    "critic_steps",
+    "batch_size",
+    "train_runs",
+    "seed",
+    "base_evals",
+    "eval_samples",
+    "eval_temperature",
+    "temperature",
+    "max_new_tokens",
+    "grad_clip",
+    "lora_rank",
+    "lora_alpha",
+    "gae_alpha",
+    "dead_band_share",
+    "tis_cap",
+    "rollout",
+    "env",
+    "max_turns",
+    "reward",
+    "truncated_reward",
+    "eval_every",
+    "random_mask_share",
+    "threads",
+)
+WALL_TOTALS = {
+    "train_total": "**train, total**",
+    "eval_total": "**eval, total**",
+    "compute_total": "**compute, total**",
+    "this_invocation": "this invocation",
+}
 EXAMPLES_PER_MODEL = 3
 ORIGIN = "Model, data and machine"  # the section of hashes and machine (its usual name contains "nan")
 DASH = "—"
@@ -204,11 +272,28 @@ EVAL = {"examples": [{}]}
 FOLDS = {"*": {}}  # series → {"first", "last", "mean", "max", "min", "n"}
 RUN = {"checks": {"masked_share_by_staleness": {"*": {}}}, "curves": FOLDS, "diverged": list}
 ARM = {"pass_at_1": list, "pass_at_1_ci": list, "evals": [EVAL], "curves": FOLDS, "runs": {"*": RUN}}
-CELL = {"name!": str, "lag!": NUMBER, "lr!": NUMBER, "band!": BAND, "arms!": {"*": ARM}, "compare": {"*": {}},
-        "vs_base": {"*": {}}}  # fmt: skip
-RESULTS = {"config!": {}, "verdict!": str, "cells!": [CELL], "grid": {}, "seeds": list, "data": {}, "versions": {},
-           "base": {"evals": [EVAL], "pass_at_1": list}, "primary": {}, "warnings": list,
-           "wall_time": {"train": {}, "eval": {}}}  # fmt: skip
+CELL = {
+    "name!": str,
+    "lag!": NUMBER,
+    "lr!": NUMBER,
+    "band!": BAND,
+    "arms!": {"*": ARM},
+    "compare": {"*": {}},
+    "vs_base": {"*": {}},
+}
+RESULTS = {
+    "config!": {},
+    "verdict!": str,
+    "cells!": [CELL],
+    "grid": {},
+    "seeds": list,
+    "data": {},
+    "versions": {},
+    "base": {"evals": [EVAL], "pass_at_1": list},
+    "primary": {},
+    "warnings": list,
+    "wall_time": {"train": {}, "eval": {}},
+}
 RECORD = {"cell!": str, "arm!": str, "seed!": NUMBER, "step!": NUMBER, "phase!": str}
 JSON_NAMES = {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}
 
@@ -380,8 +465,15 @@ def _steps_panel(ax, runs: dict[str, dict[Any, list[dict]]], arms: list[str], co
                 by_step.setdefault(r["step"], []).append(r.get(key))
         steps = sorted(by_step)
         label = f"{arm}: mean of {len(seeds)} seeds" if len(seeds) > 1 else f"{arm}: seed {next(iter(seeds))}"
-        ax.plot(steps, [_num(_mean(by_step[s]), math.nan) for s in steps], color=colors[arm], lw=2.2, label=label,
-                marker="o" if len(steps) <= 12 else None, ms=3)  # fmt: skip
+        ax.plot(
+            steps,
+            [_num(_mean(by_step[s]), math.nan) for s in steps],
+            color=colors[arm],
+            lw=2.2,
+            label=label,
+            marker="o" if len(steps) <= 12 else None,
+            ms=3,
+        )
     ax.set_xlabel("step")
 
 
@@ -407,8 +499,16 @@ def _mismatch_panel(ax, runs: dict[str, dict[Any, list[dict]]], arms: list[str],
                     by_step.setdefault(r["step"], []).append(r.get(key))
             steps = [s for s in sorted(by_step) if _mean(by_step[s]) is not None]
             if steps:
-                ax.plot(steps, [_mean(by_step[s]) for s in steps], color=colors[arm], ls=style, lw=1.6, marker=".",
-                        ms=3, label=f"{arm}: {what}")  # fmt: skip
+                ax.plot(
+                    steps,
+                    [_mean(by_step[s]) for s in steps],
+                    color=colors[arm],
+                    ls=style,
+                    lw=1.6,
+                    marker=".",
+                    ms=3,
+                    label=f"{arm}: {what}",
+                )
     ax.set_yscale("log")
     ax.set_xlabel("step")
 
@@ -437,9 +537,13 @@ def _phases_panel(ax, runs: dict[str, dict[Any, list[dict]]]) -> None:
     from matplotlib import colormaps
 
     palette = colormaps["tab20"]
-    ax.stackplot(steps, [[_num(_mean(r.get(f"time_{k}") for r in by_step[s]), 0.0) for s in steps] for k in keys],
-                 labels=keys, colors=[palette(PHASE_KEYS.index(k) / len(PHASE_KEYS)) for k in keys],
-                 alpha=0.9)  # fmt: skip
+    ax.stackplot(
+        steps,
+        [[_num(_mean(r.get(f"time_{k}") for r in by_step[s]), 0.0) for s in steps] for k in keys],
+        labels=keys,
+        colors=[palette(PHASE_KEYS.index(k) / len(PHASE_KEYS)) for k in keys],
+        alpha=0.9,
+    )
     ax.set_xlabel("step")
 
 
@@ -464,8 +568,15 @@ def _masked_panel(ax, cell: dict[str, Any], arms: list[str], colors: dict, dead:
     for i, arm in enumerate(present):
         xs = [j + (i - (len(present) - 1) / 2) * width for j, s in enumerate(levels) if s in stale[arm]]
         ys = [_num(stale[arm][s][1], math.nan) for s in levels if s in stale[arm]]
-        ax.bar(xs, ys, width=width * 0.95, color=colors[arm], edgecolor="white", hatch="//" if arm == BASELINE
-               else None, label=f"{arm}: {'would-be masked' if arm == BASELINE else 'masked'}")  # fmt: skip
+        ax.bar(
+            xs,
+            ys,
+            width=width * 0.95,
+            color=colors[arm],
+            edgecolor="white",
+            hatch="//" if arm == BASELINE else None,
+            label=f"{arm}: {'would-be masked' if arm == BASELINE else 'masked'}",
+        )
     if _num(dead):
         ax.axhline(dead, color="black", ls=":", lw=1, label=f"dead-band threshold {fmt(dead)}")
     steps = [_mean(stale[a][s][0] for a in present if s in stale[a]) for s in levels]
@@ -489,20 +600,45 @@ def _plot_evals(path: Path, results: dict, arms: list[str], colors: dict) -> Non
     base_mean, floor = _mean(base.get("pass_at_1") or []), _num(base.get("noise_floor"))
     if base_mean is not None:
         if floor:
-            left.axhspan(base_mean - floor, base_mean + floor, color=COLORS["base"], alpha=0.15, lw=0,
-                         label=f"base ± noise floor {fmt_share(floor)}")  # fmt: skip
+            left.axhspan(
+                base_mean - floor,
+                base_mean + floor,
+                color=COLORS["base"],
+                alpha=0.15,
+                lw=0,
+                label=f"base ± noise floor {fmt_share(floor)}",
+            )
         left.axhline(base_mean, color=COLORS["base"], ls="--", lw=1.5, label=f"base mean {fmt_share(base_mean)}")
     column, slot = {id(c): j for j, c in enumerate(cells)}, 0.8 / len(arms)  # x: cell, then arm within it
     for cell, name, arm in _each(results, arms):
         x, seeds = column[id(cell)] + (arms.index(name) - (len(arms) - 1) / 2) * slot, _per_seed(results, arm)
         for k, (v, why) in enumerate(seeds):
             dx = x + slot * 0.2 + (k - (len(seeds) - 1) / 2) * slot * 0.12
-            left.scatter([dx], [_num(v, math.nan)], marker="x" if why else "o", s=40 if why else 14, color=colors[name],
-                         lw=1.6 if why else 0, zorder=3, label="diverged seed" if why else None)  # fmt: skip
+            left.scatter(
+                [dx],
+                [_num(v, math.nan)],
+                marker="x" if why else "o",
+                s=40 if why else 14,
+                color=colors[name],
+                lw=1.6 if why else 0,
+                zorder=3,
+                label="diverged seed" if why else None,
+            )
         mean, (lo, hi) = _num(arm.get("pass_at_1_mean")), _pair(arm.get("pass_at_1_ci"))
         if mean is not None:
-            left.errorbar([x - slot * 0.12], [mean], _yerr(mean, lo, hi), fmt="o", ms=6, color=colors[name],
-                          mec="black", mew=0.6, capsize=3, zorder=4, label=f"{name}: mean, 95% interval")  # fmt: skip
+            left.errorbar(
+                [x - slot * 0.12],
+                [mean],
+                _yerr(mean, lo, hi),
+                fmt="o",
+                ms=6,
+                color=colors[name],
+                mec="black",
+                mew=0.6,
+                capsize=3,
+                zorder=4,
+                label=f"{name}: mean, 95% interval",
+            )
     left.set_ylim(max(left.get_ylim()[0], -0.05), min(left.get_ylim()[1], 1.05))  # an interval may reach past 0 or 1
     left.set_ylabel("pass@1 on the held-out tasks")
     left.set_title("pass@1 per cell and arm")
@@ -519,8 +655,17 @@ def _plot_evals(path: Path, results: dict, arms: list[str], colors: dict) -> Non
             d, lo, hi = _num(c.get("delta")), _num(c.get("ci_low")), _num(c.get("ci_high"))
             size = 8 if _is_primary(results, cell, k) else 5  # the primary comparison stands out
             if d is not None:
-                right.errorbar([x], [d], _yerr(d, lo, hi), fmt="o", color=colors.get(c.get("after"), "black"),
-                               capsize=4, ms=size, mec="black", label=_name(k, c))  # fmt: skip
+                right.errorbar(
+                    [x],
+                    [d],
+                    _yerr(d, lo, hi),
+                    fmt="o",
+                    color=colors.get(c.get("after"), "black"),
+                    capsize=4,
+                    ms=size,
+                    mec="black",
+                    label=_name(k, c),
+                )
     right.axhline(0, color="black", lw=0.8)
     right.set_ylabel("delta pass@1, arm − none (95% interval)")
     title = f"Verdict: {results['verdict']}"
@@ -545,15 +690,28 @@ def _eval_curve_panel(ax, cell: dict[str, Any], arms: list[str], colors: dict, b
     """pass@1 at each evaluated policy step: each seed thin, the mean over seeds thick; the base band in grey."""
     base_mean, floor = _mean(base.get("pass_at_1") or []), _num(base.get("noise_floor"))
     if base_mean is not None:
-        ax.axhspan(base_mean - (floor or 0), base_mean + (floor or 0), color=COLORS["base"], alpha=0.15, lw=0,
-                   label="base mean ± noise floor")  # fmt: skip
+        ax.axhspan(
+            base_mean - (floor or 0),
+            base_mean + (floor or 0),
+            color=COLORS["base"],
+            alpha=0.15,
+            lw=0,
+            label="base mean ± noise floor",
+        )
     for name in [a for a in arms if isinstance(cell["arms"].get(a, {}).get("eval_curve"), dict)]:
         curve = cell["arms"][name]["eval_curve"]
         steps = curve.get("policy_steps") or []
         for values in (curve.get("per_seed") or {}).values():
             ax.plot(steps, [_num(v, math.nan) for v in values], color=colors[name], lw=0.8, alpha=0.4)
-        ax.plot(steps, [_num(v, math.nan) for v in curve.get("mean") or []], color=colors[name], lw=2.2, marker="o",
-                ms=3, label=f"{name}: mean over seeds")  # fmt: skip
+        ax.plot(
+            steps,
+            [_num(v, math.nan) for v in curve.get("mean") or []],
+            color=colors[name],
+            lw=2.2,
+            marker="o",
+            ms=3,
+            label=f"{name}: mean over seeds",
+        )
     ax.set_xlabel("policy step")
 
 
@@ -567,31 +725,52 @@ def _write_plots(results: dict[str, Any], log: list[dict[str, Any]] | None, plot
     cells, arms, runs = results["cells"], _arms(results), _runs(log or [])
     colors = {a: COLORS.get(a) or SPARE_COLORS[i % len(SPARE_COLORS)] for i, a in enumerate(arms)}
     figures = {
-        "reward": ("Training reward per step", "training reward",
-                   lambda ax, c: _steps_panel(ax, runs.get(c["name"], {}), arms, colors, "reward_mean")),
-        "masked_share": ("Masked share by staleness (mean over seeds)", "share of generated tokens",
-                         lambda ax, c: _masked_panel(ax, c, arms, colors, _config(results).get("dead_band_share"))),
-        "ratio_max": ("Worst token's ratio per step against the band", "max ratio π_trainer / π_sampler",
-                      lambda ax, c: (_steps_panel(ax, runs.get(c["name"], {}), arms, colors, "ratio_max"),
-                                     _band_axis(ax, c["band"]))),
-    }  # fmt: skip
+        "reward": (
+            "Training reward per step",
+            "training reward",
+            lambda ax, c: _steps_panel(ax, runs.get(c["name"], {}), arms, colors, "reward_mean"),
+        ),
+        "masked_share": (
+            "Masked share by staleness (mean over seeds)",
+            "share of generated tokens",
+            lambda ax, c: _masked_panel(ax, c, arms, colors, _config(results).get("dead_band_share")),
+        ),
+        "ratio_max": (
+            "Worst token's ratio per step against the band",
+            "max ratio π_trainer / π_sampler",
+            lambda ax, c: (
+                _steps_panel(ax, runs.get(c["name"], {}), arms, colors, "ratio_max"),
+                _band_axis(ax, c["band"]),
+            ),
+        ),
+    }
     if _has_ess(log):
-        figures[ESS_PLOT[0]] = ("Effective sample size of the ratios per step", "ESS / action tokens",
-                                lambda ax, c: _steps_panel(ax, runs.get(c["name"], {}), arms, colors,
-                                                           "ratio_ess_share"))  # fmt: skip
+        figures[ESS_PLOT[0]] = (
+            "Effective sample size of the ratios per step",
+            "ESS / action tokens",
+            lambda ax, c: _steps_panel(ax, runs.get(c["name"], {}), arms, colors, "ratio_ess_share"),
+        )
     if log is None:
         figures = {k: v for k, v in figures.items() if k not in LOG_PLOTS}
     if log is not None and _has_mismatch(log):
-        figures[MISMATCH_PLOT[0]] = ("Where the ratio comes from: the engine's numerics against staleness",
-                               "mean |log r| per action token",
-                               lambda ax, c: _mismatch_panel(ax, runs.get(c["name"], {}), arms, colors))  # fmt: skip
+        figures[MISMATCH_PLOT[0]] = (
+            "Where the ratio comes from: the engine's numerics against staleness",
+            "mean |log r| per action token",
+            lambda ax, c: _mismatch_panel(ax, runs.get(c["name"], {}), arms, colors),
+        )
     if _has_phases(log):
-        figures[PHASES_PLOT[0]] = ("Where each step's time goes (mean over the cell's runs)", "seconds",
-                                   lambda ax, c: _phases_panel(ax, runs.get(c["name"], {})))  # fmt: skip
+        figures[PHASES_PLOT[0]] = (
+            "Where each step's time goes (mean over the cell's runs)",
+            "seconds",
+            lambda ax, c: _phases_panel(ax, runs.get(c["name"], {})),
+        )
     if _has_eval_curve(results):
         base = results.get("base") or {}
-        figures[EVAL_CURVE[0]] = ("Held-out pass@1 over policy steps", "pass@1",
-                                  lambda ax, c: _eval_curve_panel(ax, c, arms, colors, base))  # fmt: skip
+        figures[EVAL_CURVE[0]] = (
+            "Held-out pass@1 over policy steps",
+            "pass@1",
+            lambda ax, c: _eval_curve_panel(ax, c, arms, colors, base),
+        )
     for stem, (title, ylabel, draw) in figures.items():
         fig, axes = _panels(cells)
         for cell in cells:
@@ -626,11 +805,20 @@ def _comparison_table(
     the cells' names."""
     rows = []
     for cell, label, c in found:
-        rows.append([_cell(cell["name"]), label, fmt_share(c.get("before_mean")), fmt_share(c.get("after_mean")),
-                     fmt_signed(c.get("delta")), fmt_interval(c.get("ci_low"), c.get("ci_high")),
-                     f"±{fmt_share(c.get('noise_floor'))}", f"{_cell(c.get('unit', DASH))} ({fmt(c.get('n'))})"
-                     + (f"<br>{_cell(c['about'])}" if c.get("about") not in (None, "training procedure") else ""),
-                     _verdict_words(c)])  # fmt: skip
+        rows.append(
+            [
+                _cell(cell["name"]),
+                label,
+                fmt_share(c.get("before_mean")),
+                fmt_share(c.get("after_mean")),
+                fmt_signed(c.get("delta")),
+                fmt_interval(c.get("ci_low"), c.get("ci_high")),
+                f"±{fmt_share(c.get('noise_floor'))}",
+                f"{_cell(c.get('unit', DASH))} ({fmt(c.get('n'))})"
+                + (f"<br>{_cell(c['about'])}" if c.get("about") not in (None, "training procedure") else ""),
+                _verdict_words(c),
+            ]
+        )
     level = f"{_level(found[0][2].get('alpha') if found else None, 1)} interval"  # 95% at the default alpha
     header = [first, what, f"{before} mean", "arm mean", "delta", level, "noise floor", "unit (n)", "verdict"]
     reasons = [f"- {_text(cell['name'])}, {label}: {_text(c.get('reason') or DASH)}" for cell, label, c in found]
@@ -641,15 +829,24 @@ def _summary(results: dict[str, Any], comps: list) -> list[str]:
     """Two sentences for a grid, written from the verdicts and the baseline's divergence counts."""
     if len(results["cells"]) < 2:
         return []
-    separated = [f"{_name(k, c)} {c['verdict']} at {_where(cell)} ({fmt_signed(c.get('delta'))} "
-                 f"{fmt_interval(c.get('ci_low'), c.get('ci_high'))})"
-                 for cell, k, c in comps if c.get("verdict") in SEPARATED]  # fmt: skip
+    separated = [
+        f"{_name(k, c)} {c['verdict']} at {_where(cell)} ({fmt_signed(c.get('delta'))} "
+        f"{fmt_interval(c.get('ci_low'), c.get('ci_high'))})"
+        for cell, k, c in comps
+        if c.get("verdict") in SEPARATED
+    ]
     verdicts = [str(c.get("verdict") or DASH) for _, _, c in comps]
     tally = ", ".join(f"{v} {verdicts.count(v)}" for v in sorted(set(verdicts)))
     text = f"{len(separated)} of {_plural(len(comps), 'comparison')} separated" + (
-        f": {_join(separated)}." if separated else f" (verdicts: {tally}).")  # fmt: skip
-    broke = [f"{_where(cell)} ({n}/{runs})" for cell in results["cells"] if BASELINE in cell["arms"]
-             for n, runs in [_diverged(cell["arms"][BASELINE])] if n]  # fmt: skip
+        f": {_join(separated)}." if separated else f" (verdicts: {tally})."
+    )
+    broke = [
+        f"{_where(cell)} ({n}/{runs})"
+        for cell in results["cells"]
+        if BASELINE in cell["arms"]
+        for n, runs in [_diverged(cell["arms"][BASELINE])]
+        if n
+    ]
     text += f" `{BASELINE}` diverged in a seed of {len(broke)} of {_plural(len(results['cells']), 'cell')}"
     return [f"**Summary** (written by code from results.json). {text}" + (f": {_join(broke)}." if broke else "."), ""]
 
@@ -672,18 +869,34 @@ def _verdict_section(results: dict[str, Any]) -> list[str]:
         return [*out, "results.json holds no comparison.", ""]
     named = [(cell, _name(k, c) + (" (primary)" if _is_primary(results, cell, k) else ""), c) for cell, k, c in comps]
     out += _comparison_table(named, "comparison", BASELINE)
-    proxies = [[_cell(cell["name"]), name, fmt_signed(c.get("proxy_delta")), fmt(c.get("proxy_diverges"))]
-               for cell, name, c in named if "proxy_delta" in c]  # fmt: skip
+    proxies = [
+        [_cell(cell["name"]), name, fmt_signed(c.get("proxy_delta")), fmt(c.get("proxy_diverges"))]
+        for cell, name, c in named
+        if "proxy_delta" in c
+    ]
     if proxies:
-        out += _table(["cell", "comparison", "proxy delta (training reward, last 10 steps)",
-                       "proxy rises while the target falls"], proxies)  # fmt: skip
+        out += _table(
+            [
+                "cell",
+                "comparison",
+                "proxy delta (training reward, last 10 steps)",
+                "proxy rises while the target falls",
+            ],
+            proxies,
+        )
     if len(comps) > 1 and results.get("confirmation"):
-        out += ["Each interval here is its own 95% interval; the planned family's Holm-adjusted p-values and the "
-                "verdicts after the correction are in *What came out*, above.", ""]  # fmt: skip
+        out += [
+            "Each interval here is its own 95% interval; the planned family's Holm-adjusted p-values and the "
+            "verdicts after the correction are in *What came out*, above.",
+            "",
+        ]
     elif len(comps) > 1:
         n = _plural(len(comps), "comparison")
-        out += [f"Each interval is its own 95% interval, with no correction for multiple comparisons across the {n}: "
-                "by chance alone about 1 in 20 misses the true delta.", ""]  # fmt: skip
+        out += [
+            f"Each interval is its own 95% interval, with no correction for multiple comparisons across the {n}: "
+            "by chance alone about 1 in 20 misses the true delta.",
+            "",
+        ]
     return out + _summary(results, comps)
 
 
@@ -691,17 +904,27 @@ def _pass_section(results: dict[str, Any], arms: list[str]) -> list[str]:
     base = results.get("base") or {}
     values, evals = base.get("pass_at_1") or [], base.get("evals") or []
     evals_of_base = evals
-    rows = [[_cell(e.get("label") or f"base-{i}"), fmt_share(v), fmt(e.get("mean_reply_tokens")),
-             fmt_share(e.get("truncation_share"))]
-            for i, v in enumerate(values) for e in [evals[i] if i < len(evals) else {}]]  # fmt: skip
+    rows = [
+        [
+            _cell(e.get("label") or f"base-{i}"),
+            fmt_share(v),
+            fmt(e.get("mean_reply_tokens")),
+            fmt_share(e.get("truncation_share")),
+        ]
+        for i, v in enumerate(values)
+        for e in [evals[i] if i < len(evals) else {}]
+    ]
     out = ["## pass@1", ""]
     if rows:
         rows.append(["**base mean**", f"**{fmt_share(_mean(values))}**", "", ""])
         out += _table(["base eval", "pass@1", "mean reply tokens", "truncation share"], rows, text=1)
-        out += [f"The untrained model's pass@1 over {_plural(len(values), 'repeated eval')}: run_std "
-                f"{fmt(base.get('run_std'))} over {fmt(base.get('runs'))} runs gives the noise floor "
-                f"±{fmt_share(base.get('noise_floor'))}, shared by every cell: a delta within it is "
-                "indistinguishable from re-evaluating the same model.", ""]  # fmt: skip
+        out += [
+            f"The untrained model's pass@1 over {_plural(len(values), 'repeated eval')}: run_std "
+            f"{fmt(base.get('run_std'))} over {fmt(base.get('runs'))} runs gives the noise floor "
+            f"±{fmt_share(base.get('noise_floor'))}, shared by every cell: a delta within it is "
+            "indistinguishable from re-evaluating the same model.",
+            "",
+        ]
     else:
         out += ["results.json holds no base eval, so no noise floor.", ""]
     rows, notes = [], []
@@ -712,16 +935,28 @@ def _pass_section(results: dict[str, Any], arms: list[str]) -> list[str]:
         if why:
             notes.append(f"- [d{len(notes) + 1}] {_text(cell['name'])}, {name}: {'; '.join(why)}")
             count += f" [d{len(notes)}]"
-        rows.append([_cell(cell["name"]), name, fmt_share(arm.get("pass_at_1_mean")),
-                     "[{}, {}]".format(*map(fmt_share, _pair(arm.get("pass_at_1_ci")))),
-                     ", ".join(fmt_share(v) + ("†" if w else "") for v, w in _per_seed(results, arm)) or DASH,
-                     fmt(_mean(e.get("mean_reply_tokens") for e in evals)),
-                     fmt_share(_mean(e.get("truncation_share") for e in evals)), count])  # fmt: skip
-    out += ["Each arm: the mean over seeds with its 95% t interval over seeds (it can reach below 0 with few "
-            "seeds), each seed's value († a diverged seed); reply tokens and truncation share are means over "
-            "the arm's evals.", ""]  # fmt: skip
-    out += _table(["cell", "arm", "pass@1 mean", "95% interval", "per seed", "mean reply tokens", "truncation share",
-                   "diverged"], rows)  # fmt: skip
+        rows.append(
+            [
+                _cell(cell["name"]),
+                name,
+                fmt_share(arm.get("pass_at_1_mean")),
+                "[{}, {}]".format(*map(fmt_share, _pair(arm.get("pass_at_1_ci")))),
+                ", ".join(fmt_share(v) + ("†" if w else "") for v, w in _per_seed(results, arm)) or DASH,
+                fmt(_mean(e.get("mean_reply_tokens") for e in evals)),
+                fmt_share(_mean(e.get("truncation_share") for e in evals)),
+                count,
+            ]
+        )
+    out += [
+        "Each arm: the mean over seeds with its 95% t interval over seeds (it can reach below 0 with few "
+        "seeds), each seed's value († a diverged seed); reply tokens and truncation share are means over "
+        "the arm's evals.",
+        "",
+    ]
+    out += _table(
+        ["cell", "arm", "pass@1 mean", "95% interval", "per seed", "mean reply tokens", "truncation share", "diverged"],
+        rows,
+    )
     trained = [e for _, _, arm in _each(results, arms) for e in arm.get("evals") or []]
     out += _cut_off_line(results, [*evals_of_base, *trained])
     if notes:
@@ -742,13 +977,19 @@ def _cut_off_line(results: dict[str, Any], evals: list[dict[str, Any]]) -> list[
     samples = sum(len(e.get("per_task") or []) * int(_num(e.get("samples"), 0)) for e in counted)
     cut = sum(int(_num(e.get("truncated_replies"), 0)) for e in counted)
     credit = sum(int(_num(e.get("truncated_with_credit"), 0)) for e in counted)
-    return [f"Replies cut off at the token limit {how}: {cut} of {samples} eval samples were cut off, and the grader "
-            f"would have credited {credit} of them.", ""]  # fmt: skip
+    return [
+        f"Replies cut off at the token limit {how}: {cut} of {samples} eval samples were cut off, and the grader "
+        f"would have credited {credit} of them.",
+        "",
+    ]
 
 
 def _vs_base_section(results: dict[str, Any], arms: list[str]) -> list[str]:
-    found = [(cell, name, c) for cell, name, _ in _each(results, arms)
-             if (c := (cell.get("vs_base") or {}).get(name)) is not None]  # fmt: skip
+    found = [
+        (cell, name, c)
+        for cell, name, _ in _each(results, arms)
+        if (c := (cell.get("vs_base") or {}).get(name)) is not None
+    ]
     out = ["## Each arm against the base", ""]
     if not found:
         return [*out, "results.json holds no comparison with the base (no base eval was run).", ""]
@@ -762,29 +1003,67 @@ def _reach_section(results: dict[str, Any], arms: list[str]) -> list[str]:
             (arm.get("curves") or {}).get(k) or {}
             for k in ("masked_share", "would_be_masked_share", "ratio_max", "kl_sampler_policy")
         )
-        rows.append([_cell(cell["name"]), name, _share_pct(m.get("mean")), fmt_share(m.get("max")),
-                     _share_pct(w.get("mean")), fmt_share(w.get("max")), fmt(r.get("max")), fmt(kl.get("mean")),
-                     fmt(kl.get("max"))])  # fmt: skip
-    out = ["## Reachability", "", "The masked share is what the arm's rule masked; the would-be share what the band "
-           "would have masked on that arm. Policy steps, the step-wise mean over seeds.", ""]  # fmt: skip
-    out += _table(["cell", "arm", "masked share, mean per step", "masked, worst step", "would-be masked share, mean",
-                   "would-be, worst step", "max ratio, worst step", "KL mean", "KL max"], rows)  # fmt: skip
+        rows.append(
+            [
+                _cell(cell["name"]),
+                name,
+                _share_pct(m.get("mean")),
+                fmt_share(m.get("max")),
+                _share_pct(w.get("mean")),
+                fmt_share(w.get("max")),
+                fmt(r.get("max")),
+                fmt(kl.get("mean")),
+                fmt(kl.get("max")),
+            ]
+        )
+    out = [
+        "## Reachability",
+        "",
+        "The masked share is what the arm's rule masked; the would-be share what the band "
+        "would have masked on that arm. Policy steps, the step-wise mean over seeds.",
+        "",
+    ]
+    out += _table(
+        [
+            "cell",
+            "arm",
+            "masked share, mean per step",
+            "masked, worst step",
+            "would-be masked share, mean",
+            "would-be, worst step",
+            "max ratio, worst step",
+            "KL mean",
+            "KL max",
+        ],
+        rows,
+    )
     pairs = [(f"{a}: {'would-be masked' if a == BASELINE else 'masked'} share", f"{a}: median max ratio") for a in arms]
     header, rows = ["cell", "staleness", "steps per run", *(h for pair in pairs for h in pair)], []
     for cell in results["cells"]:
         stale = {a: _by_staleness(arm, a) for a, arm in cell["arms"].items()}
         for s in sorted({s for v in stale.values() for s in v}):
             got = [stale.get(name, {}).get(s, (None, None, None)) for name in arms]
-            rows.append([_cell(cell["name"]), str(s), fmt_count(_mean(v[s][0] for v in stale.values() if s in v)),
-                         *(text for g in got for text in (fmt_share(g[1]), fmt(g[2])))])  # fmt: skip
+            rows.append(
+                [
+                    _cell(cell["name"]),
+                    str(s),
+                    fmt_count(_mean(v[s][0] for v in stale.values() if s in v)),
+                    *(text for g in got for text in (fmt_share(g[1]), fmt(g[2]))),
+                ]
+            )
     if rows:
         out += ["Masked share by staleness (policy steps; each value the mean over seeds):", ""]
         out += _table(header, rows, text=1)
     warnings = results.get("warnings") or []
     if not warnings:
         return [*out, "No reachability warning was raised during training.", ""]
-    return [*out, f"Training raised {_plural(len(warnings), 'reachability warning')}:", "",
-            *(f"> {_cell(w)}" for w in warnings), ""]  # fmt: skip
+    return [
+        *out,
+        f"Training raised {_plural(len(warnings), 'reachability warning')}:",
+        "",
+        *(f"> {_cell(w)}" for w in warnings),
+        "",
+    ]
 
 
 OUTSIDE_SHOWN = 5  # the tokens outside the band listed per cell and arm
@@ -829,12 +1108,28 @@ def _off_policy_section(results: dict[str, Any], arms: list[str]) -> list[str]:
                     "would_be_masked_share_high",
                 )
             )
-            rows.append([_cell(cell["name"]), name, fmt_share(ess.get("mean")), fmt_share(ess.get("min")),
-                         *(fmt_share(side.get("mean")) for side in sides)])  # fmt: skip
+            rows.append(
+                [
+                    _cell(cell["name"]),
+                    name,
+                    fmt_share(ess.get("mean")),
+                    fmt_share(ess.get("min")),
+                    *(fmt_share(side.get("mean")) for side in sides),
+                ]
+            )
         top, by_position, tokens = _outside(arm)
         for text, below, above, seen in top[:OUTSIDE_SHOWN]:
-            token_rows.append([_cell(cell["name"]), name, _cell(json.dumps(text, ensure_ascii=False)), str(below),
-                               str(above), str(seen), fmt_share((below + above) / seen if seen else None)])  # fmt: skip
+            token_rows.append(
+                [
+                    _cell(cell["name"]),
+                    name,
+                    _cell(json.dumps(text, ensure_ascii=False)),
+                    str(below),
+                    str(above),
+                    str(seen),
+                    fmt_share((below + above) / seen if seen else None),
+                ]
+            )
         if by_position and len(by_position) == len(tokens):
             shares = [fmt_share(o / t if t else None) for o, t in zip(by_position, tokens, strict=True)]
             place_rows.append([_cell(cell["name"]), name, *shares])
@@ -842,20 +1137,40 @@ def _off_policy_section(results: dict[str, Any], arms: list[str]) -> list[str]:
         return []
     out = ["## Off-policy diagnostics", ""]
     if rows:
-        out += ["Per policy step, the mean over steps of the step-wise mean over seeds: the effective sample size of "
-                "the trainer/sampler ratios as a share of the action tokens, (Σ r)² / (N Σ r²), and the masked share "
-                "split by the band's side (at or below its low edge, at or above its high edge); the would-be shares "
-                "are the band's on any rule.", ""]  # fmt: skip
-        out += _table(["cell", "arm", "ESS share, mean", "ESS share, worst step", "masked low", "masked high",
-                       "would-be low", "would-be high"], rows)  # fmt: skip
+        out += [
+            "Per policy step, the mean over steps of the step-wise mean over seeds: the effective sample size of "
+            "the trainer/sampler ratios as a share of the action tokens, (Σ r)² / (N Σ r²), and the masked share "
+            "split by the band's side (at or below its low edge, at or above its high edge); the would-be shares "
+            "are the band's on any rule.",
+            "",
+        ]
+        out += _table(
+            [
+                "cell",
+                "arm",
+                "ESS share, mean",
+                "ESS share, worst step",
+                "masked low",
+                "masked high",
+                "would-be low",
+                "would-be high",
+            ],
+            rows,
+        )
     if token_rows:
-        out += [f"The tokens most often outside the band (at most {OUTSIDE_SHOWN} per cell and arm), summed over the "
-                "runs' policy steps: how often each fell below and above the band and how often it was written. On "
-                "`dis` these are the masked tokens; on `none` the ones the band would have masked.", ""]  # fmt: skip
+        out += [
+            f"The tokens most often outside the band (at most {OUTSIDE_SHOWN} per cell and arm), summed over the "
+            "runs' policy steps: how often each fell below and above the band and how often it was written. On "
+            "`dis` these are the masked tokens; on `none` the ones the band would have masked.",
+            "",
+        ]
         out += _table(["cell", "arm", "token", "below", "above", "seen", "share outside"], token_rows, text=3)
     if place_rows:
-        out += ["Where in the reply: the share of action tokens outside the band in each tenth of the reply (by a "
-                "token's place among its reply's action tokens).", ""]  # fmt: skip
+        out += [
+            "Where in the reply: the share of action tokens outside the band in each tenth of the reply (by a "
+            "token's place among its reply's action tokens).",
+            "",
+        ]
         out += _table(["cell", "arm", *(f"tenth {i + 1}" for i in range(len(place_rows[0]) - 2))], place_rows)
     return out
 
@@ -873,13 +1188,25 @@ def _defined_section(results: dict[str, Any], arms: list[str]) -> list[str]:
             seen.add(name)
             extra = {k: v for k, v in arm["settings"].items() if k not in ("correction", "baseline")}
             rule, baseline = (arm.get(k) or arm["settings"].get(k) for k in ("correction", "baseline"))
-            rows.append([name, _cell(fmt(rule)), _cell(fmt(baseline)),
-                         _cell(", ".join(f"{k} {fmt(v)}" for k, v in extra.items()) or DASH)])  # fmt: skip
+            rows.append(
+                [
+                    name,
+                    _cell(fmt(rule)),
+                    _cell(fmt(baseline)),
+                    _cell(", ".join(f"{k} {fmt(v)}" for k, v in extra.items()) or DASH),
+                ]
+            )
     if not rows:
         return []
-    return ["## Arms defined by the plan", "", "Each trains with these settings over the shared configuration, with "
-            "the same seeds as the other arms of its cell; its masked share and effective sample size are in the "
-            "tables above.", "", *_table(["arm", "rule", "baseline", "settings"], rows, text=4)]  # fmt: skip
+    return [
+        "## Arms defined by the plan",
+        "",
+        "Each trains with these settings over the shared configuration, with "
+        "the same seeds as the other arms of its cell; its masked share and effective sample size are in the "
+        "tables above.",
+        "",
+        *_table(["arm", "rule", "baseline", "settings"], rows, text=4),
+    ]
 
 
 def _ceiling_section(results: dict[str, Any], arms: list[str], probe: dict[str, Any] | None) -> list[str]:
@@ -897,68 +1224,133 @@ def _ceiling_section(results: dict[str, Any], arms: list[str], probe: dict[str, 
             if isinstance(c.get("oracle_baseline"), dict):
                 drawn.append({**c["oracle_baseline"], "critic": c.get("critic_ev_last10")})
         for label, got in shots.items():
-            rows.append([_cell(cell["name"]), name, _cell(label), str(len(got)),
-                         *(fmt(_median(g.get(k) for g in got)) for k in
-                           ("mean", "prompt_level", "token_level", "critic_ev", "critic_share"))])  # fmt: skip
+            rows.append(
+                [
+                    _cell(cell["name"]),
+                    name,
+                    _cell(label),
+                    str(len(got)),
+                    *(
+                        fmt(_median(g.get(k) for g in got))
+                        for k in ("mean", "prompt_level", "token_level", "critic_ev", "critic_share")
+                    ),
+                ]
+            )
         if drawn:
-            oracle_rows.append([_cell(cell["name"]), name, fmt(drawn[0].get("samples")),
-                                *(fmt(_median(d.get(k) for d in drawn)) for k in
-                                  ("shrinkage_mean", "batch_ceiling_mean", "ev_last10", "critic"))])  # fmt: skip
+            oracle_rows.append(
+                [
+                    _cell(cell["name"]),
+                    name,
+                    fmt(drawn[0].get("samples")),
+                    *(
+                        fmt(_median(d.get(k) for d in drawn))
+                        for k in ("shrinkage_mean", "batch_ceiling_mean", "ev_last10", "critic")
+                    ),
+                ]
+            )
     probed = (probe or {}).get("summary") or []
     if not rows and not oracle_rows and not probed:
         return []
     out = ["## The critic against what was reachable", ""]
     if rows:
-        out += ["At each snapshot the same training prompts were rolled out K times each by the sampler. The ceiling "
-                "is the explained variance a baseline that knows each prompt's success rate could reach, 1 − E[Var(R "
-                "| prompt)] / Var(R) (Var(p) / p̄(1 − p̄) for 0/1 rewards), without the K-sample bias: per trajectory, "
-                "and per token (each rollout weighted by its action tokens, the units of the critic's explained "
-                "variance). The critic's explained variance is measured on those same rollouts; its share is that "
-                "over the per-token ceiling. A critic reads the reply so far as well as the prompt, so it can exceed "
-                "a prompt-level ceiling; a ceiling near 0 says the prompts hardly differ in difficulty. Medians over "
-                "the arm's runs.", ""]  # fmt: skip
-        out += _table(["cell", "arm", "snapshot", "runs", "success rate", "ceiling per trajectory",
-                       "ceiling per token", "critic EV", "critic's share"], rows, text=3)  # fmt: skip
+        out += [
+            "At each snapshot the same training prompts were rolled out K times each by the sampler. The ceiling "
+            "is the explained variance a baseline that knows each prompt's success rate could reach, 1 − E[Var(R "
+            "| prompt)] / Var(R) (Var(p) / p̄(1 − p̄) for 0/1 rewards), without the K-sample bias: per trajectory, "
+            "and per token (each rollout weighted by its action tokens, the units of the critic's explained "
+            "variance). The critic's explained variance is measured on those same rollouts; its share is that "
+            "over the per-token ceiling. A critic reads the reply so far as well as the prompt, so it can exceed "
+            "a prompt-level ceiling; a ceiling near 0 says the prompts hardly differ in difficulty. Medians over "
+            "the arm's runs.",
+            "",
+        ]
+        out += _table(
+            [
+                "cell",
+                "arm",
+                "snapshot",
+                "runs",
+                "success rate",
+                "ceiling per trajectory",
+                "ceiling per token",
+                "critic EV",
+                "critic's share",
+            ],
+            rows,
+            text=3,
+        )
     if oracle_rows:
-        out += ["The oracle baseline: every step, each prompt of the batch rolled out K more times by the sampler "
-                "that drew it (never trained on), its rate shrunk toward their mean by the empirical-Bayes weight. "
-                "Its explained variance is the baseline's own (the update's); the critic's is the head that trains "
-                "beside it. Medians over the arm's runs of each run's mean.", ""]  # fmt: skip
-        out += _table(["cell", "arm", "K", "shrinkage weight", "ceiling of each batch's prompts",
-                       "oracle baseline EV, last 10", "critic EV, last 10"], oracle_rows)  # fmt: skip
+        out += [
+            "The oracle baseline: every step, each prompt of the batch rolled out K more times by the sampler "
+            "that drew it (never trained on), its rate shrunk toward their mean by the empirical-Bayes weight. "
+            "Its explained variance is the baseline's own (the update's); the critic's is the head that trains "
+            "beside it. Medians over the arm's runs of each run's mean.",
+            "",
+        ]
+        out += _table(
+            [
+                "cell",
+                "arm",
+                "K",
+                "shrinkage weight",
+                "ceiling of each batch's prompts",
+                "oracle baseline EV, last 10",
+                "critic EV, last 10",
+            ],
+            oracle_rows,
+        )
     if probed:
-        out += ["`sao probe`: a ridge regression from the trunk's hidden state (at each prompt's last token, and per "
-                "token) to the prompts' K-sample success rates, cross-validated by prompt; R² near 0 or below: the "
-                "state carries nothing of the difficulty the probe can use. The signal share is the most R² could "
-                "reach (the rest of the rates' variance is sampling noise). Medians over the probed runs.",
-                ""]  # fmt: skip
-        out += _table(["snapshot", "runs", "R² at the last prompt token", "R² per token", "signal share"],
-                      [[_cell(p.get("snapshot")), fmt(p.get("runs")), fmt(p.get("prompt_token_r2")),
-                        fmt(p.get("per_token_r2")), fmt(p.get("signal_share"))] for p in probed], text=1)  # fmt: skip
+        out += [
+            "`sao probe`: a ridge regression from the trunk's hidden state (at each prompt's last token, and per "
+            "token) to the prompts' K-sample success rates, cross-validated by prompt; R² near 0 or below: the "
+            "state carries nothing of the difficulty the probe can use. The signal share is the most R² could "
+            "reach (the rest of the rates' variance is sampling noise). Medians over the probed runs.",
+            "",
+        ]
+        out += _table(
+            ["snapshot", "runs", "R² at the last prompt token", "R² per token", "signal share"],
+            [
+                [
+                    _cell(p.get("snapshot")),
+                    fmt(p.get("runs")),
+                    fmt(p.get("prompt_token_r2")),
+                    fmt(p.get("per_token_r2")),
+                    fmt(p.get("signal_share")),
+                ]
+                for p in probed
+            ],
+            text=1,
+        )
     return out
 
 
 CHECKS = [  # (column, the keys shown joined by →, formatter), one row per run
-    ("critic EV at warmup end", ("critic_ev_warmup_end",), fmt), ("critic EV, last 10", ("critic_ev_last10",), fmt),
+    ("critic EV at warmup end", ("critic_ev_warmup_end",), fmt),
+    ("critic EV, last 10", ("critic_ev_last10",), fmt),
     ("critic loss, warmup end → last 10", ("critic_loss_warmup_end", "critic_loss_last10"), fmt),
-    ("grad norm mean", ("grad_norm_mean",), fmt), ("grad norm max", ("grad_norm_max",), fmt),
-    ("clip at {clip} ever bound", ("clip_ever_bound",), fmt), ("clip-bound steps", ("clip_bound_steps",), fmt),
-    ("non-finite tokens", ("nonfinite_tokens",), fmt_count), ("skipped steps", ("skipped_steps",), fmt),
+    ("grad norm mean", ("grad_norm_mean",), fmt),
+    ("grad norm max", ("grad_norm_max",), fmt),
+    ("clip at {clip} ever bound", ("clip_ever_bound",), fmt),
+    ("clip-bound steps", ("clip_bound_steps",), fmt),
+    ("non-finite tokens", ("nonfinite_tokens",), fmt_count),
+    ("skipped steps", ("skipped_steps",), fmt),
     ("lag-0 \\|log ratio\\| mean", ("lag0_abs_log_ratio_mean",), fmt),
     ("lag-0 \\|log ratio\\| max", ("lag0_abs_log_ratio_max",), fmt),
     ("masked share, worst step", ("masked_share_max",), fmt_share),
     ("reward first 10 → last 10", ("reward_first10", "reward_last10"), fmt_share),
     ("response length, last 10", ("response_length_last10",), fmt),
     ("truncation share, last 10", ("truncation_share_last10",), fmt_share),
-]  # fmt: skip
+]
 
 
 def _checks_section(results: dict[str, Any], arms: list[str]) -> list[str]:
     clip = fmt(_config(results).get("grad_clip"))
-    rows = [[_cell(cell["name"]), _cell(label),
-             *(" → ".join(f(c.get(k)) for k in keys) for _, keys, f in CHECKS)]
-            for cell, _, arm in _each(results, arms) for label, run in (arm.get("runs") or {}).items()
-            for c in [run.get("checks") or {}]]  # fmt: skip
+    rows = [
+        [_cell(cell["name"]), _cell(label), *(" → ".join(f(c.get(k)) for k in keys) for _, keys, f in CHECKS)]
+        for cell, _, arm in _each(results, arms)
+        for label, run in (arm.get("runs") or {}).items()
+        for c in [run.get("checks") or {}]
+    ]
     header = ["cell", "run", *(name.format(clip=clip) for name, _, _ in CHECKS)]
     return ["## Checks", "", *_table(header, rows)] if rows else []
 
@@ -976,8 +1368,9 @@ def _curves_section(results: dict[str, Any], arms: list[str]) -> list[str]:
     return ["## Training curves", "", note, "", *_table(header, rows, text=3)] if rows else []
 
 
-def _time_section(results: dict[str, Any], log: list[dict[str, Any]] | None, arms: list[str],
-                  timelines: list[str]) -> list[str]:  # fmt: skip
+def _time_section(
+    results: dict[str, Any], log: list[dict[str, Any]] | None, arms: list[str], timelines: list[str]
+) -> list[str]:
     """Mean seconds per step of each phase, by cell and arm (from the log, when there is one), and the link to every
     run's timeline."""
     if not _has_phases(log) and not timelines:
@@ -997,19 +1390,30 @@ def _time_section(results: dict[str, Any], log: list[dict[str, Any]] | None, arm
     if rows:
         out += [note, "", *_table(["cell", "arm", "step", "phases"], rows, text=2)]
     if timelines:
-        out += ["Each run's timeline (Chrome trace event format: open it in Perfetto, ui.perfetto.dev, or "
-                "chrome://tracing): every phase, every trajectory's draw with its version and staleness, every "
-                "environment call, adapter publish and load.", "",
-                *(f"- [{_text(path)}]({path})" for path in timelines), ""]  # fmt: skip
+        out += [
+            "Each run's timeline (Chrome trace event format: open it in Perfetto, ui.perfetto.dev, or "
+            "chrome://tracing): every phase, every trajectory's draw with its version and staleness, every "
+            "environment call, adapter publish and load.",
+            "",
+            *(f"- [{_text(path)}]({path})" for path in timelines),
+            "",
+        ]
     return out
 
 
 def _examples_section(results: dict[str, Any], arms: list[str]) -> list[str]:
     cell = results["cells"][0]["arms"]
     firsts = [(results.get("base") or {}).get("evals") or [], *(cell[a].get("evals") or [] for a in arms if a in cell)]
-    rows = [[_cell(evals[0].get("label", DASH)), *(_cell(ex.get(k, DASH)) for k in ("question", "reply", "gold")),
-             fmt(ex.get("correct"))]
-            for evals in firsts if evals for ex in (evals[0].get("examples") or [])[:EXAMPLES_PER_MODEL]]  # fmt: skip
+    rows = [
+        [
+            _cell(evals[0].get("label", DASH)),
+            *(_cell(ex.get(k, DASH)) for k in ("question", "reply", "gold")),
+            fmt(ex.get("correct")),
+        ]
+        for evals in firsts
+        if evals
+        for ex in (evals[0].get("examples") or [])[:EXAMPLES_PER_MODEL]
+    ]
     header = ["eval", "question", "reply", "gold", "correct"]
     return ["## Example eval replies", "", *_table(header, rows, text=len(header))] if rows else []
 
@@ -1017,8 +1421,11 @@ def _examples_section(results: dict[str, Any], arms: list[str]) -> list[str]:
 def _tail_sections(results: dict[str, Any]) -> list[str]:
     """Wall time, configuration with the data counts, and versions."""
     wall = results.get("wall_time") or {}
-    rows = [[f"{phase} {_cell(label)}", fmt_seconds(s)] for phase in ("train", "eval")
-            for label, s in (wall.get(phase) or {}).items()]  # fmt: skip
+    rows = [
+        [f"{phase} {_cell(label)}", fmt_seconds(s)]
+        for phase in ("train", "eval")
+        for label, s in (wall.get(phase) or {}).items()
+    ]
     rows += [[label, fmt_seconds(wall[k])] for k, label in WALL_TOTALS.items() if k in wall]
     out = ["## Wall time", "", *_table(["phase", "time"], rows, text=1)] if rows else []
     config, per_cell = _config(results), len(results["cells"]) > 1
@@ -1036,29 +1443,49 @@ def _provenance_section(results: dict[str, Any]) -> list[str]:
     """The hashes and the machine this invocation ran with (results.json's ``provenance``), when recorded."""
     p = results.get("provenance")
     if not isinstance(p, dict):
-        return [f"## {ORIGIN}", "", "results.json records no hashes of its model and data (written before sao recorded "
-                "them).", ""]  # fmt: skip
+        return [
+            f"## {ORIGIN}",
+            "",
+            "results.json records no hashes of its model and data (written before sao recorded them).",
+            "",
+        ]
     model, data = p.get("model") or {}, p.get("data") or {}
     machine, code = p.get("machine") or {}, p.get("code") or {}
     commit = str(code.get("commit") or DASH) + (" (source differs from it)" if code.get("dirty") else "")
-    rows = [["model", _cell(model.get("name", DASH))], ["model weights sha256", _cell(model.get("weights_sha256"))],
-            ["tokenizer sha256", _cell(model.get("tokenizer_sha256"))],
-            ["training prompts sha256", f"{_cell(data.get('train_sha256'))} ({fmt(data.get('train'))})"],
-            ["held-out tasks sha256", f"{_cell(data.get('test_sha256'))} ({fmt(data.get('test'))})"],
-            ["CPU", f"{_cell(machine.get('cpu'))}, {_cell(machine.get('cpu_capability'))}, "
-                    f"{fmt(machine.get('cores'))} cores"],
-            ["torch threads (intra-op, inter-op)", f"{fmt(machine.get('torch_threads'))}, "
-                                                   f"{fmt(machine.get('torch_interop_threads'))}"],
-            ["GPU", _cell(machine.get("gpu") or DASH)], ["sao commit", _cell(commit)]]  # fmt: skip
-    out = [f"## {ORIGIN}", "", "What this invocation ran with; every run folder and `base-evals.provenance.json` "
-           "keep the same record of each invocation that made them, and a piece whose hashes differ is named in the "
-           "warnings.", ""]  # fmt: skip
+    rows = [
+        ["model", _cell(model.get("name", DASH))],
+        ["model weights sha256", _cell(model.get("weights_sha256"))],
+        ["tokenizer sha256", _cell(model.get("tokenizer_sha256"))],
+        ["training prompts sha256", f"{_cell(data.get('train_sha256'))} ({fmt(data.get('train'))})"],
+        ["held-out tasks sha256", f"{_cell(data.get('test_sha256'))} ({fmt(data.get('test'))})"],
+        [
+            "CPU",
+            f"{_cell(machine.get('cpu'))}, {_cell(machine.get('cpu_capability'))}, {fmt(machine.get('cores'))} cores",
+        ],
+        [
+            "torch threads (intra-op, inter-op)",
+            f"{fmt(machine.get('torch_threads'))}, {fmt(machine.get('torch_interop_threads'))}",
+        ],
+        ["GPU", _cell(machine.get("gpu") or DASH)],
+        ["sao commit", _cell(commit)],
+    ]
+    out = [
+        f"## {ORIGIN}",
+        "",
+        "What this invocation ran with; every run folder and `base-evals.provenance.json` "
+        "keep the same record of each invocation that made them, and a piece whose hashes differ is named in the "
+        "warnings.",
+        "",
+    ]
     out += _table(["what", "value"], rows, text=2)
     out += [f"> warning: {_cell(w)}" for w in p.get("warnings") or []] + ([""] if p.get("warnings") else [])
     unrecorded = p.get("pieces_without_provenance") or []
     if unrecorded:
-        out += [f"{_plural(len(unrecorded), 'piece')} record no hashes (made before sao recorded them): "
-                f"{_text(', '.join(unrecorded))}.", ""]  # fmt: skip
+        out += [
+            f"{_plural(len(unrecorded), 'piece')} record no hashes (made before sao recorded them): "
+            f"{_text(', '.join(unrecorded))}.",
+            "",
+        ]
     return out
 
 
@@ -1080,19 +1507,27 @@ def _plan_section(results: dict[str, Any]) -> list[str]:
     controls = {"random": "a random token mask at " + at, "tis": "truncated IS", "seqmask": "sequence masking"}
     named = [f"`{a}` ({controls[a]})" if a in controls else f"`{a}`" for a in arms]
     cited = plan.get("exploratory") or []
-    fresh = ("; ".join(f"{_text(e.get('path'))} used {_seed_span(e.get('seeds') or [])}" for e in cited)
-             if cited else "the plan cites no exploratory run")  # fmt: skip
+    fresh = (
+        "; ".join(f"{_text(e.get('path'))} used {_seed_span(e.get('seeds') or [])}" for e in cited)
+        if cited
+        else "the plan cites no exploratory run"
+    )
     alpha, family = plan.get("alpha"), plan.get("family") or []
     floor = (results.get("base") or {}).get("noise_floor")
     rule = plan.get("decision_rule")  # absent: the plan was written under the observed-above-delta rule
-    effect = (f"δ = {fmt_share(plan['smallest_effect'])}: improved or regressed needs |delta| above it, flat "
-              f"needs the {_level(alpha, 2)} interval inside ± δ" if _num(plan.get("smallest_effect")) is not None
-              else f"none stated: each comparison uses this run's noise floor (±{fmt_share(floor)}) as δ")  # fmt: skip
+    effect = (
+        f"δ = {fmt_share(plan['smallest_effect'])}: improved or regressed needs |delta| above it, flat "
+        f"needs the {_level(alpha, 2)} interval inside ± δ"
+        if _num(plan.get("smallest_effect")) is not None
+        else f"none stated: each comparison uses this run's noise floor (±{fmt_share(floor)}) as δ"
+    )
     if rule and _num(plan.get("smallest_effect")) is not None:
-        effect = (f"δ = {fmt_share(plan['smallest_effect'])}: the verdict says the direction (improved or regressed "
-                  f"when the {_level(alpha, 1)} interval excludes 0, whatever the size) and apart its size: beyond δ "
-                  f"(the interval clears it), within δ (the {_level(alpha, 2)} interval inside ± δ; flat when the "
-                  "interval also covers 0) or undetermined")  # fmt: skip
+        effect = (
+            f"δ = {fmt_share(plan['smallest_effect'])}: the verdict says the direction (improved or regressed "
+            f"when the {_level(alpha, 1)} interval excludes 0, whatever the size) and apart its size: beyond δ "
+            f"(the interval clears it), within δ (the {_level(alpha, 2)} interval inside ± δ; flat when the "
+            "interval also covers 0) or undetermined"
+        )
     if plan.get("gatekeeping"):
         correction = (
             f"gatekeeping: the primary alone at alpha {fmt(alpha)}; then {_text(plan.get('correction'))} "
@@ -1101,51 +1536,77 @@ def _plan_section(results: dict[str, Any]) -> list[str]:
         )
     else:
         correction = f"{_text(plan.get('correction'))} across the whole family at alpha {fmt(alpha)}"
-    out = ["## Plan (fixed before the run)", "",
-           f"- **Plan file:** `{_text(plan.get('file'))}`, sha256 `{_text(str(plan.get('sha256'))[:16])}…` "
-           f"(kept beside the results){'; written ' + _text(plan['written']) if plan.get('written') else ''}.",
-           f"- **Primary endpoint:** {_text(primary.get('after'))} − {_text(primary.get('before'))} in "
-           f"{_text(primary.get('cell'))}, expected **{_text(primary.get('expect'))}**.",
-           f"- **Family:** {_plural(len(family), 'comparison')}: the primary, and "
-           f"{_text(', '.join(plan.get('secondary') or []) or 'nothing else')} in every cell of the grid.",
-           f"- **Smallest effect of interest:** {effect}.",
-           *_stated_lines(plan, alpha),
-           f"- **Correction:** {correction}. A flat verdict is each comparison's own equivalence test, not corrected "
-           "across the family.",
-           f"- **Arms:** {', '.join(named)}.",
-           f"- **Seeds:** {_plural(len(seeds), 'fresh training seed')} per arm ({_seed_span(seeds)}), disjoint from "
-           f"every exploratory run cited: {fresh}.", ""]  # fmt: skip
+    out = [
+        "## Plan (fixed before the run)",
+        "",
+        f"- **Plan file:** `{_text(plan.get('file'))}`, sha256 `{_text(str(plan.get('sha256'))[:16])}…` "
+        f"(kept beside the results){'; written ' + _text(plan['written']) if plan.get('written') else ''}.",
+        f"- **Primary endpoint:** {_text(primary.get('after'))} − {_text(primary.get('before'))} in "
+        f"{_text(primary.get('cell'))}, expected **{_text(primary.get('expect'))}**.",
+        f"- **Family:** {_plural(len(family), 'comparison')}: the primary, and "
+        f"{_text(', '.join(plan.get('secondary') or []) or 'nothing else')} in every cell of the grid.",
+        f"- **Smallest effect of interest:** {effect}.",
+        *_stated_lines(plan, alpha),
+        f"- **Correction:** {correction}. A flat verdict is each comparison's own equivalence test, not corrected "
+        "across the family.",
+        f"- **Arms:** {', '.join(named)}.",
+        f"- **Seeds:** {_plural(len(seeds), 'fresh training seed')} per arm ({_seed_span(seeds)}), disjoint from "
+        f"every exploratory run cited: {fresh}.",
+        "",
+    ]
     power = plan.get("power")
     if isinstance(power, dict):
-        out[-1:] = [f"- **Power (computed before the run):** {_text(power.get('summary'))}.",
-                    *_realised_line(plan, done, results["cells"]), ""]  # fmt: skip
+        out[-1:] = [
+            f"- **Power (computed before the run):** {_text(power.get('summary'))}.",
+            *_realised_line(plan, done, results["cells"]),
+            "",
+        ]
         if power.get("warning"):
             out += [f"> warning: {_cell(power['warning'])}", ""]
     else:
         out[-1:] = ["- **Power:** not recorded (the plan was run before sao computed it).", ""]
     first = done.get("primary") or {}
-    out += ["## What came out", "",
-            f"**Primary: {_text(done.get('outcome'))}** (expected {_text(done.get('expect'))}; after "
-            f"{_text(done.get('correction'))}: {_text(first.get('finding') or first.get('verdict'))}). "
-            f"{_text(first.get('reason'))}",
-            ""]  # fmt: skip
+    out += [
+        "## What came out",
+        "",
+        f"**Primary: {_text(done.get('outcome'))}** (expected {_text(done.get('expect'))}; after "
+        f"{_text(done.get('correction'))}: {_text(first.get('finding') or first.get('verdict'))}). "
+        f"{_text(first.get('reason'))}",
+        "",
+    ]
     gate = done.get("gate")
     if gate == "open":
-        out += ["Gatekeeping: the primary came out as expected, so the secondary comparisons were tested, "
-                "Holm-adjusted among themselves.", ""]  # fmt: skip
+        out += [
+            "Gatekeeping: the primary came out as expected, so the secondary comparisons were tested, "
+            "Holm-adjusted among themselves.",
+            "",
+        ]
     elif gate == "closed":
-        out += ["Gatekeeping: the primary did not come out as expected, so the secondary comparisons below are "
-                "reported but not claimed: each verdict is unresolved, whatever it would be alone.", ""]  # fmt: skip
+        out += [
+            "Gatekeeping: the primary did not come out as expected, so the secondary comparisons below are "
+            "reported but not claimed: each verdict is unresolved, whatever it would be alone.",
+            "",
+        ]
     family_rows = done.get("family") or []
     ranked = any(isinstance(r.get("rank"), dict) for r in family_rows)
     collapsing = any(isinstance(r.get("collapse"), dict) for r in family_rows)
-    rows = [[_cell(r.get("cell")), _cell(r.get("comparison")) + (" (primary)" if i == 0 else ""),
-             fmt_signed(r.get("delta")), fmt_interval(r.get("ci_low"), r.get("ci_high")), fmt(r.get("p_value")),
-             _cell(r.get("p_rule") or DASH), fmt(r.get("p_holm")), fmt_share(r.get("smallest_effect")),
-             _cell(r.get("verdict_unadjusted")), _verdict_words(r),
-             *(_rank_cells(r.get("rank")) if ranked else []), *(_collapse_cells(r.get("collapse")) if collapsing
-                                                                 else [])]
-            for i, r in enumerate(family_rows)]  # fmt: skip
+    rows = [
+        [
+            _cell(r.get("cell")),
+            _cell(r.get("comparison")) + (" (primary)" if i == 0 else ""),
+            fmt_signed(r.get("delta")),
+            fmt_interval(r.get("ci_low"), r.get("ci_high")),
+            fmt(r.get("p_value")),
+            _cell(r.get("p_rule") or DASH),
+            fmt(r.get("p_holm")),
+            fmt_share(r.get("smallest_effect")),
+            _cell(r.get("verdict_unadjusted")),
+            _verdict_words(r),
+            *(_rank_cells(r.get("rank")) if ranked else []),
+            *(_collapse_cells(r.get("collapse")) if collapsing else []),
+        ]
+        for i, r in enumerate(family_rows)
+    ]
     adjusted = "adjusted p (primary alone, then Holm)" if plan.get("gatekeeping") else "Holm-adjusted p"
     header = [
         "cell",
@@ -1163,12 +1624,18 @@ def _plan_section(results: dict[str, Any]) -> list[str]:
     ]
     out += _table(header, rows)
     if ranked or collapsing:
-        out += ["Beside the mean (reported, not corrected across the family): " + "; ".join(
-            [*(["the Hodges–Lehmann shift of the per-seed deltas with its signed-rank interval, and the sign test "
-                "over the seeds that differ"] if ranked else []),
-             *([f"each arm's runs below pass@1 {fmt(plan.get('collapse_floor'))} and McNemar's exact test of the "
-                "seeds where one arm collapsed and the other did not (a collapse: row is a member of the family)"]
-               if collapsing else [])]) + ".", ""]  # fmt: skip
+        beside = []
+        if ranked:
+            beside.append(
+                "the Hodges–Lehmann shift of the per-seed deltas with its signed-rank interval, and the sign test over "
+                "the seeds that differ"
+            )
+        if collapsing:
+            beside.append(
+                f"each arm's runs below pass@1 {fmt(plan.get('collapse_floor'))} and McNemar's exact test of the seeds "
+                "where one arm collapsed and the other did not (a collapse: row is a member of the family)"
+            )
+        out += ["Beside the mean (reported, not corrected across the family): " + "; ".join(beside) + ".", ""]
     return out
 
 
@@ -1176,16 +1643,20 @@ def _rank_cells(rank: Any) -> list[str]:
     if not isinstance(rank, dict):
         return [DASH, DASH]
     counts = f"{fmt(rank.get('positive'))} / {fmt(rank.get('negative'))} / {fmt(rank.get('ties'))}"
-    return [f"{fmt_signed(rank.get('hodges_lehmann'))} {fmt_interval(rank.get('low'), rank.get('high'))}",
-            f"{fmt(rank.get('sign_p'))} ({counts})"]  # fmt: skip
+    return [
+        f"{fmt_signed(rank.get('hodges_lehmann'))} {fmt_interval(rank.get('low'), rank.get('high'))}",
+        f"{fmt(rank.get('sign_p'))} ({counts})",
+    ]
 
 
 def _collapse_cells(collapse: Any) -> list[str]:
     if not isinstance(collapse, dict):
         return [DASH, DASH]
     n = fmt(collapse.get("n"))
-    return [f"{fmt(collapse.get('after_collapsed'))}, {fmt(collapse.get('before_collapsed'))} of {n}",
-            fmt(collapse.get("p_value"))]  # fmt: skip
+    return [
+        f"{fmt(collapse.get('after_collapsed'))}, {fmt(collapse.get('before_collapsed'))} of {n}",
+        fmt(collapse.get("p_value")),
+    ]
 
 
 def _stated_lines(plan: dict[str, Any], alpha: Any) -> list[str]:
@@ -1199,15 +1670,18 @@ def _stated_lines(plan: dict[str, Any], alpha: Any) -> list[str]:
             f"{_level(alpha, 1)} interval excludes 0 on that side); its size against δ is reported apart."
         )
     elif rule == "minimum-effect":
-        out.append(f"- **Decision rule:** minimum effect: the primary is confirmed only when it comes out "
-                   f"{_text(expect)} with its whole {_level(alpha, 1)} interval beyond δ (planned for a true delta "
-                   f"of {fmt_share(plan.get('expected_effect'))}).")  # fmt: skip
+        out.append(
+            f"- **Decision rule:** minimum effect: the primary is confirmed only when it comes out "
+            f"{_text(expect)} with its whole {_level(alpha, 1)} interval beyond δ (planned for a true delta "
+            f"of {fmt_share(plan.get('expected_effect'))})."
+        )
     beside = []
     if plan.get("rank_estimand"):
         beside.append("the Hodges–Lehmann shift of the per-seed deltas with its interval, and the sign test")
     if _num(plan.get("collapse_floor")) is not None:
-        beside.append(f"each arm's collapse rate (runs below pass@1 {fmt(plan['collapse_floor'])}) with McNemar's "
-                      "exact test")  # fmt: skip
+        beside.append(
+            f"each arm's collapse rate (runs below pass@1 {fmt(plan['collapse_floor'])}) with McNemar's exact test"
+        )
     if beside:
         out.append(f"- **Estimands beside the mean:** {_join(beside)}.")
     return out
@@ -1230,9 +1704,14 @@ def realised_power(plan: dict[str, Any], cells: list[dict[str, Any]]) -> dict[st
     if len(after) != len(before) or None in after + before:
         return None
     rule = plan.get("decision_rule")
-    return stats.realised_power(before, after, delta, level, collapse_floor=_num(plan.get("collapse_floor")),
-                                expected_effect=_num(plan.get("expected_effect")) if rule == "minimum-effect"
-                                else None)  # fmt: skip
+    return stats.realised_power(
+        before,
+        after,
+        delta,
+        level,
+        collapse_floor=_num(plan.get("collapse_floor")),
+        expected_effect=_num(plan.get("expected_effect")) if rule == "minimum-effect" else None,
+    )
 
 
 def _realised_line(plan: dict[str, Any], done: dict[str, Any], cells: list[dict[str, Any]]) -> list[str]:
@@ -1245,17 +1724,23 @@ def _realised_line(plan: dict[str, Any], done: dict[str, Any], cells: list[dict[
     after, before = _text(primary.get("after")), _text(primary.get("before"))
     planned_sd = f"{_num(power.get('sd')):.3g}" if _num(power.get("sd")) is not None else DASH
     planned = f"{_num(power.get('power')):.2f}" if _num(power.get("power")) is not None else DASH
-    goal = (f"for a true delta of {got['effect']:.3g} to clear δ {got['smallest_effect']:.3g}"
-            if _num(got.get("effect")) not in (None, _num(got.get("smallest_effect"))) else
-            f"for δ {got['smallest_effect']:.3g}")  # fmt: skip
-    text = (f"- **Power, realised (computed after the run):** the {got['seeds']} per-seed {after} − {before} deltas in "
-            f"{_text(primary.get('cell'))} have sd {got['sd']:.3g} (the plan assumed {planned_sd}); with it the same "
-            f"test at alpha {got['alpha']:.3g} has power {got['power']:.2f} {goal} (planned {planned})")  # fmt: skip
+    goal = (
+        f"for a true delta of {got['effect']:.3g} to clear δ {got['smallest_effect']:.3g}"
+        if _num(got.get("effect")) not in (None, _num(got.get("smallest_effect")))
+        else f"for δ {got['smallest_effect']:.3g}"
+    )
+    text = (
+        f"- **Power, realised (computed after the run):** the {got['seeds']} per-seed {after} − {before} deltas in "
+        f"{_text(primary.get('cell'))} have sd {got['sd']:.3g} (the plan assumed {planned_sd}); with it the same "
+        f"test at alpha {got['alpha']:.3g} has power {got['power']:.2f} {goal} (planned {planned})"
+    )
     mixture = got.get("mixture")
     if isinstance(mixture, dict) and _num(got.get("mixture_power")) is not None:
-        text += (f"; the mixture fitted to the runs ({after} collapsed in {mixture['collapse_after']:.0%} of runs, "
-                 f"{before} in {mixture['collapse_before']:.0%}, the rest differing with sd {mixture['sd']:.3g}) "
-                 f"gives {got['mixture_power']:.2f}")  # fmt: skip
+        text += (
+            f"; the mixture fitted to the runs ({after} collapsed in {mixture['collapse_after']:.0%} of runs, "
+            f"{before} in {mixture['collapse_before']:.0%}, the rest differing with sd {mixture['sd']:.3g}) "
+            f"gives {got['mixture_power']:.2f}"
+        )
     return [text + ". Post hoc: how far the planning assumption was off, not what the result means."]
 
 
@@ -1279,8 +1764,13 @@ def _config(results: dict[str, Any]) -> dict[str, Any]:
     return flat_view(config) if isinstance(config, dict) else {}
 
 
-def render(results: dict[str, Any], log: list[dict[str, Any]] | None, kept: Iterable[str] = (),
-           timelines: Iterable[str] = (), probe: dict[str, Any] | None = None) -> str:  # fmt: skip
+def render(
+    results: dict[str, Any],
+    log: list[dict[str, Any]] | None,
+    kept: Iterable[str] = (),
+    timelines: Iterable[str] = (),
+    probe: dict[str, Any] | None = None,
+) -> str:
     """The text of report.md (plots are linked, not embedded); malformed input is a ``DataError``. ``log`` None: no
     train_log.json, and of the plots drawn from it only those in ``kept`` (stems already in plots/) are linked.
     ``timelines``: the runs' timeline.json files, relative to the folder, to link. ``probe``: the folder's
@@ -1291,27 +1781,45 @@ def render(results: dict[str, Any], log: list[dict[str, Any]] | None, kept: Iter
     seeds = results.get("seeds") or []
     axes = [f"{k}s {', '.join(dict.fromkeys(fmt(c[k]) for c in cells))}" for k in ("lag", "lr", "band")]
     where = _text(config.get("data", DASH)) + (f", environment {_text(config['env'])}" if config.get("env") else "")
-    lines = [f"# sao experiment: {_text(config.get('model', DASH))} on {where}", "",
-             f"**Question.** {_text(results.get('question') or DASH)}", "",
-             f"Grid: {'; '.join(axes)}: {_plural(len(cells), 'cell')}; in each, the arms {', '.join(arms)} train "
-             f"{_plural(len(seeds), 'seed')} each (seeds {', '.join(map(fmt, seeds)) or DASH}). Every number below "
-             "is read from results.json and train_log.json.", ""]  # fmt: skip
+    lines = [
+        f"# sao experiment: {_text(config.get('model', DASH))} on {where}",
+        "",
+        f"**Question.** {_text(results.get('question') or DASH)}",
+        "",
+        f"Grid: {'; '.join(axes)}: {_plural(len(cells), 'cell')}; in each, the arms {', '.join(arms)} train "
+        f"{_plural(len(seeds), 'seed')} each (seeds {', '.join(map(fmt, seeds)) or DASH}). Every number below "
+        "is read from results.json and train_log.json.",
+        "",
+    ]
     if results.get("command"):
         lines += ["Regenerate with:", "", "```", str(results["command"]), "```", ""]
-    captions = [*PLOTS.items(), *([EVAL_CURVE] if _has_eval_curve(results) else []),
-                *([MISMATCH_PLOT] if log is not None and _has_mismatch(log) else []),
-                *([ESS_PLOT] if _has_ess(log) else []), *([PHASES_PLOT] if _has_phases(log) else [])]  # fmt: skip
+    captions = [
+        *PLOTS.items(),
+        *([EVAL_CURVE] if _has_eval_curve(results) else []),
+        *([MISMATCH_PLOT] if log is not None and _has_mismatch(log) else []),
+        *([ESS_PLOT] if _has_ess(log) else []),
+        *([PHASES_PLOT] if _has_phases(log) else []),
+    ]
     if log is None:  # the log's plots where a run left them; the extras in the order the run drew them
         captions = [c for c in captions if c[0] not in LOG_PLOTS or c[0] in kept]
         captions += [c for c in (MISMATCH_PLOT, ESS_PLOT, PHASES_PLOT) if c[0] in kept]
     plots = ["## Plots", "", *(f"![{stem}](plots/{stem}.png)\n\n*{caption}*\n" for stem, caption in captions)]
-    for section in (_plan_section(results), _verdict_section(results), _pass_section(results, arms),
-                    _vs_base_section(results, arms),
-                    _reach_section(results, arms), _off_policy_section(results, arms),
-                    _defined_section(results, arms), _ceiling_section(results, arms, probe),
-                    _checks_section(results, arms), _curves_section(results, arms),
-                    plots, _time_section(results, log, arms, list(timelines)), _examples_section(results, arms),
-                    _tail_sections(results)):  # fmt: skip
+    for section in (
+        _plan_section(results),
+        _verdict_section(results),
+        _pass_section(results, arms),
+        _vs_base_section(results, arms),
+        _reach_section(results, arms),
+        _off_policy_section(results, arms),
+        _defined_section(results, arms),
+        _ceiling_section(results, arms, probe),
+        _checks_section(results, arms),
+        _curves_section(results, arms),
+        plots,
+        _time_section(results, log, arms, list(timelines)),
+        _examples_section(results, arms),
+        _tail_sections(results),
+    ):
         lines += section
     return "\n".join(lines).rstrip() + "\n"
 
@@ -1319,8 +1827,16 @@ def render(results: dict[str, Any], log: list[dict[str, Any]] | None, kept: Iter
 # ---------------------------------------------------------------------------------------------------------
 # A comparison of anyone's scores (`sao compare`): results.json alone, no plots.
 
-COMPARISON = {"kind!": str, "verdict!": str, "reason": str, "tasks": NUMBER, "compare!": {"*": {}}, "noise": {},
-              "sides!": {"before!": {"runs!": [{}]}, "after!": {"runs!": [{}]}}, "versions": {}}  # fmt: skip
+COMPARISON = {
+    "kind!": str,
+    "verdict!": str,
+    "reason": str,
+    "tasks": NUMBER,
+    "compare!": {"*": {}},
+    "noise": {},
+    "sides!": {"before!": {"runs!": [{}]}, "after!": {"runs!": [{}]}},
+    "versions": {},
+}
 COMPARISON_KIND = "compare"
 
 
@@ -1347,42 +1863,90 @@ def render_comparison(results: dict[str, Any]) -> str:
     before, after = sides["before"], sides["after"]
     scores = " ".join(str(x) for x in (before.get("benchmark"), before.get("metric")) if x)
     scores += f" ({before['filter']})" if before.get("filter") else ""
-    lines = [f"# sao compare: {_text(after.get('name'))} against {_text(before.get('name'))}", "",
-             f"**Question.** {_text(results.get('question') or DASH)}", "",
-             f"{_plural(results.get('tasks'), 'task')} scored by every run; units: {_text(results.get('pairing'))}. "
-             "Every number below is read from results.json.", ""]  # fmt: skip
+    lines = [
+        f"# sao compare: {_text(after.get('name'))} against {_text(before.get('name'))}",
+        "",
+        f"**Question.** {_text(results.get('question') or DASH)}",
+        "",
+        f"{_plural(results.get('tasks'), 'task')} scored by every run; units: {_text(results.get('pairing'))}. "
+        "Every number below is read from results.json.",
+        "",
+    ]
     if results.get("command"):
         lines += ["Regenerate with:", "", "```", str(results["command"]), "```", ""]
     found = [({"name": scores or DASH}, _name(k, c), c) for k, c in results["compare"].items()]
     main = next(iter(results["compare"].values()), None)
-    head = (_verdict_words(main, bold=True) if isinstance(main, dict) and main.get("verdict") == results["verdict"]
-            and main.get("magnitude") else f"**{_text(results['verdict'])}**")  # fmt: skip
+    head = (
+        _verdict_words(main, bold=True)
+        if isinstance(main, dict) and main.get("verdict") == results["verdict"] and main.get("magnitude")
+        else f"**{_text(results['verdict'])}**"
+    )
     lines += [f"## Verdict: {head}", "", _text(results.get("reason") or DASH), ""]
     lines += _comparison_table(found, "comparison", "before", first="scores")
-    rows = [[side, _cell(run.get("label")), _cell(run.get("seed") if run.get("seed") is not None else DASH),
-             fmt_count(run.get("tasks")), fmt_share(run.get("mean"))]
-            for side, block in (("before", before), ("after", after)) for run in block["runs"]]  # fmt: skip
-    rows += [[f"**{side} mean**", "", "", "", f"**{fmt_share(block.get('mean'))}** "
-              f"[{', '.join(map(fmt_share, _pair(block.get('mean_ci'))))}]"]
-             for side, block in (("before", before), ("after", after))]  # fmt: skip
-    lines += ["## Runs", "", "Each run's mean score over the tasks; each side's mean over its runs with the 95% t "
-              "interval over runs.", ""]  # fmt: skip
+    rows = [
+        [
+            side,
+            _cell(run.get("label")),
+            _cell(run.get("seed") if run.get("seed") is not None else DASH),
+            fmt_count(run.get("tasks")),
+            fmt_share(run.get("mean")),
+        ]
+        for side, block in (("before", before), ("after", after))
+        for run in block["runs"]
+    ]
+    rows += [
+        [
+            f"**{side} mean**",
+            "",
+            "",
+            "",
+            f"**{fmt_share(block.get('mean'))}** [{', '.join(map(fmt_share, _pair(block.get('mean_ci'))))}]",
+        ]
+        for side, block in (("before", before), ("after", after))
+    ]
+    lines += [
+        "## Runs",
+        "",
+        "Each run's mean score over the tasks; each side's mean over its runs with the 95% t interval over runs.",
+        "",
+    ]
     lines += _table(["side", "run", "seed", "tasks", "mean score"], rows, text=3)
     lines += ["## Noise floor", ""]
     source = noise.get("source") or {}
     if _num(noise.get("noise_floor")) is not None:
-        lines += [f"{_plural(noise.get('runs'), 'repeated eval')} of one model ({_text(source.get('name'))}): "
-                  f"run_std {fmt(noise.get('run_std'))} gives the noise floor ±{fmt_share(noise.get('noise_floor'))}: "
-                  "a delta within it is indistinguishable from re-evaluating the same model.", ""]  # fmt: skip
+        lines += [
+            f"{_plural(noise.get('runs'), 'repeated eval')} of one model ({_text(source.get('name'))}): "
+            f"run_std {fmt(noise.get('run_std'))} gives the noise floor ±{fmt_share(noise.get('noise_floor'))}: "
+            "a delta within it is indistinguishable from re-evaluating the same model.",
+            "",
+        ]
     else:
-        lines += ["No repeated evals were given (`--noise`), so no noise floor: δ is the smallest effect given, if "
-                  "any, and without one nothing is called flat.", ""]  # fmt: skip
-    inputs = [[role, _cell(block.get("path")), _cell(block.get("format")), _cell(block.get("benchmark") or DASH),
-               _cell(block.get("metric")), _cell(block.get("filter") or DASH), fmt_count(len(block.get("runs") or [])),
-               _cell(", ".join(str(r.get("sha256", ""))[:12] for r in block.get("runs") or []))]
-              for role, block in (("before", before), ("after", after), ("noise", source)) if block]  # fmt: skip
-    lines += ["## Inputs", "", *_table(["side", "path", "format", "lm-eval task", "metric", "filter", "runs",
-                                        "sha256 (first 12)"], inputs, text=6)]  # fmt: skip
+        lines += [
+            "No repeated evals were given (`--noise`), so no noise floor: δ is the smallest effect given, if "
+            "any, and without one nothing is called flat.",
+            "",
+        ]
+    inputs = [
+        [
+            role,
+            _cell(block.get("path")),
+            _cell(block.get("format")),
+            _cell(block.get("benchmark") or DASH),
+            _cell(block.get("metric")),
+            _cell(block.get("filter") or DASH),
+            fmt_count(len(block.get("runs") or [])),
+            _cell(", ".join(str(r.get("sha256", ""))[:12] for r in block.get("runs") or [])),
+        ]
+        for role, block in (("before", before), ("after", after), ("noise", source))
+        if block
+    ]
+    lines += [
+        "## Inputs",
+        "",
+        *_table(
+            ["side", "path", "format", "lm-eval task", "metric", "filter", "runs", "sha256 (first 12)"], inputs, text=6
+        ),
+    ]
     versions = [[_cell(k), _cell(v)] for k, v in (results.get("versions") or {}).items()]
     lines += ["## Versions", "", *_table(["package", "version"], versions or [[DASH, DASH]], text=2)]
     return "\n".join(lines).rstrip() + "\n"

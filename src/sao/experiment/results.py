@@ -97,9 +97,11 @@ def outside_band(policy: list[dict[str, Any]]) -> dict[str, Any]:
         rows = [r[key] for r in logged if isinstance(r.get(key), list)]
         return [sum(col) for col in zip(*rows, strict=True)] if rows else []
 
-    return {"outside_band_tokens": [[text, *counts] for text, counts in top],
-            "outside_band_by_position": summed("outside_band_by_position"),
-            "tokens_by_position": summed("tokens_by_position")}  # fmt: skip
+    return {
+        "outside_band_tokens": [[text, *counts] for text, counts in top],
+        "outside_band_by_position": summed("outside_band_by_position"),
+        "tokens_by_position": summed("tokens_by_position"),
+    }
 
 
 def checks(records: list[dict[str, Any]], grad_clip: float) -> dict[str, Any]:
@@ -145,8 +147,18 @@ def checks(records: list[dict[str, Any]], grad_clip: float) -> dict[str, Any]:
     }
 
 
-CEILING_KEYS = ("prompt_level", "token_level", "in_sample", "mean", "var_prompt", "critic_ev", "critic_share",
-                "prompts", "samples", "seconds")  # fmt: skip
+CEILING_KEYS = (
+    "prompt_level",
+    "token_level",
+    "in_sample",
+    "mean",
+    "var_prompt",
+    "critic_ev",
+    "critic_share",
+    "prompts",
+    "samples",
+    "seconds",
+)
 
 
 def oracle_checks(records: list[dict[str, Any]], policy: list[dict[str, Any]]) -> dict[str, Any]:
@@ -156,15 +168,19 @@ def oracle_checks(records: list[dict[str, Any]], policy: list[dict[str, Any]]) -
     out: dict[str, Any] = {}
     snapshots = [r for r in records if "ceiling_snapshot" in r]
     if snapshots:
-        out["ceiling"] = [{"snapshot": r["ceiling_snapshot"], "step": r["step"],
-                           **{k: r.get(f"ceiling_{k}") for k in CEILING_KEYS}} for r in snapshots]  # fmt: skip
+        out["ceiling"] = [
+            {"snapshot": r["ceiling_snapshot"], "step": r["step"], **{k: r.get(f"ceiling_{k}") for k in CEILING_KEYS}}
+            for r in snapshots
+        ]
     drawn = [r for r in policy if "oracle_shrinkage" in r]
     if drawn:
-        out["oracle_baseline"] = {"samples": drawn[-1]["oracle_samples"],
-                                  "shrinkage_mean": _mean(drawn, "oracle_shrinkage"),
-                                  "batch_ceiling_mean": _mean(drawn, "oracle_batch_ceiling"),
-                                  "rate_mean": _mean(drawn, "oracle_rate_mean"),
-                                  "ev_last10": _mean(drawn[-10:], "explained_variance")}  # fmt: skip
+        out["oracle_baseline"] = {
+            "samples": drawn[-1]["oracle_samples"],
+            "shrinkage_mean": _mean(drawn, "oracle_shrinkage"),
+            "batch_ceiling_mean": _mean(drawn, "oracle_batch_ceiling"),
+            "rate_mean": _mean(drawn, "oracle_rate_mean"),
+            "ev_last10": _mean(drawn[-10:], "explained_variance"),
+        }
     return out
 
 
@@ -256,8 +272,13 @@ def compare_cell(arms: dict[str, dict[str, Any]], base_per_task: list[float] | N
     for arm in arms:
         if arm == BASELINE:
             continue
-        c = stats.compare(scores(BASELINE), scores(arm), run_std=run_std, run_std_runs=runs,
-                          proxy=(reward_last10(BASELINE), reward_last10(arm)))  # fmt: skip
+        c = stats.compare(
+            scores(BASELINE),
+            scores(arm),
+            run_std=run_std,
+            run_std_runs=runs,
+            proxy=(reward_last10(BASELINE), reward_last10(arm)),
+        )
         comparisons[f"{arm}_vs_{BASELINE}"] = {"before": BASELINE, "after": arm, **c.to_dict()}
     vs_base = {}
     if base_per_task is not None:
@@ -268,9 +289,15 @@ def compare_cell(arms: dict[str, dict[str, Any]], base_per_task: list[float] | N
 
 
 def compare_arms(
-    arms: dict[str, dict[str, Any]], after: str, before: str, floor: dict, *, smallest_effect: float | None = None,
-    alpha: float = stats.ALPHA, verdict_rule: str = "direction",
-) -> dict[str, Any]:  # fmt: skip
+    arms: dict[str, dict[str, Any]],
+    after: str,
+    before: str,
+    floor: dict,
+    *,
+    smallest_effect: float | None = None,
+    alpha: float = stats.ALPHA,
+    verdict_rule: str = "direction",
+) -> dict[str, Any]:
     """``after`` against ``before`` in one cell (seeds paired by index), as ``compare_cell`` writes each entry:
     for comparisons other than rule-vs-none, such as a planned ``dis_vs_random``, and for a plan's family (its
     smallest effect of interest, alpha and verdict rule; without them the noise floor stands in for δ, at alpha 0.05,
@@ -282,9 +309,16 @@ def compare_arms(
         [[e["per_task"] for e in arms[arm]["evals"]] for arm in (before, after)],
         [[run["checks"]["reward_last10"] for run in arms[arm]["runs"].values()] for arm in (before, after)],
     )
-    c = stats.compare(scores[0], scores[1], run_std=floor.get("run_std"), run_std_runs=floor.get("runs"),
-                      proxy=(last10[0], last10[1]), smallest_effect=smallest_effect, alpha=alpha,
-                      verdict_rule=verdict_rule)  # fmt: skip
+    c = stats.compare(
+        scores[0],
+        scores[1],
+        run_std=floor.get("run_std"),
+        run_std_runs=floor.get("runs"),
+        proxy=(last10[0], last10[1]),
+        smallest_effect=smallest_effect,
+        alpha=alpha,
+        verdict_rule=verdict_rule,
+    )
     return {"before": before, "after": after, **c.to_dict()}
 
 

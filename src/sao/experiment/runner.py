@@ -62,9 +62,11 @@ def arm_settings(arm: str) -> dict[str, str]:
     ``RULE+BASELINE`` → correction RULE and baseline BASELINE. Any other name is a one-line ConfigError."""
     rule, join, baseline = arm.partition(ARM_JOIN) if isinstance(arm, str) else ("", "", "")
     if rule not in CORRECTIONS or (join and baseline not in BASELINES):
-        raise ConfigError(f"unknown arm {arm!r}: an arm is a correction rule ({', '.join(CORRECTIONS.names())}) or "
-                          f"RULE{ARM_JOIN}BASELINE with a baseline of {', '.join(BASELINES.names())} "
-                          f"(e.g. dis{ARM_JOIN}batch-mean)")  # fmt: skip
+        raise ConfigError(
+            f"unknown arm {arm!r}: an arm is a correction rule ({', '.join(CORRECTIONS.names())}) or "
+            f"RULE{ARM_JOIN}BASELINE with a baseline of {', '.join(BASELINES.names())} "
+            f"(e.g. dis{ARM_JOIN}batch-mean)"
+        )
     return {"correction": rule, **({"baseline": baseline} if join else {})}
 
 
@@ -91,8 +93,10 @@ def _defined(define: Any) -> dict[str, dict[str, Any]]:
             raise ConfigError(f"define: {name!r} is already an arm's name (a rule, or RULE{ARM_JOIN}BASELINE)")
         if not isinstance(settings, dict) or settings.get("correction") not in CORRECTIONS:
             rules = ", ".join(CORRECTIONS.names())
-            raise ConfigError(f"define: arm {name!r} needs its settings with a correction rule ({rules}), e.g. "
-                              "{correction: dis, gae_lambda: 1}")  # fmt: skip
+            raise ConfigError(
+                f"define: arm {name!r} needs its settings with a correction rule ({rules}), e.g. "
+                "{correction: dis, gae_lambda: 1}"
+            )
         clash = sorted(set(settings) & set(DEFINE_SET))
         if clash:
             raise ConfigError(f"define: arm {name!r} sets {clash}, which the grid's cells and the seeds set")
@@ -193,8 +197,15 @@ class Parts:
 
     def for_model(self, config: Config, model: Any, tokenizer: Any) -> setup.TaskParts:
         """The run's parts for ``model``'s tokenizer (``setup.parts``): its scorer, environment and sampling."""
-        return setup.parts(config, tokenizer, self.tasks, reward_fn=self.reward_fn, env_factory=self.env_factory,
-                           eos_token_ids=eos_ids(tokenizer, model), context_length=context_length(model))  # fmt: skip
+        return setup.parts(
+            config,
+            tokenizer,
+            self.tasks,
+            reward_fn=self.reward_fn,
+            env_factory=self.env_factory,
+            eos_token_ids=eos_ids(tokenizer, model),
+            context_length=context_length(model),
+        )
 
 
 class EvalEvery(Hook):
@@ -218,9 +229,15 @@ class EvalEvery(Hook):
             m = trainer.models
             parts = self.experiment.parts.for_model(self.config, m.policy, m.tokenizer)
             with timeline.phase("eval"):  # in the step's time_eval
-                result = pass_at_1(m.policy, m.tokenizer, parts.tasks.test, f"{self.label} step {k}",
-                                   seed=derived_seed(self.seed, "eval"), parts=parts,
-                                   progress=self.experiment.progress)  # fmt: skip
+                result = pass_at_1(
+                    m.policy,
+                    m.tokenizer,
+                    parts.tasks.test,
+                    f"{self.label} step {k}",
+                    seed=derived_seed(self.seed, "eval"),
+                    parts=parts,
+                    progress=self.experiment.progress,
+                )
             write_json(path, result.to_dict())
 
 
@@ -237,9 +254,15 @@ class FinalEval(Hook):
     def on_run_end(self, trainer: Trainer) -> None:
         m = trainer.models
         parts = self.experiment.parts.for_model(self.config, m.policy, m.tokenizer)
-        self.result = pass_at_1(m.policy, m.tokenizer, parts.tasks.test, self.label,
-                                seed=derived_seed(self.seed, "eval"), parts=parts,
-                                progress=self.experiment.progress)  # fmt: skip
+        self.result = pass_at_1(
+            m.policy,
+            m.tokenizer,
+            parts.tasks.test,
+            self.label,
+            seed=derived_seed(self.seed, "eval"),
+            parts=parts,
+            progress=self.experiment.progress,
+        )
         trainer.eval_done("held-out", self.result.to_dict())
 
 
@@ -269,11 +292,14 @@ class Experiment:
         if randoms and config.algorithm.random_mask_share is None:
             arms = list(grid.arms)
             if "dis" not in arms or arms.index("dis") > randoms[0]:
-                raise ConfigError("the random arm masks the share the dis arm masked: list dis before random in "
-                                  "--arms, or give --random-mask-share")  # fmt: skip
+                raise ConfigError(
+                    "the random arm masks the share the dis arm masked: list dis before random in "
+                    "--arms, or give --random-mask-share"
+                )
         first = grid.cells()[0]
-        self.config = config.replace(lag=first["lag"], lr=first["lr"], ratio=first["band"],
-                                     correction=grid.rule_of(grid.arms[0]))  # fmt: skip
+        self.config = config.replace(
+            lag=first["lag"], lr=first["lr"], ratio=first["band"], correction=grid.rule_of(grid.arms[0])
+        )
         self.grid, self.command, self.progress = grid, command, progress
         self.out = Path(out_dir)
         self.settings = {"config": self.config.to_dict(), "grid": grid.to_dict()}
@@ -348,8 +374,10 @@ class Experiment:
             saved = read_saved_json(marker, fix, expect=dict)
             if not checkpoint.same_settings(saved, self.settings):
                 differ = checkpoint.settings_differ(saved, self.settings)
-                raise ConfigError(f"--resume: the experiment in {self.out} was started with other settings "
-                                  f"({differ}); give the same settings, or use a new --out")  # fmt: skip
+                raise ConfigError(
+                    f"--resume: the experiment in {self.out} was started with other settings "
+                    f"({differ}); give the same settings, or use a new --out"
+                )
         elif resume:
             what = "does not exist"
             if self.out.exists():
@@ -367,8 +395,13 @@ class Experiment:
         """One run's settings: the arm's rule (and baseline, for RULE+BASELINE). The random arm without a share of
         its own masks ``share``: the plain dis arm's at each staleness level, measured in the same cell and seed (0
         while settings are only being checked)."""
-        changes: dict[str, Any] = {"lag": cell["lag"], "lr": cell["lr"], "ratio": cell["band"],
-                                   **self.grid.settings_of(arm), "seed": seed}  # fmt: skip
+        changes: dict[str, Any] = {
+            "lag": cell["lag"],
+            "lr": cell["lr"],
+            "ratio": cell["band"],
+            **self.grid.settings_of(arm),
+            "seed": seed,
+        }
         if changes["correction"] == "random" and self.config.algorithm.random_mask_share is None:
             changes["random_mask_share"] = share or 0.0
         return self.config.replace(**changes)
@@ -377,8 +410,11 @@ class Experiment:
         """What an arm trained with, for results.json: its correction rule and baseline (and a defined arm's
         settings)."""
         a = self._run_config(cell, arm, self.seeds[0]).algorithm
-        return {"correction": a.correction, "baseline": a.baseline,
-                **({"settings": self.grid.define[arm]} if arm in self.grid.define else {})}  # fmt: skip
+        return {
+            "correction": a.correction,
+            "baseline": a.baseline,
+            **({"settings": self.grid.define[arm]} if arm in self.grid.define else {}),
+        }
 
     def _dis_shares(self, cell: dict[str, Any], seed: int) -> tuple[float, ...]:
         """The dis run's masked share at each staleness level 0, 1, ..., its highest, in this cell and seed (trained
@@ -391,8 +427,13 @@ class Experiment:
     def provenance(self) -> dict[str, Any]:
         """This invocation's provenance (model, tokenizer and data hashes, machine, code), taken once."""
         if self._provenance is None:
-            self._provenance = prov.collect(model_path(self.config.model.name), self.split.train, self.split.test,
-                                            self.split.source, name=self.config.model.name)  # fmt: skip
+            self._provenance = prov.collect(
+                model_path(self.config.model.name),
+                self.split.train,
+                self.split.test,
+                self.split.source,
+                name=self.config.model.name,
+            )
         return self._provenance
 
     def _record_provenance(self, path: Path) -> None:
@@ -448,9 +489,18 @@ class Experiment:
             hooks = [EvalEvery(self, config, cell, label, seed)] if config.eval.eval_every else []
             p = self.parts
             name = f"{cell['name']} {label}" if len(self.grid.cells()) > 1 else label
-            trainer = build.trainer(config, run_dir, tasks=p.tasks, dataset=p.dataset, reward_fn=p.reward_fn,
-                                    env_factory=p.env_factory, hooks=[*hooks, final], resume=resume,
-                                    progress=self.progress, label=name)  # fmt: skip
+            trainer = build.trainer(
+                config,
+                run_dir,
+                tasks=p.tasks,
+                dataset=p.dataset,
+                reward_fn=p.reward_fn,
+                env_factory=p.env_factory,
+                hooks=[*hooks, final],
+                resume=resume,
+                progress=self.progress,
+                label=name,
+            )
             self._record_provenance(run_dir / PROVENANCE)
             trainer.run()
             assert final.result is not None
@@ -470,17 +520,24 @@ class Experiment:
         ``eval_every``, also once per training seed with that seed's eval seed: step 0 of every arm's curve (an
         adapter at its initialisation adds exactly 0, so the untrained policy is the base)."""
         paths = self._base_paths()
-        todo = [(path, derived_seed(self.config.training.seed, "base-eval", i), f"base-{i}")
-                for i, path in enumerate(paths) if not path.exists()]  # fmt: skip
+        todo = [
+            (path, derived_seed(self.config.training.seed, "base-eval", i), f"base-{i}")
+            for i, path in enumerate(paths)
+            if not path.exists()
+        ]
         if self.config.eval.eval_every:
-            todo += [(self._start_path(s), derived_seed(s, "eval"), f"start-s{s}") for s in self.seeds
-                     if not self._start_path(s).exists()]  # fmt: skip
+            todo += [
+                (self._start_path(s), derived_seed(s, "eval"), f"start-s{s}")
+                for s in self.seeds
+                if not self._start_path(s).exists()
+            ]
         if todo:
             base, tokenizer = load_base(model_path(self.config.model.name), pick_device(self.config.model.device))
             for path, seed, label in todo:
                 parts = self.parts.for_model(self.config, base, tokenizer)
-                result = pass_at_1(base, tokenizer, self.split.test, label, seed=seed, parts=parts,
-                                   progress=self.progress)  # fmt: skip
+                result = pass_at_1(
+                    base, tokenizer, self.split.test, label, seed=seed, parts=parts, progress=self.progress
+                )
                 write_json(path, result.to_dict())
             self._record_provenance(self.out / BASE_PROVENANCE)
             del base
@@ -529,9 +586,13 @@ class Experiment:
         out_cells, warnings, train_s, eval_s = [], [], {}, {e.label: e.seconds for e in base}
         for cell in cells:
             clip = self.config.training.grad_clip
-            arms = {arm: {**results.summarize_arm(runs, arm, clip, self._eval_curve(cell, arm, runs)),
-                          **self._arm_record(cell, arm)}
-                    for arm, runs in trained[cell["name"]].items()}  # fmt: skip
+            arms = {
+                arm: {
+                    **results.summarize_arm(runs, arm, clip, self._eval_curve(cell, arm, runs)),
+                    **self._arm_record(cell, arm),
+                }
+                for arm, runs in trained[cell["name"]].items()
+            }
             compare, vs_base = results.compare_cell(arms, base_scores, floor)
             out_cells.append({**cell, "band": list(cell["band"]), "arms": arms, "compare": compare, "vs_base": vs_base})
             for arm, runs in trained[cell["name"]].items():
@@ -543,8 +604,13 @@ class Experiment:
                     state = self._finished_state(run_dir, redo)
                     warnings += (state or {}).get("warnings", [])
         # each record under the arm's name as the grid gives it (a run's own log says only its rule)
-        records = [{"cell": name, **r, "arm": arm} for name, arms in trained.items() for arm, runs in arms.items()
-                   for _, _, log in runs for r in log]  # fmt: skip
+        records = [
+            {"cell": name, **r, "arm": arm}
+            for name, arms in trained.items()
+            for arm, runs in arms.items()
+            for _, _, log in runs
+            for r in log
+        ]
         write_json(self.out / EXPERIMENT_LOG, records)
         cell_name_, comparison = results.primary(out_cells)
         main = out_cells[0]["compare"][comparison]

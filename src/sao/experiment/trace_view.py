@@ -19,11 +19,29 @@ from typing import Any
 from sao.core import timeline
 from sao.core.io import atomic_write
 
-COLOURS = {"wait": "#c7c7c7", "draw": "#1f77b4", "env": "#ff7f0e", "score": "#2ca02c", "pass": "#d62728",
-           "checks": "#9467bd", "update": "#8c564b", "publish": "#e377c2", "eval": "#bcbd22", "critic": "#17becf",
-           "stats": "#7f7f7f", "trajectory": "#6baed6", "draw call": "#3182bd", "request": "#9ecae1",
-           "env.step": "#fd8d3c", "env.init": "#fdd0a2", "env.build": "#fdae6b", "env.close": "#fee6ce",
-           "adapter publish": "#e7298a", "adapter load": "#c994c7", "checkpoint": "#636363"}  # fmt: skip
+COLOURS = {
+    "wait": "#c7c7c7",
+    "draw": "#1f77b4",
+    "env": "#ff7f0e",
+    "score": "#2ca02c",
+    "pass": "#d62728",
+    "checks": "#9467bd",
+    "update": "#8c564b",
+    "publish": "#e377c2",
+    "eval": "#bcbd22",
+    "critic": "#17becf",
+    "stats": "#7f7f7f",
+    "trajectory": "#6baed6",
+    "draw call": "#3182bd",
+    "request": "#9ecae1",
+    "env.step": "#fd8d3c",
+    "env.init": "#fdd0a2",
+    "env.build": "#fdae6b",
+    "env.close": "#fee6ce",
+    "adapter publish": "#e7298a",
+    "adapter load": "#c994c7",
+    "checkpoint": "#636363",
+}
 
 
 def _lanes(spans: list[dict[str, Any]]) -> list[int]:
@@ -55,8 +73,9 @@ def draw(trace: dict[str, Any], path: str | Path, steps: tuple[int, int] | None 
     else:
         start = min(e["ts"] for e in timed)
         end = max(e["ts"] + e.get("dur", 0) for e in timed)
-    tracks = sorted({(e["pid"], e["tid"]) for e in timed},
-                    key=lambda t: (list(processes).index(t[0]), order.get(t, t[1]), t[1]))  # fmt: skip
+    tracks = sorted(
+        {(e["pid"], e["tid"]) for e in timed}, key=lambda t: (list(processes).index(t[0]), order.get(t, t[1]), t[1])
+    )
     rows: list[tuple[tuple[int, int], int]] = []  # (track, lane)
     lane_of: dict[int, int] = {}
     for track in tracks:

@@ -212,14 +212,25 @@ def describe_weights(folder: Path, *, base_model: str, value_head: ValueHead | N
     ``sao_weights.json`` (what the folder holds, its base model, and ``info``: a published one's policy version)."""
     if value_head is not None:
         _write_value_head(value_head, folder, base_model)
-    write_json(folder / WEIGHTS_INFO, {"format": "sao full weights: a Hugging Face causal LM folder, every weight "
-                                       "trained", "base_model": base_model, **info})  # fmt: skip
+    write_json(
+        folder / WEIGHTS_INFO,
+        {
+            "format": "sao full weights: a Hugging Face causal LM folder, every weight trained",
+            "base_model": base_model,
+            **info,
+        },
+    )
 
 
 def save_value_model(
-    critic: ValueModel, tokenizer: Any, path: str | os.PathLike[str], *, base_model: str, finetune: str,
+    critic: ValueModel,
+    tokenizer: Any,
+    path: str | os.PathLike[str],
+    *,
+    base_model: str,
+    finetune: str,
     write: bool = True,
-) -> Path:  # fmt: skip
+) -> Path:
     """A value model of its own (``critic="model"``) at ``path``: its trunk as a PEFT adapter folder ("lora", on the
     trunk of ``base_model``) or every trunk weight in safetensors with its config ("full", ``save_pretrained``), and its
     head (value_head.safetensors), with sao_weights.json saying which. Sharded: every process calls it (the tensors are
@@ -240,9 +251,14 @@ def save_value_model(
         whole_head = ValueHead(int(head["linear.weight"].shape[-1]))
         whole_head.load_state_dict({k: v.to("cpu") for k, v in head.items()})
         _write_value_head(whole_head, staging, base_model, on="the value model's own trunk's")
-        write_json(staging / WEIGHTS_INFO, {"format": f"sao value model: its trunk ({finetune}) and a linear value "
-                                            "head on its last hidden state", "base_model": base_model,
-                                            "finetune": finetune})  # fmt: skip
+        write_json(
+            staging / WEIGHTS_INFO,
+            {
+                "format": f"sao value model: its trunk ({finetune}) and a linear value head on its last hidden state",
+                "base_model": base_model,
+                "finetune": finetune,
+            },
+        )
     return path
 
 
@@ -320,8 +336,9 @@ def find_model_dir(run: str | os.PathLike[str]) -> Path | None:
     """The full-weight model folder of ``run`` (``run/model`` of a ``--finetune full`` run, or ``run`` itself), or
     None when it holds none."""
     run = Path(run)
-    return next((c for c in (run / "model", run) if (c / WEIGHTS_INFO).is_file() and (c / "config.json").is_file()),
-                None)  # fmt: skip
+    return next(
+        (c for c in (run / "model", run) if (c / WEIGHTS_INFO).is_file() and (c / "config.json").is_file()), None
+    )
 
 
 def export_model(model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
@@ -387,10 +404,7 @@ def _merge_error(peft_model: nn.Module) -> tuple[float, int]:
 
 
 def merge(
-    adapter_dir: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    *,
-    base_model_path: str | None = None,
+    adapter_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, base_model_path: str | None = None
 ) -> Path:
     """Fold the adapter in ``adapter_dir`` into its base model and save a plain HF model folder in ``out_dir``.
 
@@ -539,8 +553,9 @@ def save_full_weights(
             weight_map.update(dict.fromkeys(shard, file))
         # the index even for one shard: a loader (vLLM's) then reads the files it names and not sao's value head
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        write_json(staging / "model.safetensors.index.json",
-                   {"metadata": {"total_size": total}, "weight_map": weight_map})  # fmt: skip
+        write_json(
+            staging / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map}
+        )
         if also is not None:
             also(staging)
     return path

@@ -87,9 +87,11 @@ def load_base(model: str | os.PathLike[str], device: torch.device, dtype: torch.
     tokenizer.padding_side = "left"
     ends = eos_ids(tokenizer, lm)
     if not ends:  # no reply could end before the token limit: every one cut, every reward the cut-off one
-        raise ConfigError(f"model {name!r}: its tokenizer has no EOS token and its generation config names none, so "
-                          "no reply could end before the token limit; set eos_token in its tokenizer_config.json "
-                          "(or eos_token_id in generation_config.json)")  # fmt: skip
+        raise ConfigError(
+            f"model {name!r}: its tokenizer has no EOS token and its generation config names none, so "
+            "no reply could end before the token limit; set eos_token in its tokenizer_config.json "
+            "(or eos_token_id in generation_config.json)"
+        )
     if tokenizer.pad_token_id is None:  # padding is masked out: any token that ends a reply will do
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(ends[0])
     lm.to(device)
@@ -122,8 +124,9 @@ def check_hub_reachable(hub_id: str) -> None:
     ``HUB_PROBE_SECONDS``; otherwise a one-line ConfigError now, instead of the hub client's retries (tens of
     seconds) when ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` is set or the hub cannot be reached
     (``sao.core.hub``)."""
-    hub.check_reachable(hub_id, kind="model",
-                        fix="pass a local directory with --model, or --preset tiny for the CPU stand-in")  # fmt: skip
+    hub.check_reachable(
+        hub_id, kind="model", fix="pass a local directory with --model, or --preset tiny for the CPU stand-in"
+    )
 
 
 def add_lora(model: nn.Module, rank: int = 16, alpha: int = 32, seed: int = 17, dropout: float = 0.0):
@@ -226,8 +229,13 @@ class ValueModel(nn.Module):
         super().__init__()
         self.trunk, self.head = trunk, ValueHead(hidden_size)
 
-    def forward(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                response_mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+    ) -> torch.Tensor:
         """[B, P] left-padded prompts and [B, R] right-padded responses → [B, R] float32 values."""
         P, R = prompt_ids.shape[1], response_ids.shape[1]
         ids = torch.cat([prompt_ids, response_ids], dim=1)  # [B, P+R]
@@ -237,24 +245,40 @@ class ValueModel(nn.Module):
         return self.head(out.last_hidden_state[:, P - 1 : P + R - 1])  # [B, R]
 
 
-def load_value_model(name: str, device: torch.device, tokenizer: Any, *, finetune: str, lora_rank: int,
-                     lora_alpha: int, seed: int, dtype: torch.dtype | None = None) -> ValueModel:  # fmt: skip
+def load_value_model(
+    name: str,
+    device: torch.device,
+    tokenizer: Any,
+    *,
+    finetune: str,
+    lora_rank: int,
+    lora_alpha: int,
+    seed: int,
+    dtype: torch.dtype | None = None,
+) -> ValueModel:
     """The value model of ``critic="model"``: the trunk of the causal LM ``name`` (its head is dropped), with a LoRA
     adapter built after ``torch.manual_seed(seed)`` ("lora") or every weight trainable ("full"), and a zero head.
     Its tokenizer must be ``tokenizer`` (it reads the policy's token ids): another vocabulary is a ConfigError."""
     lm, own = load_base(name, device, dtype)
     if own.get_vocab() != tokenizer.get_vocab():
         theirs, ours = len(own.get_vocab()), len(tokenizer.get_vocab())
-        raise ConfigError(f"--critic-model {name}: its tokenizer is not the policy's ({theirs} tokens against "
-                          f"{ours}, or the same count with other ids); the value model reads the policy's tokens, so "
-                          "it needs the same vocabulary")  # fmt: skip
+        raise ConfigError(
+            f"--critic-model {name}: its tokenizer is not the policy's ({theirs} tokens against "
+            f"{ours}, or the same count with other ids); the value model reads the policy's tokens, so "
+            "it needs the same vocabulary"
+        )
     trunk = causal_lm(lm).get_decoder()
     if finetune == "lora":
         from peft import LoraConfig, get_peft_model
 
         names = {n.rsplit(".", 1)[-1] for n, m in trunk.named_modules() if isinstance(m, nn.Linear)}
-        config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0, bias="none",
-                            target_modules=[t for t in LORA_TARGETS if t in names])  # fmt: skip
+        config = LoraConfig(
+            r=lora_rank,
+            lora_alpha=lora_alpha,
+            lora_dropout=0.0,
+            bias="none",
+            target_modules=[t for t in LORA_TARGETS if t in names],
+        )
         torch.manual_seed(seed)
         trunk = get_peft_model(trunk, config)
     else:
@@ -334,8 +358,17 @@ class Models:
                 set_activation_checkpointing(value_model.trunk, True)
         else:
             value_head = ValueHead(base.config.hidden_size).to(torch_device)
-        return cls(policy, tokenizer, value_head, torch_device, eos_ids(tokenizer, base), path, finetune=finetune,
-                   critic=value_model, critic_name=critic_path)  # fmt: skip
+        return cls(
+            policy,
+            tokenizer,
+            value_head,
+            torch_device,
+            eos_ids(tokenizer, base),
+            path,
+            finetune=finetune,
+            critic=value_model,
+            critic_name=critic_path,
+        )
 
     # -- what trains ---------------------------------------------------------------------------------------------
 
@@ -385,8 +418,13 @@ class Models:
         root = self.roots.get("policy")
         return fn(*args, **kwargs) if root is None else root(fn, *args, **kwargs)
 
-    def values(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-               response_mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def values(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+    ) -> torch.Tensor:
         """The value model's [b, R] values (``critic="model"``), through its FSDP root when sharded."""
         assert self.critic is not None
         root = self.roots.get("critic")

@@ -510,8 +510,14 @@ class _Graph:
             torch.cuda.set_stream(caller)  # torch.cuda.graph leaves its stream current if the capture's end fails
         self.graph = graph
 
-    def run(self, prompt_ids, prompt_mask, max_new_tokens: int, generator: torch.Generator,
-            share: tuple[slice, int] | None = None) -> Rollout:  # fmt: skip
+    def run(
+        self,
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens: int,
+        generator: torch.Generator,
+        share: tuple[slice, int] | None = None,
+    ) -> Rollout:
         B = prompt_ids.shape[0]
         self._prefill(prompt_ids, prompt_mask)
         steps = 0

@@ -104,13 +104,17 @@ def check_env(env: Any, where: str = "environment") -> bool:
     methods = {m: getattr(env, m, None) for m in ("init", "step", "close")}
     generators = [m for m, f in methods.items() if inspect.isasyncgenfunction(f)]
     if generators:
-        raise ConfigError(f"{name}: {', '.join(generators)} is an async generator (it yields); make it async def that "
-                          "returns, or a plain def")  # fmt: skip
+        raise ConfigError(
+            f"{name}: {', '.join(generators)} is an async generator (it yields); make it async def that "
+            "returns, or a plain def"
+        )
     is_async = {m: inspect.iscoroutinefunction(f) for m, f in methods.items()}
     if not is_async["step"] and (is_async["init"] or is_async["close"]):
         wrong = " and ".join(m for m in ("init", "close") if is_async[m])
-        raise ConfigError(f"{name}: {wrong} is async def but step is not; make step async def too (sao awaits it on "
-                          "its own event loop) or make every method a plain def")  # fmt: skip
+        raise ConfigError(
+            f"{name}: {wrong} is async def but step is not; make step async def too (sao awaits it on "
+            "its own event loop) or make every method a plain def"
+        )
     return is_async["step"]
 
 
@@ -120,8 +124,12 @@ def check_env(env: Any, where: str = "environment") -> bool:
 
 def checked_init(result, name: str, task: str):
     """``env.init``'s (messages, info), or a one-line error naming the environment and the task."""
-    if not (isinstance(result, tuple | list) and len(result) == 2 and isinstance(result[0], list)
-            and (result[1] is None or isinstance(result[1], dict))):  # fmt: skip
+    if not (
+        isinstance(result, tuple | list)
+        and len(result) == 2
+        and isinstance(result[0], list)
+        and (result[1] is None or isinstance(result[1], dict))
+    ):
         raise PluginError(f"{name} (init) returned {preview(result)} on {task}; init returns (messages, info)")
     return result
 
@@ -130,8 +138,9 @@ def checked_step(result, name: str, task: str) -> dict:
     """``env.step``'s output with its reward checked by the one rule for rewards (absent: 0), or a
     one-line error naming the environment and the task."""
     if not isinstance(result, dict):
-        raise PluginError(f"{name} (step) returned {preview(result)} on {task}; step returns a dict with "
-                          "observations, reward, done")  # fmt: skip
+        raise PluginError(
+            f"{name} (step) returned {preview(result)} on {task}; step returns a dict with observations, reward, done"
+        )
     reward = result.get("reward", 0.0)  # absent: a turn without a reward; None is refused as --reward refuses it
     problem = reward_problem(reward)
     if problem is not None:
@@ -141,8 +150,10 @@ def checked_step(result, name: str, task: str) -> dict:
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
         for m in observations
     ):
-        raise PluginError(f"{name} (step) on {task}: observations must be a list of {{role, content}} messages, "
-                          f"got {preview(observations)}")  # fmt: skip
+        raise PluginError(
+            f"{name} (step) on {task}: observations must be a list of {{role, content}} messages, "
+            f"got {preview(observations)}"
+        )
     if result.get("metadata") is not None and not isinstance(result["metadata"], dict):
         raise PluginError(f"{name} (step) on {task}: metadata must be a dict, got {preview(result['metadata'])}")
     done = result.get("done", False)  # absent: the episode goes on
@@ -168,12 +179,16 @@ def check_factory(factory: Any, where: str = "env_factory") -> None:
     if factory is None:
         return
     if not isinstance(factory, type) and all(callable(getattr(factory, m, None)) for m in ENV_METHODS):
-        raise TypeError(f"{where} is an environment (a {type(factory).__qualname__}), not a factory: each trajectory "
-                        f"needs its own; pass its class, {type(factory).__qualname__}, or a function (task_id, fields) "
-                        "-> a new environment")  # fmt: skip
+        raise TypeError(
+            f"{where} is an environment (a {type(factory).__qualname__}), not a factory: each trajectory "
+            f"needs its own; pass its class, {type(factory).__qualname__}, or a function (task_id, fields) "
+            "-> a new environment"
+        )
     if not callable(factory):
-        raise TypeError(f"{where} is {preview(factory)} ({type(factory).__name__}), not callable; pass an environment "
-                        "class or a function (task_id, fields) -> environment")  # fmt: skip
+        raise TypeError(
+            f"{where} is {preview(factory)} ({type(factory).__name__}), not callable; pass an environment "
+            "class or a function (task_id, fields) -> environment"
+        )
     try:
         signature = inspect.signature(factory)
     except (TypeError, ValueError):  # some builtins have no signature: trust them
@@ -181,16 +196,20 @@ def check_factory(factory: Any, where: str = "env_factory") -> None:
     try:
         signature.bind("task-id", {})
     except TypeError as error:
-        raise TypeError(f"{where} {getattr(factory, '__qualname__', type(factory).__qualname__)} cannot be called as "
-                        f"(task_id, fields): {error}") from None  # fmt: skip
+        raise TypeError(
+            f"{where} {getattr(factory, '__qualname__', type(factory).__qualname__)} cannot be called as "
+            f"(task_id, fields): {error}"
+        ) from None
 
 
 def checked_env(env: Any, name: str, task: str) -> Any:
     """What a factory built for ``task``: an environment (``init``, ``step`` and ``close``), or an ``EnvFault`` naming
     the environment and the task (a factory that returned None, a number, ...)."""
     if isinstance(env, type) or not all(callable(getattr(env, m, None)) for m in ENV_METHODS):
-        raise EnvFault(f"{name} (building it) returned {preview(env)} on {task}; a factory returns an environment "
-                       "with init, step and close")  # fmt: skip
+        raise EnvFault(
+            f"{name} (building it) returned {preview(env)} on {task}; a factory returns an environment "
+            "with init, step and close"
+        )
     return env
 
 
@@ -301,8 +320,10 @@ class EnvCalls:
                 value = fn(*args)
                 if inspect.isawaitable(value):
                     _close_awaitable(value)
-                    raise EnvFault(f"{call.plugin} returned a coroutine without being async def on {call.task}; "
-                                   "declare it async def")  # fmt: skip
+                    raise EnvFault(
+                        f"{call.plugin} returned a coroutine without being async def on {call.task}; "
+                        "declare it async def"
+                    )
             except BaseException as error:  # a tool's failure is the trajectory's, not the run's
                 _tell(call, begun, f"env thread {worker.index}", error=error)
                 if not call.future.done():
@@ -345,8 +366,9 @@ class EnvCalls:
             if done or not block or not self._calls:
                 return done
             with timeline.waiting_on_env():
-                wait([c.future for c in self._calls.values()], timeout=self._next_deadline(),
-                     return_when=FIRST_COMPLETED)  # fmt: skip
+                wait(
+                    [c.future for c in self._calls.values()], timeout=self._next_deadline(), return_when=FIRST_COMPLETED
+                )
 
     def call(self, fn: Callable[..., Any], *args: Any, task: str = "its task", what: str = "step") -> Any:
         """``fn(*args)`` off this thread under the deadline (an async one awaited); its value, or ``EnvFault``. Safe
@@ -354,8 +376,13 @@ class EnvCalls:
         with timeline.waiting_on_env():
             call = self._start(object(), fn, args, task, what)
             while True:
-                timeout = None if self.timeout is None else 0.05 if call.started is None else max(
-                    0.0, call.started + self.timeout - time.monotonic())  # fmt: skip
+                timeout = (
+                    None
+                    if self.timeout is None
+                    else 0.05
+                    if call.started is None
+                    else max(0.0, call.started + self.timeout - time.monotonic())
+                )
                 wait([call.future], timeout=timeout)
                 outcome = self._outcome(call)
                 if outcome is not None:

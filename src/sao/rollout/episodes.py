@@ -165,8 +165,9 @@ def draw_episodes(
         session = _Session(decoder, len(rows), prompt_ids.shape[1] + max_total_tokens)
         try:
             if rejoin == "row":
-                rollout = _run_concurrent(session.open(), rows, tokenizer, prompt_ids, prompt_mask, limits, calls,
-                                          generator)  # fmt: skip
+                rollout = _run_concurrent(
+                    session.open(), rows, tokenizer, prompt_ids, prompt_mask, limits, calls, generator
+                )
             else:
                 rollout = _run(session, rows, tokenizer, prompt_ids, prompt_mask, limits, calls, generator, refresh)
         finally:
@@ -200,8 +201,9 @@ def _tell_faults(rows: list[_Row], name: str) -> None:
     faulted = [r for r in rows if r.faults]
     if faulted:
         more = f" (and {len(faulted) - 1} more)" if len(faulted) > 1 else ""
-        log.warning("%d of %d trajectories ended by a fault of %s: %s%s", len(faulted), len(rows), name,
-                    faulted[0].fault, more)  # fmt: skip
+        log.warning(
+            "%d of %d trajectories ended by a fault of %s: %s%s", len(faulted), len(rows), name, faulted[0].fault, more
+        )
 
 
 @dataclass(frozen=True)
@@ -241,8 +243,17 @@ def _refeed(net: Stepper, prompt_ids, prompt_mask, cols: _Columns) -> tuple[torc
     return out[torch.arange(ids.shape[0], device=ids.device), last], real.sum(dim=1)
 
 
-def _run(session: _Session, rows: list[_Row], tokenizer, prompt_ids, prompt_mask, lim: _Limits, calls: EnvCalls,
-         generator, refresh: Callable[[], int] | None = None) -> Rollout:  # fmt: skip
+def _run(
+    session: _Session,
+    rows: list[_Row],
+    tokenizer,
+    prompt_ids,
+    prompt_mask,
+    lim: _Limits,
+    calls: EnvCalls,
+    generator,
+    refresh: Callable[[], int] | None = None,
+) -> Rollout:
     """The turn loop: every turn waits until no row is acting, then steps every finished row's environment (at
     once, on the pool) and applies the outcomes in row order; one [B, V] draw of the batch generator per decode
     step. Between turns ``refresh`` may change the adapter: then the cache is fed again from the start."""
@@ -278,13 +289,16 @@ def _run(session: _Session, rows: list[_Row], tokenizer, prompt_ids, prompt_mask
         # pool's workers), their outcomes applied in row order once the last is back.
         waiting = [i for i, r in enumerate(rows) if r.state == WAIT]
         for i in waiting:
-            calls.submit(i, rows[i].env.step, tokenizer.decode(rows[i].turn_tokens, skip_special_tokens=True),
-                         task=rows[i].task)  # fmt: skip
+            calls.submit(
+                i, rows[i].env.step, tokenizer.decode(rows[i].turn_tokens, skip_special_tokens=True), task=rows[i].task
+            )
         outcomes: dict[int, Any] = {}
         while len(outcomes) < len(waiting):
             outcomes.update(calls.collect(block=True))
-        observations = [_apply(r, i, outcomes[i], cols, tokenizer, lim, calls.name) if i in outcomes else []
-                        for i, r in enumerate(rows)]  # fmt: skip
+        observations = [
+            _apply(r, i, outcomes[i], cols, tokenizer, lim, calls.name) if i in outcomes else []
+            for i, r in enumerate(rows)
+        ]
         if not any(observations):
             break
         chunk, chunk_mask = _chunk(pending, observations, B, lim.pad, device)  # [B, L]
@@ -309,8 +323,9 @@ def _run(session: _Session, rows: list[_Row], tokenizer, prompt_ids, prompt_mask
     return _compact(prompt_ids, prompt_mask, cols, rows, tokenizer, lim.pad)
 
 
-def _run_concurrent(net: Stepper, rows: list[_Row], tokenizer, prompt_ids, prompt_mask, lim: _Limits,
-                    calls: EnvCalls, generator) -> Rollout:  # fmt: skip
+def _run_concurrent(
+    net: Stepper, rows: list[_Row], tokenizer, prompt_ids, prompt_mask, lim: _Limits, calls: EnvCalls, generator
+) -> Rollout:
     """The loop that does not wait: each decode call takes the rows that are acting; a row whose action ends hands
     it to ``calls`` and keeps its last token back; when its observation is back, [that token | the observation] is
     fed with the next decode call's column and the row acts again."""
@@ -365,8 +380,12 @@ def _run_concurrent(net: Stepper, rows: list[_Row], tokenizer, prompt_ids, promp
             real = torch.zeros(B, dtype=torch.bool, device=device)
             for i, obs in joining.items():
                 real[i] = j <= len(obs)
-            cols.add(torch.where(real, chunk[:, j], torch.full_like(chunk[:, j], lim.pad)), real,
-                     torch.zeros_like(real), torch.zeros(B, device=device))  # fmt: skip
+            cols.add(
+                torch.where(real, chunk[:, j], torch.full_like(chunk[:, j], lim.pad)),
+                real,
+                torch.zeros_like(real),
+                torch.zeros(B, device=device),
+            )
         chunk_pos = next_pos[:, None] + chunk_mask.cumsum(dim=1) - 1  # [B, L]
         out = net.feed(chunk, chunk_mask.bool(), chunk_pos.clamp(min=0))  # [B, L, H]
         last = (chunk_mask * torch.arange(width, device=device)).argmax(dim=1)  # [B] each row's last real column
@@ -400,8 +419,9 @@ class _Noise:
             noise = torch.zeros(shape, device=self.device, dtype=torch.float32)
         if later:
             index = torch.tensor(later, device=self.device)
-            counters = torch.tensor([(rows[i].turns << 32) + len(rows[i].turn_tokens) for i in later],
-                                    dtype=torch.int64, device=self.device)  # fmt: skip
+            counters = torch.tensor(
+                [(rows[i].turns << 32) + len(rows[i].turn_tokens) for i in later], dtype=torch.int64, device=self.device
+            )
             state = mix64(self.keys[index] + counters + _GOLDEN)  # [b]
             bits = mix64(state[:, None] + torch.arange(shape[1], device=self.device, dtype=torch.int64) + _GOLDEN)
             noise[index] = ((bits >> 40) & 0xFFFFFF).to(torch.float32) / float(1 << 24)  # [b, V] top 24 bits
@@ -461,8 +481,11 @@ def _apply(r: _Row, i: int, outcome: Any, cols: _Columns, tokenizer, lim: _Limit
         return []
     if ids is None or len(ids) >= room:  # no room for the observation and another action
         r.out_of_room = True
-        _fault(r, f"{name} (step) on {r.task}: an observation of {f'over {room}' if ids is None else len(ids)} "
-                  f"tokens, {room} left")  # fmt: skip
+        _fault(
+            r,
+            f"{name} (step) on {r.task}: an observation of {f'over {room}' if ids is None else len(ids)} "
+            f"tokens, {room} left",
+        )
         return []
     r.response_tokens += len(ids)
     r.observation_tokens += len(ids)

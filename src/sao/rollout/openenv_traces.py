@@ -76,8 +76,11 @@ def _completion_ids(record: dict[str, Any]) -> list[int]:
     if not strings:
         raise BadRecord("completion_token_ids", "missing: the entry holds no generated token ids")
     if not isinstance(strings, list) or not all(isinstance(t, str) and t.startswith(TOKEN_ID_PREFIX) for t in strings):
-        raise BadRecord("completion_tokens", f'must be token ids written as "{TOKEN_ID_PREFIX}N" (serve with vLLM\'s '
-                        "--return-tokens-as-token-ids): token strings cannot be placed exactly")  # fmt: skip
+        raise BadRecord(
+            "completion_tokens",
+            f'must be token ids written as "{TOKEN_ID_PREFIX}N" (serve with vLLM\'s '
+            "--return-tokens-as-token-ids): token strings cannot be placed exactly",
+        )
     try:
         return [int(t[len(TOKEN_ID_PREFIX) :]) for t in strings]
     except ValueError:

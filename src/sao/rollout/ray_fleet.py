@@ -119,16 +119,32 @@ class RolloutWorker:
         generator = torch.Generator(device=self.device).manual_seed(job["seed"])
         if self.episodes is not None:  # one multi-turn episode per task, its environment built here
             tokenizer, episodes, sampling = self.tokenizer, self.episodes, self.sampling
-            rollout = draw_episode_batch(self.decoder, tokenizer, job["task_ids"], episodes, sampling, generator,
-                                         refresh=None if board is None else refresh)  # fmt: skip
+            rollout = draw_episode_batch(
+                self.decoder,
+                tokenizer,
+                job["task_ids"],
+                episodes,
+                sampling,
+                generator,
+                refresh=None if board is None else refresh,
+            )
         else:
             rollout = draw_batch(self.decoder, self.tokenizer, job["prompts"], self.sampling, generator)
         first = held[1] if len(held) > 1 else held[0]  # the first action's: the board may have had a newer one
         drawn = (started, timeline.now(), timeline.env_waited() - waited)  # and the seconds on the environment
         out = {"seqs": job["seqs"], "version": first, "rollout": rollout.to(torch.device("cpu")), "drawn": drawn}
         if recorder is not None:  # the call's events go back with it, each row's span is the trainer's to place
-            timeline.complete("draw call", "call", self.track, "calls", *drawn[:2], rows=len(job["seqs"]),
-                              version=first, pid=os.getpid(), env_s=drawn[2])  # fmt: skip
+            timeline.complete(
+                "draw call",
+                "call",
+                self.track,
+                "calls",
+                *drawn[:2],
+                rows=len(job["seqs"]),
+                version=first,
+                pid=os.getpid(),
+                env_s=drawn[2],
+            )
             out["timeline"] = recorder.drain()[0]
         return out
 
@@ -186,8 +202,16 @@ class RayFleet:
     settings); ``board`` starts an ``AdapterBoard``. Not thread-safe: the source calls it under its own lock, but
     for ``outcome`` (a blocking wait on one call's result)."""
 
-    def __init__(self, settings: Any, *, model_path: str, worker: dict[str, Any], episodes: Episodes | None,
-                 reserved_gpus: Sequence[int], board: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: Any,
+        *,
+        model_path: str,
+        worker: dict[str, Any],
+        episodes: Episodes | None,
+        reserved_gpus: Sequence[int],
+        board: bool,
+    ) -> None:
         ray = self.ray = import_ray()
         self.settings = settings
         self.owns_ray = not ray.is_initialized()
@@ -271,11 +295,7 @@ class RayFleet:
         """Ask for a new worker actor in slot ``index`` (bundle ``index``); it loads its model in the background
         and answers ``ready`` when it can draw."""
         r = self.settings
-        options: dict[str, Any] = {
-            "num_cpus": r.worker_cpus,
-            "num_gpus": r.worker_gpus,
-            "max_restarts": 0,
-        }
+        options: dict[str, Any] = {"num_cpus": r.worker_cpus, "num_gpus": r.worker_gpus, "max_restarts": 0}
         if self._placement is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -68,9 +68,21 @@ def _trajectory_span(t: _Trajectory, version: int, step: int, dropped: bool = Fa
     if t.drawn is None or timeline.recording() is None:
         return
     start, end, env_s, row = t.drawn
-    timeline.complete("trajectory", "trajectory", f"ray worker {t.worker}", f"row {row}", start, end, task=t.task_id,
-                      seq=t.seq, version=t.version, staleness=version - t.version, step=step, env_s=env_s,
-                      dropped=dropped)  # fmt: skip
+    timeline.complete(
+        "trajectory",
+        "trajectory",
+        f"ray worker {t.worker}",
+        f"row {row}",
+        start,
+        end,
+        task=t.task_id,
+        seq=t.seq,
+        version=t.version,
+        staleness=version - t.version,
+        step=step,
+        env_s=env_s,
+        dropped=dropped,
+    )
 
 
 class RaySource:
@@ -118,8 +130,14 @@ class RaySource:
             "decoder": c.rollout.decoder,
         }
         turn_loop = episodes is not None and episodes.env_rejoin == "turn"  # episodes look at the board between turns
-        self.fleet = RayFleet(c.source, model_path=model_path, worker=worker, episodes=episodes,
-                              reserved_gpus=reserved_gpus, board=turn_loop)  # fmt: skip
+        self.fleet = RayFleet(
+            c.source,
+            model_path=model_path,
+            worker=worker,
+            episodes=episodes,
+            reserved_gpus=reserved_gpus,
+            board=turn_loop,
+        )
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -135,9 +153,13 @@ class RaySource:
         self.dropped: list[int] = []
         self.admitted_by: dict[str, int] = {}  # actor name ("w0", "w0.r1", ...) → its admitted trajectories
         self.counts = {
-            "received": 0, "admitted": 0, "dropped_stale": 0, "worker_restarts": 0, "worker_hangs": 0,
+            "received": 0,
+            "admitted": 0,
+            "dropped_stale": 0,
+            "worker_restarts": 0,
+            "worker_hangs": 0,
             "admitted_from_replacements": 0,
-        }  # fmt: skip
+        }
         self._logged = {"worker_restarts": 0, "worker_hangs": 0}  # as of the last batch, for per-step counts
         self._closed = False
         self._started_at = time.perf_counter()
@@ -151,10 +173,17 @@ class RaySource:
         context.check_batch()
         m = context.models
         source = cls(
-            context.config, model_path=m.name, policy=m.policy, pad_token_id=m.tokenizer.pad_token_id,
-            prompts=context.prompts, order=context.order, label=context.label, progress=context.progress,
-            reserved_gpus=context.reserved_gpus, episodes=context.episodes,
-        )  # fmt: skip
+            context.config,
+            model_path=m.name,
+            policy=m.policy,
+            pad_token_id=m.tokenizer.pad_token_id,
+            prompts=context.prompts,
+            order=context.order,
+            label=context.label,
+            progress=context.progress,
+            reserved_gpus=context.reserved_gpus,
+            episodes=context.episodes,
+        )
         source.tasks = context.tasks
         return source
 
@@ -365,8 +394,12 @@ class RaySource:
             timeline.env_share([t.drawn[:3] for t in chosen if t.drawn is not None])
         rows = [t.rollout for t in chosen]
         if any(r.versions is not None for r in rows):  # some rows span versions: every row gets its tokens'
-            rows = [r if r.versions is not None else dataclasses.replace(r, versions=torch.full_like(
-                r.response_ids, t.version)) for r, t in zip(rows, chosen, strict=True)]  # fmt: skip
+            rows = [
+                r
+                if r.versions is not None
+                else dataclasses.replace(r, versions=torch.full_like(r.response_ids, t.version))
+                for r, t in zip(rows, chosen, strict=True)
+            ]
         rollout = Rollout.concat(rows, self.pad_token_id).to(self.device)
         info["spanning_rows"] = int(rollout.spanning().sum())
         return Batch(

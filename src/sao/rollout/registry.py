@@ -247,8 +247,9 @@ class VllmServers(RemoteSettings):
                 logging.getLogger("sao.rollout").warning(
                     "the vLLM servers at %s load every adapter and full-weight version this run publishes by its path "
                     "under %s: that folder must be on a filesystem their nodes mount at the same path",
-                    ", ".join(remote), Path(context.out_dir).resolve(),
-                )  # fmt: skip
+                    ", ".join(remote),
+                    Path(context.out_dir).resolve(),
+                )
             return Connection(clients, resident_adapters=resident, load_weights=reload_into)
         if not self.vllm_launch:
             raise ConfigError(
@@ -271,8 +272,14 @@ class VllmServers(RemoteSettings):
             for i in range(self.vllm_servers)
         ]
         options = self.client_options
-        return Connection([], servers, max_model_len=max_len, resident_adapters=resident, client_options=options,
-                          load_weights=reload_into)  # fmt: skip
+        return Connection(
+            [],
+            servers,
+            max_model_len=max_len,
+            resident_adapters=resident,
+            client_options=options,
+            load_weights=reload_into,
+        )
 
 
 @dataclass(frozen=True)
@@ -296,8 +303,7 @@ class VllmAsyncSettings(VllmServers):
 
 
 TRACE_FORMATS = Registry(
-    "trace format",
-    {"openenv": "sao.rollout.openenv_traces:FORMAT", "tinker": "sao.rollout.tinker_traces:FORMAT"},
+    "trace format", {"openenv": "sao.rollout.openenv_traces:FORMAT", "tinker": "sao.rollout.tinker_traces:FORMAT"}
 )
 SOURCES = Registry(
     "rollout source",

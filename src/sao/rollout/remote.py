@@ -71,8 +71,10 @@ class Fleet:
     def __init__(self, context: SourceContext):
         settings, m = context.config.source, context.models
         self.tokenizer, self.models, self.out = m.tokenizer, m, context.out_dir
-        self.tag = "sao-" + hashlib.sha256(f"{Path(context.out_dir).resolve()}:{os.getpid()}:{time.time()}".encode()
-                                           ).hexdigest()[:8]  # fmt: skip
+        self.tag = (
+            "sao-"
+            + hashlib.sha256(f"{Path(context.out_dir).resolve()}:{os.getpid()}:{time.time()}".encode()).hexdigest()[:8]
+        )
         self.adapters_dir = Path(self.out) / f"{settings.engine}-adapters"  # v{N}/ a published version's folder
         self.weights_dir = Path(self.out) / f"{settings.engine}-weights"  # v{N}/ under full fine-tuning
         self.servers_file = Path(self.out) / f"{settings.engine}-servers.json"
@@ -103,8 +105,10 @@ class Fleet:
         self._record()
 
     def _record(self) -> None:
-        servers = [{"url": s.url, "pid": s.pid, "log": str(s.log_path), "startup_seconds": s.startup_seconds}
-                   for s in self.servers]  # fmt: skip
+        servers = [
+            {"url": s.url, "pid": s.pid, "log": str(s.log_path), "startup_seconds": s.startup_seconds}
+            for s in self.servers
+        ]
         write_json(self.servers_file, servers)
 
     def publish(self, version: int) -> str:
@@ -122,8 +126,9 @@ class Fleet:
                 save_adapter(m.policy, m.tokenizer, m.value_head, folder, base_model=m.name, policy_version=version)
             name = f"{self.tag}-v{version}"
             for server, client in enumerate(self.distinct()):
-                with timeline.span("adapter load", "adapter", self.track, "adapter loads", version=version,
-                                   server=server, adapter=name) as told:  # fmt: skip
+                with timeline.span(
+                    "adapter load", "adapter", self.track, "adapter loads", version=version, server=server, adapter=name
+                ) as told:
                     told["loaded"] = False
                     self._with_restart(client, lambda cl: cl.load_adapter(name, folder))
                     told["loaded"] = True  # the server answered the load with success
@@ -138,8 +143,10 @@ class Fleet:
             return self.weights_name
         m = self.models
         if m.sharded:
-            raise ConfigError("--finetune full with a remote engine needs the whole model in the process that "
-                              "publishes: leave out --shard fsdp (or use --rollout local)")  # fmt: skip
+            raise ConfigError(
+                "--finetune full with a remote engine needs the whole model in the process that "
+                "publishes: leave out --shard fsdp (or use --rollout local)"
+            )
         folder = self.weights_dir / f"v{version}"
         with timeline.span("weights publish", "adapter", timeline.TRAINER.format(rank=0), "step", version=version):
             if not folder.is_dir():  # a resumed run's sampler: its folder was written when that version was published
@@ -161,8 +168,10 @@ class Fleet:
             raise ConfigError("this engine serves adapters only: it cannot take full weights")
         folder, load = Path(folder), self.weights_loader
         previous = self.weights[0] if self.weights is not None else self.models.name
-        names = [self._with_restart(client, lambda cl: load(cl, folder, version, previous=previous))
-                 for client in self.distinct()]  # fmt: skip
+        names = [
+            self._with_restart(client, lambda cl: load(cl, folder, version, previous=previous))
+            for client in self.distinct()
+        ]
         self.weights = (folder, version)
         return names[0]
 
@@ -190,9 +199,15 @@ class Fleet:
         """One completion on server ``index`` (mod the fleet); a launched server that died is restarted once and
         its adapters reloaded, and the request sent again."""
         client = self.clients[index % len(self.clients)]
-        with timeline.span("request", "request", self.track, timeline.thread("request thread"),
-                           server=index % len(self.clients), adapter=params.get("model"),
-                           prompt_tokens=len(prompt)) as told:  # fmt: skip
+        with timeline.span(
+            "request",
+            "request",
+            self.track,
+            timeline.thread("request thread"),
+            server=index % len(self.clients),
+            adapter=params.get("model"),
+            prompt_tokens=len(prompt),
+        ) as told:
             reply = self._with_restart(client, lambda cl: cl.complete(prompt, **params))
             told.update(completion_tokens=len(reply.completion_token_ids), finish=reply.finish_reason)
         return reply
@@ -283,8 +298,15 @@ class Drawing:
     def prompt_ids(self, task_id: str) -> list[int]:
         return self.tokenizer(self.prompts[task_id], add_special_tokens=False)["input_ids"]
 
-    def draw(self, task_id: str, version: int, name: str, seed: int, server: int,
-             newest: Callable[[], tuple[int, str]] | None = None) -> Drawn:  # fmt: skip
+    def draw(
+        self,
+        task_id: str,
+        version: int,
+        name: str,
+        seed: int,
+        server: int,
+        newest: Callable[[], tuple[int, str]] | None = None,
+    ) -> Drawn:
         """``draw_one``, timed for the timeline (the trajectory's span is placed when its staleness is known)."""
         started, waited = timeline.now(), timeline.env_waited()
         d = self.draw_one(task_id, version, name, seed, server, newest)
@@ -298,12 +320,31 @@ class Drawing:
         for d in rows:
             if d.drawn is not None:
                 start, end, env_s, thread = d.drawn
-                timeline.complete("trajectory", "trajectory", self.fleet.track, thread, start, end, task=d.task_id,
-                                  seq=d.seq, version=d.version, staleness=policy_version - d.version, step=step,
-                                  env_s=env_s, turns=d.turns)  # fmt: skip
+                timeline.complete(
+                    "trajectory",
+                    "trajectory",
+                    self.fleet.track,
+                    thread,
+                    start,
+                    end,
+                    task=d.task_id,
+                    seq=d.seq,
+                    version=d.version,
+                    staleness=policy_version - d.version,
+                    step=step,
+                    env_s=env_s,
+                    turns=d.turns,
+                )
 
-    def draw_one(self, task_id: str, version: int, name: str, seed: int, server: int,
-                 newest: Callable[[], tuple[int, str]] | None = None) -> Drawn:  # fmt: skip
+    def draw_one(
+        self,
+        task_id: str,
+        version: int,
+        name: str,
+        seed: int,
+        server: int,
+        newest: Callable[[], tuple[int, str]] | None = None,
+    ) -> Drawn:
         """One trajectory of ``task_id`` by adapter ``name`` (version ``version``). With ``newest`` (the asynchronous
         source), each later action of an episode is drawn by the adapter ``newest()`` names then: a trajectory in
         flight when a new adapter is published goes on under it, every token recording its version."""
@@ -311,16 +352,37 @@ class Drawing:
         if self.episodes is None:
             prompt = self.prompt_ids(task_id)
             room = self.fleet.max_model_len - len(prompt)
-            reply = self.fleet.complete(server, prompt, model=name, max_tokens=max(1, min(r.max_new_tokens, room)),
-                                        temperature=r.temperature, seed=seed, stop_token_ids=self.eos)  # fmt: skip
+            reply = self.fleet.complete(
+                server,
+                prompt,
+                model=name,
+                max_tokens=max(1, min(r.max_new_tokens, room)),
+                temperature=r.temperature,
+                seed=seed,
+                stop_token_ids=self.eos,
+            )
             ids = reply.completion_token_ids
-            return Drawn(task_id, version, prompt, list(ids), [version] * len(ids), [True] * len(ids),
-                         list(reply.sampler_logprobs),
-                         cut=reply.finish_reason == "length" and ids[-1] not in self.eos)  # fmt: skip
+            return Drawn(
+                task_id,
+                version,
+                prompt,
+                list(ids),
+                [version] * len(ids),
+                [True] * len(ids),
+                list(reply.sampler_logprobs),
+                cut=reply.finish_reason == "length" and ids[-1] not in self.eos,
+            )
         return self._episode(task_id, version, name, seed, server, newest)
 
-    def _episode(self, task_id: str, version: int, name: str, seed: int, server: int,
-                 newest: Callable[[], tuple[int, str]] | None) -> Drawn:  # fmt: skip
+    def _episode(
+        self,
+        task_id: str,
+        version: int,
+        name: str,
+        seed: int,
+        server: int,
+        newest: Callable[[], tuple[int, str]] | None,
+    ) -> Drawn:
         """A multi-turn episode, as ``sao.rollout.episodes`` draws one, an action per request."""
         e, r, tok, calls = self.episodes, self.config.rollout, self.tokenizer, self.env_calls
         env_name = calls.name
@@ -333,16 +395,20 @@ class Drawing:
             return d
 
         try:
-            env = checked_env(calls.call(e.env_factory, task_id, e.fields[task_id], task=task_id, what="building it"),
-                              env_name, task_id)  # fmt: skip
+            env = checked_env(
+                calls.call(e.env_factory, task_id, e.fields[task_id], task=task_id, what="building it"),
+                env_name,
+                task_id,
+            )
         except EnvFault as error:
             d.prompt = self.prompt_ids(task_id)
             return fault(error)
         check_env(env)
         try:
             try:
-                start, info = checked_init(calls.call(env.init, e.messages[task_id], task=task_id, what="init"),
-                                            env_name, task_id)  # fmt: skip
+                start, info = checked_init(
+                    calls.call(env.init, e.messages[task_id], task=task_id, what="init"), env_name, task_id
+                )
             except (EnvFault, PluginError) as error:
                 d.prompt = self.prompt_ids(task_id)
                 return fault(error)
@@ -358,9 +424,15 @@ class Drawing:
                     return d
                 if newest is not None and d.turns > 0:  # a later action: the adapter published by now draws it
                     version, name = newest()
-                reply = self.fleet.complete(server, d.prompt + d.response, model=name, max_tokens=room,
-                                            temperature=r.temperature, seed=derived_seed(seed, d.turns),
-                                            stop_token_ids=self.eos)  # fmt: skip
+                reply = self.fleet.complete(
+                    server,
+                    d.prompt + d.response,
+                    model=name,
+                    max_tokens=room,
+                    temperature=r.temperature,
+                    seed=derived_seed(seed, d.turns),
+                    stop_token_ids=self.eos,
+                )
                 ids, logps = list(reply.completion_token_ids), list(reply.sampler_logprobs)
                 ended = ids[-1] if ids[-1] in self.eos else None
                 if ended is None and stops:  # an action also ends at a stop string: keep the tokens up to it
@@ -380,8 +452,9 @@ class Drawing:
                 d.rewards += [0.0] * len(ids)
                 d.turns += 1
                 try:  # a tool that raises, hangs or answers a malformed step ends this trajectory only
-                    result = checked_step(calls.call(env.step, tok.decode(ids, skip_special_tokens=True),
-                                                      task=task_id), env_name, task_id)  # fmt: skip
+                    result = checked_step(
+                        calls.call(env.step, tok.decode(ids, skip_special_tokens=True), task=task_id), env_name, task_id
+                    )
                     meta = result.get("metadata") or {}
                     made = tool_count(meta, "tool_calls", env_name, task_id)
                     errors = tool_count(meta, "tool_errors", env_name, task_id)
@@ -403,8 +476,9 @@ class Drawing:
                     obs = render_observation(tok, result["observations"], eos_text)
                     obs_ids = encode_bounded(tok, obs, room)
                 except Exception as error:  # observations the template cannot render
-                    return fault(f"{env_name} (step) on {task_id}: its observations could not be rendered: "
-                                 f"{describe(error)}")  # fmt: skip
+                    return fault(
+                        f"{env_name} (step) on {task_id}: its observations could not be rendered: {describe(error)}"
+                    )
                 if obs_ids is None or len(obs_ids) >= room:  # no room for the observation and another action
                     d.context_cut = context_room < e.max_total_tokens - len(d.response)
                     return fault(
@@ -454,15 +528,28 @@ class Drawing:
         texts = self.tokenizer.batch_decode([d.response for d in rows], skip_special_tokens=True)
         turns = None
         if self.episodes is not None:
-            turns = Turns(rewards=rewards, count=torch.tensor([d.turns for d in rows]),
-                          tool_calls=torch.tensor([d.tool_calls for d in rows]),
-                          tool_errors=torch.tensor([d.tool_errors for d in rows]),
-                          unfinished=torch.tensor([d.unfinished for d in rows]),
-                          faults=torch.tensor([d.faults for d in rows]),
-                          timeouts=torch.tensor([d.timed_out for d in rows]),
-                          context_cuts=torch.tensor([d.context_cut for d in rows]))  # fmt: skip
-        return Rollout(prompt_ids, prompt_mask, response_ids, response_mask, action_mask, logprobs,
-                       torch.tensor([d.cut for d in rows]), texts, turns, versions).to(self.device)  # fmt: skip
+            turns = Turns(
+                rewards=rewards,
+                count=torch.tensor([d.turns for d in rows]),
+                tool_calls=torch.tensor([d.tool_calls for d in rows]),
+                tool_errors=torch.tensor([d.tool_errors for d in rows]),
+                unfinished=torch.tensor([d.unfinished for d in rows]),
+                faults=torch.tensor([d.faults for d in rows]),
+                timeouts=torch.tensor([d.timed_out for d in rows]),
+                context_cuts=torch.tensor([d.context_cut for d in rows]),
+            )
+        return Rollout(
+            prompt_ids,
+            prompt_mask,
+            response_ids,
+            response_mask,
+            action_mask,
+            logprobs,
+            torch.tensor([d.cut for d in rows]),
+            texts,
+            turns,
+            versions,
+        ).to(self.device)
 
     def adapter(self, version: int) -> Path | None:
         """The folder of the adapter version ``version`` drew with (for re-scoring under it), while it exists."""
@@ -507,15 +594,19 @@ class RemoteSource(Drawing):
         started = time.perf_counter()
         seeds = [derived_seed(self.seed, step, j, "vllm") for j in range(len(ids))]
         with timeline.phase("draw"):  # the trainer waits for the requests it just sent
-            futures = [self.pool.submit(self.draw, i, self.sampler_version, self.name, seeds[j], j)
-                       for j, i in enumerate(ids)]  # fmt: skip
+            futures = [
+                self.pool.submit(self.draw, i, self.sampler_version, self.name, seeds[j], j) for j, i in enumerate(ids)
+            ]
             rows = [f.result() for f in futures]
         staleness = policy_version - self.sampler_version
         self.trajectories(rows, policy_version, step)
         if self.episodes is not None:  # drawn on the pool's threads: their environment's share, from each row
             timeline.env_share([d.drawn[:3] for d in rows if d.drawn is not None])
-        info = {"engine_adapter_version": self.sampler_version, "engine_seconds": time.perf_counter() - started,
-                "engine_restarts_total": self.fleet.restarts}  # fmt: skip
+        info = {
+            "engine_adapter_version": self.sampler_version,
+            "engine_seconds": time.perf_counter() - started,
+            "engine_restarts_total": self.fleet.restarts,
+        }
         if phase == POLICY and self.lag > 0 and k % self.lag == 0:
             self._refresh(policy_version)
         return Batch(task_ids=ids, rollout=self.rollout(rows), staleness=[staleness] * len(ids), info=info)
@@ -535,8 +626,10 @@ class RemoteSource(Drawing):
         self.first_policy_step = state.get("first_policy_step", self.first_policy_step)
         if self.adapter(self.sampler_version) is None:
             folder = self.fleet.adapters_dir / f"v{self.sampler_version}"
-            raise ConfigError(f"--resume: {folder} is missing, so the sampler's adapter cannot be restored; start "
-                              "again with a new --out")  # fmt: skip
+            raise ConfigError(
+                f"--resume: {folder} is missing, so the sampler's adapter cannot be restored; start "
+                "again with a new --out"
+            )
         self.fleet.loaded.pop(self.sampler_version, None)
         self.name = None
 
@@ -588,8 +681,14 @@ class RemoteAsyncSource(Drawing):
 
     def _run(self, slot: Drawn, name: str) -> None:
         try:
-            drawn = self.draw(slot.task_id, slot.version, name, derived_seed(self.seed, slot.seq, "vllm-async"),
-                              slot.seq, newest=lambda: self._newest(slot.seq))  # fmt: skip
+            drawn = self.draw(
+                slot.task_id,
+                slot.version,
+                name,
+                derived_seed(self.seed, slot.seq, "vllm-async"),
+                slot.seq,
+                newest=lambda: self._newest(slot.seq),
+            )
             drawn.seq, drawn.deadline = slot.seq, slot.deadline
         except BaseException as error:  # the trainer's next_batch raises it
             with self.cond:
@@ -631,14 +730,21 @@ class RemoteAsyncSource(Drawing):
         self.trajectories(chosen, policy_version, step)
         if self.episodes is not None:
             timeline.env_share([d.drawn[:3] for d in chosen if d.drawn is not None])
-        info = {"admitted_total": self.counts["admitted"], "received_total": self.counts["received"],
-                "waited_s": time.perf_counter() - started, "engine_versions": sorted({v for d in chosen
-                                                                                   for v in d.versions or versions}),
-                "spanning_rows": sum(len(set(d.versions)) > 1 for d in chosen),
-                "staleness_max": max(policy_version - v for v in versions),
-                "engine_restarts_total": self.fleet.restarts}  # fmt: skip
-        return Batch(task_ids=[d.task_id for d in chosen], rollout=self.rollout(chosen),
-                     staleness=[policy_version - v for v in versions], info=info)  # fmt: skip
+        info = {
+            "admitted_total": self.counts["admitted"],
+            "received_total": self.counts["received"],
+            "waited_s": time.perf_counter() - started,
+            "engine_versions": sorted({v for d in chosen for v in d.versions or versions}),
+            "spanning_rows": sum(len(set(d.versions)) > 1 for d in chosen),
+            "staleness_max": max(policy_version - v for v in versions),
+            "engine_restarts_total": self.fleet.restarts,
+        }
+        return Batch(
+            task_ids=[d.task_id for d in chosen],
+            rollout=self.rollout(chosen),
+            staleness=[policy_version - v for v in versions],
+            info=info,
+        )
 
     def after_update(self, policy_version: int) -> None:
         """The new adapter goes to every server; requests issued from now on use it, and the admission rule lets the

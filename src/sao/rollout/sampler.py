@@ -102,8 +102,9 @@ def draw(
         if share is None:
             noise = torch.rand(logits.shape, generator=generator, device=device, dtype=torch.float32)  # [B, V]
         else:  # the whole batch's draw, these rows' part of it
-            noise = torch.rand((share[1], logits.shape[1]), generator=generator, device=device,
-                               dtype=torch.float32)[share[0]]  # fmt: skip
+            noise = torch.rand((share[1], logits.shape[1]), generator=generator, device=device, dtype=torch.float32)[
+                share[0]
+            ]
         token, token_logp = gumbel_sample_(logits, noise)  # [B], [B]
         alive = ~done
         tokens.append(torch.where(alive, token, torch.full_like(token, pad_token_id)))
@@ -181,8 +182,9 @@ class HFStepper:
 
     def feed(self, ids: torch.Tensor, real: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self.mask = real.long() if self.mask is None else torch.cat([self.mask, real.long()], dim=1)
-        out = self.trunk(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True,
-                         **{self.kw: self.cache})  # fmt: skip
+        out = self.trunk(
+            input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True, **{self.kw: self.cache}
+        )
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -248,8 +250,10 @@ class StaleSampler:
 
         if self.copy is not None or any(isinstance(q, DTensor) for _, q in self._pairs):
             return None
-        return {n.replace(f".{SAMPLER_ADAPTER}.", "."): p.detach().clone()
-                for n, p in lora_state(self.policy, SAMPLER_ADAPTER).items()}  # fmt: skip
+        return {
+            n.replace(f".{SAMPLER_ADAPTER}.", "."): p.detach().clone()
+            for n, p in lora_state(self.policy, SAMPLER_ADAPTER).items()
+        }
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The sampler's tensors by name (references, not copies): a sharded checkpoint saves and loads them in

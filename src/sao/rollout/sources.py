@@ -138,9 +138,14 @@ class Episodes:
 
 
 def draw_episode_batch(
-    decoder: Decoder, tokenizer: Any, task_ids: list[str], episodes: Episodes, sampling: Sampling, generator,
+    decoder: Decoder,
+    tokenizer: Any,
+    task_ids: list[str],
+    episodes: Episodes,
+    sampling: Sampling,
+    generator,
     refresh: Callable[[], int] | None = None,
-) -> Rollout:  # fmt: skip
+) -> Rollout:
     """One multi-turn episode per task id, an environment each (closed afterwards), on the decoder's path: the
     plain loop over its model, or the engine's static cache. ``refresh``: as ``draw_episodes`` takes it."""
     builder = EnvCalls(1, episodes.env_timeout, episodes.name)
@@ -155,11 +160,26 @@ def draw_episode_batch(
     finally:
         builder.close()
     messages = [episodes.messages[i] for i in task_ids]
-    limits = {"max_turns": episodes.max_turns, "max_total_tokens": episodes.max_total_tokens,
-              "env_concurrency": episodes.env_concurrency, "env_timeout": episodes.env_timeout,
-              "rejoin": episodes.env_rejoin}  # fmt: skip
-    return draw_episodes(decoder, tokenizer, envs, messages, generator=generator, close=True, name=episodes.name,
-                         tasks=task_ids, refresh=refresh, **limits, **sampling.as_kwargs())  # fmt: skip
+    limits = {
+        "max_turns": episodes.max_turns,
+        "max_total_tokens": episodes.max_total_tokens,
+        "env_concurrency": episodes.env_concurrency,
+        "env_timeout": episodes.env_timeout,
+        "rejoin": episodes.env_rejoin,
+    }
+    return draw_episodes(
+        decoder,
+        tokenizer,
+        envs,
+        messages,
+        generator=generator,
+        close=True,
+        name=episodes.name,
+        tasks=task_ids,
+        refresh=refresh,
+        **limits,
+        **sampling.as_kwargs(),
+    )
 
 
 def trajectories(task_ids: list[str], start: float, end: float, version: int, staleness: int, step: int) -> None:
@@ -167,8 +187,18 @@ def trajectories(task_ids: list[str], start: float, end: float, version: int, st
     if timeline.recording() is None:
         return
     for row, task in enumerate(task_ids):
-        timeline.complete("trajectory", "trajectory", timeline.LOCAL_SAMPLER, f"row {row}", start, end, task=task,
-                          version=version, staleness=staleness, step=step)  # fmt: skip
+        timeline.complete(
+            "trajectory",
+            "trajectory",
+            timeline.LOCAL_SAMPLER,
+            f"row {row}",
+            start,
+            end,
+            task=task,
+            version=version,
+            staleness=staleness,
+            step=step,
+        )
 
 
 def make_decoder(model: nn.Module, adapter: str | None, kind: str) -> Decoder:
@@ -235,8 +265,9 @@ def sampler_dtype(policy: nn.Module, name: str) -> torch.dtype | None:
     return None if dtype is None or dtype == next(policy.parameters()).dtype else dtype
 
 
-def draw_batch(decoder: Decoder, tokenizer: Any, prompts: list[str], sampling: Sampling, generator,
-               rows: slice | None = None) -> Rollout:  # fmt: skip
+def draw_batch(
+    decoder: Decoder, tokenizer: Any, prompts: list[str], sampling: Sampling, generator, rows: slice | None = None
+) -> Rollout:
     """Encode chat-formatted prompt strings, draw one reply each, and keep the decoded texts. ``rows``: draw only
     those rows of the batch, each as the whole batch's draw would give it (the decoder's ``share``; the prompts
     keep the whole batch's padding)."""
@@ -310,13 +341,25 @@ class LocalStaleSource:
         c, m = context.config, context.models
         m.add_stale_sampler()  # a no-op when the builder made room for it before sharding
         source = cls(
-            m.policy, m.tokenizer, context.prompts, context.order, lag=c.source.lag, batch_size=c.training.batch_size,
-            critic_warmup=c.algorithm.critic_warmup, sampling=context.sampling, seed=c.training.seed,
-            decoder=c.rollout.decoder, episodes=context.episodes, dtype=c.source.sampler_dtype, copy=m.sampler,
-            root=m.roots.get("sampler" if m.sampler is not None else "policy"), ranks=context.world,
-            sharded=c.training.shard == "fsdp", logit_noise=c.source.sampler_logit_noise,
+            m.policy,
+            m.tokenizer,
+            context.prompts,
+            context.order,
+            lag=c.source.lag,
+            batch_size=c.training.batch_size,
+            critic_warmup=c.algorithm.critic_warmup,
+            sampling=context.sampling,
+            seed=c.training.seed,
+            decoder=c.rollout.decoder,
+            episodes=context.episodes,
+            dtype=c.source.sampler_dtype,
+            copy=m.sampler,
+            root=m.roots.get("sampler" if m.sampler is not None else "policy"),
+            ranks=context.world,
+            sharded=c.training.shard == "fsdp",
+            logit_noise=c.source.sampler_logit_noise,
             oracle_samples=c.algorithm.oracle_samples if c.algorithm.baseline == "oracle" else 0,
-        )  # fmt: skip
+        )
         source.tasks = context.tasks
         return source
 
@@ -330,15 +373,21 @@ class LocalStaleSource:
         task_ids = self.order.batch(step, self.batch_size)
         started = timeline.now()
         with timeline.phase("draw"):
-            rollout = self.draw_more(task_ids, derived_seed(self.seed, step, "rollout"),
-                                     noise_seed=derived_seed(self.seed, step, "logit-noise"))  # fmt: skip
+            rollout = self.draw_more(
+                task_ids,
+                derived_seed(self.seed, step, "rollout"),
+                noise_seed=derived_seed(self.seed, step, "logit-noise"),
+            )
         trajectories(task_ids, started, timeline.now(), self.sampler.version, staleness, step)
         oracle = None
         if self.oracle_samples:  # the oracle baseline's rollouts, by the sampler that drew the batch
             rows = [i for i in task_ids for _ in range(self.oracle_samples)]
             with timeline.phase("draw"):
-                oracle = self.draw_more(rows, derived_seed(self.seed, step, "oracle"),
-                                        noise_seed=derived_seed(self.seed, step, "oracle-logit-noise"))  # fmt: skip
+                oracle = self.draw_more(
+                    rows,
+                    derived_seed(self.seed, step, "oracle"),
+                    noise_seed=derived_seed(self.seed, step, "oracle-logit-noise"),
+                )
         if self.sampler.version not in self.drawn_with:  # kept for re-scoring this batch under its own version
             weights = self.sampler.weights()
             self.drawn_with = {self.sampler.version: weights} if weights is not None else {}
@@ -363,8 +412,9 @@ class LocalStaleSource:
             if self.episodes is not None:
                 rollout = None
                 if ranks is None or ranks.rank == 0:
-                    rollout = draw_episode_batch(self.decoder, self.tokenizer, task_ids, self.episodes, self.sampling,
-                                                 generator)  # fmt: skip
+                    rollout = draw_episode_batch(
+                        self.decoder, self.tokenizer, task_ids, self.episodes, self.sampling, generator
+                    )
             else:
                 prompts = [self.prompts[i] for i in task_ids]
                 own = ranks.shard(len(prompts)) if ranks is not None else None

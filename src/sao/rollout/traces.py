@@ -40,17 +40,39 @@ SCHEMA_FILE = Path(__file__).with_name("trace.schema.json")
 # What the hand validator knows; a test checks that trace.schema.json says the same.
 TRACE_REQUIRED = ("id", "policy_version", "temperature")
 TRACE_FIELDS = (
-    "type", "id", "policy_version", "temperature", "messages", "prompt_token_ids", "completion_token_ids", "logprobs",
-    "choices", "segments", "turn_rewards", "finish_reason", "reward", "task", "adapter", "created", "model",
-)  # fmt: skip
+    "type",
+    "id",
+    "policy_version",
+    "temperature",
+    "messages",
+    "prompt_token_ids",
+    "completion_token_ids",
+    "logprobs",
+    "choices",
+    "segments",
+    "turn_rewards",
+    "finish_reason",
+    "reward",
+    "task",
+    "adapter",
+    "created",
+    "model",
+)
 FEEDBACK_REQUIRED = ("type", "id", "reward")
 FEEDBACK_FIELDS = ("type", "id", "reward")
 FINISH_REASONS = ("stop", "length")
 OBSERVATION_ROLES = ("tool", "observation", "user", "system")
 DROP_REASONS = (
-    "bad_record", "misaligned", "too_stale", "future_version", "no_reward", "duplicate_id", "footing_mismatch", "empty",
+    "bad_record",
+    "misaligned",
+    "too_stale",
+    "future_version",
+    "no_reward",
+    "duplicate_id",
+    "footing_mismatch",
+    "empty",
     "too_long",
-)  # fmt: skip
+)
 MAX_LINE_BYTES = 64 << 20  # a longer line is a bad record (nothing a server writes for one trajectory is near it)
 TRACE_LIMITS = Limits(max_bytes=MAX_LINE_BYTES, max_depth=16)  # one record: a trace nests 5 deep
 LOGPROB_SLACK = 1e-5  # a recorded log-probability may exceed 0 by float noise, not more
@@ -95,8 +117,11 @@ class Trace:
     @property
     def newest(self) -> int:
         """The newest version among the action tokens."""
-        return self.version if self.versions is None else max(v for v, a in zip(self.versions, self.action,
-                                                                                 strict=True) if a)  # fmt: skip
+        return (
+            self.version
+            if self.versions is None
+            else max(v for v, a in zip(self.versions, self.action, strict=True) if a)
+        )
 
     @property
     def rewarded(self) -> bool:
@@ -187,8 +212,10 @@ def check_record(record: Any) -> str:
         _messages(record["messages"])
     completions = [k for k in ("completion_token_ids", "choices", "segments") if k in record]
     if len(completions) != 1:
-        raise _Bad("completion_token_ids", "give the completion as exactly one of completion_token_ids (+ logprobs), "
-                   "choices or segments")  # fmt: skip
+        raise _Bad(
+            "completion_token_ids",
+            "give the completion as exactly one of completion_token_ids (+ logprobs), choices or segments",
+        )
     if "completion_token_ids" in record and "logprobs" not in record:
         raise _Bad("logprobs", "completion_token_ids needs logprobs, one per token")
     if "logprobs" in record and "completion_token_ids" not in record:
@@ -371,11 +398,21 @@ def parse_trace(record: dict[str, Any], tokens: Tokens, where: str) -> Trace:
     version = int(record["policy_version"])
     spans = "segments" in record and any(v != version for v in versions)  # a segment of another version
     return Trace(
-        id=record["id"], version=min(v for v, a in zip(versions, action, strict=True) if a) if spans else version,
-        temperature=float(record["temperature"]), prompt=prompt, response=ids, logprobs=values, action=action,
-        turn_ends=turn_ends, turn_rewards=turn_rewards, reward=None if reward is None else float(reward),
-        task=record.get("task"), cut=finish == "length", where=where, versions=versions if spans else None,
-    )  # fmt: skip
+        id=record["id"],
+        version=min(v for v, a in zip(versions, action, strict=True) if a) if spans else version,
+        temperature=float(record["temperature"]),
+        prompt=prompt,
+        response=ids,
+        logprobs=values,
+        action=action,
+        turn_ends=turn_ends,
+        turn_rewards=turn_rewards,
+        reward=None if reward is None else float(reward),
+        task=record.get("task"),
+        cut=finish == "length",
+        where=where,
+        versions=versions if spans else None,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -402,9 +439,14 @@ class TraceFormat(Protocol):
 # Sampling settings that leave the distribution softmax(logits / T), each with its neutral values: any other value
 # reshapes or truncates it, and the recorded log-probs are then of a distribution the trainer does not compute.
 NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {
-    "top_p": (None, 1), "top_k": (None, 0, -1), "min_p": (None, 0), "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "logit_bias": (None, {}),
-}  # fmt: skip
+    "top_p": (None, 1),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+}
 
 
 def sampled_temperature(params: Any, name: str) -> float:
@@ -415,12 +457,18 @@ def sampled_temperature(params: Any, name: str) -> float:
     for key, neutral in NEUTRAL_SAMPLING.items():
         value = params.get(key)
         if isinstance(value, bool) or value not in neutral:
-            raise _Bad(f"{name}.{key}", f"is {value!r}: the tokens were drawn from a distribution {key} reshaped, "
-                       "which the trainer's ratio does not recompute; sample with temperature alone")  # fmt: skip
+            raise _Bad(
+                f"{name}.{key}",
+                f"is {value!r}: the tokens were drawn from a distribution {key} reshaped, "
+                "which the trainer's ratio does not recompute; sample with temperature alone",
+            )
     temperature = params.get("temperature")
     if temperature is None:
-        raise _Bad(f"{name}.temperature", "absent: the sampling temperature is not recorded (a server's default is "
-                   "unknown here), so the log-probs cannot be placed; set temperature in every request")  # fmt: skip
+        raise _Bad(
+            f"{name}.temperature",
+            "absent: the sampling temperature is not recorded (a server's default is "
+            "unknown here), so the log-probs cannot be placed; set temperature in every request",
+        )
     if not _number(temperature):
         raise _Bad(f"{name}.temperature", f"must be a finite number, got {temperature!r}")
     return float(temperature)
@@ -430,8 +478,11 @@ def sampler_logprobs(value: Any, name: str, n: int) -> list[float]:
     """The per-token log-probabilities a foreign record logged for its ``n`` tokens; ``BadRecord`` when absent (nothing
     to correct against: a ratio of 1 would be assumed silently) or not one finite number per token."""
     if value is None or value == []:
-        raise _Bad(name, f"missing: the record holds no sampler log-probs for its {n} tokens, and without them "
-                   "nothing can be corrected; log the sampler's per-token log-probs")  # fmt: skip
+        raise _Bad(
+            name,
+            f"missing: the record holds no sampler log-probs for its {n} tokens, and without them "
+            "nothing can be corrected; log the sampler's per-token log-probs",
+        )
     return _logprobs(value, name, n)
 
 
@@ -491,13 +542,17 @@ class TraceSource:
         if not self.root.exists() and not follow:
             raise DataError(f"--traces {self.root}: no such file or folder")
         if self.root.exists() and not self.root.is_dir() and not self.root.is_file():
-            raise DataError(f"--traces {self.root}: not a regular file (a FIFO or a device has no records to train "
-                            "on); give the trace log sao serve writes, or a folder of *.jsonl logs")  # fmt: skip
+            raise DataError(
+                f"--traces {self.root}: not a regular file (a FIFO or a device has no records to train "
+                "on); give the trace log sao serve writes, or a folder of *.jsonl logs"
+            )
         if self.root.is_dir() and not _log_files(self.root) and not follow:
             raise DataError(f"--traces {self.root}: the folder holds no *.jsonl files")
         if not follow and self.root.exists() and all(p.stat().st_size == 0 for p in _log_files(self.root)):
-            raise DataError(f"--traces {self.root}: the log is empty, nothing to train on; serve some requests "
-                            "first, or pass --follow to wait for them")  # fmt: skip
+            raise DataError(
+                f"--traces {self.root}: the log is empty, nothing to train on; serve some requests "
+                "first, or pass --follow to wait for them"
+            )
         self.tokenizer, self.tokens = tokenizer, Tokens(tokenizer, vocab_size, eos_token_ids)
         self.batch_size, self.max_staleness, self.temperature = batch_size, max_staleness, temperature
         self.pad_token_id, self.device = pad_token_id, torch.device(device)
@@ -512,8 +567,13 @@ class TraceSource:
         self.pending: dict[str, Trace] = {}  # waiting for their feedback
         self.early: dict[str, float] = {}  # feedback read before its trajectory
         # not_trajectories: lines of another system's format that hold no trajectory (a tinker train_op)
-        self.counts: dict[str, int] = {"used": 0, **{f"dropped_{r}": 0 for r in DROP_REASONS},
-                                       "feedback_used": 0, "feedback_ignored": 0, "not_trajectories": 0}  # fmt: skip
+        self.counts: dict[str, int] = {
+            "used": 0,
+            **{f"dropped_{r}": 0 for r in DROP_REASONS},
+            "feedback_used": 0,
+            "feedback_ignored": 0,
+            "not_trajectories": 0,
+        }
         self.formats = trace_formats()
         self.read_as: dict[str, int] = {}  # foreign format → lines read in it
         self.used_staleness: dict[str, int] = {}  # histogram of the staleness of the trajectories used
@@ -527,12 +587,21 @@ class TraceSource:
         c, m = context.config, context.models
         r, s = c.rollout, c.source
         return cls(
-            r.traces, m.tokenizer, batch_size=c.training.batch_size, max_staleness=s.max_staleness,
-            temperature=r.temperature, vocab_size=m.policy.get_input_embeddings().num_embeddings,
-            eos_token_ids=m.eos_token_ids, pad_token_id=m.tokenizer.pad_token_id, follow=s.follow,
-            follow_timeout=s.follow_timeout, skip_bad=s.skip_bad_traces, device=m.device, warn=context.warn,
+            r.traces,
+            m.tokenizer,
+            batch_size=c.training.batch_size,
+            max_staleness=s.max_staleness,
+            temperature=r.temperature,
+            vocab_size=m.policy.get_input_embeddings().num_embeddings,
+            eos_token_ids=m.eos_token_ids,
+            pad_token_id=m.tokenizer.pad_token_id,
+            follow=s.follow,
+            follow_timeout=s.follow_timeout,
+            skip_bad=s.skip_bad_traces,
+            device=m.device,
+            warn=context.warn,
             context_length=context_length(m.policy),
-        )  # fmt: skip
+        )
 
     # -- reading ----------------------------------------------------------------------------------------
 
@@ -552,8 +621,10 @@ class TraceSource:
                 info = os.fstat(handle.fileno())
                 identity = [info.st_dev, info.st_ino]
                 if self.identity.get(key, identity) != identity:  # another file at the same path: a new log
-                    self.warn(f"{path} was replaced by another file (device and inode changed): reading the new "
-                              f"file from its start, after {self.lines.get(key, 0)} lines of the old one")  # fmt: skip
+                    self.warn(
+                        f"{path} was replaced by another file (device and inode changed): reading the new "
+                        f"file from its start, after {self.lines.get(key, 0)} lines of the old one"
+                    )
                     self.offsets[key], self.lines[key] = 0, 0
                 self.identity[key] = identity
                 offset, size = self.offsets.get(key, 0), info.st_size
@@ -643,9 +714,11 @@ class TraceSource:
             self.counts["dropped_footing_mismatch"] += 1
             if not self._warned_footing:
                 self._warned_footing = True
-                self.warn(f"{where}: trace {trace.id!r} was sampled at temperature {trace.temperature}, this run trains"
-                          f" at --temperature {self.temperature}: dropped (and every such trace); set --temperature to"
-                          " the serving temperature")  # fmt: skip
+                self.warn(
+                    f"{where}: trace {trace.id!r} was sampled at temperature {trace.temperature}, this run trains"
+                    f" at --temperature {self.temperature}: dropped (and every such trace); set --temperature to"
+                    " the serving temperature"
+                )
         elif trace.rewarded:
             self.ready.append(trace)
         elif trace.id in self.early:
@@ -703,9 +776,12 @@ class TraceSource:
         for s in staleness:
             self.used_staleness[str(s)] = self.used_staleness.get(str(s), 0) + 1
         return Batch(
-            task_ids=[t.id for t in rows], rollout=self.rollout(rows), staleness=staleness, info=self.info(),
+            task_ids=[t.id for t in rows],
+            rollout=self.rollout(rows),
+            staleness=staleness,
+            info=self.info(),
             tasks=[t.task if (t.reward is None and t.turn_rewards is None) else None for t in rows],
-        )  # fmt: skip
+        )
 
     def _end(self, why: str) -> None:
         """No further batch: what waits for feedback will not get it in this run."""
@@ -744,18 +820,29 @@ class TraceSource:
         d = self.device
         versions = None
         if any(t.versions is not None for t in rows):  # [B, R] each token's version (a row of one: that one)
-            versions = torch.tensor([(t.versions or [t.version] * len(t.response)) + [t.version] * (R - len(t.response))
-                                     for t in rows], dtype=torch.long, device=d)  # fmt: skip
+            versions = torch.tensor(
+                [(t.versions or [t.version] * len(t.response)) + [t.version] * (R - len(t.response)) for t in rows],
+                dtype=torch.long,
+                device=d,
+            )
         return Rollout(
-            prompt_ids=prompt_ids.to(d), prompt_mask=prompt_mask.to(d), response_ids=response_ids.to(d),
-            response_mask=response_mask.to(d), action_mask=action_mask.to(d), sampler_logprobs=logprobs.to(d),
-            cut=torch.tensor([t.cut for t in rows], device=d), texts=texts,
-            turns=Turns(rewards=turn_rewards.to(d), count=torch.tensor([len(t.turn_ends) for t in rows], device=d),
-                        tool_calls=torch.zeros(B, dtype=torch.long, device=d),
-                        tool_errors=torch.zeros(B, dtype=torch.long, device=d),
-                        unfinished=torch.zeros(B, dtype=torch.bool, device=d)),
+            prompt_ids=prompt_ids.to(d),
+            prompt_mask=prompt_mask.to(d),
+            response_ids=response_ids.to(d),
+            response_mask=response_mask.to(d),
+            action_mask=action_mask.to(d),
+            sampler_logprobs=logprobs.to(d),
+            cut=torch.tensor([t.cut for t in rows], device=d),
+            texts=texts,
+            turns=Turns(
+                rewards=turn_rewards.to(d),
+                count=torch.tensor([len(t.turn_ends) for t in rows], device=d),
+                tool_calls=torch.zeros(B, dtype=torch.long, device=d),
+                tool_errors=torch.zeros(B, dtype=torch.long, device=d),
+                unfinished=torch.zeros(B, dtype=torch.bool, device=d),
+            ),
             versions=versions,
-        )  # fmt: skip
+        )
 
     def info(self) -> dict[str, Any]:
         """The counters so far (logged with each step, and the run's summary)."""
@@ -770,8 +857,12 @@ class TraceSource:
 
     def summary(self) -> dict[str, Any]:
         """The run's totals: the counters, the staleness histogram of what was used, and why reading ended."""
-        return {**self.info(), "traces_usable_unused": len(self.ready), "traces_ended": self.ended,
-                "traces_read_as": dict(self.read_as)}  # fmt: skip
+        return {
+            **self.info(),
+            "traces_usable_unused": len(self.ready),
+            "traces_ended": self.ended,
+            "traces_read_as": dict(self.read_as),
+        }
 
     # -- the rest of the Source protocol ---------------------------------------------------------------
 
@@ -780,13 +871,18 @@ class TraceSource:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "offsets": dict(self.offsets), "lines": dict(self.lines), "identity": dict(self.identity),
+            "offsets": dict(self.offsets),
+            "lines": dict(self.lines),
+            "identity": dict(self.identity),
             "seen": sorted(self.seen),
             "ready": [dataclasses.asdict(t) for t in self.ready],
-            "pending": [dataclasses.asdict(t) for t in self.pending.values()], "early": dict(self.early),
-            "counts": dict(self.counts), "used_staleness": dict(self.used_staleness),
-            "warned_footing": self._warned_footing, "read_as": dict(self.read_as),
-        }  # fmt: skip
+            "pending": [dataclasses.asdict(t) for t in self.pending.values()],
+            "early": dict(self.early),
+            "counts": dict(self.counts),
+            "used_staleness": dict(self.used_staleness),
+            "warned_footing": self._warned_footing,
+            "read_as": dict(self.read_as),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.offsets, self.lines = dict(state["offsets"]), dict(state["lines"])

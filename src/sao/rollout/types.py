@@ -81,8 +81,11 @@ class Rollout:
 
     def _map(self, tensor_fn, texts: list[str]) -> Rollout:
         """The same fields with ``tensor_fn`` applied to every tensor (the turns block's too)."""
-        values = {f.name: tensor_fn(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
-                  if isinstance(getattr(self, f.name), torch.Tensor)}  # fmt: skip
+        values = {
+            f.name: tensor_fn(f.name, getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
         turns = None
         if self.turns is not None:
             present = [f.name for f in dataclasses.fields(Turns) if getattr(self.turns, f.name) is not None]
@@ -146,13 +149,20 @@ class Rollout:
 
         if len({r.versions is None for r in rollouts}) > 1:  # rows of one version each: that version per token
             raise ValueError("Rollout.concat: mixing rollouts with and without per-token versions")
-        values = {f.name: stack(f.name, lambda r, n=f.name: getattr(r, n)) for f in dataclasses.fields(Rollout)
-                  if f.name not in ("texts", "turns") and getattr(rollouts[0], f.name) is not None}  # fmt: skip
+        values = {
+            f.name: stack(f.name, lambda r, n=f.name: getattr(r, n))
+            for f in dataclasses.fields(Rollout)
+            if f.name not in ("texts", "turns") and getattr(rollouts[0], f.name) is not None
+        }
         turns = None
         if rollouts[0].turns is not None:
-            turns = Turns(**{f.name: stack("turns." + f.name, lambda r, n=f.name: getattr(r.turns, n))
-                             for f in dataclasses.fields(Turns)
-                             if all(getattr(r.turns, f.name) is not None for r in rollouts)})  # fmt: skip
+            turns = Turns(
+                **{
+                    f.name: stack("turns." + f.name, lambda r, n=f.name: getattr(r.turns, n))
+                    for f in dataclasses.fields(Turns)
+                    if all(getattr(r.turns, f.name) is not None for r in rollouts)
+                }
+            )
         return Rollout(**values, texts=[text for r in rollouts for text in r.texts], turns=turns)
 
 

@@ -179,8 +179,12 @@ class VllmClient:
         parts = urllib.parse.urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"vLLM address {url!r} is not an http:// or https:// URL")
-        self._https, self._host, self._port, self._prefix = (parts.scheme == "https", parts.hostname, parts.port,
-                                                             parts.path.rstrip("/"))  # fmt: skip
+        self._https, self._host, self._port, self._prefix = (
+            parts.scheme == "https",
+            parts.hostname,
+            parts.port,
+            parts.path.rstrip("/"),
+        )
         self._local = threading.local()  # each thread keeps one connection open to the server (HTTP keep-alive)
 
     @property
@@ -202,8 +206,9 @@ class VllmClient:
         if connection is not None:
             connection.close()
 
-    def _exchange(self, method: str, path: str, data: bytes | None, headers: dict[str, str],
-                  limit: int) -> tuple[int, bytes]:  # fmt: skip
+    def _exchange(
+        self, method: str, path: str, data: bytes | None, headers: dict[str, str], limit: int
+    ) -> tuple[int, bytes]:
         """One request on this thread's connection, connecting, sending and reading the whole reply within
         ``timeout`` seconds (``_Late`` past it) and at most ``limit`` bytes of body. A connection the server closed
         while it lay idle (its keep-alive ran out) fails before any reply: that is tried once more on a new one."""
@@ -231,8 +236,10 @@ class VllmClient:
                 if watchdog.fired or (isinstance(error, TimeoutError) and connected):
                     raise _Late() from None
                 if isinstance(error, http.client.HTTPException):  # garbage where a status line or body should be
-                    raise VllmError(f"vLLM server at {self.url} sent a malformed reply to {path} "
-                                    f"({_one_line(repr(error))}); is it a vLLM server?") from None  # fmt: skip
+                    raise VllmError(
+                        f"vLLM server at {self.url} sent a malformed reply to {path} "
+                        f"({_one_line(repr(error))}); is it a vLLM server?"
+                    ) from None
                 raise
             except BaseException:
                 self._drop_connection()
@@ -252,8 +259,10 @@ class VllmClient:
         never held whole."""
         declared = response.length
         if declared is not None and declared > limit:
-            raise VllmError(f"vLLM server at {self.url} sent a reply of {declared} bytes to {path}, more than the "
-                            f"{limit} bytes such a reply can need; is it a vLLM server?")  # fmt: skip
+            raise VllmError(
+                f"vLLM server at {self.url} sent a reply of {declared} bytes to {path}, more than the "
+                f"{limit} bytes such a reply can need; is it a vLLM server?"
+            )
         pieces, size = [], 0
         while True:
             piece = response.read(1 << 16)
@@ -262,19 +271,28 @@ class VllmClient:
             size += len(piece)
             if size > limit:
                 self._drop_connection()
-                raise VllmError(f"vLLM server at {self.url} sent a reply to {path} longer than the {limit} bytes such "
-                                "a reply can need; is it a vLLM server?")  # fmt: skip
+                raise VllmError(
+                    f"vLLM server at {self.url} sent a reply to {path} longer than the {limit} bytes such "
+                    "a reply can need; is it a vLLM server?"
+                )
             pieces.append(piece)
 
     def _late(self, path: str) -> VllmError:
         flag = f" ({self.setting})" if self.setting else ""
-        return VllmError(f"vLLM server at {self.url} did not answer {path} within {self.timeout:g} s{flag}; is it "
-                         "overloaded or stuck?")  # fmt: skip
+        return VllmError(
+            f"vLLM server at {self.url} did not answer {path} within {self.timeout:g} s{flag}; is it "
+            "overloaded or stuck?"
+        )
 
     def _request(
-        self, method: str, path: str, body: Mapping[str, Any] | None = None, *, deadline: float | None = None,
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        *,
+        deadline: float | None = None,
         limit: int = MAX_REPLY_BYTES,
-    ) -> tuple[int, Any]:  # fmt: skip
+    ) -> tuple[int, Any]:
         """(status, decoded JSON or text). HTTP error statuses are returned; connection failures are retried; a call
         past ``timeout`` is one ``VllmError``, not retried (the server got the request)."""
         data = None if body is None else json.dumps(body).encode()
@@ -329,8 +347,10 @@ class VllmClient:
         except (KeyError, TypeError) as error:
             raise DataError(f"vLLM /v1/models reply has no data[].id ({_one_line(error)})") from None
         if not names:
-            raise VllmError(f"vLLM server at {self.url} lists no model (/v1/models is empty); start it with --model, "
-                            "or wait until it has loaded one")  # fmt: skip
+            raise VllmError(
+                f"vLLM server at {self.url} lists no model (/v1/models is empty); start it with --model, "
+                "or wait until it has loaded one"
+            )
         return names
 
     def load_adapter(self, name: str, path: str | os.PathLike[str], *, load_inplace: bool = False) -> None:

@@ -34,8 +34,20 @@ from sao.core.reading import Limits, parse_json, read_json_file
 from sao.rollout.vllm import VllmClient, VllmError
 
 INDEX = "model.safetensors.index.json"
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-               "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 # vLLM's stacked parameters (Llama, Qwen2, Mistral, ...): one fused matrix per group, its parts stacked along dim 0.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # vLLM pads the vocabulary rows of its embedding and output layer to a multiple of 64, with zeros.
@@ -135,8 +147,9 @@ class WeightFolder:
         for file in files:
             for name, tensor in _header(file).items():
                 if name in self.tensors:
-                    raise ConfigError(f"{folder}: tensor {name} is in both {self.tensors[name].file.name} and "
-                                      f"{file.name}")  # fmt: skip
+                    raise ConfigError(
+                        f"{folder}: tensor {name} is in both {self.tensors[name].file.name} and {file.name}"
+                    )
                 self.tensors[name] = tensor
         embeddings = [n for n in self.tensors if n.endswith("embed_tokens.weight")]
         if publishable and embeddings and not any(n.endswith("lm_head.weight") for n in self.tensors):
@@ -288,8 +301,10 @@ def load_weights(
     seconds = time.perf_counter() - began
     served = client.weight_version()
     if served != tag:
-        raise VllmError(f"vLLM server at {url} holds weight version {served!r} after loading {tag!r} from "
-                        f"{weights.path}: the weights did not arrive")  # fmt: skip
+        raise VllmError(
+            f"vLLM server at {url} holds weight version {served!r} after loading {tag!r} from "
+            f"{weights.path}: the weights did not arrive"
+        )
     check = WeightCheck(0, 0, [])
     if verify:
         try:
@@ -320,9 +335,12 @@ def _after_refusal(client: VllmClient, reason: str, previous: WeightFolder | Non
 
 
 def reload_into(
-    client: VllmClient, folder: str | os.PathLike[str], version: int | str, *,
+    client: VllmClient,
+    folder: str | os.PathLike[str],
+    version: int | str,
+    *,
     previous: str | os.PathLike[str] | None = None,
-) -> str:  # fmt: skip
+) -> str:
     """A run's full-weight version into one server (``Connection.load_weights`` for vLLM): ``load_weights`` with the
     folder read once for every server and ``previous`` (the folder the server holds now) to check against. Returns
     the name requests use: the base model's, which now answers with these weights."""

@@ -42,14 +42,40 @@ ROLES = ("system", "developer", "user", "assistant", "tool")  # "tool": a tool's
 # Fields of OpenAI's request accepted when they keep their default (None or the value shown): anything else
 # would change the distribution sampled from, or ask for something not implemented.
 NEUTRAL = {
-    "top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "stop": [], "tools": [],
-    "tool_choice": "none", "functions": [], "function_call": "none", "response_format": {"type": "text"},
-    "parallel_tool_calls": None, "stream_options": None, "modalities": ["text"], "audio": None, "prediction": None,
-    "reasoning_effort": None, "web_search_options": None,
-}  # fmt: skip
+    "top_p": 1,
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "logit_bias": {},
+    "stop": [],
+    "tools": [],
+    "tool_choice": "none",
+    "functions": [],
+    "function_call": "none",
+    "response_format": {"type": "text"},
+    "parallel_tool_calls": None,
+    "stream_options": None,
+    "modalities": ["text"],
+    "audio": None,
+    "prediction": None,
+    "reasoning_effort": None,
+    "web_search_options": None,
+}
 IGNORED = ("user", "store", "service_tier", "prompt_cache_key", "safety_identifier")  # no effect on sampling
-KNOWN = {"model", "messages", "temperature", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
-         "seed", "n", "stream", "metadata", *NEUTRAL, *IGNORED}  # fmt: skip
+KNOWN = {
+    "model",
+    "messages",
+    "temperature",
+    "max_tokens",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "seed",
+    "n",
+    "stream",
+    "metadata",
+    *NEUTRAL,
+    *IGNORED,
+}
 
 
 class HTTPProblem(Exception):
@@ -97,20 +123,29 @@ class Service:
             value = body.get(name)
             if value is not None and value != neutral and not (name == "stop" and value == ""):
                 shown = json.dumps(value)[:60]
-                raise HTTPProblem(400, f"{name}={shown} is not supported: sao serve samples plain softmax(logits / "
-                                  "temperature) so that the logged log-probabilities are exact")  # fmt: skip
+                raise HTTPProblem(
+                    400,
+                    f"{name}={shown} is not supported: sao serve samples plain softmax(logits / "
+                    "temperature) so that the logged log-probabilities are exact",
+                )
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise HTTPProblem(400, "model must be a string")
         messages = self._messages(body.get("messages"))
         temperature = _number(body, "temperature", s.default_temperature)
         if not math.isfinite(temperature) or temperature <= 0:
-            raise HTTPProblem(400, f"temperature must be > 0 (got {temperature}): greedy decoding has no sampling "
-                              "distribution, so its log-probabilities could not correct anything")  # fmt: skip
+            raise HTTPProblem(
+                400,
+                f"temperature must be > 0 (got {temperature}): greedy decoding has no sampling "
+                "distribution, so its log-probabilities could not correct anything",
+            )
         low, high = TEMPERATURE_RANGE
         if not low <= temperature <= high:
-            raise HTTPProblem(400, f"temperature must be from {low:g} to {high:g} (got {temperature:g}): beyond them "
-                              "logits / temperature leave float32's range")  # fmt: skip
+            raise HTTPProblem(
+                400,
+                f"temperature must be from {low:g} to {high:g} (got {temperature:g}): beyond them "
+                "logits / temperature leave float32's range",
+            )
         max_tokens = s.max_tokens
         for name in ("max_completion_tokens", "max_tokens"):
             if body.get(name) is not None:
@@ -142,17 +177,27 @@ class Service:
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise HTTPProblem(400, f"the model's chat template refused the messages ({first})") from None
         if len(prompt_ids) > s.max_prompt_tokens:
-            raise HTTPProblem(400, f"the prompt has {len(prompt_ids)} tokens; this server takes at most "
-                              f"{s.max_prompt_tokens}")  # fmt: skip
+            raise HTTPProblem(
+                400, f"the prompt has {len(prompt_ids)} tokens; this server takes at most {s.max_prompt_tokens}"
+            )
         context = s.context_length
         if context is not None and len(prompt_ids) + max_tokens > context:
             room = context - len(prompt_ids)
             fix = f"ask for max_tokens <= {room}" if room >= 1 else "shorten the prompt"
-            message = (f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}: more than the "
-                       f"model's context of {context} tokens; {fix}")  # fmt: skip
+            message = (
+                f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}: more than the "
+                f"model's context of {context} tokens; {fix}"
+            )
             raise HTTPProblem(400, message, "context_length_exceeded")
-        return {"messages": messages, "prompt_ids": prompt_ids, "temperature": temperature, "max_tokens": max_tokens,
-                "logprobs": logprobs, "seed": seed, "metadata": metadata}  # fmt: skip
+        return {
+            "messages": messages,
+            "prompt_ids": prompt_ids,
+            "temperature": temperature,
+            "max_tokens": max_tokens,
+            "logprobs": logprobs,
+            "seed": seed,
+            "metadata": metadata,
+        }
 
     @staticmethod
     def _messages(messages: Any) -> list[dict[str, str]]:
@@ -170,8 +215,9 @@ class Service:
             if role not in ROLES:
                 raise HTTPProblem(400, f"messages[{i}].role must be one of {', '.join(ROLES)} (got {role!r})")
             if isinstance(content, list):  # content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):  # fmt: skip
+                if not all(
+                    isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+                ):
                     raise HTTPProblem(400, f'messages[{i}].content parts must all be {{"type": "text", "text"}}')
                 content = "".join(p["text"] for p in content)
             if not isinstance(content, str):
@@ -186,8 +232,12 @@ class Service:
         event loop before and after any thread is used, so a plain count is exact and the bound is reachable
         whatever the thread pool's size."""
         if self.in_flight >= self.settings.max_waiting:
-            raise HTTPProblem(503, f"more than {self.settings.max_waiting} requests are waiting; retry later",
-                              "overloaded", "server_error")  # fmt: skip
+            raise HTTPProblem(
+                503,
+                f"more than {self.settings.max_waiting} requests are waiting; retry later",
+                "overloaded",
+                "server_error",
+            )
         self.in_flight += 1
 
     def leave(self) -> None:
@@ -200,9 +250,11 @@ class Service:
     def complete(self, request: dict[str, Any]) -> dict[str, Any]:
         """Draw the reply, grade it when the request carried task fields, log it, and build the response."""
         completion = self.policy.generate(
-            request["prompt_ids"], max_tokens=request["max_tokens"], temperature=request["temperature"],
+            request["prompt_ids"],
+            max_tokens=request["max_tokens"],
+            temperature=request["temperature"],
             seed=request["seed"],
-        )  # fmt: skip
+        )
         created = int(time.time())
         id_ = f"cmpl-{uuid.uuid4().hex}"
         record: dict[str, Any] = {
@@ -251,8 +303,11 @@ class Service:
                     )
                 ]
             }
-        sao = {"policy_version": record["policy_version"], "completion_token_ids": completion.completion_token_ids,
-               "prompt_token_ids": completion.prompt_token_ids}  # fmt: skip
+        sao = {
+            "policy_version": record["policy_version"],
+            "completion_token_ids": completion.completion_token_ids,
+            "prompt_token_ids": completion.prompt_token_ids,
+        }
         if "reward" in record:
             sao["reward"] = record["reward"]
         return {
@@ -384,8 +439,11 @@ async def _json_body(request: Request) -> Any:
                 raise HTTPProblem(413, f"the body is over {MAX_BODY_BYTES} bytes", "body_too_large")
     except ClientDisconnect:  # one line, not uvicorn's traceback: nothing was drawn or logged for it
         client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
-        print(f"sao serve: {client} hung up after {len(raw)} bytes of its request body; nothing logged",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"sao serve: {client} hung up after {len(raw)} bytes of its request body; nothing logged",
+            file=sys.stderr,
+            flush=True,
+        )
         raise HTTPProblem(400, "the client hung up before its body was complete", "client_disconnected") from None
     try:  # the bounded reader: nesting, long integers, NaN and 1e400 refused before anything reads them
         return parse_json(bytes(raw), where="the body", limits=BODY_LIMITS)
@@ -404,8 +462,12 @@ async def _guarded(work: Any, *args: Any) -> Any:
         first = (str(error).strip().splitlines() or [""])[0][:200]
         what = "the trace log could not be written" if isinstance(error, OSError) else "internal error"
         print(f"sao serve: {what}: {type(error).__name__}: {first}", file=sys.stderr, flush=True)
-        raise HTTPProblem(500, f"{what} ({type(error).__name__}: {first}); the request was not logged",
-                          "internal_error", "server_error") from None  # fmt: skip
+        raise HTTPProblem(
+            500,
+            f"{what} ({type(error).__name__}: {first}); the request was not logged",
+            "internal_error",
+            "server_error",
+        ) from None
 
 
 def create_app(service: Service) -> FastAPI:

@@ -88,9 +88,14 @@ class ServedPolicy:
         generator = torch.Generator(device=device).manual_seed(seed)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, P]
         rollout = self._decoder.generate(
-            ids, torch.ones_like(ids, dtype=torch.bool), max_new_tokens=max_tokens, temperature=temperature,
-            eos_token_ids=self.models.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id, generator=generator,
-        )  # fmt: skip
+            ids,
+            torch.ones_like(ids, dtype=torch.bool),
+            max_new_tokens=max_tokens,
+            temperature=temperature,
+            eos_token_ids=self.models.eos_token_ids,
+            pad_token_id=self.tokenizer.pad_token_id,
+            generator=generator,
+        )
         keep = rollout.response_mask[0]  # [R] True through the EOS token
         completion = rollout.response_ids[0][keep].tolist()
         return Completion(
@@ -132,13 +137,16 @@ class ServedPolicy:
         live = {name.replace(marker, "."): name for name in self._lora}  # saved name → live name
         if set(state) != set(live):
             missing, extra = sorted(set(live) - set(state)), sorted(set(state) - set(live))
-            raise ConfigError(f"{folder}: the adapter's tensors do not match ({len(missing)} missing, {len(extra)} "
-                              f"unexpected, e.g. {(missing or extra)[0]})")  # fmt: skip
+            raise ConfigError(
+                f"{folder}: the adapter's tensors do not match ({len(missing)} missing, {len(extra)} "
+                f"unexpected, e.g. {(missing or extra)[0]})"
+            )
         out = {}
         for saved, name in live.items():
             if state[saved].shape != self._lora[name].shape:
-                raise ConfigError(f"{folder}: {saved} has shape {tuple(state[saved].shape)}, "
-                                  f"expected {tuple(self._lora[name].shape)}")  # fmt: skip
+                raise ConfigError(
+                    f"{folder}: {saved} has shape {tuple(state[saved].shape)}, expected {tuple(self._lora[name].shape)}"
+                )
             out[name] = state[saved]
         return out
 

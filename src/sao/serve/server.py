@@ -51,8 +51,9 @@ def listen(host: str, port: int) -> socket.socket:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError, ValueError) as error:
         why = getattr(error, "strerror", None) or str(error)
-        raise ConfigError(f"--host {host}: not an address or a name this machine resolves ({why}); "
-                          "e.g. 127.0.0.1, ::1 or 0.0.0.0") from None  # fmt: skip
+        raise ConfigError(
+            f"--host {host}: not an address or a name this machine resolves ({why}); e.g. 127.0.0.1, ::1 or 0.0.0.0"
+        ) from None
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -64,8 +65,9 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def served_adapter(adapter: str | os.PathLike[str] | None,
-                   watch: str | os.PathLike[str] | None) -> tuple[Path, int] | None:  # fmt: skip
+def served_adapter(
+    adapter: str | os.PathLike[str] | None, watch: str | os.PathLike[str] | None
+) -> tuple[Path, int] | None:
     """``--adapter DIR``: (its adapter folder, the policy version it holds); None without one. A folder holding no
     adapter, one that does not say its version, ``--adapter`` with ``--watch``, and ``--watch`` on a finished run
     that was trained without publishing (it never will) are one-line ConfigErrors, before any model loads."""
@@ -85,9 +87,11 @@ def served_adapter(adapter: str | os.PathLike[str] | None,
     if version is None and folder.parent.name == "published" and folder.name[1:].isdigit():
         version = int(folder.name[1:])  # RUN/published/vN, written before adapters recorded their version
     if version is None:
-        raise ConfigError(f"--adapter {adapter}: {folder} does not record the policy version it holds (an adapter "
-                          "written by an older sao or another tool), which every trace must carry; serve its run "
-                          "with --watch RUN instead")  # fmt: skip
+        raise ConfigError(
+            f"--adapter {adapter}: {folder} does not record the policy version it holds (an adapter "
+            "written by an older sao or another tool), which every trace must carry; serve its run "
+            "with --watch RUN instead"
+        )
     return folder, version
 
 
@@ -161,10 +165,12 @@ class Server:
                 say(f"sao serve: {watch} has published nothing yet: serving the base model (v0) until it does")
             settings = EndpointSettings(
                 model_name=f"sao-{name}" if (name := config.model.name).startswith("tiny") else name,
-                max_tokens=max_tokens, default_temperature=config.rollout.temperature,
-                max_prompt_tokens=max_prompt_tokens, needs_answer=config.data.reward is None,
+                max_tokens=max_tokens,
+                default_temperature=config.rollout.temperature,
+                max_prompt_tokens=max_prompt_tokens,
+                needs_answer=config.data.reward is None,
                 context_length=getattr(self.policy, "context_length", None),
-            )  # fmt: skip
+            )
             self.log = TraceLog(traces)
             self.service = Service(self.policy, self.log, settings, scorer)
             self.app = create_app(self.service)
@@ -185,8 +191,10 @@ class Server:
         log = self.log
         extra = f", cut a torn last line of {log.torn_bytes} bytes" if log.torn_bytes else ""
         extra += f", {log.bad_lines} unreadable lines skipped" if log.bad_lines else ""
-        return (f"sao serve: {self.service.settings.model_name} with adapter v{self.policy.version} on {self.url} "
-                f"(trace log {log.path}: {log.records} trajectories{extra})")  # fmt: skip
+        return (
+            f"sao serve: {self.service.settings.model_name} with adapter v{self.policy.version} on {self.url} "
+            f"(trace log {log.path}: {log.records} trajectories{extra})"
+        )
 
     def _make_uvicorn(self):
         import uvicorn
@@ -244,8 +252,10 @@ def serve(config: Config, traces: str | Path, *, host: str, host_given: bool, po
         raise ConfigError(f"refusing to listen on {host}: pass --host explicitly to serve beyond this machine")
     server = Server(config, traces, host=host, port=port, **options)  # a bad host or port fails here
     if not is_loopback(host):
-        print(f"sao serve: warning: listening on {host}, not loopback: anyone who can reach this port can sample "
-              "from the model and write to the trace log (there is no authentication)")  # fmt: skip
+        print(
+            f"sao serve: warning: listening on {host}, not loopback: anyone who can reach this port can sample "
+            "from the model and write to the trace log (there is no authentication)"
+        )
     print(server.describe(), flush=True)
     server.run()
     return 0

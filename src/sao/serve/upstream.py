@@ -93,8 +93,11 @@ class UpstreamPolicy:
         self.reload_lock = threading.Lock()  # one reload after a restart, whoever finds it first
         self.version, self.adapter, self.name = 0, "initial", self.base
         self.loaded: list[str] = []
-        self.eos = sorted({i for i in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id) if i is not None}
-                          if self.tokenizer.eos_token_id is None else {self.tokenizer.eos_token_id})  # fmt: skip
+        self.eos = sorted(
+            {i for i in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id) if i is not None}
+            if self.tokenizer.eos_token_id is None
+            else {self.tokenizer.eos_token_id}
+        )
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -105,14 +108,26 @@ class UpstreamPolicy:
             with self.lock:
                 name, version, adapter = self.name, self.version, self.adapter
             try:
-                reply = self.client.complete(prompt_ids, model=name, max_tokens=max_tokens, temperature=temperature,
-                                             seed=seed, stop_token_ids=self.eos)  # fmt: skip
+                reply = self.client.complete(
+                    prompt_ids,
+                    model=name,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    seed=seed,
+                    stop_token_ids=self.eos,
+                )
             except VllmError as error:
                 if name == self.base or not _unknown_model(error):
                     raise
                 self._load_again(name, adapter)  # the server restarted and forgot it: loaded again, the request resent
-                reply = self.client.complete(prompt_ids, model=name, max_tokens=max_tokens, temperature=temperature,
-                                             seed=seed, stop_token_ids=self.eos)  # fmt: skip
+                reply = self.client.complete(
+                    prompt_ids,
+                    model=name,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    seed=seed,
+                    stop_token_ids=self.eos,
+                )
         return Completion(
             prompt_token_ids=list(reply.prompt_token_ids),
             completion_token_ids=list(reply.completion_token_ids),

@@ -130,9 +130,14 @@ class Scorer:
     ``name`` says which reward it is in errors and in config.json (its import path when it has one)."""
 
     def __init__(
-        self, reward: Callable[..., Any], *, truncated_reward: str = "zero", name: str | None = None,
-        timeout: float = 0.0, concurrency: int = 16,
-    ):  # fmt: skip
+        self,
+        reward: Callable[..., Any],
+        *,
+        truncated_reward: str = "zero",
+        name: str | None = None,
+        timeout: float = 0.0,
+        concurrency: int = 16,
+    ):
         if not callable(reward):
             raise ConfigError(f"a reward must be callable, got {preview(reward)}")
         if truncated_reward not in ("zero", "grade"):
@@ -176,13 +181,20 @@ class Scorer:
             except PluginTimeout:
                 return [0.0] * len(rows), [True] * len(rows)
             if not isinstance(values, list | tuple) or len(values) != len(rows):
-                raise ConfigError(f"reward {self.name} returned {preview(values)} for {len(rows)} completions; a "
-                                  "batched reward returns one number per completion")  # fmt: skip
+                raise ConfigError(
+                    f"reward {self.name} returned {preview(values)} for {len(rows)} completions; a "
+                    "batched reward returns one number per completion"
+                )
             return [self._checked(v, row) for v, row in zip(values, rows, strict=True)], [False] * len(rows)
         # one call per completion, ``concurrency`` at once: a reward that hangs on every row costs one timeout a batch
-        values = plugins.call_each(lambda pair: _run(self.reward(*pair)), list(zip(completions, rows, strict=True)),
-                                   plugin=plugin, rows=[str(row.get("id", "a row")) for row in rows],
-                                   timeout=self.timeout, concurrency=self.concurrency)  # fmt: skip
+        values = plugins.call_each(
+            lambda pair: _run(self.reward(*pair)),
+            list(zip(completions, rows, strict=True)),
+            plugin=plugin,
+            rows=[str(row.get("id", "a row")) for row in rows],
+            timeout=self.timeout,
+            concurrency=self.concurrency,
+        )
         late = [isinstance(v, PluginTimeout) for v in values]
         return [0.0 if t else self._checked(v, row) for v, t, row in zip(values, late, rows, strict=True)], late
 
@@ -191,8 +203,10 @@ class Scorer:
         under "zero" ("grade": as graded); with the counts every step and eval logs (``truncated_replies``, and
         ``truncated_with_credit``: those the grader credits)."""
         cut = [bool(c) for c in cut]
-        counts = {"truncated_replies": sum(cut),
-                  "truncated_with_credit": sum(c and s > 0 for c, s in zip(cut, scores, strict=True))}  # fmt: skip
+        counts = {
+            "truncated_replies": sum(cut),
+            "truncated_with_credit": sum(c and s > 0 for c, s in zip(cut, scores, strict=True)),
+        }
         if self.truncated_reward == "zero":
             scores = [0.0 if c else s for c, s in zip(cut, scores, strict=True)]
         return list(scores), counts

@@ -154,8 +154,10 @@ class _JsonlTable:
                 if not raw:
                     break
                 if not fits:
-                    raise DataError(f"{self.path} line {lineno}: longer than {RECORD_LIMITS.max_bytes >> 20} MiB "
-                                    "(is this the right file?)")  # fmt: skip
+                    raise DataError(
+                        f"{self.path} line {lineno}: longer than {RECORD_LIMITS.max_bytes >> 20} MiB "
+                        "(is this the right file?)"
+                    )
                 start, offset = offset, offset + len(raw)
                 if not raw.strip():
                     continue
@@ -330,11 +332,15 @@ def _get(record: Any, name: str, where: str, flag: str) -> Any:
         for depth, part in enumerate(parts):
             inside = ".".join(parts[:depth]) or "the record"
             if not isinstance(value, Mapping):
-                raise DataError(f"{where}: no {name!r} field ({inside!r} is a {type(value).__name__}, not an object); "
-                                f"name it with {flag}")  # fmt: skip
+                raise DataError(
+                    f"{where}: no {name!r} field ({inside!r} is a {type(value).__name__}, not an object); "
+                    f"name it with {flag}"
+                )
             if part not in value:
-                raise DataError(f"{where}: no {name!r} field ({inside if depth == 0 else repr(inside)} has: "
-                                f"{_listing(value)}); name it with {flag}")  # fmt: skip
+                raise DataError(
+                    f"{where}: no {name!r} field ({inside if depth == 0 else repr(inside)} has: "
+                    f"{_listing(value)}); name it with {flag}"
+                )
             value = value[part]
     if value is None:
         raise DataError(f"{where}: field {name!r} is empty (null)")
@@ -359,8 +365,10 @@ def _answer(value: Any, where: str, name: str) -> str:
         return answer
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         if not math.isfinite(float(value)):  # pandas' missing value is a NaN: never a gold answer
-            raise DataError(f"{where}: field {name!r} (the gold answer) is {float(value)} (a missing value?); "
-                            "give the row its answer or leave it out")  # fmt: skip
+            raise DataError(
+                f"{where}: field {name!r} (the gold answer) is {float(value)} (a missing value?); "
+                "give the row its answer or leave it out"
+            )
         return str(value)
     raise DataError(
         f"{where}: field {name!r} (the gold answer) must be a string or a number, got {_short(value)}; "
@@ -545,8 +553,16 @@ def load_custom(
 # --- rows given as objects ------------------------------------------------------------------------------------
 
 
-def from_rows(dataset: Any, *, n_train: int, n_test: int, seed: int, prompt_field: str | None = None,
-              answer_field: str | None = None, messages_field: str | None = None) -> TaskSet:  # fmt: skip
+def from_rows(
+    dataset: Any,
+    *,
+    n_train: int,
+    n_test: int,
+    seed: int,
+    prompt_field: str | None = None,
+    answer_field: str | None = None,
+    messages_field: str | None = None,
+) -> TaskSet:
     """A task set from rows given in Python: a list of dicts (every row a training prompt; no held-out tasks), a
     mapping ``{"train": rows, "test": rows}``, or a Hugging Face ``Dataset`` / ``DatasetDict`` of the same. A row is
     a dict with a ``prompt`` (text, or chat messages as a list of ``{"role", "content"}``) and any other fields
@@ -564,9 +580,14 @@ def from_rows(dataset: Any, *, n_train: int, n_test: int, seed: int, prompt_fiel
         raise DataError("the dataset has no rows to train on")
     test = _sample(test, min(n_test, len(test)), random.Random(seed)) if test else []
     kept, dropped = decontaminate(train, test) if test else (train, [])
-    counts = {"train_pool": len(train), "test_pool": len(splits.get("test", [])), "test": len(test),
-              "train_contaminated": len(dropped), "train_kept": len(kept),
-              "train": min(n_train, len(kept))}  # fmt: skip
+    counts = {
+        "train_pool": len(train),
+        "test_pool": len(splits.get("test", [])),
+        "test": len(test),
+        "train_contaminated": len(dropped),
+        "train_kept": len(kept),
+        "train": min(n_train, len(kept)),
+    }
     return TaskSet(train=kept[:n_train], test=test, counts=counts, source=f"rows:{len(train)}", instruction="")
 
 
@@ -582,21 +603,26 @@ def _splits(dataset: Any) -> dict[str, list[Any]]:
         raise ConfigError(f"a dataset mapping needs a 'train' split, got keys {_listing(sorted(map(str, keys)))}")
     if hasattr(dataset, "__iter__") and not isinstance(dataset, str | bytes):
         return {"train": list(dataset)}
-    raise ConfigError(f"dataset must be a list of dicts, a {{'train', 'test'}} mapping, a Hugging Face dataset or a "
-                      f"path, got {type(dataset).__name__}")  # fmt: skip
+    raise ConfigError(
+        f"dataset must be a list of dicts, a {{'train', 'test'}} mapping, a Hugging Face dataset or a "
+        f"path, got {type(dataset).__name__}"
+    )
 
 
 def _row_task(row: Any, task_id: str, fields: _Fields | None = None) -> Task:
     fields = fields or _Fields(prompt=ROW_PROMPT_FIELD, answer=DEFAULT_ANSWER_FIELD, messages=None)
     where = f"dataset row {task_id.rsplit('/', 2)[1]} {task_id.rsplit('/', 1)[1]}"
     if not isinstance(row, Mapping):
-        raise DataError(f"{where}: expected a dict with a {fields.messages or fields.prompt!r}, got "
-                        f"{type(row).__name__}")  # fmt: skip
+        raise DataError(
+            f"{where}: expected a dict with a {fields.messages or fields.prompt!r}, got {type(row).__name__}"
+        )
     odd = next((key for key in row if not isinstance(key, str)), None)
     if odd is not None:
-        raise DataError(f"{where}: a field is named {odd!r:.40} ({type(odd).__name__}), not by a string; a row's "
-                        "fields are named by strings (they reach the reward, the environment and config.json as "
-                        "JSON)")  # fmt: skip
+        raise DataError(
+            f"{where}: a field is named {odd!r:.40} ({type(odd).__name__}), not by a string; a row's "
+            "fields are named by strings (they reach the reward, the environment and config.json as "
+            "JSON)"
+        )
     messages = None
     if fields.messages:
         messages, question = _messages(_get(row, fields.messages, where, "messages_field"), where, fields.messages)
@@ -626,8 +652,17 @@ def _get_or_none(row: Mapping[str, Any], path: str) -> Any:
 def _no_prompt(row: Mapping[str, Any], where: str, name: str) -> str:
     """A row without its prompt: what it has, that the prompt's text or its chat messages go under ``name``, and
     the field that would name a list of chat messages the row does hold."""
-    chat = next((k for k, v in row.items() if isinstance(k, str) and isinstance(v, list | tuple) and v
-                 and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in v)), None)  # fmt: skip
+    chat = next(
+        (
+            k
+            for k, v in row.items()
+            if isinstance(k, str)
+            and isinstance(v, list | tuple)
+            and v
+            and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in v)
+        ),
+        None,
+    )
     hint = f"; or name the field that holds them: messages_field={chat!r}" if chat is not None else ""
     return (
         f"{where}: no {name!r} field (the record has: {_listing(row)}); the prompt goes there, as text or as chat "
@@ -650,8 +685,11 @@ def load_reward(spec: str) -> Callable[..., Any]:
 def skyrl_extras(fields: Mapping[str, Any], max_turns: int) -> dict[str, Any]:
     """What a SkyRL-style environment is built with besides its config: the task's answer as the rule reward's
     ground truth, the turn limit, and the other fields as ``extra_info``."""
-    return {"reward_spec": {"method": "rule", "ground_truth": fields["answer"]}, "max_turns": max_turns,
-            "extra_info": {k: v for k, v in fields.items() if k != "answer"}}  # fmt: skip
+    return {
+        "reward_spec": {"method": "rule", "ground_truth": fields["answer"]},
+        "max_turns": max_turns,
+        "extra_info": {k: v for k, v in fields.items() if k != "answer"},
+    }
 
 
 def _is_skyrl_class(factory: Any) -> bool:
@@ -759,8 +797,10 @@ def import_plugin_module(module_name: str, spec: str, flag: str) -> ModuleType:
 
 def _import_failed(error: BaseException, module_name: str, spec: str, flag: str) -> ConfigError:
     if isinstance(error, SystemExit):
-        return ConfigError(f"{flag} {spec!r}: importing {module_name!r} called sys.exit({error.code!r}); a plug-in "
-                           "module must not exit when it is imported")  # fmt: skip
+        return ConfigError(
+            f"{flag} {spec!r}: importing {module_name!r} called sys.exit({error.code!r}); a plug-in "
+            "module must not exit when it is imported"
+        )
     return ConfigError(f"{flag} {spec!r}: importing {module_name!r} failed ({_first_line(error)})")
 
 

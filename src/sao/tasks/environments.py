@@ -72,8 +72,9 @@ def episodes_for(
     messages = {t.id: t.chat(instruction) for t in tasks}
     fields = {t.id: task_fields(t) for t in tasks}
     label = f"environment {name}" if name else f"environment {getattr(factory, '__qualname__', 'factory')}"
-    return Episodes(factory, messages, fields, max_turns, max_total_tokens, env_concurrency, env_rejoin, env_timeout,
-                    label)  # fmt: skip
+    return Episodes(
+        factory, messages, fields, max_turns, max_total_tokens, env_concurrency, env_rejoin, env_timeout, label
+    )
 
 
 def prompt_text(tokenizer: Any, task: Task, instruction: str) -> str:

@@ -28,8 +28,9 @@ from sao.tasks.base import Scorer, Task, TaskSet
 from sao.tasks.environments import episodes_for, prompt_text
 
 
-def preflight(config: Config, *, reward_fn: Callable[..., Any] | None = None,
-              env_factory: EnvFactory | None = None) -> None:  # fmt: skip
+def preflight(
+    config: Config, *, reward_fn: Callable[..., Any] | None = None, env_factory: EnvFactory | None = None
+) -> None:
     """What can be known before any data, hub or model is touched, so that a mistake costs seconds, not a download
     or a model load: the model's folder (a name that reads as a path and is no folder), and the ``--reward`` and
     ``--env`` plug-ins (imported, their call shape checked). The data's own paths are read next (``task_set``,
@@ -47,21 +48,42 @@ def task_set(config: Config, dataset: Any = None) -> TaskSet:
     dataset, or a path read as ``--data``), else what ``--data`` names."""
     d = config.data
     if dataset is not None and not isinstance(dataset, str | Path):
-        return custom.from_rows(dataset, n_train=d.train_prompts, n_test=d.test_prompts, seed=d.data_seed,
-                                prompt_field=d.prompt_field, answer_field=d.answer_field,
-                                messages_field=d.messages_field)  # fmt: skip
+        return custom.from_rows(
+            dataset,
+            n_train=d.train_prompts,
+            n_test=d.test_prompts,
+            seed=d.data_seed,
+            prompt_field=d.prompt_field,
+            answer_field=d.answer_field,
+            messages_field=d.messages_field,
+        )
     name = str(dataset) if dataset is not None else d.dataset
     if name in TASK_SETS:
-        given = [f for f, v in (("--prompt-field", d.prompt_field), ("--answer-field", d.answer_field),
-                                ("--messages-field", d.messages_field)) if v is not None]  # fmt: skip
+        given = [
+            f
+            for f, v in (
+                ("--prompt-field", d.prompt_field),
+                ("--answer-field", d.answer_field),
+                ("--messages-field", d.messages_field),
+            )
+            if v is not None
+        ]
         if given:
-            raise ConfigError(f"{', '.join(given)} apply to --data FILE (.jsonl, .parquet), a directory or a hub "
-                              f"dataset name, not to the generated task set {name!r}")  # fmt: skip
+            raise ConfigError(
+                f"{', '.join(given)} apply to --data FILE (.jsonl, .parquet), a directory or a hub "
+                f"dataset name, not to the generated task set {name!r}"
+            )
         return TASK_SETS.get(name)(d.train_prompts, d.test_prompts, d.data_seed)
     if custom.uses_custom_loader(name, d.prompt_field, d.answer_field, d.messages_field):
-        return custom.load_custom(name, prompt_field=d.prompt_field, answer_field=d.answer_field,
-                                  messages_field=d.messages_field, n_train=d.train_prompts, n_test=d.test_prompts,
-                                  seed=d.data_seed)  # fmt: skip
+        return custom.load_custom(
+            name,
+            prompt_field=d.prompt_field,
+            answer_field=d.answer_field,
+            messages_field=d.messages_field,
+            n_train=d.train_prompts,
+            n_test=d.test_prompts,
+            seed=d.data_seed,
+        )
     return gsm8k.load_gsm8k(name, n_train=d.train_prompts, n_test=d.test_prompts, seed=d.data_seed)
 
 
@@ -73,8 +95,13 @@ def scorer(config: Config, tasks: TaskSet | None = None, reward_fn: Callable[...
     if reward is None:
         reward = (tasks.reward if tasks is not None else None) or gsm8k.reward
     d = config.data
-    return Scorer(reward, truncated_reward=d.truncated_reward, name=name, timeout=d.reward_timeout,
-                  concurrency=d.reward_concurrency)  # fmt: skip
+    return Scorer(
+        reward,
+        truncated_reward=d.truncated_reward,
+        name=name,
+        timeout=d.reward_timeout,
+        concurrency=d.reward_concurrency,
+    )
 
 
 @dataclass
@@ -99,9 +126,17 @@ class TaskParts:
         """Multi-turn drawing of ``tasks`` in this run's environment, with its limits, concurrency, rejoin rule and
         timeout (None without an environment)."""
         r, d = self.config.rollout, self.config.data
-        return episodes_for(self.env_factory, tasks, self.tasks.instruction, r.max_turns, r.max_total_tokens,
-                            r.env_concurrency, name=d.env, env_timeout=d.env_timeout,
-                            env_rejoin=r.env_rejoin)  # fmt: skip
+        return episodes_for(
+            self.env_factory,
+            tasks,
+            self.tasks.instruction,
+            r.max_turns,
+            r.max_total_tokens,
+            r.env_concurrency,
+            name=d.env,
+            env_timeout=d.env_timeout,
+            env_rejoin=r.env_rejoin,
+        )
 
     def sampling(self, *, eval: bool = False) -> Sampling:
         """How replies are drawn: at the rollout temperature and length for training, at the eval settings for an
@@ -148,6 +183,8 @@ def check_prompts_fit(tokenizer: Any, tasks: TaskSet, context_length: int | None
     for task in [*tasks.train, *tasks.test]:
         n = len(tokenizer(prompt_text(tokenizer, task, tasks.instruction), add_special_tokens=False)["input_ids"])
         if n >= context_length:
-            raise DataError(f"task {task.id}: its prompt is {n} tokens and the model attends over {context_length} "
-                            "positions, prompt and reply together, so no reply fits; shorten the prompt or leave "
-                            "the task out")  # fmt: skip
+            raise DataError(
+                f"task {task.id}: its prompt is {n} tokens and the model attends over {context_length} "
+                "positions, prompt and reply together, so no reply fits; shorten the prompt or leave "
+                "the task out"
+            )

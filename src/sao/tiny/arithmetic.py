@@ -64,11 +64,7 @@ class WarmStart:
 
 def _byte_alphabet() -> list[str]:
     """The 256 printable stand-ins byte-level BPE uses for bytes (GPT-2's table), in byte order."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table, extra = {}, 0
     for b in range(256):
         if b in printable:

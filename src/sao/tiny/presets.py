@@ -21,6 +21,6 @@ TINY = {
     "eval_max_new_tokens": 20,
     "micro_batch": 64,
     "by_env": {
-        "tiny-calc": {"model": "tiny-calc", "data": "tiny-calc", "max_new_tokens": 24, "eval_max_new_tokens": 24},
+        "tiny-calc": {"model": "tiny-calc", "data": "tiny-calc", "max_new_tokens": 24, "eval_max_new_tokens": 24}
     },
 }

@@ -57,8 +57,11 @@ def trainer(
     world = World.from_env(config.model.device)  # one process, or this rank of a torchrun group
     world.shard(config.training.batch_size)  # a batch that does not split over the processes: refused before loading
     if config.training.shard == "fsdp" and world.size == 1:
-        print("notice: --shard fsdp without torchrun: one process trains the unsharded models (its checkpoints are "
-              "sharded ones, which torchrun can resume on any number of processes)", file=sys.stderr)  # fmt: skip
+        print(
+            "notice: --shard fsdp without torchrun: one process trains the unsharded models (its checkpoints are "
+            "sharded ones, which torchrun can resume on any number of processes)",
+            file=sys.stderr,
+        )
     hooks = check_hooks(hooks)  # a class or a function where an instance belongs: before anything is claimed
     check_source(source)
     check_factory(env_factory)
@@ -66,27 +69,60 @@ def trainer(
     named = named_hooks(config.training.hooks)  # --hooks: imported and built now
     tasks = tasks or setup.task_set(config, dataset)  # a bad --data fails here, before a model is loaded
     held = gate_tasks(config, tasks)  # and a held-out split too small for the gate's margin
-    record = checkpoint.run_record(config, tasks, world.size, dataset=dataset, reward_fn=reward_fn,
-                                   env_factory=env_factory, source=source, hooks=list(hooks))  # fmt: skip
+    record = checkpoint.run_record(
+        config,
+        tasks,
+        world.size,
+        dataset=dataset,
+        reward_fn=reward_fn,
+        env_factory=env_factory,
+        source=source,
+        hooks=list(hooks),
+    )
     # another run's folder, one in use, a damaged checkpoint: now (rank 0 holds the folder's lock)
     run = checkpoint.RunDir.open(out_dir, record, resume=resume, lock=world.is_main)
     try:
         # a source built on every process draws with the trainer's own models: room for its stale sampler first
         every_rank = source is None and builds_on_every_rank(config.rollout.source)
         models = load_models(config, world, stale_sampler=every_rank)
-        task_parts = setup.parts(config, models.tokenizer, tasks, reward_fn=reward_fn, env_factory=env_factory,
-                                 eos_token_ids=models.eos_token_ids,
-                                 context_length=context_length(models.policy))  # fmt: skip
+        task_parts = setup.parts(
+            config,
+            models.tokenizer,
+            tasks,
+            reward_fn=reward_fn,
+            env_factory=env_factory,
+            eos_token_ids=models.eos_token_ids,
+            context_length=context_length(models.policy),
+        )
         label = label or f"{config.algorithm.correction} seed {config.training.seed}"
         if source is None and (world.is_main or every_rank):
-            context = SourceContext(config, models, {t.id: t for t in tasks.train}, task_parts.prompts,
-                                    task_parts.episodes, Path(out_dir), task_parts.sampling(), world.training_gpus(),
-                                    label, progress, world_size=world.size, world=world)  # fmt: skip
+            context = SourceContext(
+                config,
+                models,
+                {t.id: t for t in tasks.train},
+                task_parts.prompts,
+                task_parts.episodes,
+                Path(out_dir),
+                task_parts.sampling(),
+                world.training_gpus(),
+                label,
+                progress,
+                world_size=world.size,
+                world=world,
+            )
             source = build_source(config.rollout.source, context)  # a launched vLLM fleet writes into out_dir
         gate = [held_aside_gate(config, models, held, task_parts)] if held else []
-        return Trainer(models, source, task_parts.scorer, config, run,
-                       hooks=[*default_hooks(config), *gate, *named, *hooks],
-                       world=world, progress=progress, label=label)  # fmt: skip
+        return Trainer(
+            models,
+            source,
+            task_parts.scorer,
+            config,
+            run,
+            hooks=[*default_hooks(config), *gate, *named, *hooks],
+            world=world,
+            progress=progress,
+            label=label,
+        )
     except BaseException:
         if world.is_main:
             run.undo()  # a new run's folder as it was found, so that the corrected command is not refused
@@ -100,9 +136,18 @@ def load_models(config: Config, world: World, *, stale_sampler: bool = False) ->
     policy), sharded over the processes with --shard fsdp under torchrun."""
     m = config.model
     sharded = config.training.shard == "fsdp" and world.size > 1
-    models = Models.load(m.name, device=world.device(m.device), lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
-                         seed=config.training.seed, grad_checkpoint=m.grad_checkpoint, finetune=m.finetune,
-                         critic=m.critic, critic_model=m.critic_model, master_float32=sharded)  # fmt: skip
+    models = Models.load(
+        m.name,
+        device=world.device(m.device),
+        lora_rank=m.lora_rank,
+        lora_alpha=m.lora_alpha,
+        seed=config.training.seed,
+        grad_checkpoint=m.grad_checkpoint,
+        finetune=m.finetune,
+        critic=m.critic,
+        critic_model=m.critic_model,
+        master_float32=sharded,
+    )
     if stale_sampler:
         models.add_stale_sampler()  # before sharding: the sampler's tensors are sharded with the policy's
     if sharded:
@@ -119,13 +164,17 @@ def named_hooks(specs: str | None) -> list[Hook]:
             continue
         cls = custom.load_plugin(spec.strip(), "--hooks", "Class")
         if not (isinstance(cls, type) and issubclass(cls, Hook)):
-            raise ConfigError(f"--hooks {spec.strip()!r}: {getattr(cls, '__qualname__', cls)!r} is not a Hook "
-                              "subclass (sao.training.trainer.Hook)")  # fmt: skip
+            raise ConfigError(
+                f"--hooks {spec.strip()!r}: {getattr(cls, '__qualname__', cls)!r} is not a Hook "
+                "subclass (sao.training.trainer.Hook)"
+            )
         try:
             hooks.append(cls())
         except Exception as error:  # a constructor that needs arguments, or one that raises
-            raise ConfigError(f"--hooks {spec.strip()!r}: {cls.__qualname__}() failed ({describe(error)}); a hook "
-                              "named here is built with no arguments") from None  # fmt: skip
+            raise ConfigError(
+                f"--hooks {spec.strip()!r}: {cls.__qualname__}() failed ({describe(error)}); a hook "
+                "named here is built with no arguments"
+            ) from None
     return hooks
 
 
@@ -137,10 +186,12 @@ def gate_tasks(config: Config, tasks: TaskSet) -> list[Task]:
         return []
     need = max(stats.tasks_for_margin(t.gate_margin, t.gate_alpha), t.gate_tasks)
     if len(tasks.test) < need:
-        raise ConfigError(f"--gate held-out: the held-out split holds {len(tasks.test)} tasks; --gate-margin "
-                          f"{t.gate_margin:g} at --gate-alpha {t.gate_alpha:g}"
-                          f"{f' with --gate-tasks {t.gate_tasks}' if t.gate_tasks else ''} needs at least {need} "
-                          "(raise --test-prompts, or use a larger task set)")  # fmt: skip
+        raise ConfigError(
+            f"--gate held-out: the held-out split holds {len(tasks.test)} tasks; --gate-margin "
+            f"{t.gate_margin:g} at --gate-alpha {t.gate_alpha:g}"
+            f"{f' with --gate-tasks {t.gate_tasks}' if t.gate_tasks else ''} needs at least {need} "
+            "(raise --test-prompts, or use a larger task set)"
+        )
     return list(tasks.test[: t.gate_tasks or len(tasks.test)])
 
 
@@ -148,9 +199,17 @@ def held_aside_gate(config: Config, models: Models, held: list[Task], parts: set
     """The gate over ``held`` (``gate_tasks``): one reply (or episode, in the run's environment and under its
     settings) each at the eval settings from a seed of the data seed, and the trace log's rewards for the rollback."""
     t, r = config.training, config.rollout
-    aside = HeldAside(held, instruction=parts.tasks.instruction, tokenizer=models.tokenizer, scorer=parts.scorer,
-                      sampling=parts.sampling(eval=True), seed=derived_seed(config.data.data_seed, "gate"),
-                      batch=config.eval.eval_batch, decoder=r.decoder, episodes=parts.episodes_for(held))  # fmt: skip
+    aside = HeldAside(
+        held,
+        instruction=parts.tasks.instruction,
+        tokenizer=models.tokenizer,
+        scorer=parts.scorer,
+        sampling=parts.sampling(eval=True),
+        seed=derived_seed(config.data.data_seed, "gate"),
+        batch=config.eval.eval_batch,
+        decoder=r.decoder,
+        episodes=parts.episodes_for(held),
+    )
     live = LiveRewards(r.traces) if r.traces is not None else None
     # the live traces of a served version count until they are older than the source's bound (the trace reader's)
     bound = getattr(config.source, "max_staleness", None) if live is not None else None
@@ -173,8 +232,11 @@ def default_hooks(config: Config) -> list[Hook]:
     if (t.publish or needs.get("publish")) and t.gate == "off":  # a gate publishes what passes it (held_aside_gate)
         hooks.append(Publish())
     if t.ceiling_every:  # before the timeline and tracking, so that they see the snapshot's numbers in the record
-        hooks.append(OracleCeiling(t.ceiling_every, t.ceiling_prompts, config.algorithm.oracle_samples, t.steps,
-                                   temperature, chunk))  # fmt: skip
+        hooks.append(
+            OracleCeiling(
+                t.ceiling_every, t.ceiling_prompts, config.algorithm.oracle_samples, t.steps, temperature, chunk
+            )
+        )
     telemetry = otel.from_config(config, log.warning)
     if t.timeline_steps > 0 or telemetry is not None:
         hooks.append(Timeline(t.timeline_steps, telemetry))

@@ -52,8 +52,17 @@ SHARDED_DIR = "sharded"  # a checkpoint's torch.distributed.checkpoint part (--s
 LEGACY_CHECKPOINT, LEGACY_LOG = "checkpoint.pt", "train_log.json"  # folders written by sao 0.1 before sections
 TENSORS_FILE, STATE_FILE = "tensors.safetensors", "state.json"
 # What a checkpoint holds; one without these keys was not written by sao.
-STATE_KEYS = ("next_step", "policy_version", "policy", "source", "value_head", "policy_opt", "critic_opt", "records",
-              "warnings")  # fmt: skip
+STATE_KEYS = (
+    "next_step",
+    "policy_version",
+    "policy",
+    "source",
+    "value_head",
+    "policy_opt",
+    "critic_opt",
+    "records",
+    "warnings",
+)
 
 
 def start_again(out: Path) -> str:
@@ -86,8 +95,10 @@ class FolderLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise ConfigError(f"output folder {self.out} is in use by another sao run right now; wait for it to end "
-                              "(then --resume continues it), or choose another --out") from None  # fmt: skip
+            raise ConfigError(
+                f"output folder {self.out} is in use by another sao run right now; wait for it to end "
+                "(then --resume continues it), or choose another --out"
+            ) from None
         except OSError:  # a file system without locks (some network mounts): the run goes on unlocked
             os.close(fd)
             return self
@@ -181,12 +192,16 @@ def _claim(out: Path, record: dict[str, Any], resume: bool) -> Claim:
         if same_settings(saved, record):
             return Claim(out)
         differ = settings_differ(saved, record)
-        raise ConfigError(f"--resume: the run in {out} was started with other settings ({differ}); give the same "
-                          "settings, or use a new --out")  # fmt: skip
+        raise ConfigError(
+            f"--resume: the run in {out} was started with other settings ({differ}); give the same "
+            "settings, or use a new --out"
+        )
     if resume:
         if _has_steps(out) or (out / LOG_FILE).exists() or (out / LEGACY_LOG).exists():
-            raise DamagedFileError(f"{config_file} is missing beside the run's checkpoint and log; restore it, "
-                                   "or start again with a new --out")  # fmt: skip
+            raise DamagedFileError(
+                f"{config_file} is missing beside the run's checkpoint and log; restore it, "
+                "or start again with a new --out"
+            )
         what = "does not exist" if not out.exists() else "holds no run" if _contents(out) else "is empty"
         raise ConfigError(f"--resume: {out} {what}; check --out, or leave out --resume to start a new run")
     if out.exists() and _contents(out):
@@ -207,8 +222,9 @@ class RunDir:
     state: dict[str, Any] | None = None  # the checkpoint to resume from; None: a new run (or none completed yet)
 
     @classmethod
-    def open(cls, out: str | os.PathLike[str], record: dict[str, Any], *, resume: bool = False,
-             lock: bool = True) -> RunDir:  # fmt: skip
+    def open(
+        cls, out: str | os.PathLike[str], record: dict[str, Any], *, resume: bool = False, lock: bool = True
+    ) -> RunDir:
         """``lock``: the process that writes the run (rank 0 of a torchrun group) holds the folder's lock."""
         out = Path(out)
         claimed = claim(out, record, resume, lock=lock)
@@ -228,8 +244,15 @@ class RunDir:
 
 # Settings that change how a run is watched, how long it waits for a trace log or whether a malformed trace line
 # stops it, not what a step computes: a resume may change them.
-NOT_COMPARED_ON_RESUME = ("track", "follow", "follow_timeout", "skip_bad_traces", "log_every", "timeline_steps",
-                          "otel_endpoint")  # fmt: skip
+NOT_COMPARED_ON_RESUME = (
+    "track",
+    "follow",
+    "follow_timeout",
+    "skip_bad_traces",
+    "log_every",
+    "timeline_steps",
+    "otel_endpoint",
+)
 # Parts of the run record a resume may change: the number of training processes (a step is the single-process step
 # on the whole batch whatever the count; a sharded checkpoint is read back on any count), the hooks passed in (they
 # watch the step, as --track does; a hook's state is restored only where the hook is passed again) and whether the
@@ -314,8 +337,12 @@ def rebuilt_by_name(cls: type) -> bool:
 def run_record(config: Config, tasks: Any, world_size: int = 1, **parts: Any) -> dict[str, Any]:
     """What config.json records: the settings, the task set's counts, and each part passed in as an object — by
     import path when it has one; otherwise ``replayable`` is false and ``not_replayable`` says why, in words."""
-    record: dict[str, Any] = {"config": config.to_dict(), "data": tasks.counts, "source": tasks.source,
-                              "world_size": world_size}  # fmt: skip
+    record: dict[str, Any] = {
+        "config": config.to_dict(),
+        "data": tasks.counts,
+        "source": tasks.source,
+        "world_size": world_size,
+    }
 
     def rows() -> str:
         encoded = json.dumps([t.fields for t in tasks.train], sort_keys=True, default=str).encode()
@@ -336,8 +363,10 @@ def passed_parts(rows: Callable[[], str], **parts: Any) -> dict[str, Any]:
             hooks = [hook for hook in obj if getattr(hook, "recorded", True)]
             for hook in hooks:
                 if not rebuilt_by_name(type(hook)):
-                    reasons.append(f"hook {type(hook).__qualname__} cannot be rebuilt by name (its class is not "
-                                   "importable, or its constructor takes arguments)")  # fmt: skip
+                    reasons.append(
+                        f"hook {type(hook).__qualname__} cannot be rebuilt by name (its class is not "
+                        "importable, or its constructor takes arguments)"
+                    )
             if hooks:
                 passed[name] = ",".join(import_path(type(hook)) or type(hook).__qualname__ for hook in hooks)
         elif name == "dataset" and isinstance(obj, str | Path):
@@ -376,8 +405,12 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
             return {k: _encode(v, tensors, f"{path}.{k}") for k, v in value.items()}
-        return {"__items__": [[_encode(k, tensors, f"{path}.k{i}"), _encode(v, tensors, f"{path}.{i}")]
-                              for i, (k, v) in enumerate(value.items())]}  # fmt: skip
+        return {
+            "__items__": [
+                [_encode(k, tensors, f"{path}.k{i}"), _encode(v, tensors, f"{path}.{i}")]
+                for i, (k, v) in enumerate(value.items())
+            ]
+        }
     if isinstance(value, tuple):
         return {"__tuple__": [_encode(v, tensors, f"{path}.{i}") for i, v in enumerate(value)]}
     if isinstance(value, list):
@@ -439,8 +472,9 @@ def _stage(out: Path, step: int) -> tuple[Path, Path]:
     return staging, final
 
 
-def _finish(out: Path, staging: Path, final: Path, state: dict[str, Any], records: list[dict[str, Any]],
-            keep: int) -> Path:  # fmt: skip
+def _finish(
+    out: Path, staging: Path, final: Path, state: dict[str, Any], records: list[dict[str, Any]], keep: int
+) -> Path:
     """Write the state into ``staging``, flush everything in it to disk, rename it to ``final``, prune."""
     from safetensors.torch import save_file
 
@@ -467,8 +501,14 @@ def _finish(out: Path, staging: Path, final: Path, state: dict[str, Any], record
     return final
 
 
-def save_sharded(out: Path, state: dict[str, Any], records: list[dict[str, Any]], shards: dict[str, torch.Tensor],
-                 world: World, keep: int = 1) -> None:  # fmt: skip
+def save_sharded(
+    out: Path,
+    state: dict[str, Any],
+    records: list[dict[str, Any]],
+    shards: dict[str, torch.Tensor],
+    world: World,
+    keep: int = 1,
+) -> None:
     """``save`` for a sharded run (``--shard fsdp``), called by every process: ``shards`` (each process's tensors,
     DTensor shards or whole tensors, by name) go to step-N/sharded/ through torch.distributed.checkpoint as
     safetensors, each process writing its own; rank 0 writes the rest and renames the folder once every process's
@@ -569,8 +609,9 @@ def load_sharded(out: Path, shards: dict[str, torch.Tensor], fix: str | None = N
     folder = newest(out)
     where = folder / SHARDED_DIR if folder is not None else out / CHECKPOINTS_DIR
     if folder is None or not where.is_dir():
-        raise DamagedFileError(f"{where} is missing: the checkpoint holds no sharded part (written without "
-                               f"--shard fsdp?); {fix}")  # fmt: skip
+        raise DamagedFileError(
+            f"{where} is missing: the checkpoint holds no sharded part (written without --shard fsdp?); {fix}"
+        )
     try:
         with _one_process_is_intended():
             dcp.load(shards, storage_reader=dcp.HuggingFaceStorageReader(str(where)), no_dist=not _in_group())
@@ -590,8 +631,9 @@ def load(out: Path, fix: str | None = None) -> dict[str, Any] | None:
     else:
         for log in (out / LOG_FILE, out / LEGACY_LOG):
             if log.exists() and log.stat().st_size > 0:
-                raise DamagedFileError(f"{out / CHECKPOINTS_DIR} holds no checkpoint but {log} holds the run's "
-                                       f"steps; {fix}")  # fmt: skip
+                raise DamagedFileError(
+                    f"{out / CHECKPOINTS_DIR} holds no checkpoint but {log} holds the run's steps; {fix}"
+                )
         return None
     missing = [key for key in STATE_KEYS if key not in state] if isinstance(state, dict) else list(STATE_KEYS)
     if missing:
@@ -667,8 +709,9 @@ def read_log(out: Path, fix: str) -> list[dict[str, Any]]:
         return read_saved_json(out / LEGACY_LOG, fix, expect=list)
     except (OSError, ValueError, DamagedFileError):
         if not _has_steps(out):
-            raise DamagedFileError(f"{out / LOG_FILE} is missing or damaged and no checkpoint holds its records; "
-                                   f"{fix}") from None  # fmt: skip
+            raise DamagedFileError(
+                f"{out / LOG_FILE} is missing or damaged and no checkpoint holds its records; {fix}"
+            ) from None
     state = load(out, fix)
     assert state is not None  # a checkpoint exists
     ensure_log(out, state["records"])
@@ -681,9 +724,14 @@ PUBLISHED_DIR, LATEST_FILE, KEEP_PUBLISHED = "published", "LATEST.json", 3
 
 
 def publish(
-    out: Path, version: int, write_adapter: Callable[[Path], Any], protect: Iterable[int] | None = None, *,
-    kind: str = "adapter", write: bool = True,
-) -> Path:  # fmt: skip
+    out: Path,
+    version: int,
+    write_adapter: Callable[[Path], Any],
+    protect: Iterable[int] | None = None,
+    *,
+    kind: str = "adapter",
+    write: bool = True,
+) -> Path:
     """Publish the policy after ``version`` policy updates: ``write_adapter(folder)`` writes OUT/published/v{N}/
     (staged and fsynced, so it appears complete or not at all), then LATEST.json is replaced atomically to point
     at it, then all but the newest ``KEEP_PUBLISHED`` versions are removed (with ``protect``: every version but

@@ -181,9 +181,11 @@ class World:
         if self.size == 1 or not (_is_dist_error(error) or any(sign in text for sign in LOST_PEER_SIGNS)):
             return error
         first = (text.strip().splitlines() or [type(error).__name__])[0][:160]
-        return GroupLost(f"training process {self.rank} of {self.size}: another process of the group stopped "
-                         f"({first}); the checkpoint after step {saved_at} is intact: run the same command with "
-                         "--resume")  # fmt: skip
+        return GroupLost(
+            f"training process {self.rank} of {self.size}: another process of the group stopped "
+            f"({first}); the checkpoint after step {saved_at} is intact: run the same command with "
+            "--resume"
+        )
 
     def barrier(self) -> None:
         if self.size > 1:
@@ -198,8 +200,13 @@ class World:
 SINGLE = World()
 
 # What a collective says when the process at the other end is gone (gloo's transport, nccl's watchdog).
-LOST_PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-                   "NCCL communicator was aborted", "gloo/transport")  # fmt: skip
+LOST_PEER_SIGNS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "gloo/transport",
+)
 
 
 class GroupLost(SaoError, RuntimeError):

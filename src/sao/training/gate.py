@@ -52,8 +52,19 @@ MAX_PENDING = 100_000  # trajectories waiting for a feedback reward that the liv
 class HeldAside:
     """The fixed comparison set: ``tasks``, each answered once per version with the same seeds."""
 
-    def __init__(self, tasks: list[Task], *, instruction: str, tokenizer: Any, scorer: Scorer, sampling: Sampling,
-                 seed: int, batch: int, decoder: str = "auto", episodes: Episodes | None = None):  # fmt: skip
+    def __init__(
+        self,
+        tasks: list[Task],
+        *,
+        instruction: str,
+        tokenizer: Any,
+        scorer: Scorer,
+        sampling: Sampling,
+        seed: int,
+        batch: int,
+        decoder: str = "auto",
+        episodes: Episodes | None = None,
+    ):
         self.tasks, self.tokenizer, self.scorer, self.sampling = tasks, tokenizer, scorer, sampling
         self.seed, self.batch, self.decoder, self.episodes = seed, batch, decoder, episodes
         self.prompts = [prompt_text(tokenizer, t, instruction) for t in tasks]
@@ -154,8 +165,11 @@ class LiveRewards:
         version = record.get("policy_version")
         segments = record.get("segments")
         if isinstance(segments, list):  # an agent served by several versions: its outcome is its last action's
-            served = [s.get("policy_version", version) for s in segments
-                      if isinstance(s, dict) and s.get("role") == "assistant"]  # fmt: skip
+            served = [
+                s.get("policy_version", version)
+                for s in segments
+                if isinstance(s, dict) and s.get("role") == "assistant"
+            ]
             version = served[-1] if served else version
         if not isinstance(version, int) or isinstance(version, bool):
             return 0
@@ -185,8 +199,12 @@ class LiveRewards:
         return float(total), int(count)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"offsets": dict(self.offsets), "totals": {k: list(v) for k, v in self.totals.items()},
-                "pending": dict(self.pending), "out_of_range": self.out_of_range}  # fmt: skip
+        return {
+            "offsets": dict(self.offsets),
+            "totals": {k: list(v) for k, v in self.totals.items()},
+            "pending": dict(self.pending),
+            "out_of_range": self.out_of_range,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.offsets = dict(state.get("offsets", {}))
@@ -200,8 +218,15 @@ class Gate(Hook):
 
     name = "gate"
 
-    def __init__(self, held: HeldAside, *, margin: float, alpha: float, live: LiveRewards | None = None,
-                 max_staleness: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        held: HeldAside,
+        *,
+        margin: float,
+        alpha: float,
+        live: LiveRewards | None = None,
+        max_staleness: int | None = None,
+    ):
         self.held, self.margin, self.alpha, self.live = held, margin, alpha, live
         self.max_staleness = max_staleness
         self.chain: list[dict[str, Any]] = []  # served versions, oldest first: {"version", "scores"}
@@ -231,8 +256,15 @@ class Gate(Hook):
             scores = self.held.scores(trainer.models.policy)
             self._publish(trainer, version)
             self.chain.append({"version": version, "scores": scores})
-            self._decide(trainer, "published", version=version, served=None, held_aside_mean=_mean(scores),
-                         n=len(scores), why="the first version: nothing is served yet to compare it with")  # fmt: skip
+            self._decide(
+                trainer,
+                "published",
+                version=version,
+                served=None,
+                held_aside_mean=_mean(scores),
+                n=len(scores),
+                why="the first version: nothing is served yet to compare it with",
+            )
         elif checkpoint.latest_published(trainer.out) != self.served:  # killed between a decision and its checkpoint
             self._point(trainer, self.served, because="resumed: the checkpoint's served version")
         self._step = []
@@ -247,12 +279,22 @@ class Gate(Hook):
             candidate = self.held.scores(trainer.models.policy)
         self._check_range(trainer, candidate)
         test = stats.noninferior(served["scores"], candidate, self.margin, self.alpha)
-        interval = {"delta": test.delta, "lower": test.lower, "p_value": test.p_value, "n": test.n,
-                    "candidate_mean": test.candidate_mean, "served_mean": test.served_mean}  # fmt: skip
+        interval = {
+            "delta": test.delta,
+            "lower": test.lower,
+            "p_value": test.p_value,
+            "n": test.n,
+            "candidate_mean": test.candidate_mean,
+            "served_mean": test.served_mean,
+        }
         if best is not served:  # and against the best: candidates each within the margin of the last cannot walk down
             anchor = stats.noninferior(best["scores"], candidate, self.margin, self.alpha)
-            interval |= {"best": best["version"], "best_delta": anchor.delta, "best_lower": anchor.lower,
-                         "best_mean": anchor.served_mean}  # fmt: skip
+            interval |= {
+                "best": best["version"],
+                "best_delta": anchor.delta,
+                "best_lower": anchor.lower,
+                "best_mean": anchor.served_mean,
+            }
             test = test if not test.passed else anchor
         if test.passed:
             self._publish(trainer, version)
@@ -263,17 +305,24 @@ class Gate(Hook):
         self.streak += 1
         self._decide(trainer, "held_back", version=version, served=served["version"], **interval)
         if self.max_staleness is not None and self.streak == self.max_staleness + 1:
-            trainer.warn(f"[{trainer.label}] gate: {self.streak} candidates in a row held back; new traces of the "
-                         f"served v{served['version']} are now older than --max-staleness {self.max_staleness} and "
-                         "will be dropped as too stale")  # fmt: skip
+            trainer.warn(
+                f"[{trainer.label}] gate: {self.streak} candidates in a row held back; new traces of the "
+                f"served v{served['version']} are now older than --max-staleness {self.max_staleness} and "
+                "will be dropped as too stale"
+            )
 
     def on_step_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
         if trainer.world.is_main and self.live is not None:
             self.check_live(trainer)
         if self._step:  # the step's decisions, last one's fields, in its record
             last = self._step[-1]
-            record.update({"gate_decisions": [d["decision"] for d in self._step], "gate_served": self.served,
-                           **{f"gate_{k}": last[k] for k in ("delta", "lower", "upper") if k in last}})  # fmt: skip
+            record.update(
+                {
+                    "gate_decisions": [d["decision"] for d in self._step],
+                    "gate_served": self.served,
+                    **{f"gate_{k}": last[k] for k in ("delta", "lower", "upper") if k in last},
+                }
+            )
         self._step = []
 
     def on_checkpoint(self, trainer: Trainer, step: int) -> None:
@@ -290,8 +339,10 @@ class Gate(Hook):
         self.live.read()
         if self.live.out_of_range and not self._said_range:
             self._said_range = True
-            trainer.warn(f"[{trainer.label}] gate: {self.live.out_of_range} live reward(s) outside [0, 1]; the "
-                         "rollback's confidence sequence assumes rewards in [0, 1]")  # fmt: skip
+            trainer.warn(
+                f"[{trainer.label}] gate: {self.live.out_of_range} live reward(s) outside [0, 1]; the "
+                "rollback's confidence sequence assumes rewards in [0, 1]"
+            )
         if len(self.chain) < 2:
             return None
         now, before = self.chain[-1]["version"], self.chain[-2]["version"]
@@ -299,12 +350,25 @@ class Gate(Hook):
         if not test.regressed:
             return test
         folder = trainer.out / checkpoint.PUBLISHED_DIR / f"v{before}"
-        interval = {"delta": test.delta, "lower": test.lower, "upper": test.upper, "n": test.n,
-                    "n_before": test.n_before, "live_mean": test.mean,
-                    "live_mean_before": test.mean_before}  # fmt: skip
+        interval = {
+            "delta": test.delta,
+            "lower": test.lower,
+            "upper": test.upper,
+            "n": test.n,
+            "n_before": test.n_before,
+            "live_mean": test.mean,
+            "live_mean_before": test.mean_before,
+        }
         if not folder.is_dir():
-            self._decide(trainer, "rollback_impossible", version=now, served=now, to=before, **interval,
-                         why=f"{folder} is no longer on disk")  # fmt: skip
+            self._decide(
+                trainer,
+                "rollback_impossible",
+                version=now,
+                served=now,
+                to=before,
+                **interval,
+                why=f"{folder} is no longer on disk",
+            )
             self.chain.pop(-2)  # test the served version against the one before that from now on
             return test
         self.chain.pop()
@@ -327,8 +391,15 @@ class Gate(Hook):
         write_json(root / checkpoint.LATEST_FILE, {"version": version, "path": f"v{version}", **extra})
 
     def _decide(self, trainer: Trainer, decision: str, **fields: Any) -> None:
-        entry = {"decision": decision, "step": trainer.next_step, "policy_version": trainer.policy_version,
-                 "margin": self.margin, "alpha": self.alpha, **fields, "time": time.time()}  # fmt: skip
+        entry = {
+            "decision": decision,
+            "step": trainer.next_step,
+            "policy_version": trainer.policy_version,
+            "margin": self.margin,
+            "alpha": self.alpha,
+            **fields,
+            "time": time.time(),
+        }
         self.decisions.append(entry)
         self._step.append(entry)
         trainer.say(f"[{trainer.label}] gate: {describe(entry)}")
@@ -343,15 +414,22 @@ class Gate(Hook):
     def _check_range(self, trainer: Trainer, scores: list[float]) -> None:
         if not self._said_range and any(not 0.0 <= s <= 1.0 for s in scores):
             self._said_range = True
-            trainer.warn(f"[{trainer.label}] gate: held-aside rewards outside [0, 1]; the size check at start "
-                         "assumed rewards in [0, 1]")  # fmt: skip
+            trainer.warn(
+                f"[{trainer.label}] gate: held-aside rewards outside [0, 1]; the size check at start "
+                "assumed rewards in [0, 1]"
+            )
 
     # -- state -------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"chain": self.chain, "decisions": _clean(self.decisions), "streak": self.streak,
-                "rolled_back": list(self.rolled_back), "said_range": self._said_range,
-                "live": self.live.state_dict() if self.live is not None else None}  # fmt: skip
+        return {
+            "chain": self.chain,
+            "decisions": _clean(self.decisions),
+            "streak": self.streak,
+            "rolled_back": list(self.rolled_back),
+            "said_range": self._said_range,
+            "live": self.live.state_dict() if self.live is not None else None,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.chain = [dict(c) for c in state.get("chain", [])]
@@ -371,20 +449,26 @@ def describe(d: dict[str, Any]) -> str:
     if kind in ("published", "held_back"):
         word = "published" if kind == "published" else "held back"
         served_fails = kind == "held_back" and not (d["lower"] is not None and d["lower"] > -d["margin"])
-        text = (f"{word} v{v} against the served v{d['served']}: candidate − served {d['delta']:+.3f} over "
-                f"{d['n']} held-aside tasks, one-sided {1 - d['alpha']:.0%} lower bound {d['lower']:+.3f} "
-                f"{'<=' if served_fails else '>'} −{d['margin']:g}")  # fmt: skip
+        text = (
+            f"{word} v{v} against the served v{d['served']}: candidate − served {d['delta']:+.3f} over "
+            f"{d['n']} held-aside tasks, one-sided {1 - d['alpha']:.0%} lower bound {d['lower']:+.3f} "
+            f"{'<=' if served_fails else '>'} −{d['margin']:g}"
+        )
         if d.get("best") is not None:
             best_fails = kind == "held_back" and not served_fails
-            text += (f"; against the best served v{d['best']}: {d['best_delta']:+.3f}, lower bound "
-                     f"{d['best_lower']:+.3f} {'<=' if best_fails else '>'} −{d['margin']:g}")  # fmt: skip
+            text += (
+                f"; against the best served v{d['best']}: {d['best_delta']:+.3f}, lower bound "
+                f"{d['best_lower']:+.3f} {'<=' if best_fails else '>'} −{d['margin']:g}"
+            )
         return text
     target = d["served"] if kind == "rolled_back" else d.get("to")
     word = "rolled back" if kind == "rolled_back" else "could not roll back"
-    return (f"{word} v{v} to v{target}: "
-            f"live {d['live_mean']:.3f} over {d['n']} replies against {d['live_mean_before']:.3f} over "
-            f"{d['n_before']}, difference {d['delta']:+.3f}, always-valid {1 - d['alpha']:.0%} interval "
-            f"[{d['lower']:+.3f}, {d['upper']:+.3f}] below −{d['margin']:g}")  # fmt: skip
+    return (
+        f"{word} v{v} to v{target}: "
+        f"live {d['live_mean']:.3f} over {d['n']} replies against {d['live_mean_before']:.3f} over "
+        f"{d['n_before']}, difference {d['delta']:+.3f}, always-valid {1 - d['alpha']:.0%} interval "
+        f"[{d['lower']:+.3f}, {d['upper']:+.3f}] below −{d['margin']:g}"
+    )
 
 
 def read_decisions(out: str | os.PathLike[str]) -> list[dict[str, Any]]:

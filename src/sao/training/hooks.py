@@ -151,8 +151,9 @@ class FootingAudit(Hook):
         recorded = rollout.sampler_logprobs[own][mine]  # [n]
         with torch.no_grad():
             head = trunk_and_head(trainer.models.policy)[1]
-            at_one = trainer.models.call(token_logprobs, head, forward.hidden[mine], rollout.response_ids[own][mine],
-                                         1.0, self.logprob_chunk)  # fmt: skip
+            at_one = trainer.models.call(
+                token_logprobs, head, forward.hidden[mine], rollout.response_ids[own][mine], 1.0, self.logprob_chunk
+            )
         at_t = _mean_over_ranks(world, forward.logprobs[mine] - recorded)
         at_1 = _mean_over_ranks(world, at_one - recorded)
         self.footing = {"footing_abs_log_ratio_at_T": at_t, "footing_abs_log_ratio_at_1": at_1}
@@ -165,9 +166,11 @@ class FootingAudit(Hook):
                 "processed_logprobs)"
             )
         if closer_to_1 or at_t > FOOTING_TOLERANCE:
-            trainer.warn(f"[{trainer.label}] the traces' log-probs match neither the policy at temperature "
-                         f"{self.temperature} (mean |log r| {at_t:.2e} at staleness 0) nor at 1 ({at_1:.2e}): is the "
-                         "server running this run's base model and published adapter?")  # fmt: skip
+            trainer.warn(
+                f"[{trainer.label}] the traces' log-probs match neither the policy at temperature "
+                f"{self.temperature} (mean |log r| {at_t:.2e} at staleness 0) nor at 1 ({at_1:.2e}): is the "
+                "server running this run's base model and published adapter?"
+            )
         return dict(self.footing)
 
     def state_dict(self) -> dict[str, Any]:
@@ -254,9 +257,15 @@ class Mismatch(Hook):
                 p.copy_(state[name.replace(f".{self.RESCORE}.", ".")].to(p))
             policy.set_adapter(self.RESCORE, inference_mode=True)
             try:
-                return teacher_forced(policy, rollout.prompt_ids[rows], rollout.prompt_mask[rows],
-                                      rollout.response_ids[rows], rollout.response_mask[rows],
-                                      temperature=self.temperature, logprob_chunk=self.chunk).logprobs  # fmt: skip
+                return teacher_forced(
+                    policy,
+                    rollout.prompt_ids[rows],
+                    rollout.prompt_mask[rows],
+                    rollout.response_ids[rows],
+                    rollout.response_mask[rows],
+                    temperature=self.temperature,
+                    logprob_chunk=self.chunk,
+                ).logprobs
             finally:
                 policy.set_adapter(POLICY_ADAPTER)
                 for p in lora_state(policy, self.RESCORE).values():
@@ -318,9 +327,18 @@ class Timeline(Hook):
             enforced = next((h.tolerance for h in trainer.hooks if isinstance(h, Mismatch)), None)
             tolerance = enforced if enforced is not None else DELIVERY_TOLERANCE
             track = timeline.TRAINER.format(rank=trainer.world.rank)
-            timeline.instant("delivery check", "adapter", track, "step", step=record["step"], version=self.version,
-                             mismatch_fresh=fresh, tolerance=tolerance, passed=fresh <= tolerance,
-                             enforced=enforced is not None)  # fmt: skip
+            timeline.instant(
+                "delivery check",
+                "adapter",
+                track,
+                "step",
+                step=record["step"],
+                version=self.version,
+                mismatch_fresh=fresh,
+                tolerance=tolerance,
+                passed=fresh <= tolerance,
+                enforced=enforced is not None,
+            )
 
     def on_checkpoint(self, trainer: Trainer, step: int) -> None:
         self._flush(trainer, gather=True)

@@ -44,8 +44,9 @@ class PassResult:
     extra_stats: dict[str, float] = field(default_factory=dict)  # kl_ref_mean, entropy_mean when they are on
 
 
-def baseline_values(name: str, rewards: torch.Tensor, actions: torch.Tensor,
-                    row_info: dict[str, torch.Tensor] | None) -> torch.Tensor | None:  # fmt: skip
+def baseline_values(
+    name: str, rewards: torch.Tensor, actions: torch.Tensor, row_info: dict[str, torch.Tensor] | None
+) -> torch.Tensor | None:
     """The baseline ``name``'s values [B, R] (None: the critic's), given the per-row extras its signature names
     (the oracle's ``oracle_rates``) out of ``row_info``."""
     baseline = BASELINES.get(name)
@@ -98,9 +99,14 @@ def policy_gradient_pass(
         part = slice(start, min(start + rows, own.stop))
         pass_args = (rollout.prompt_ids[part], rollout.prompt_mask[part], rollout.response_ids[part], mask[part])
         with torch.set_grad_enabled(with_policy_gradient):
-            forward = models.call(teacher_forced, models.policy, *pass_args, temperature=temperature,
-                                  logprob_chunk=logprob_chunk,
-                                  entropy=entropy_coef > 0 and with_policy_gradient)  # fmt: skip
+            forward = models.call(
+                teacher_forced,
+                models.policy,
+                *pass_args,
+                temperature=temperature,
+                logprob_chunk=logprob_chunk,
+                entropy=entropy_coef > 0 and with_policy_gradient,
+            )
         with torch.no_grad():  # [b, R] V(s_t): the value model's own pass, or the head on the policy's hidden states
             part_critic = models.values(*pass_args) if models.critic is not None else models.value_head(forward.hidden)
         part_values = part_critic if fixed is None else fixed[part].to(part_critic)  # [b, R] the update's baseline
@@ -117,8 +123,9 @@ def policy_gradient_pass(
             on = actions[part]  # [b, R] the terms below are means over the whole batch's action tokens, like c_t
             if kl_coef > 0:  # β · KL(policy‖reference), k3 per token: exp(ref − lp) − (ref − lp) − 1 ≥ 0
                 with torch.no_grad(), models.policy.disable_adapter():
-                    reference = models.call(teacher_forced, models.policy, *pass_args, temperature=temperature,
-                                            logprob_chunk=logprob_chunk).logprobs  # fmt: skip
+                    reference = models.call(
+                        teacher_forced, models.policy, *pass_args, temperature=temperature, logprob_chunk=logprob_chunk
+                    ).logprobs
                 gap = (reference - forward.logprobs)[on]  # [n]
                 kl = (gap.exp() - gap - 1).sum() / n_tokens
                 loss = loss + kl_coef * kl
@@ -155,8 +162,9 @@ def policy_gradient_pass(
     if with_policy_gradient and entropy_coef > 0:
         extra["entropy_mean"] = world.total(entropy_total)
     critic_values = values_all if fixed is None else world.gather_rows(torch.cat(critic))
-    return PassResult(forward, update, critic_values, loss_total if with_policy_gradient else float("nan"), finite,
-                      extra)  # fmt: skip
+    return PassResult(
+        forward, update, critic_values, loss_total if with_policy_gradient else float("nan"), finite, extra
+    )
 
 
 def apply_policy_step(

@@ -60,8 +60,9 @@ class OracleCeiling(Hook):
         if not hasattr(trainer.source, "draw_more"):
             raise ConfigError("--ceiling-every needs a source that draws rollouts on demand (--rollout local)")
         if len(trainer.source.tasks) < self.prompts:
-            raise ConfigError(f"--ceiling-prompts {self.prompts} is more than the {len(trainer.source.tasks)} "
-                              "training prompts")  # fmt: skip
+            raise ConfigError(
+                f"--ceiling-prompts {self.prompts} is more than the {len(trainer.source.tasks)} training prompts"
+            )
 
     def due(self, trainer: Trainer, record: dict[str, Any]) -> str | None:
         """The snapshot this record ends ("warmup-end", or the policy steps taken), or None."""
@@ -95,10 +96,13 @@ class OracleCeiling(Hook):
         critic_ev = explained_variance(values, targets, actions)
         self._keep(trainer, step, ids, returns.view(-1, k), lengths.view(-1, k), hidden, actions, seed)
         out = {f"ceiling_{key}": value for key, value in bound.to_dict().items()}
-        out.update(ceiling_snapshot=label, ceiling_critic_ev=critic_ev,
-                   ceiling_critic_share=share_of(critic_ev, bound.token_level),
-                   ceiling_sampler_version=getattr(getattr(trainer.source, "sampler", None), "version", None),
-                   ceiling_seconds=time.perf_counter() - started)  # fmt: skip
+        out.update(
+            ceiling_snapshot=label,
+            ceiling_critic_ev=critic_ev,
+            ceiling_critic_share=share_of(critic_ev, bound.token_level),
+            ceiling_sampler_version=getattr(getattr(trainer.source, "sampler", None), "version", None),
+            ceiling_seconds=time.perf_counter() - started,
+        )
         return out
 
     def _pass(self, trainer: Trainer, rollout: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,15 +110,30 @@ class OracleCeiling(Hook):
         models, hidden, values = trainer.models, [], []
         for start in range(0, rollout.response_ids.shape[0], ROWS_PER_PASS):
             part = slice(start, start + ROWS_PER_PASS)
-            forward = teacher_forced(models.policy, rollout.prompt_ids[part], rollout.prompt_mask[part],
-                                     rollout.response_ids[part], rollout.response_mask[part],
-                                     temperature=self.temperature, logprob_chunk=self.chunk)  # fmt: skip
+            forward = teacher_forced(
+                models.policy,
+                rollout.prompt_ids[part],
+                rollout.prompt_mask[part],
+                rollout.response_ids[part],
+                rollout.response_mask[part],
+                temperature=self.temperature,
+                logprob_chunk=self.chunk,
+            )
             hidden.append(forward.hidden)
             values.append(models.value_head(forward.hidden))
         return torch.cat(hidden), torch.cat(values)
 
-    def _keep(self, trainer: Trainer, step: int, ids: list[str], returns: torch.Tensor, lengths: torch.Tensor,
-              hidden: torch.Tensor, actions: torch.Tensor, seed: int) -> None:  # fmt: skip
+    def _keep(
+        self,
+        trainer: Trainer,
+        step: int,
+        ids: list[str],
+        returns: torch.Tensor,
+        lengths: torch.Tensor,
+        hidden: torch.Tensor,
+        actions: torch.Tensor,
+        seed: int,
+    ) -> None:
         """OUT/oracle/step-NNNNNN.safetensors: per prompt its K returns and lengths and the hidden state at its last
         prompt token; per kept action token its hidden state and its prompt's index."""
         if not trainer.world.is_main:
@@ -126,12 +145,22 @@ class OracleCeiling(Hook):
         token_prompt = (torch.arange(hidden.shape[0], device=actions.device) // k)[:, None].expand_as(actions)
         flat_hidden, flat_prompt = hidden[actions].float().cpu(), token_prompt[actions].cpu()  # [N, H], [N]
         if flat_hidden.shape[0] > TOKENS_KEPT:
-            pick = torch.randperm(flat_hidden.shape[0], generator=torch.Generator().manual_seed(
-                derived_seed(seed, step, "ceiling-tokens")))[:TOKENS_KEPT].sort().values  # fmt: skip
+            pick = (
+                torch.randperm(
+                    flat_hidden.shape[0],
+                    generator=torch.Generator().manual_seed(derived_seed(seed, step, "ceiling-tokens")),
+                )[:TOKENS_KEPT]
+                .sort()
+                .values
+            )
             flat_hidden, flat_prompt = flat_hidden[pick], flat_prompt[pick]
-        tensors = {"returns": returns.float().cpu().contiguous(), "lengths": lengths.float().cpu().contiguous(),
-                   "prompt_hidden": prompt_hidden.contiguous(), "token_hidden": flat_hidden.contiguous(),
-                   "token_prompt": flat_prompt.long().contiguous()}  # fmt: skip
+        tensors = {
+            "returns": returns.float().cpu().contiguous(),
+            "lengths": lengths.float().cpu().contiguous(),
+            "prompt_hidden": prompt_hidden.contiguous(),
+            "token_hidden": flat_hidden.contiguous(),
+            "token_prompt": flat_prompt.long().contiguous(),
+        }
         path = snapshot_path(trainer.out, step)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, save(tensors, metadata={"task_ids": "\n".join(ids), "step": str(step)}))

@@ -28,9 +28,19 @@ from sao.core.errors import ConfigError
 if TYPE_CHECKING:
     from sao.core.config import Config
 
-SPAN_NAMES = {"wait": "rl.sample", "draw": "rl.sample.draw", "env": "rl.sample.env", "score": "rl.reward",
-              "pass": "rl.train", "checks": "rl.train", "update": "rl.train", "critic": "rl.train",
-              "publish": "rl.sync", "eval": "rl.eval", "stats": "rl.stats"}  # fmt: skip
+SPAN_NAMES = {
+    "wait": "rl.sample",
+    "draw": "rl.sample.draw",
+    "env": "rl.sample.env",
+    "score": "rl.reward",
+    "pass": "rl.train",
+    "checks": "rl.train",
+    "update": "rl.train",
+    "critic": "rl.train",
+    "publish": "rl.sync",
+    "eval": "rl.eval",
+    "stats": "rl.stats",
+}
 EXPORT_TIMEOUT_S = 5.0  # one export request at most (in the background)
 RETRY_AFTER_S = 30.0  # after a failed export, batches are dropped (and counted) this long before the next try
 INSTALL = "pip install 'sao[otel]'"
@@ -114,10 +124,17 @@ class Telemetry:
 
         for step in (e for e in events if e.get("cat") == "step"):
             args = step.get("args") or {}
-            base = _attributes({"rl.run": run, "rl.step": args.get("step"), "rl.version": args.get("version"),
-                                "rl.staleness": args.get("staleness")})  # fmt: skip
-            root = self.tracer.start_span("rl.loop", start_time=_ns(step["ts"]),
-                                          attributes={**base, "rl.phase": args.get("phase") or ""})  # fmt: skip
+            base = _attributes(
+                {
+                    "rl.run": run,
+                    "rl.step": args.get("step"),
+                    "rl.version": args.get("version"),
+                    "rl.staleness": args.get("staleness"),
+                }
+            )
+            root = self.tracer.start_span(
+                "rl.loop", start_time=_ns(step["ts"]), attributes={**base, "rl.phase": args.get("phase") or ""}
+            )
             opened: list[tuple[Any, float]] = [(root, step["ts"] + step["dur"])]  # (span, end in µs), outermost first
             mine = [e for e in events if (e.get("args") or {}).get("step") == args.get("step")]
             phases = sorted((e for e in mine if e.get("cat") == "phase"), key=lambda e: (e["ts"], -e["dur"]))
@@ -126,17 +143,24 @@ class Telemetry:
                 while len(opened) > 1 and event["ts"] >= opened[-1][1]:
                     opened.pop()
                 name = SPAN_NAMES.get(event["name"], f"rl.{event['name']}")
-                span = self.tracer.start_span(name, context=trace.set_span_in_context(opened[-1][0]),
-                                              start_time=_ns(event["ts"]),
-                                              attributes={**base, "rl.phase": event["name"]})  # fmt: skip
+                span = self.tracer.start_span(
+                    name,
+                    context=trace.set_span_in_context(opened[-1][0]),
+                    start_time=_ns(event["ts"]),
+                    attributes={**base, "rl.phase": event["name"]},
+                )
                 span.end(end_time=_ns(event["ts"] + event["dur"]))
                 self.ended += 1
                 opened.append((span, event["ts"] + event["dur"]))
                 sample = span if event["name"] == "wait" else sample
             for event in (e for e in mine if e.get("cat") == "trajectory"):
                 extra = _attributes({f"rl.{k}": v for k, v in (event.get("args") or {}).items() if k != "step"})
-                span = self.tracer.start_span("rl.trajectory", context=trace.set_span_in_context(sample or root),
-                                              start_time=_ns(event["ts"]), attributes={**base, **extra})  # fmt: skip
+                span = self.tracer.start_span(
+                    "rl.trajectory",
+                    context=trace.set_span_in_context(sample or root),
+                    start_time=_ns(event["ts"]),
+                    attributes={**base, **extra},
+                )
                 span.end(end_time=_ns(event["ts"] + event["dur"]))
                 self.ended += 1
             root.end(end_time=_ns(step["ts"] + step["dur"]))
@@ -183,8 +207,10 @@ class _Counting:
         with self._lock:
             first, self.warned = not self.warned, True
         if first:
-            self.warn(f"OpenTelemetry: the collector at {self.url} did not take the spans ({reason}); training goes "
-                      "on, and spans it cannot take are dropped and counted")  # fmt: skip
+            self.warn(
+                f"OpenTelemetry: the collector at {self.url} did not take the spans ({reason}); training goes "
+                "on, and spans it cannot take are dropped and counted"
+            )
         return result
 
     def shutdown(self) -> None:

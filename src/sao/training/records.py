@@ -46,9 +46,12 @@ POSITION_BINS = 10  # where in the reply: tenths of each row's action tokens
 
 
 def outside_band(
-    ratio: torch.Tensor, action_mask: torch.Tensor, response_ids: torch.Tensor, band: tuple[float, float],
+    ratio: torch.Tensor,
+    action_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    band: tuple[float, float],
     token_text: Callable[[Sequence[int]], list[str]] | None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Which action tokens the band (lo, hi) leaves out, whatever the rule (on ``dis`` exactly the masked ones, on
     ``none`` the ones it would have masked): the ``OUTSIDE_TOKENS_PER_STEP`` most frequent token ids among them as
     [text, below lo, above hi, seen among the action tokens] (text from ``token_text``, or the id without it), and
@@ -73,8 +76,11 @@ def outside_band(
         for token, text in zip(chosen, texts, strict=True):
             here = ids == token  # [B, T]
             top.append([text, int((below & here).sum()), int((above & here).sum()), int((counted & here).sum())])
-    return {"outside_band_tokens": top, "outside_band_by_position": by_position.tolist(),
-            "tokens_by_position": tokens_by_position.tolist()}  # fmt: skip
+    return {
+        "outside_band_tokens": top,
+        "outside_band_by_position": by_position.tolist(),
+        "tokens_by_position": tokens_by_position.tolist(),
+    }
 
 
 def step_record(

@@ -169,8 +169,15 @@ def wandb_run(out_dir: Path, run_name: str, config: dict[str, Any]) -> RunTracke
     except ImportError as error:
         raise _missing("wandb", "wandb", error) from None
     out_dir.mkdir(parents=True, exist_ok=True)
-    run = wandb.init(project=PROJECT, name=run_name, dir=str(out_dir), config=plain_config(config), mode="offline",
-                     reinit="create_new", settings=wandb.Settings(console="off"))  # fmt: skip
+    run = wandb.init(
+        project=PROJECT,
+        name=run_name,
+        dir=str(out_dir),
+        config=plain_config(config),
+        mode="offline",
+        reinit="create_new",
+        settings=wandb.Settings(console="off"),
+    )
     if run.settings.mode != "offline":  # never online, even if a future wandb lets the env win
         run.finish()
         raise ConfigError("--track wandb runs offline only, but wandb did not start offline; unset WANDB_MODE")

@@ -94,8 +94,18 @@ class Hook:
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-HOOK_METHODS = ("on_run_start", "on_pass", "on_update", "on_step_end", "on_checkpoint", "on_eval", "on_run_end",
-                "on_close", "state_dict", "load_state_dict")  # fmt: skip
+HOOK_METHODS = (
+    "on_run_start",
+    "on_pass",
+    "on_update",
+    "on_step_end",
+    "on_checkpoint",
+    "on_eval",
+    "on_run_end",
+    "on_close",
+    "state_dict",
+    "load_state_dict",
+)
 SOURCE_METHODS = ("next_batch", "after_update", "state_dict", "load_state_dict", "close")
 
 
@@ -124,12 +134,16 @@ def check_hooks(hooks: Any) -> list[Hook]:
             raise TypeError(f"hooks[{i}] is {_what(hook)}, not a hook; {fix}")
         missing = [m for m in HOOK_METHODS if not callable(getattr(hook, m, None))]
         if missing:
-            raise TypeError(f"hooks[{i}] is {_what(hook)}, not a hook (it has no {', '.join(missing[:3])}"
-                            f"{', ...' if len(missing) > 3 else ''}); subclass sao.training.trainer.Hook and "
-                            "pass an instance")  # fmt: skip
+            raise TypeError(
+                f"hooks[{i}] is {_what(hook)}, not a hook (it has no {', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}); subclass sao.training.trainer.Hook and "
+                "pass an instance"
+            )
         if not isinstance(getattr(hook, "name", None), str) or not hook.name:
-            raise TypeError(f"hooks[{i}] ({type(hook).__qualname__}): its name must be a non-empty string, got "
-                            f"{getattr(hook, 'name', None)!r}")  # fmt: skip
+            raise TypeError(
+                f"hooks[{i}] ({type(hook).__qualname__}): its name must be a non-empty string, got "
+                f"{getattr(hook, 'name', None)!r}"
+            )
     return hooks
 
 
@@ -143,8 +157,10 @@ def check_source(source: Any) -> None:
     missing = [m for m in SOURCE_METHODS if not callable(getattr(source, m, None))]
     missing += [a for a in ("max_staleness", "tasks") if not hasattr(source, a)]
     if missing:
-        raise TypeError(f"source is {_what(source)}, not a source (it has no {', '.join(missing)}); a source has the "
-                        "methods and attributes of sao.rollout.sources.Source")  # fmt: skip
+        raise TypeError(
+            f"source is {_what(source)}, not a source (it has no {', '.join(missing)}); a source has the "
+            "methods and attributes of sao.rollout.sources.Source"
+        )
 
 
 def hook_label(hook: Any) -> str:
@@ -198,8 +214,9 @@ def pass_extras(hook: Any, got: Any) -> dict[str, Any]:
     """What ``hook.on_pass`` returned, checked: a dict of string keys and values the step log can hold."""
     label = f"hook {hook_label(hook)}: on_pass"
     if not isinstance(got, Mapping):
-        raise TypeError(f"{label} returned {preview(got)}; it returns a dict of fields for the step's record ({{}} for "
-                        "none)")  # fmt: skip
+        raise TypeError(
+            f"{label} returned {preview(got)}; it returns a dict of fields for the step's record ({{}} for none)"
+        )
     for key in got:
         if not isinstance(key, str):
             raise TypeError(f"{label} returned the key {preview(key)}; the step's record has string keys")
@@ -241,15 +258,18 @@ class Trainer:
         resumed = run.state  # the checkpoint the builder read on --resume (None: a new run)
         self.sharded = config.training.shard == "fsdp"  # sharded checkpoints, whatever the number of processes
         if self.sharded and resumed is not None and not resumed.get("sharded"):
-            raise ConfigError(f"--resume: the checkpoint in {self.out} was written without --shard fsdp; resume it "
-                              "with the settings it was started with")  # fmt: skip
+            raise ConfigError(
+                f"--resume: the checkpoint in {self.out} was written without --shard fsdp; resume it "
+                "with the settings it was started with"
+            )
         # What trains, by name: the LoRA adapter or every weight, and the value head or the value model's trained
         # part. Taken now, before any pass: sharded, these are the shards the optimizers step (a pass may leave a
         # root's whole tensors registered in the modules for a while).
         self.policy_named = models.trainable()
         self.policy_params = list(self.policy_named.values())
-        self.policy_opt = torch.optim.AdamW(self.policy_params, lr=self.settings.lr,
-                                            weight_decay=self.settings.weight_decay)  # fmt: skip
+        self.policy_opt = torch.optim.AdamW(
+            self.policy_params, lr=self.settings.lr, weight_decay=self.settings.weight_decay
+        )
         self.critic_params = models.critic_trainable()  # the value head, or the value model's trained part
         self.critic_opt = critic_optimizer(self.critic_params, self.settings.critic_lr, self.settings.critic_bias_lr)
         auto = self.sao.critic_warmup == "auto"
@@ -271,8 +291,11 @@ class Trainer:
         """``critic_warmup="auto"``: end the warmup after this step when the critic explained at least the target on
         this batch and the one before (each scored before the critic trained on it), or at the limit."""
         g, target, limit = record["step"], self.sao.critic_warmup_target, self.sao.critic_warmup_limit
-        scores = [r.get("critic_explained_variance", r["explained_variance"]) for r in (*self.records, record)
-                  if r["phase"] == WARMUP][-2:]  # fmt: skip
+        scores = [
+            r.get("critic_explained_variance", r["explained_variance"])
+            for r in (*self.records, record)
+            if r["phase"] == WARMUP
+        ][-2:]
         reached = len(scores) == 2 and all(v >= target for v in scores)
         if reached or g + 1 >= limit:
             self.warmup_length = record["critic_warmup_steps"] = g + 1
@@ -302,9 +325,11 @@ class Trainer:
         with clock.phase("wait"):  # (a source that draws here marks "draw" and "env" inside)
             batch = self.source.next_batch(g, phase, self.policy_version)  # prompts → source → trajectories
         if not isinstance(batch, Batch):
-            raise TypeError(f"source {type(self.source).__qualname__}: next_batch returned {preview(batch)} on step "
-                            f"{g}; it returns a sao.rollout.types.Batch (or raises SourceExhausted when it has no "
-                            "more)")  # fmt: skip
+            raise TypeError(
+                f"source {type(self.source).__qualname__}: next_batch returned {preview(batch)} on step "
+                f"{g}; it returns a sao.rollout.types.Batch (or raises SourceExhausted when it has no "
+                "more)"
+            )
         rollout = batch.rollout
         with clock.phase("score"):
             rewards, truncation = self.scorer.rewards(rollout, self.rows(batch))  # [B], or [B, R] per turn
@@ -314,11 +339,19 @@ class Trainer:
         def attempt(rows: int):  # teacher-forced pass → SAO.update → loss → backward (this rank's rows)
             self.policy_opt.zero_grad(set_to_none=True)
             return policy_gradient_pass(
-                self.models, self.sao, rollout, rewards, rows=rows, with_policy_gradient=policy_step,
-                temperature=self.config.rollout.temperature, logprob_chunk=self.config.model.logprob_chunk,
-                world=self.world, kl_coef=self.settings.kl_coef, entropy_coef=self.settings.entropy_coef,
+                self.models,
+                self.sao,
+                rollout,
+                rewards,
+                rows=rows,
+                with_policy_gradient=policy_step,
+                temperature=self.config.rollout.temperature,
+                logprob_chunk=self.config.model.logprob_chunk,
+                world=self.world,
+                kl_coef=self.settings.kl_coef,
+                entropy_coef=self.settings.entropy_coef,
                 row_info=row_info,
-            )  # fmt: skip
+            )
 
         row_info = {  # [B] each: the random control's integer key (seed, step, row) and each row's staleness
             "random_key": row_keys(self.settings.seed, g, len(rewards)),
@@ -345,8 +378,10 @@ class Trainer:
             for hook in self.hooks:  # before any update: a hook may refuse what the batch holds
                 for key, value in pass_extras(hook, hook.on_pass(self, batch, result.forward)).items():
                     if key in owners:
-                        raise ValueError(f"hooks {hook_label(owners[key])} and {hook_label(hook)} both return {key!r} "
-                                         "from on_pass; name one of them otherwise")  # fmt: skip
+                        raise ValueError(
+                            f"hooks {hook_label(owners[key])} and {hook_label(hook)} both return {key!r} "
+                            "from on_pass; name one of them otherwise"
+                        )
                     owners[key], extras[key] = hook, value
         loss, finite = self.world.total(result.loss), self.world.all(result.finite)  # over ranks (as is on one)
         grad_norm, skipped, lr = float("nan"), False, float("nan")
@@ -355,8 +390,9 @@ class Trainer:
                 if finite and not self.models.sharded:  # sharded, FSDP has summed them in the backward
                     self.world.sum_gradients(self.policy_params)
                 lr = self._set_lr(g - self.warmup_length)
-                grad_norm, skipped = apply_policy_step(self.policy_opt, self.policy_params, self.settings.grad_clip,
-                                                       finite)  # fmt: skip
+                grad_norm, skipped = apply_policy_step(
+                    self.policy_opt, self.policy_params, self.settings.grad_clip, finite
+                )
             if not skipped:
                 self.policy_version += 1
                 with clock.phase("publish"):  # (a hook that evaluates marks "eval" inside)
@@ -365,21 +401,43 @@ class Trainer:
                         hook.on_update(self, self.policy_version)
         with clock.phase("critic"):
             if self.models.critic is not None:  # the value model: its own passes, forward and backward
-                critic_loss = value_model_steps(self.models, self.critic_opt, rollout, result.update.value_targets,
-                                                self.sao.critic_steps, rows=rows, world=self.world)  # fmt: skip
+                critic_loss = value_model_steps(
+                    self.models,
+                    self.critic_opt,
+                    rollout,
+                    result.update.value_targets,
+                    self.sao.critic_steps,
+                    rows=rows,
+                    world=self.world,
+                )
             else:
                 targets = result.update.value_targets[own]  # [b, R] Monte Carlo returns of this rank's rows
-                critic_loss = critic_steps(self.models.value_head, self.critic_opt, result.forward.hidden, targets,
-                                           rollout.action_mask[own], self.sao.critic_steps,
-                                           world=self.world)  # fmt: skip
+                critic_loss = critic_steps(
+                    self.models.value_head,
+                    self.critic_opt,
+                    result.forward.hidden,
+                    targets,
+                    rollout.action_mask[own],
+                    self.sao.critic_steps,
+                    world=self.world,
+                )
         with clock.phase("stats"):
             record = step_record(
-                step=g, phase=phase, policy_step=g - self.warmup_length if policy_step else None,
-                policy_version=self.policy_version, staleness=batch.staleness, token_staleness=batch.token_staleness(),
-                rollout=rollout, rewards=rewards,
-                update=result.update, critic_loss=critic_loss, grad_norm=grad_norm, skipped=skipped,
-                band=self.sao.ratio, token_text=self._token_text,
-            )  # fmt: skip
+                step=g,
+                phase=phase,
+                policy_step=g - self.warmup_length if policy_step else None,
+                policy_version=self.policy_version,
+                staleness=batch.staleness,
+                token_staleness=batch.token_staleness(),
+                rollout=rollout,
+                rewards=rewards,
+                update=result.update,
+                critic_loss=critic_loss,
+                grad_norm=grad_norm,
+                skipped=skipped,
+                band=self.sao.ratio,
+                token_text=self._token_text,
+            )
             if self.sao.baseline != "critic":  # the update's EV is the fixed baseline's: the critic's, beside it
                 record["critic_explained_variance"] = explained_variance(
                     result.critic_values, result.update.value_targets, rollout.action_mask
@@ -387,9 +445,16 @@ class Trainer:
         head = {"arm": self.sao.correction, "seed": self.settings.seed, **record, **batch.info}
         tail = {
             "loss": loss,
-            **result.extra_stats, "lr": lr, "micro_batch": self.micro_batch, "oom_retries": retries,
-            "world_size": self.world.size, **truncation, **oracle, **clock.fields(), "time_sample": sampled - started,
-        }  # fmt: skip
+            **result.extra_stats,
+            "lr": lr,
+            "micro_batch": self.micro_batch,
+            "oom_retries": retries,
+            "world_size": self.world.size,
+            **truncation,
+            **oracle,
+            **clock.fields(),
+            "time_sample": sampled - started,
+        }
         taken = [key for key in extras if key in head or key in tail]
         if taken:  # the log's own fields are never overwritten (a reader would trust a hook's number as sao's)
             hook = owners[taken[0]]
@@ -418,8 +483,12 @@ class Trainer:
         returns = self.returns_of([i for i in batch.task_ids for _ in range(k)], batch.oracle).view(n, k)  # [B, K]
         rates, weight = shrunk_rates(returns.cpu().numpy())
         bound = ceiling(returns.cpu().numpy())
-        stats = {"oracle_samples": k, "oracle_shrinkage": weight, "oracle_rate_mean": bound.mean,
-                 "oracle_batch_ceiling": bound.prompt_level}  # fmt: skip
+        stats = {
+            "oracle_samples": k,
+            "oracle_shrinkage": weight,
+            "oracle_rate_mean": bound.mean,
+            "oracle_batch_ceiling": bound.prompt_level,
+        }
         return torch.from_numpy(rates), stats
 
     def _token_text(self, ids: Sequence[int]) -> list[str]:
@@ -433,8 +502,10 @@ class Trainer:
         if batch.rollout.turns is not None and batch.tasks is None:
             return [None] * len(batch.task_ids)
         if batch.tasks is not None:
-            return [None if fields is None else {"id": i, **fields} for i, fields in zip(batch.task_ids, batch.tasks,
-                                                                                        strict=True)]  # fmt: skip
+            return [
+                None if fields is None else {"id": i, **fields}
+                for i, fields in zip(batch.task_ids, batch.tasks, strict=True)
+            ]
         return [self.source.tasks[i].row() for i in batch.task_ids]
 
     def _set_lr(self, k: int) -> float:
@@ -460,8 +531,11 @@ class Trainer:
             if self.world.is_main:
                 checkpoint.write_config(self.out, self.run_dir.record)
                 if self.run_dir.state is not None and checkpoint.ensure_log(self.out, self.records):
-                    self.say(f"[{self.label}] {self.out / checkpoint.LOG_FILE} was missing, damaged, behind or ahead "
-                             "of its checkpoint: rewrote it from the checkpoint's records", always=True)  # fmt: skip
+                    self.say(
+                        f"[{self.label}] {self.out / checkpoint.LOG_FILE} was missing, damaged, behind or ahead "
+                        "of its checkpoint: rewrote it from the checkpoint's records",
+                        always=True,
+                    )
             for hook in self.hooks:
                 hook.on_run_start(self)
             while self.next_step < self.total_steps:
@@ -482,9 +556,17 @@ class Trainer:
                     for hook in self.hooks:
                         hook.on_step_end(self, record)
                 record.update(clock.fields())
-                clock.emit(timeline.TRAINER.format(rank=self.world.rank),
-                           {"step": g, "phase": record["phase"], "version": version, "staleness": record["staleness"],
-                            "staleness_mean": record["staleness_mean"], "time": record["time"]})  # fmt: skip
+                clock.emit(
+                    timeline.TRAINER.format(rank=self.world.rank),
+                    {
+                        "step": g,
+                        "phase": record["phase"],
+                        "version": version,
+                        "staleness": record["staleness"],
+                        "staleness_mean": record["staleness_mean"],
+                        "time": record["time"],
+                    },
+                )
                 if self.world.is_main:
                     checkpoint.append_log(self.out, record)
                 if self.next_step % self.settings.checkpoint_every == 0 or self.next_step == self.total_steps:
@@ -497,8 +579,11 @@ class Trainer:
                 self.save_checkpoint()
             self._check_trained()
             if self.world.is_main and self.records and checkpoint.ensure_log(self.out, self.records):
-                self.say(f"[{self.label}] {self.out / checkpoint.LOG_FILE} was missing, damaged or behind its "
-                         "checkpoint: rewrote it from the checkpoint's records", always=True)  # fmt: skip
+                self.say(
+                    f"[{self.label}] {self.out / checkpoint.LOG_FILE} was missing, damaged or behind its "
+                    "checkpoint: rewrote it from the checkpoint's records",
+                    always=True,
+                )
             self.save_adapter()  # every process: sharded, each one's shards are gathered
             for hook in self.hooks:
                 hook.on_run_end(self)
@@ -515,8 +600,10 @@ class Trainer:
         fails) and every hook's ``on_close``, each whatever the others do. After a failure the run's own error goes
         on, what a close raised noted on it (never in its place); a new run that failed before its first checkpoint
         leaves its folder as found; the folder's lock ends."""
-        closing = [("the progress bar", progress.close), (f"source {type(self.source).__qualname__}: close",
-                                                          self.source.close)]  # fmt: skip
+        closing = [
+            ("the progress bar", progress.close),
+            (f"source {type(self.source).__qualname__}: close", self.source.close),
+        ]
         closing += [(f"hook {hook_label(h)}: on_close", lambda h=h: h.on_close(self)) for h in self.hooks]
         errors: list[tuple[str, Exception]] = []
         try:
@@ -564,16 +651,23 @@ class Trainer:
         checkpoint stays, so --resume continues it; a run with no step at all leaves its folder as it was found."""
         if not self.records:
             if self.total_steps > 0:
-                raise NothingTrained(f"[{self.label}] nothing was trained: {self._why_no_batch()}; the run folder is "
-                                     "left as it was found")  # fmt: skip
+                raise NothingTrained(
+                    f"[{self.label}] nothing was trained: {self._why_no_batch()}; the run folder is "
+                    "left as it was found"
+                )
             return
         n = len(self.records)
         if self.settings.steps > 0 and self.policy_version == 0:
             policy = [r for r in self.records if r["phase"] == POLICY]
-            why = (f"all {len(policy)} policy steps were skipped (a non-finite loss or gradient)" if policy
-                   else f"the run ended after {n} critic warmup steps: {self._why_no_batch()}")  # fmt: skip
-            raise NothingTrained(f"[{self.label}] no policy update was made: {why}; the run folder keeps its "
-                                 "checkpoint (--resume continues it)")  # fmt: skip
+            why = (
+                f"all {len(policy)} policy steps were skipped (a non-finite loss or gradient)"
+                if policy
+                else f"the run ended after {n} critic warmup steps: {self._why_no_batch()}"
+            )
+            raise NothingTrained(
+                f"[{self.label}] no policy update was made: {why}; the run folder keeps its "
+                "checkpoint (--resume continues it)"
+            )
         if all(r.get("truncation_share") == 1.0 for r in self.records):
             r = self.config.rollout
             raise NothingTrained(
@@ -587,8 +681,11 @@ class Trainer:
         """Why the source gave no (further) batch, with what it dropped, in words."""
         why = self.ended_early or "the source gave no batch"
         summary = self.source.summary() if hasattr(self.source, "summary") else {}
-        dropped = ", ".join(f"{k.removeprefix('traces_dropped_')} {v}" for k, v in (summary or {}).items()
-                            if k.startswith("traces_dropped_") and v)  # fmt: skip
+        dropped = ", ".join(
+            f"{k.removeprefix('traces_dropped_')} {v}"
+            for k, v in (summary or {}).items()
+            if k.startswith("traces_dropped_") and v
+        )
         return why + (f" (traces dropped: {dropped})" if dropped else "")
 
     def warn(self, message: str) -> None:
@@ -720,8 +817,14 @@ class Trainer:
         path = self.write_adapter(self.out / policy_folder(self.models))
         m = self.models
         if m.critic is not None and (m.sharded or self.world.is_main):
-            artifacts.save_value_model(m.critic, m.tokenizer, self.out / CRITIC_DIR, base_model=m.critic_name,
-                                       finetune=m.finetune, write=self.world.is_main)  # fmt: skip
+            artifacts.save_value_model(
+                m.critic,
+                m.tokenizer,
+                self.out / CRITIC_DIR,
+                base_model=m.critic_name,
+                finetune=m.finetune,
+                write=self.world.is_main,
+            )
         return path
 
     def write_adapter(self, path: Path) -> Path:
@@ -735,14 +838,25 @@ class Trainer:
             lm = causal_lm(m.policy)
             state = artifacts.whole_state(lm, keep=write)
             if write:
-                also = functools.partial(artifacts.describe_weights, base_model=m.name, value_head=m.value_head,
-                                         policy_version=self.policy_version)  # fmt: skip
+                also = functools.partial(
+                    artifacts.describe_weights,
+                    base_model=m.name,
+                    value_head=m.value_head,
+                    policy_version=self.policy_version,
+                )
                 artifacts.save_full_weights(lm, path, tokenizer=m.tokenizer, state=state, also=also)
             return path
         weights = artifacts.sharded_lora(m.policy)  # the whole adapter, when each process holds a part
         if write:
-            artifacts.save_adapter(m.policy, m.tokenizer, m.value_head, path, base_model=m.name, weights=weights,
-                                   policy_version=self.policy_version)  # fmt: skip
+            artifacts.save_adapter(
+                m.policy,
+                m.tokenizer,
+                m.value_head,
+                path,
+                base_model=m.name,
+                weights=weights,
+                policy_version=self.policy_version,
+            )
         return path
 
     def describe(self) -> str:
@@ -763,20 +877,34 @@ class _Progress:
     def __init__(self, trainer: Trainer, total: int, initial: int):
         self.trainer, self.every = trainer, trainer.settings.log_every
         self.tty = trainer.progress and sys.stderr.isatty()
-        self.bar = tqdm(total=total, initial=initial, desc=f"train {trainer.label}", dynamic_ncols=True,
-                        disable=not self.tty, file=sys.stderr)  # fmt: skip
+        self.bar = tqdm(
+            total=total,
+            initial=initial,
+            desc=f"train {trainer.label}",
+            dynamic_ncols=True,
+            disable=not self.tty,
+            file=sys.stderr,
+        )
 
     def update(self, record: dict[str, Any]) -> None:
-        summary = {"reward": f"{record['reward_mean']:.2f}", "masked": f"{record['masked_share']:.4f}",
-                   "ratio_max": f"{record['ratio_max']:.2f}", "stale": record["staleness"]}  # fmt: skip
+        summary = {
+            "reward": f"{record['reward_mean']:.2f}",
+            "masked": f"{record['masked_share']:.4f}",
+            "ratio_max": f"{record['ratio_max']:.2f}",
+            "stale": record["staleness"],
+        }
         if self.tty:
             self.bar.total = self.trainer.total_steps  # an automatic warmup shortens the run once it ends
             self.bar.update(1)
             self.bar.set_postfix(summary)
         elif self.trainer.progress and (record["step"] + 1) % self.every == 0:
             fields = " ".join(f"{k} {v}" for k, v in summary.items())
-            print(f"[{self.trainer.label}] step {record['step'] + 1}/{self.trainer.total_steps} {fields} "
-                  f"({record['time']:.1f}s)", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"[{self.trainer.label}] step {record['step'] + 1}/{self.trainer.total_steps} {fields} "
+                f"({record['time']:.1f}s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         self.bar.close()
@@ -788,17 +916,27 @@ class _Progress:
 def _moments(prefix: str, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The optimizer's per-parameter tensors (AdamW: step, exp_avg, exp_avg_sq) as ``prefix.<param>.<key>``, by
     reference; parameters it holds no state for yet (before their first step) have none."""
-    return {f"{prefix}.{name}.{key}": value for name, p in params.items()
-            for key, value in optimizer.state.get(p, {}).items() if isinstance(value, torch.Tensor)}  # fmt: skip
+    return {
+        f"{prefix}.{name}.{key}": value
+        for name, p in params.items()
+        for key, value in optimizer.state.get(p, {}).items()
+        if isinstance(value, torch.Tensor)
+    }
 
 
 def _layout(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What ``_make_moments`` needs to rebuild the optimizer's state before its tensors are read in place: each
     parameter's state keys (a 0-d tensor or one shaped like the parameter, and its dtype), and the hyperparameters
     of each group."""
-    state = {name: {key: [value.dim() == 0, str(value.dtype).removeprefix("torch.")]
-                    for key, value in optimizer.state[p].items() if isinstance(value, torch.Tensor)}
-             for name, p in params.items() if p in optimizer.state}  # fmt: skip
+    state = {
+        name: {
+            key: [value.dim() == 0, str(value.dtype).removeprefix("torch.")]
+            for key, value in optimizer.state[p].items()
+            if isinstance(value, torch.Tensor)
+        }
+        for name, p in params.items()
+        if p in optimizer.state
+    }
     groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     return {"state": state, "param_groups": groups}
 
@@ -810,6 +948,9 @@ def _make_moments(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimi
         group.update(saved)
     for name, keys in layout["state"].items():
         p = params[name]
-        optimizer.state[p] = {key: torch.zeros((), dtype=getattr(torch, dtype)) if scalar
-                              else torch.zeros_like(p, dtype=getattr(torch, dtype))
-                              for key, (scalar, dtype) in keys.items()}  # fmt: skip
+        optimizer.state[p] = {
+            key: torch.zeros((), dtype=getattr(torch, dtype))
+            if scalar
+            else torch.zeros_like(p, dtype=getattr(torch, dtype))
+            for key, (scalar, dtype) in keys.items()
+        }

@@ -180,8 +180,14 @@ def _load_local(directory: Path, n_train: int, n_test: int, seed: int) -> TaskSe
     _check_train_count(n_train, kept, pool, pool - kept, label)
     drawn = sorted(random.Random(seed + 1).sample(range(kept), n_train))
     train = train_rows.tasks(train_rows.kept[i] for i in drawn)
-    counts = {"train_pool": pool, "test_pool": len(test_rows.offsets), "test": len(test),
-              "train_contaminated": pool - kept, "train_kept": kept, "train": len(train)}  # fmt: skip
+    counts = {
+        "train_pool": pool,
+        "test_pool": len(test_rows.offsets),
+        "test": len(test),
+        "train_contaminated": pool - kept,
+        "train_kept": kept,
+        "train": len(train),
+    }
     return TaskSet(train=train, test=test, counts=counts, source=label, instruction=DEFAULT_INSTRUCTION)
 
 
