@@ -355,7 +355,7 @@ def test_concurrent_steps_take_about_the_slowest_rows_time_not_the_sum_of_each_t
     concurrent, t_concurrent = _timed(lambda: _episodes(lm, tokenizer, envs(0.3), rejoin="row"))
     by_turn, t_turn = _timed(lambda: _episodes(lm, tokenizer, envs(0.3)))
     synchronous, t_sync = _timed(lambda: _episodes(lm, tokenizer, envs(0.3), env_concurrency=0))
-    assert t_instant + 0.9 <= t_turn + 0.05 and t_turn < t_sync - 0.6, (t_turn, t_sync)
+    assert 0.9 <= t_turn < t_sync - 0.6, (t_turn, t_sync)  # each turn waits for its slowest call: 3 × 0.3 s at least
     assert torch.equal(by_turn.response_ids, synchronous.response_ids), "turn: the synchronous loop's draws"
     assert torch.equal(by_turn.sampler_logprobs, synchronous.sampler_logprobs), "bit for bit"
     assert concurrent.turns.count.tolist() == [3] * 6 and synchronous.turns.count.tolist() == [3] * 6
