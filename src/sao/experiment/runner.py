@@ -371,9 +371,8 @@ class Experiment:
             if not resume:
                 raise ConfigError(f"output folder {self.out} already holds an experiment; pass --resume or a new --out")
             fix = "it records the settings the experiment was started with: restore it, or start again with a new --out"
-            saved = read_saved_json(marker, fix, expect=dict)
-            if not checkpoint.same_settings(saved, self.settings):
-                differ = checkpoint.settings_differ(saved, self.settings)
+            differ = checkpoint.settings_differ(read_saved_json(marker, fix, expect=dict), self.settings)
+            if differ is not None:
                 raise ConfigError(
                     f"--resume: the experiment in {self.out} was started with other settings "
                     f"({differ}); give the same settings, or use a new --out"

@@ -716,6 +716,7 @@ def load_env_class(spec: str, max_turns: int = 1) -> EnvFactory:
 
         factory.__qualname__ = skyrl_class.__qualname__
         return factory
+    _check_call(factory, spec, "--env", ("task-id", {}))
     if isinstance(factory, type):
         missing = [name for name in _ENV_METHODS if not callable(getattr(factory, name, None))]
         if missing:
@@ -724,7 +725,6 @@ def load_env_class(spec: str, max_turns: int = 1) -> EnvFactory:
                 f"{'s' if len(missing) > 1 else ''}; an environment needs init, step and close"
             )
         check_env(factory, f"--env {spec!r}:")  # plain and async def methods mixed wrongly: one line, at start
-    _check_call(factory, spec, "--env", ("task-id", {}))
     return factory
 
 

@@ -1,5 +1,7 @@
 """A config's task settings turned into objects: the task set, its scorer, the environment, the prompts.
 
+    prepare    a run's tasks, checked before a model loads: the plug-ins and the model's folder (``preflight``),
+               the task set, the gate's held-aside tasks (``held_aside``)
     task_set   a generated task set (``TASK_SETS``: "tiny", "tiny-calc"), your data (a file, a folder, a hub
                dataset; or rows passed in as objects), or GSM8K
     scorer     the reward you pass, else ``--reward module:function``, else the task set's own (GSM8K's grader)
@@ -19,6 +21,7 @@ from typing import Any
 from sao.core.config import Config
 from sao.core.errors import ConfigError, DataError
 from sao.core.registry import ENVIRONMENTS, TASK_SETS
+from sao.core.stats import tasks_for_margin
 from sao.model.policy import locate
 from sao.rollout.environment import EnvFactory, check_factory
 from sao.rollout.sources import Episodes
@@ -35,12 +38,29 @@ def preflight(
     or a model load: the model's folder (a name that reads as a path and is no folder), and the ``--reward`` and
     ``--env`` plug-ins (imported, their call shape checked). The data's own paths are read next (``task_set``,
     local and quick) and the hub is asked last (``sao.core.hub``: one line at once offline or without a network)."""
-    locate(config.model.name)
+    check_factory(env_factory)  # an environment instance, or something that cannot build one: a TypeError now
     d = config.data
     if reward_fn is None and d.reward:
         custom.load_reward(d.reward)
     if env_factory is None and d.env is not None and d.env not in ENVIRONMENTS:
         environments.env_factory(d.env, None, config.rollout.max_turns)  # "skyrl:..." or "module:Class"
+    locate(config.model.name)
+
+
+def prepare(
+    config: Config,
+    dataset: Any = None,
+    *,
+    tasks: TaskSet | None = None,
+    reward_fn: Callable[..., Any] | None = None,
+    env_factory: EnvFactory | None = None,
+) -> tuple[TaskSet, list[Task]]:
+    """A run's tasks, every check on them made before a model is loaded: ``preflight``, then the task set
+    (``tasks`` when given, else ``task_set``: a bad --data fails here), then the gate's held-aside tasks
+    (``held_aside``: a held-out split too small for its margin is refused)."""
+    preflight(config, reward_fn=reward_fn, env_factory=env_factory)
+    tasks = tasks or task_set(config, dataset)
+    return tasks, held_aside(config, tasks)
 
 
 def task_set(config: Config, dataset: Any = None) -> TaskSet:
@@ -85,6 +105,23 @@ def task_set(config: Config, dataset: Any = None) -> TaskSet:
             seed=d.data_seed,
         )
     return gsm8k.load_gsm8k(name, n_train=d.train_prompts, n_test=d.test_prompts, seed=d.data_seed)
+
+
+def held_aside(config: Config, tasks: TaskSet) -> list[Task]:
+    """``--gate held-out``'s held-aside tasks: the first ``--gate-tasks`` of the held-out split (all of it with 0);
+    [] without a gate. A split smaller than the gate's margin needs is refused with the size it would need."""
+    t = config.training
+    if t.gate == "off":
+        return []
+    need = max(tasks_for_margin(t.gate_margin, t.gate_alpha), t.gate_tasks)
+    if len(tasks.test) < need:
+        raise ConfigError(
+            f"--gate held-out: the held-out split holds {len(tasks.test)} tasks; --gate-margin "
+            f"{t.gate_margin:g} at --gate-alpha {t.gate_alpha:g}"
+            f"{f' with --gate-tasks {t.gate_tasks}' if t.gate_tasks else ''} needs at least {need} "
+            "(raise --test-prompts, or use a larger task set)"
+        )
+    return list(tasks.test[: t.gate_tasks or len(tasks.test)])
 
 
 def scorer(config: Config, tasks: TaskSet | None = None, reward_fn: Callable[..., Any] | None = None) -> Scorer:
@@ -159,7 +196,6 @@ def parts(
     """The scorer, the environment (the factory you pass, else ``--env``) and the training prompts of ``tasks``;
     ``eos_token_ids``: the model's (default: the tokenizer's EOS). With the model's ``context_length`` (prompt and
     reply together), a task whose prompt leaves no room for a reply is a one-line DataError naming it."""
-    check_factory(env_factory)  # an environment instance, or something that cannot build one: a TypeError now
     check_prompts_fit(tokenizer, tasks, context_length)
     factory = env_factory
     if factory is None:

@@ -16,12 +16,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sao.core import stats
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.plugins import describe
 from sao.model.policy import Models, context_length
-from sao.rollout.environment import EnvFactory, check_factory
+from sao.rollout.environment import EnvFactory
 from sao.rollout.registry import build_source, builds_on_every_rank
 from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import Source, SourceContext
@@ -51,8 +50,11 @@ def trainer(
     progress: bool = True,
     label: str | None = None,
 ) -> Trainer:
-    """A ``Trainer`` with every part the config names, unless passed in. Nothing in ``out_dir`` is claimed until
-    every part is built, so a mistake found on the way leaves the folder as it was."""
+    """A ``Trainer`` with every part the config names, unless passed in, built in phases that each stay in one layer:
+    what this process checks alone (the telemetry, the processes, the hooks), the tasks (``setup.prepare``: the
+    plug-ins, the model's folder, the data, the gate's tasks), the run folder, then the models, the task's parts,
+    the gate and the source. Nothing in ``out_dir`` is claimed until every check has passed, and a mistake found
+    after that leaves the folder as it was found."""
     otel.check(config)  # --otel-endpoint without the SDK: one line, nothing loaded
     world = World.from_env(config.model.device)  # one process, or this rank of a torchrun group
     world.shard(config.training.batch_size)  # a batch that does not split over the processes: refused before loading
@@ -64,21 +66,10 @@ def trainer(
         )
     hooks = check_hooks(hooks)  # a class or a function where an instance belongs: before anything is claimed
     check_source(source)
-    check_factory(env_factory)
-    setup.preflight(config, reward_fn=reward_fn, env_factory=env_factory)  # the model's folder, --reward, --env
     named = named_hooks(config.training.hooks)  # --hooks: imported and built now
-    tasks = tasks or setup.task_set(config, dataset)  # a bad --data fails here, before a model is loaded
-    held = gate_tasks(config, tasks)  # and a held-out split too small for the gate's margin
-    record = checkpoint.run_record(
-        config,
-        tasks,
-        world.size,
-        dataset=dataset,
-        reward_fn=reward_fn,
-        env_factory=env_factory,
-        source=source,
-        hooks=list(hooks),
-    )
+    tasks, held = setup.prepare(config, dataset, tasks=tasks, reward_fn=reward_fn, env_factory=env_factory)
+    passed = {"dataset": dataset, "reward_fn": reward_fn, "env_factory": env_factory, "source": source}
+    record = checkpoint.run_record(config, tasks, world.size, **passed, hooks=list(hooks))
     # another run's folder, one in use, a damaged checkpoint: now (rank 0 holds the folder's lock)
     run = checkpoint.RunDir.open(out_dir, record, resume=resume, lock=world.is_main)
     try:
@@ -94,6 +85,7 @@ def trainer(
             eos_token_ids=models.eos_token_ids,
             context_length=context_length(models.policy),
         )
+        gate = [held_aside_gate(config, models, held, task_parts)] if held else []
         label = label or f"{config.algorithm.correction} seed {config.training.seed}"
         if source is None and (world.is_main or every_rank):
             context = SourceContext(
@@ -111,7 +103,6 @@ def trainer(
                 world=world,
             )
             source = build_source(config.rollout.source, context)  # a launched vLLM fleet writes into out_dir
-        gate = [held_aside_gate(config, models, held, task_parts)] if held else []
         return Trainer(
             models,
             source,
@@ -178,23 +169,6 @@ def named_hooks(specs: str | None) -> list[Hook]:
     return hooks
 
 
-def gate_tasks(config: Config, tasks: TaskSet) -> list[Task]:
-    """``--gate held-out``'s held-aside tasks: the first ``--gate-tasks`` of the held-out split (all of it with 0);
-    [] without a gate. A split smaller than the gate's margin needs is refused with the size it would need."""
-    t = config.training
-    if t.gate == "off":
-        return []
-    need = max(stats.tasks_for_margin(t.gate_margin, t.gate_alpha), t.gate_tasks)
-    if len(tasks.test) < need:
-        raise ConfigError(
-            f"--gate held-out: the held-out split holds {len(tasks.test)} tasks; --gate-margin "
-            f"{t.gate_margin:g} at --gate-alpha {t.gate_alpha:g}"
-            f"{f' with --gate-tasks {t.gate_tasks}' if t.gate_tasks else ''} needs at least {need} "
-            "(raise --test-prompts, or use a larger task set)"
-        )
-    return list(tasks.test[: t.gate_tasks or len(tasks.test)])
-
-
 def held_aside_gate(config: Config, models: Models, held: list[Task], parts: setup.TaskParts) -> Gate:
     """The gate over ``held`` (``gate_tasks``): one reply (or episode, in the run's environment and under its
     settings) each at the eval settings from a seed of the data seed, and the trace log's rewards for the rollback."""
@@ -205,10 +179,10 @@ def held_aside_gate(config: Config, models: Models, held: list[Task], parts: set
         tokenizer=models.tokenizer,
         scorer=parts.scorer,
         sampling=parts.sampling(eval=True),
-        seed=derived_seed(config.data.data_seed, "gate"),
+        episodes=parts.episodes_for(held),
         batch=config.eval.eval_batch,
         decoder=r.decoder,
-        episodes=parts.episodes_for(held),
+        seed=derived_seed(config.data.data_seed, "gate"),
     )
     live = LiveRewards(r.traces) if r.traces is not None else None
     # the live traces of a served version count until they are older than the source's bound (the trace reader's)

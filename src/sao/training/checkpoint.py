@@ -160,23 +160,25 @@ def claim(out: Path, record: dict[str, Any], resume: bool, *, lock: bool = False
     created for that, and removed again by ``Claim.undo``); nothing else is written. The ``Claim`` can undo what a
     new run writes later."""
     check_output_path(out, folder=True)
-    held = FolderLock(out).acquire() if lock and out.is_dir() else None
+    made: tuple[Path, ...] = ()
+    if lock and not resume and not out.is_dir():  # a new run's folder: made now, so that it is locked before use
+        made = tuple(p for p in (out, *out.parents) if not os.path.lexists(p))
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise output_problem(out, error) from None
+    held = None
     try:
-        found = _claim(out, record, resume)
-        if lock and held is None:  # a new run's folder: made now, so that it is locked before anything is written
-            made = [p for p in (out, *out.parents) if not os.path.lexists(p)]
-            try:
-                out.mkdir(parents=True, exist_ok=True)
-            except OSError as error:
-                raise output_problem(out, error) from None
-            held = FolderLock(out).acquire()
-            _claim(out, record, resume)  # another run may have made it in the meantime: what is there now
-            found.made = tuple(made)
+        held = FolderLock(out).acquire() if lock and out.is_dir() else None
+        found = _claim(out, record, resume)  # with the lock held: what is there now, whoever made it
     except BaseException:
         if held is not None:
             held.release()
+        for folder in made:  # out first, then the parents made for it
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise
-    found.lock = held
+    found.lock, found.made, found.created = held, made, found.created or bool(made)
     return found
 
 
@@ -188,10 +190,9 @@ def _claim(out: Path, record: dict[str, Any], resume: bool) -> Claim:
                 f"output folder {out} already holds a run; pass --resume to continue it or choose another --out"
             )
         fix = "it records the settings the run was started with: restore it, or start again with a new --out"
-        saved = read_saved_json(config_file, fix, expect=dict)
-        if same_settings(saved, record):
+        differ = settings_differ(read_saved_json(config_file, fix, expect=dict), record)
+        if differ is None:
             return Claim(out)
-        differ = settings_differ(saved, record)
         raise ConfigError(
             f"--resume: the run in {out} was started with other settings ({differ}); give the same "
             "settings, or use a new --out"
@@ -277,17 +278,15 @@ def _comparable(value: Any) -> Any:
     return value
 
 
-def same_settings(saved: Any, record: dict[str, Any]) -> bool:
-    """Whether a saved settings record (config.json, experiment.json) is ``record``, watching aside. Settings are
-    compared as today's sections, so a folder an earlier sao version wrote (flat settings) still resumes."""
-    return _comparable(saved) == _comparable(record)
-
-
-def settings_differ(saved: Any, record: dict[str, Any], limit: int = 6) -> str:
-    """What differs between a saved settings record and ``record``, in words: each setting as its flag with the
-    value it was started with and the one given now (``--lr 0.001 then, 0.003 now``), then any other part of the
-    record (the data, what was passed); at most ``limit`` named, the rest counted."""
+def settings_differ(saved: Any, record: dict[str, Any], limit: int = 6) -> str | None:
+    """None when a saved settings record (config.json, experiment.json) is ``record``, watching aside (settings
+    compared as today's sections, so a folder an earlier sao version wrote, flat, still resumes); else what differs,
+    in words: each setting as its flag with the value it was started with and the one given now (``--lr 0.001 then,
+    0.003 now``), then any other part of the record (the data, what was passed); at most ``limit`` named, the rest
+    counted."""
     before, now = _comparable(saved), _comparable(record)
+    if before == now:
+        return None
     if not (isinstance(before, dict) and isinstance(now, dict)):
         return "the record is not a mapping"
     parts = []
