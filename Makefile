@@ -12,7 +12,7 @@ INT_VENV   := .venv-integrations
 INT_PY     := $(INT_VENV)/bin/python
 INT_STAMP  := $(INT_VENV)/.installed
 
-.PHONY: install install-vllm install-integrations test test-fast lint docs demo bench clean
+.PHONY: install install-vllm install-integrations venvs sao-venvs test test-fast lint docs demo bench clean
 
 install: $(STAMP)
 
@@ -52,7 +52,15 @@ lint: install
 	$(PY) -m ruff check src tests bench examples
 	$(PY) -m ruff format --check src tests bench examples
 
-test: install install-vllm install-integrations lint
+# The three venvs, vLLM's built beside the other two (those two install sao from this tree, one after the other).
+venvs:
+	$(MAKE) -j2 install-vllm sao-venvs
+
+sao-venvs:
+	$(MAKE) install
+	$(MAKE) install-integrations
+
+test: venvs lint
 	$(PY) -m pytest
 	$(INT_PY) -m pytest tests/integrations/test_verl.py tests/integrations/test_skyrl.py
 

@@ -1004,11 +1004,6 @@ def _full_finetune_fits(c: Config) -> str | None:
             f"--finetune full with --rollout {c.rollout.source}: its sampler takes LoRA adapters only; use "
             "--rollout local or vllm, or --finetune lora"
         )
-    if getattr(c.source, "sampler_dtype", "auto") != "auto" or getattr(c.source, "sampler_logit_noise", 0.0):
-        return (
-            "--sampler-dtype with --finetune full is not offered (nor --sampler-logit-noise): the stale sampler "
-            "is a copy of the whole model"
-        )
     if c.training.gate != "off":
         return "--gate held-out compares LoRA adapters: it needs --finetune lora"
     return None
@@ -1021,11 +1016,6 @@ def _shard_fits(c: Config) -> str | None:
         return (
             "--decoder graph with --shard fsdp: the graph engine keeps pointers to weights that FSDP gathers "
             "anew for every draw; use --decoder plain or auto"
-        )
-    if getattr(c.source, "sampler_dtype", "auto") != "auto" or getattr(c.source, "sampler_logit_noise", 0.0):
-        return (
-            "--sampler-dtype with --shard fsdp is not offered (nor --sampler-logit-noise): the sampler's copy "
-            "would hold the whole model unsharded"
         )
     if c.training.gate != "off":
         return "--gate held-out with --shard fsdp is not offered: the gate draws with unsharded adapter copies"

@@ -61,6 +61,18 @@ class LocalSettings(SourceSection):
         check=lambda v: None if math.isfinite(v) and 0.0 <= v <= 100.0 else "must be a number in [0, 100]",
     )
 
+    def check(self, config: Any) -> str | None:
+        if self.sampler_dtype == "auto" and not self.sampler_logit_noise:
+            return None
+        whole = {
+            "--finetune full": "the stale sampler is a copy of the whole model",
+            "--shard fsdp": "the sampler's copy would hold the whole model unsharded",
+        }
+        regime = "--finetune full" if config.model.finetune == "full" else "--shard fsdp"
+        if config.model.finetune == "full" or config.training.shard == "fsdp":
+            return f"--sampler-dtype with {regime} is not offered (nor --sampler-logit-noise): {whole[regime]}"
+        return None
+
 
 @dataclass(frozen=True)
 class RaySettings(SourceSection):
