@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -203,3 +206,65 @@ def multi_turn_batch(B, T, seed, dtype=None, spread=0.3, p_zero_reward=0.3):
         "rewards": torch.where(turn_end, reward, torch.zeros_like(reward)),
         "action_mask": mask,
     }
+
+
+# The child torchrun starts on every rank: optionally SIGKILL rank 1 as it enters step `kill_at`, then the CLI.
+CHILD = r"""
+import os, signal, sys
+from sao import cli
+from sao.training import trainer
+kill_at = int(sys.argv[1])
+if kill_at >= 0:
+    real_step = trainer.Trainer.step
+    def step(self, g):
+        if g == kill_at and self.world.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_step(self, g)
+    trainer.Trainer.step = step
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+# A tiny `sao train` of two steps on a few prompts: the flags of the CLI tests that need a finished run.
+SMALL_RUN = [
+    "--preset",
+    "tiny",
+    *("--batch-size", "8", "--steps", "2", "--critic-warmup", "1", "--train-prompts", "32", "--test-prompts", "8"),
+    "--quiet",
+]
+
+# The tiny preset shrunk for a torchrun test: as settings (one process's run) and as the same flags (torchrun's).
+TORCHRUN_SETTINGS = {"batch_size": 8, "steps": 2, "critic_warmup": 1, "train_prompts": 64, "lag": 1}
+TORCHRUN_FLAGS = [
+    "--preset",
+    "tiny",
+    *(f for name, value in TORCHRUN_SETTINGS.items() for f in (f"--{name.replace('_', '-')}", str(value))),
+    "--quiet",
+]
+TORCHRUN_TIMEOUT_S = 600
+
+
+def torchrun(tmp_path: Path, args: list[str], kill_at: int = -1) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2`` of the CLI with ``args``, one thread per rank (2 cores); with
+    ``kill_at`` >= 0, rank 1 is SIGKILLed as it enters that step."""
+    child = tmp_path / "child.py"
+    child.write_text(CHILD)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("WORLD_SIZE", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(child)]
+    return subprocess.run(
+        [*command, str(kill_at), *args], env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S
+    )
+
+
+def fake_datasets(monkeypatch, load_dataset) -> None:
+    """``datasets`` replaced by ``load_dataset``, standing for a hub that answers (the id taken as cached)."""
+    import importlib.machinery
+    import types
+
+    from sao.core import hub
+
+    monkeypatch.setattr(hub, "cached", lambda repo_id, kind="model": True)
+    module = types.ModuleType("datasets")
+    module.__spec__ = importlib.machinery.ModuleSpec("datasets", None)  # as an installed one has
+    module.load_dataset = load_dataset
+    monkeypatch.setitem(sys.modules, "datasets", module)

@@ -21,27 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import SMALL_RUN as SMALL
 from helpers import files_in as _files
 from helpers import refused_in_one_line, without_keys
 from sao.cli import main
 from sao.core.errors import DataError
 from sao.core.timeline import TIMING_FIELDS
 
-SMALL = [
-    "--preset",
-    "tiny",
-    "--batch-size",
-    "8",
-    "--steps",
-    "2",
-    "--critic-warmup",
-    "1",
-    "--train-prompts",
-    "32",
-    "--test-prompts",
-    "8",
-    "--quiet",
-]
 EXPERIMENT = [*SMALL, "--eval-samples", "1", "--base-evals", "2"]
 VOLATILE = {*TIMING_FIELDS, "seconds", "this_invocation", "wall_time", "versions", "provenance", "command"}
 

@@ -16,24 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers import SMALL_RUN as SMALL
 from helpers import refused_in_one_line, save_small_model
 from sao.cli import main
-
-SMALL = [
-    "--preset",
-    "tiny",
-    "--batch-size",
-    "8",
-    "--steps",
-    "2",
-    "--critic-warmup",
-    "1",
-    "--train-prompts",
-    "32",
-    "--test-prompts",
-    "8",
-    "--quiet",
-]
 
 
 def _files(folder: Path) -> dict[Path, bytes]:

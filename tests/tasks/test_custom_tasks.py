@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.machinery
 import json
 import os
 import random
 import sys
-import types
 import uuid
 from pathlib import Path
 
 import pytest
 
+from helpers import fake_datasets
 from sao.core.config import Config
 from sao.core.errors import ConfigError, DataError
 from sao.tasks import gsm8k, load_env_class, load_reward
@@ -103,7 +102,7 @@ def test_default_data_is_gsm8k_from_the_hub_as_before(monkeypatch, gsm8k_split):
         calls.append((name, config))
         return read
 
-    _fake_datasets(monkeypatch, load_dataset)
+    fake_datasets(monkeypatch, load_dataset)
     for data in (None, "hub", "openai/gsm8k", "hub:openai/gsm8k"):
         split = task_set(Config(data=data))
         assert split.source == "hub:openai/gsm8k"
@@ -325,17 +324,6 @@ def test_bad_messages_name_the_line_and_field(tmp_path):
 # --- a hub dataset (a fake `datasets`: nothing is downloaded) --------------------------------------------
 
 
-def _fake_datasets(monkeypatch, load_dataset) -> None:
-    """``datasets`` replaced by ``load_dataset``, standing for a hub that answers (the id taken as cached)."""
-    from sao.core import hub
-
-    monkeypatch.setattr(hub, "cached", lambda repo_id, kind="model": True)
-    module = types.ModuleType("datasets")
-    module.__spec__ = importlib.machinery.ModuleSpec("datasets", None)  # as an installed one has
-    module.load_dataset = load_dataset
-    monkeypatch.setitem(sys.modules, "datasets", module)
-
-
 class FakeSplit:
     """The parts of a datasets.Dataset the loader uses; records which columns a scan selected."""
 
@@ -363,7 +351,7 @@ def test_hub_dataset_uses_its_train_and_test_splits(monkeypatch):
         calls.append(name)
         return {"train": train, "test": test}
 
-    _fake_datasets(monkeypatch, load_dataset)
+    fake_datasets(monkeypatch, load_dataset)
     assert source_kind("someone/my-tasks") == "hub"
     config = Config(data="someone/my-tasks", prompt_field="prompt", answer_field="target", train_prompts=8)
     split = task_set(config.replace(test_prompts=6))
@@ -379,7 +367,7 @@ def test_hub_dataset_uses_its_train_and_test_splits(monkeypatch):
 
 
 def test_hub_dataset_without_a_test_split_or_unreachable_is_one_line(monkeypatch):
-    _fake_datasets(monkeypatch, lambda name: {"train": FakeSplit([{"question": "q", "answer": "1"}])})
+    fake_datasets(monkeypatch, lambda name: {"train": FakeSplit([{"question": "q", "answer": "1"}])})
     with pytest.raises(DataError, match=r"hub:someone/tasks has no 'test' split \(splits: train\)") as err:
         task_set(Config(data="someone/tasks"))
     _one_line(err)
@@ -387,7 +375,7 @@ def test_hub_dataset_without_a_test_split_or_unreachable_is_one_line(monkeypatch
     def unreachable(name):
         raise ConnectionError("Couldn't reach 'someone/tasks' on the Hub\nmore detail")
 
-    _fake_datasets(monkeypatch, unreachable)
+    fake_datasets(monkeypatch, unreachable)
     with pytest.raises(DataError, match=r"ConnectionError.*no local file or directory 'someone/tasks'") as err:
         task_set(Config(data="someone/tasks"))
     _one_line(err)
@@ -395,7 +383,7 @@ def test_hub_dataset_without_a_test_split_or_unreachable_is_one_line(monkeypatch
 
 def test_hub_missing_column_names_it(monkeypatch):
     rows = FakeSplit([{"question": _question(i), "answer": "1"} for i in range(4)])
-    _fake_datasets(monkeypatch, lambda name: {"train": rows, "test": rows})
+    fake_datasets(monkeypatch, lambda name: {"train": rows, "test": rows})
     with pytest.raises(DataError, match=r"hub:someone/tasks train: no column 'problem'.*--prompt-field") as err:
         task_set(Config(data="someone/tasks", prompt_field="problem", train_prompts=1, test_prompts=1))
     _one_line(err)

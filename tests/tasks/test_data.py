@@ -3,14 +3,13 @@ prompt formatting. No network: the hub is a fake module and the tokenizer is bui
 
 from __future__ import annotations
 
-import importlib.machinery
 import json
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
+from helpers import fake_datasets
 from sao.core.errors import DataError
 from sao.tasks.base import Task
 from sao.tasks.gsm8k import (
@@ -191,17 +190,6 @@ def _records(prefix: str, k: int) -> list[dict[str, str]]:
     ]
 
 
-def _fake_datasets(monkeypatch, load_dataset) -> None:
-    """``datasets`` replaced by ``load_dataset``, standing for a hub that answers (the id taken as cached)."""
-    from sao.core import hub
-
-    monkeypatch.setattr(hub, "cached", lambda repo_id, kind="model": True)
-    module = types.ModuleType("datasets")
-    module.__spec__ = importlib.machinery.ModuleSpec("datasets", None)  # as an installed one has
-    module.load_dataset = load_dataset
-    monkeypatch.setitem(sys.modules, "datasets", module)
-
-
 def test_hub_path_goes_through_datasets(monkeypatch):
     calls = []
 
@@ -209,7 +197,7 @@ def test_hub_path_goes_through_datasets(monkeypatch):
         calls.append((name, config))
         return {"train": _records("train", 6), "test": _records("test", 4)}
 
-    _fake_datasets(monkeypatch, load_dataset)
+    fake_datasets(monkeypatch, load_dataset)
     split = load_gsm8k(None, n_train=3, n_test=2, seed=5)
     assert calls == [("openai/gsm8k", "main")]
     assert split.source == "hub:openai/gsm8k"
@@ -222,7 +210,7 @@ def test_hub_path_goes_through_datasets(monkeypatch):
 
 
 def test_hub_bad_record_names_the_row(monkeypatch):
-    _fake_datasets(monkeypatch, lambda name, config: {"train": [{"question": "q", "answer": "no gold"}], "test": []})
+    fake_datasets(monkeypatch, lambda name, config: {"train": [{"question": "q", "answer": "no gold"}], "test": []})
     with pytest.raises(DataError, match=r"hub:openai/gsm8k train row 0: .*gold"):
         load_gsm8k(None)
 
@@ -231,7 +219,7 @@ def test_hub_failure_says_use_data_flag(monkeypatch):
     def load_dataset(name, config):
         raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)\nmore")
 
-    _fake_datasets(monkeypatch, load_dataset)
+    fake_datasets(monkeypatch, load_dataset)
     with pytest.raises(DataError, match=r"--data DIR") as err:
         load_gsm8k(None)
     assert "ConnectionError" in str(err.value) and "\n" not in str(err.value)

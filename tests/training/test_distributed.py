@@ -11,49 +11,16 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import run_log
+from helpers import TORCHRUN_FLAGS, TORCHRUN_SETTINGS, TORCHRUN_TIMEOUT_S, run_log, torchrun
 from sao.core.errors import ConfigError
 from sao.rollout.types import Rollout, Turns
 from sao.training.distributed import World
 
-# The child torchrun starts on every rank: optionally SIGKILL rank 1 as it enters step `kill_at`, then the CLI.
-CHILD = r"""
-import os, signal, sys
-from sao import cli
-from sao.training import trainer
-kill_at = int(sys.argv[1])
-if kill_at >= 0:
-    real_step = trainer.Trainer.step
-    def step(self, g):
-        if g == kill_at and self.world.rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real_step(self, g)
-    trainer.Trainer.step = step
-sys.exit(cli.main(sys.argv[2:]))
-"""
-
-SETTINGS = {"batch_size": 8, "steps": 2, "critic_warmup": 1, "train_prompts": 64, "lag": 1}
-FLAGS = [
-    "--preset",
-    "tiny",
-    "--batch-size",
-    "8",
-    "--steps",
-    "2",
-    "--critic-warmup",
-    "1",
-    "--train-prompts",
-    "64",
-    "--lag",
-    "1",
-    "--quiet",
-]
-TORCHRUN_TIMEOUT_S = 600
+SETTINGS, FLAGS = TORCHRUN_SETTINGS, TORCHRUN_FLAGS
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -127,23 +94,6 @@ def test_rollout_rows_cut_every_per_row_field_and_keep_the_widths():
 # torchrun, two processes, gloo
 
 
-def _torchrun(child: Path, kill_at: int, args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # one thread per rank on 2 cores
-    env.pop("WORLD_SIZE", None)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(child),
-        str(kill_at),
-        *args,
-    ]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
-
-
 def _close(a: float | None, b: float | None, rel: float = 1e-4, abs_: float = 1e-6) -> bool:
     """Equal within float tolerance; None is how the log writes NaN (a critic-only step's loss)."""
     if a is None or b is None:
@@ -161,14 +111,12 @@ def test_torchrun_two_processes_take_the_single_process_steps_and_resume(tiny_mo
     build.trainer(Config.load("tiny", **SETTINGS), tmp_path / "single", progress=False).run()
     single = run_log(tmp_path / "single")
 
-    child = tmp_path / "child.py"
-    child.write_text(CHILD)
     out = tmp_path / "ddp"
-    killed = _torchrun(child, 2, ["train", *FLAGS, "--out", str(out)])  # rank 1 dies entering the last step
+    killed = torchrun(tmp_path, ["train", *FLAGS, "--out", str(out)], kill_at=2)  # rank 1 dies entering the last step
     assert killed.returncode != 0, killed.stderr[-3000:]
     interrupted = run_log(out)
     assert 1 <= len(interrupted) < len(single), "killed mid-run, after a checkpoint"
-    resumed = _torchrun(child, -1, ["train", *FLAGS, "--out", str(out), "--resume"])
+    resumed = torchrun(tmp_path, ["train", *FLAGS, "--out", str(out), "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     records = run_log(out)

@@ -8,71 +8,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-from helpers import run_log
+from helpers import TORCHRUN_FLAGS, TORCHRUN_SETTINGS, run_log, torchrun
 
-# The child torchrun starts on every rank: optionally SIGKILL rank 1 as it enters step `kill_at`, then the CLI.
-CHILD = r"""
-import os, signal, sys
-from sao import cli
-from sao.training import trainer
-kill_at = int(sys.argv[1])
-if kill_at >= 0:
-    real_step = trainer.Trainer.step
-    def step(self, g):
-        if g == kill_at and self.world.rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real_step(self, g)
-    trainer.Trainer.step = step
-sys.exit(cli.main(sys.argv[2:]))
-"""
-
-SETTINGS = {"batch_size": 8, "steps": 2, "critic_warmup": 1, "train_prompts": 64, "lag": 1}
-FLAGS = [
-    "--preset",
-    "tiny",
-    "--batch-size",
-    "8",
-    "--steps",
-    "2",
-    "--critic-warmup",
-    "1",
-    "--train-prompts",
-    "64",
-    "--lag",
-    "1",
-    "--quiet",
-    "--shard",
-    "fsdp",
-]
+SETTINGS, FLAGS = TORCHRUN_SETTINGS, [*TORCHRUN_FLAGS, "--shard", "fsdp"]
 COMPARED = ("loss", "grad_norm", "critic_loss", "masked_share", "ratio_max", "advantage_mean", "explained_variance")
-TORCHRUN_TIMEOUT_S = 600
-
-
-def _torchrun(tmp_path: Path, args: list[str], kill_at: int = -1) -> subprocess.CompletedProcess:
-    child = tmp_path / "child.py"
-    child.write_text(CHILD)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # one thread per rank on 2 cores
-    env.pop("WORLD_SIZE", None)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(child),
-        str(kill_at),
-        *args,
-    ]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
 
 
 def _single(config, out: Path, resume: bool = False) -> list[dict]:
@@ -119,7 +63,7 @@ def test_fsdp_on_two_processes_takes_the_single_process_steps_and_resumes_on_one
 
     single = _single(Config.load("tiny", **SETTINGS), tmp_path / "single")  # --shard none, one process
     whole = tmp_path / "fsdp"
-    done = _torchrun(tmp_path, ["train", *FLAGS, "--out", str(whole)])
+    done = torchrun(tmp_path, ["train", *FLAGS, "--out", str(whole)])
     assert done.returncode == 0, done.stderr[-3000:]
     sharded = run_log(whole)
     _same_steps(sharded, single)
@@ -131,11 +75,11 @@ def test_fsdp_on_two_processes_takes_the_single_process_steps_and_resumes_on_one
     assert _all_close(adapter, _tensors(tmp_path / "single" / "adapter" / "adapter_model.safetensors"))
 
     killed = tmp_path / "killed"
-    stopped = _torchrun(tmp_path, ["train", *FLAGS, "--out", str(killed)], kill_at=2)  # rank 1 dies entering step 2
+    stopped = torchrun(tmp_path, ["train", *FLAGS, "--out", str(killed)], kill_at=2)  # rank 1 dies entering step 2
     assert stopped.returncode != 0 and len(run_log(killed)) == 2, stopped.stderr[-3000:]
     on_one = tmp_path / "on-one"
     shutil.copytree(killed, on_one)
-    resumed = _torchrun(tmp_path, ["train", *FLAGS, "--out", str(killed), "--resume"])
+    resumed = torchrun(tmp_path, ["train", *FLAGS, "--out", str(killed), "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _strip(run_log(killed)) == _strip(sharded), "the same two processes: bit for bit"
     again = _tensors(killed / "adapter" / "adapter_model.safetensors")
@@ -159,7 +103,7 @@ def test_full_weights_and_a_value_model_on_two_processes_take_the_single_process
     regime = {"finetune": "full", "critic": "model"}
     single = _single(Config.load("tiny", **SETTINGS, **regime), tmp_path / "single")
     out = tmp_path / "fsdp"
-    done = _torchrun(tmp_path, ["train", *FLAGS, "--finetune", "full", "--critic", "model", "--out", str(out)])
+    done = torchrun(tmp_path, ["train", *FLAGS, "--finetune", "full", "--critic", "model", "--out", str(out)])
     assert done.returncode == 0, done.stderr[-3000:]
     _same_steps(run_log(out), single)
     for folder in ("model", "critic"):  # gathered from the shards, tensor by tensor
@@ -230,7 +174,7 @@ def test_a_trace_log_trains_under_torchrun_and_its_end_stops_every_process(tiny_
     assert cli.main([*args, "--out", str(tmp_path / "single")]) == 0
     single = run_log(tmp_path / "single")
     out = tmp_path / "fsdp"
-    done = _torchrun(tmp_path, [*args, "--out", str(out)])
+    done = torchrun(tmp_path, [*args, "--out", str(out)])
     assert done.returncode == 0, done.stderr[-3000:]
     records = run_log(out)
     assert len(records) == len(single) == 3, "the log holds 3 batches: both processes stop after them"
