@@ -60,8 +60,9 @@ sao-venvs:
 	$(MAKE) install
 	$(MAKE) install-integrations
 
+# The suite on two workers (pytest-xdist): a file's tests on one, the vLLM server's tests together.
 test: venvs lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup
 	$(INT_PY) -m pytest tests/integrations/test_verl.py tests/integrations/test_skyrl.py
 
 # The edit loop: every test that builds or trains no model (about a minute on 2 cores).

@@ -25,6 +25,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if "faults" in names:
             item.add_marker(pytest.mark.faults)
+        # Under pytest-xdist (make test: -n 2 --dist loadgroup) a file's tests run on one worker, so that its
+        # module-scoped fixtures are built once; every test on the vLLM server shares one worker and one server.
+        group = "vllm" if "tiny_vllm" in names else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
@@ -50,12 +54,26 @@ def faults():
     return table
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """Under pytest-xdist: the fault cases a worker proved, merged into the controller's table."""
+    import faults as table
+
+    table.merge(getattr(node, "workeroutput", {}).get("faults", {}))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """With every fault kind exercised: ``SAO_WRITE_DOCS=1`` (``make docs``) rewrites the README's table;
-    otherwise a table that differs from what the tests just proved fails the run."""
+    otherwise a table that differs from what the tests just proved fails the run. A pytest-xdist worker hands its
+    cases to the controller, which checks the whole table."""
+    import faults as table
+
+    worker = getattr(session.config, "workeroutput", None)
+    if worker is not None:
+        worker["faults"] = table.cases()
+        return
     if exitstatus != 0:
         return
-    import faults as table
 
     if not table.complete():
         return

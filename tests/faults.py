@@ -250,6 +250,17 @@ def record(kind: str, case: str) -> None:
     _recorded[kind].add(case)
 
 
+def cases() -> dict[str, list[str]]:
+    """The cases recorded in this process, by kind (what a pytest-xdist worker sends its controller)."""
+    return {kind: sorted(found) for kind, found in _recorded.items() if found}
+
+
+def merge(recorded: dict[str, list[str]]) -> None:
+    """Add the cases another process recorded (``cases``)."""
+    for kind, found in recorded.items():
+        _recorded[kind].update(found)
+
+
 def table() -> str:
     lines = ["| fault class | cases | what was tried | what happened |", "| --- | ---: | --- | --- |"]
     for kind, (tried, happened) in KINDS.items():
