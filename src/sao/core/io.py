@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import shutil
 import stat
 import tempfile
 from collections.abc import Callable
@@ -171,6 +172,28 @@ def follow_umask(root: str | os.PathLike[str]) -> None:
             if not os.path.islink(path):
                 os.chmod(path, file_mode())
         folders[:] = [f for f in folders if not os.path.islink(os.path.join(folder, f))]
+
+
+def cached_folder(target: Path, build: Callable[[Path], Any], done: str) -> Path:
+    """``target``, built once by ``build(scratch)`` into a folder beside it and renamed into place whole, so that a
+    crash or a second process building it at the same time never leaves a half-built one; ``done`` names the file
+    a finished folder holds. Its modes follow the umask (``mkdtemp`` makes 0o700, safetensors writes 0o600)."""
+    if (target / done).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        build(scratch)
+        follow_umask(scratch)
+        try:
+            os.rename(scratch, target)
+        except OSError:  # another process finished first: theirs is as good as ours
+            if not (target / done).exists():
+                raise
+    finally:
+        if scratch.exists():
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target
 
 
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")

@@ -18,8 +18,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +26,7 @@ import torch
 
 from sao.core import hashing
 from sao.core.errors import DataError
-from sao.core.io import folder_mode, follow_umask
+from sao.core.io import cached_folder
 from sao.core.machine import on_terminal
 from sao.rollout.sampler import decode, draw, encode_prompts
 from sao.tasks.base import Task, TaskSet
@@ -223,24 +221,9 @@ def warm_start_dir(settings: WarmStart = WarmStart()) -> Path:
 def ensure_model(settings: WarmStart = WarmStart(), progress: bool = True) -> Path:
     """The warm-started tiny model's directory, built from the shipped weights and cached on first use (~1 s).
     ``progress`` is kept for callers; the build has nothing slow to show."""
-    target = warm_start_dir(settings)
-    if (target / "warmstart.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    os.chmod(scratch, folder_mode())  # the cached model folder keeps the user's umask, not mkdtemp's 0o700
-    try:
-        build_from_shipped(settings, scratch)
-        follow_umask(scratch)  # safetensors writes 0o600: the cache follows the umask as other files do
-        try:
-            os.rename(scratch, target)
-        except OSError:  # another process finished first: theirs is as good as ours
-            if not (target / "warmstart.json").exists():
-                raise
-    finally:
-        if scratch.exists():
-            shutil.rmtree(scratch, ignore_errors=True)
-    return target
+    return cached_folder(
+        warm_start_dir(settings), lambda scratch: build_from_shipped(settings, scratch), "warmstart.json"
+    )
 
 
 def _model_config(settings: WarmStart, tokenizer):

@@ -19,8 +19,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,7 +28,7 @@ import torch
 
 from sao.core import hashing
 from sao.core.errors import DataError
-from sao.core.io import folder_mode, follow_umask
+from sao.core.io import cached_folder
 from sao.core.machine import on_terminal
 from sao.rollout.environment import EnvFactory, render_observation
 from sao.rollout.sampler import draw
@@ -342,27 +340,14 @@ def calc_model_dir(settings: CalcWarmStart = CalcWarmStart()) -> Path:
 def ensure_calc_model(settings: CalcWarmStart = CalcWarmStart(), progress: bool = True) -> Path:
     """The warm-started tiny-calc model's folder, cached on first use: built from the shipped weights (~1 s)
     with the default settings, trained (~2 min on 2 cores) with any other."""
-    target = calc_model_dir(settings)
-    if (target / "warmstart.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    os.chmod(scratch, folder_mode())  # the cached model folder keeps the user's umask, not mkdtemp's 0o700
-    try:
+
+    def build(scratch: Path) -> None:
         if settings == CalcWarmStart():
             build_from_shipped(scratch)
         else:
             train_calc_warm_start(settings, scratch, progress)
-        follow_umask(scratch)  # safetensors writes 0o600: the cache follows the umask as other files do
-        try:
-            os.rename(scratch, target)
-        except OSError:  # another process finished first: theirs is as good as ours
-            if not (target / "warmstart.json").exists():
-                raise
-    finally:
-        if scratch.exists():
-            shutil.rmtree(scratch, ignore_errors=True)
-    return target
+
+    return cached_folder(calc_model_dir(settings), build, "warmstart.json")
 
 
 def _padded(rows: list[list[int]], value: int) -> torch.Tensor:
