@@ -20,6 +20,7 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -244,22 +245,26 @@ def _opt(x: float | None, form: str = "+.3f") -> str:
     return "—" if x is None else format(x, form)
 
 
+def _finished_plans(root: Path, lines: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each plan of a confirmation folder (its ``*.yaml``), in name order, with its results once every seed has
+    trained; a plan still training is named as such in ``lines`` instead."""
+    for plan in sorted(p.stem for p in root.glob("*.yaml")):
+        path = root / plan / "results.json"
+        if not path.exists():
+            lines += ["", f"- `{plan}`: still training; nothing of it is quoted before every seed has trained."]
+            continue
+        yield plan, json.loads(path.read_text())
+
+
 def third_confirmation(docs: Path) -> list[str]:
     """Lines on each plan of the third confirmation: nothing for a plan still training; for a finished one its
     family (delta with its interval, the Hodges–Lehmann shift, the collapses, the finding after the correction), the
     oracle ceiling against the critic where its runs measured it (and the probe, where probe.json exists), and
     the masked share and effective sample size of every arm it defines."""
-    root = docs / THIRD
-    plans = sorted(p.stem for p in root.glob("*.yaml")) if root.is_dir() else []
-    if not plans:
+    if not any((docs / THIRD).glob("*.yaml")):
         return []
     lines = ["", f"The third confirmation ([{THIRD}/]({THIRD}/)), plan by plan:"]
-    for plan in plans:
-        path = root / plan / "results.json"
-        if not path.exists():
-            lines += ["", f"- `{plan}`: still training; nothing of it is quoted before every seed has trained."]
-            continue
-        results = json.loads(path.read_text())
+    for plan, results in _finished_plans(docs / THIRD, lines):
         done = results["confirmation"]
         first = done["primary"]
         power = done.get("realised_power") or {}
@@ -290,7 +295,7 @@ def third_confirmation(docs: Path) -> list[str]:
                 f"{fell.get('after_collapsed', '—')}, {fell.get('before_collapsed', '—')} | "
                 f"{row['p_holm']:.3g} | {row.get('finding') or row['verdict']} |"
             )
-        lines += _ceiling_lines(results, root / plan / "probe.json")
+        lines += _ceiling_lines(results, docs / THIRD / plan / "probe.json")
         lines += _defined_lines(results)
     return lines
 
@@ -396,17 +401,10 @@ def critic_ev(results: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
 def second_confirmation(docs: Path) -> list[str]:
     """Lines on each finished plan of the second confirmation: the critic's EV, every arm's divergence count, and
     the post-hoc whole-grid estimands (seeds as the unit); a plan still training is named as such."""
-    root = docs / SECOND
-    plans = sorted(p.stem for p in root.glob("*.yaml")) if root.is_dir() else []
-    if not plans:
+    if not any((docs / SECOND).glob("*.yaml")):
         return []
     lines = ["", f"The second confirmation ([{SECOND}/]({SECOND}/)), plan by plan:"]
-    for plan in plans:
-        path = root / plan / "results.json"
-        if not path.exists():
-            lines += ["", f"- `{plan}`: still training; nothing of it is quoted before every seed has trained."]
-            continue
-        results = json.loads(path.read_text())
+    for plan, results in _finished_plans(docs / SECOND, lines):
         verdict = results["confirmation"]["primary"] if "confirmation" in results else {}
         lines += [
             "",
