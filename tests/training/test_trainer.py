@@ -13,7 +13,6 @@ from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.names import POLICY, WARMUP
 from sao.model import forward as forward_module
-from sao.rollout.sampler import staleness_schedule
 from sao.training import build
 from sao.training import learn as learn_module
 from sao.training.hooks import Reachability
@@ -60,6 +59,13 @@ def test_staleness_follows_the_cycle(tiny_config, tmp_path, lag):
     assert policy == staleness_schedule(lag, 10)
     expected = {0: [0] * 10, 1: [0] + [1] * 9, 4: [0, 1, 2, 3, 4, 1, 2, 3, 4, 1]}[lag]
     assert policy == expected
+
+
+def staleness_schedule(lag: int, steps: int) -> list[int]:
+    """Staleness of policy step k's batch when no step is skipped: 0 at k = 0, then 1..LAG cycling."""
+    if lag == 0:
+        return [0] * steps
+    return [0 if k == 0 else (k - 1) % lag + 1 for k in range(steps)]
 
 
 def test_lag_zero_masks_nothing_and_ratios_are_one_within_numerics(tiny_config, tmp_path):

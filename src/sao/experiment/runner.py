@@ -70,11 +70,6 @@ def arm_settings(arm: str) -> dict[str, str]:
     return {"correction": rule, **({"baseline": baseline} if join else {})}
 
 
-def arm_rule(arm: str) -> str:
-    """The correction rule an arm trains with (``dis+batch-mean`` → ``dis``)."""
-    return arm_settings(arm)["correction"]
-
-
 DEFINE_SET = ("lag", "lr", "ratio", "seed", "train_runs")  # a cell and the seeds set these, never an arm
 ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,63}")  # a defined arm's name: a folder name, no "+" or "_vs_"
 

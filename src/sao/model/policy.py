@@ -111,14 +111,6 @@ def locate(model: str | os.PathLike[str]) -> tuple[str, bool]:
     return (path, True) if os.path.isdir(path) else (name, False)
 
 
-def check_model(model: str | os.PathLike[str]) -> None:
-    """Everything about ``model`` that can be known without loading it: its folder exists, or its hub id is cached
-    here or the hub can be reached (``check_hub_reachable``)."""
-    name, local = locate(model)
-    if not local:
-        check_hub_reachable(name)
-
-
 def check_hub_reachable(hub_id: str) -> None:
     """Nothing when ``hub_id`` is in the local hub cache or the hub answers a connection within
     ``HUB_PROBE_SECONDS``; otherwise a one-line ConfigError now, instead of the hub client's retries (tens of

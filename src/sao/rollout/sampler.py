@@ -276,10 +276,3 @@ class StaleSampler:
         for (_, q), w in zip(self._pairs, state["weights"], strict=True):
             q.copy_(w.to(q.device))
         self.version = int(state["version"])
-
-
-def staleness_schedule(lag: int, steps: int) -> list[int]:
-    """Staleness of policy step k's batch when no step is skipped: 0 at k = 0, then 1..LAG cycling."""
-    if lag == 0:
-        return [0] * steps
-    return [0 if k == 0 else (k - 1) % lag + 1 for k in range(steps)]
