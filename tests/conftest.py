@@ -2,7 +2,7 @@
 
 Every test that builds or trains the tiny model (it asks for ``tiny_model_dir``, ``tiny_config`` or a Ray
 cluster) is marked ``slow`` here, so ``make test-fast`` (``pytest -m "not slow"``) is the edit loop with no
-training at all. Every test that records a fault case for the README's table (it asks for ``faults``) is
+training at all. Every test that records a fault case for the fault table (docs/faults.md; it asks for ``faults``) is
 marked ``faults``: ``make docs`` reruns those and rewrites the table; a full ``make test`` only checks it.
 """
 
@@ -48,7 +48,7 @@ def tiny_config(tiny_model_dir):
 
 @pytest.fixture
 def faults():
-    """Record a passed fault case for the README's table (see tests/faults.py)."""
+    """Record a passed fault case for the fault table (docs/faults.md, see tests/faults.py)."""
     import faults as table
 
     return table
@@ -63,7 +63,7 @@ def pytest_testnodedown(node, error):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """With every fault kind exercised: ``SAO_WRITE_DOCS=1`` (``make docs``) rewrites the README's table;
+    """With every fault kind exercised: ``SAO_WRITE_DOCS=1`` (``make docs``) rewrites the fault table in docs/faults.md;
     otherwise a table that differs from what the tests just proved fails the run. A pytest-xdist worker hands its
     cases to the controller, which checks the whole table."""
     import faults as table
@@ -78,9 +78,9 @@ def pytest_sessionfinish(session, exitstatus):
     if not table.complete():
         return
     if os.environ.get("SAO_WRITE_DOCS") == "1":
-        table.write_readme_table()
-    elif not table.readme_is_current():
-        print("\nREADME.md's fault table differs from the cases that passed: run `make docs` and commit it.")
+        table.write_table()
+    elif not table.table_is_current():
+        print("\ndocs/faults.md's fault table differs from the cases that passed: run `make docs` and commit it.")
         session.exitstatus = 1
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "docs" / "faults.md"
+TABLE_FILE = Path(__file__).resolve().parents[1] / "docs" / "faults.md"
 START, END = "<!-- fault-table:start -->", "<!-- fault-table:end -->"
 
 # kind → (what was thrown at it, what happened in every passing case)
@@ -279,13 +279,13 @@ def _with_table(text: str) -> str:
     return f"{head}{START}\n{table()}\n{END}{tail}"
 
 
-def readme_is_current() -> bool:
-    text = README.read_text()
+def table_is_current() -> bool:
+    text = TABLE_FILE.read_text()
     return _with_table(text) == text
 
 
-def write_readme_table() -> None:
-    """Rewrite the table in README.md (``make docs``)."""
-    text = README.read_text()
+def write_table() -> None:
+    """Rewrite the table in docs/faults.md (``make docs``)."""
+    text = TABLE_FILE.read_text()
     if _with_table(text) != text:
-        README.write_text(_with_table(text))
+        TABLE_FILE.write_text(_with_table(text))
