@@ -64,13 +64,16 @@ class LocalSettings(SourceSection):
     def check(self, config: Any) -> str | None:
         if self.sampler_dtype == "auto" and not self.sampler_logit_noise:
             return None
-        whole = {
-            "--finetune full": "the stale sampler is a copy of the whole model",
-            "--shard fsdp": "the sampler's copy would hold the whole model unsharded",
-        }
-        regime = "--finetune full" if config.model.finetune == "full" else "--shard fsdp"
-        if config.model.finetune == "full" or config.training.shard == "fsdp":
-            return f"--sampler-dtype with {regime} is not offered (nor --sampler-logit-noise): {whole[regime]}"
+        if config.model.finetune == "full":
+            return (
+                "--sampler-dtype with --finetune full is not offered (nor --sampler-logit-noise): the stale sampler "
+                "is a copy of the whole model"
+            )
+        if config.training.shard == "fsdp":
+            return (
+                "--sampler-dtype with --shard fsdp is not offered (nor --sampler-logit-noise): the sampler's copy "
+                "would hold the whole model unsharded"
+            )
         return None
 
 
