@@ -79,14 +79,14 @@ def test_a_recipe_whose_first_run_fails_leaves_out_as_it_was(tmp_path, capsys, u
 
 
 def test_a_failure_after_the_first_checkpoint_keeps_the_run(tmp_path):
-    from sao.training import checkpoint
+    from sao.core import run_folder
 
     out = tmp_path / "run"
-    claim = checkpoint.claim(out, {}, resume=False)
+    claim = run_folder.claim(out, {}, resume=False)
     (out / "checkpoints" / "step-1").mkdir(parents=True)
     (out / "config.json").write_text("{}")
     assert not claim.undo() and (out / "config.json").exists()  # --resume continues it
-    assert not checkpoint.claim(tmp_path / "x", {}, resume=False).undo()  # nothing there: nothing to undo
+    assert not run_folder.claim(tmp_path / "x", {}, resume=False).undo()  # nothing there: nothing to undo
 
 
 def _free_port_in_use():

@@ -144,17 +144,18 @@ def test_a_value_model_of_another_vocabulary_is_refused_in_one_line(tiny_model_d
 
 
 def test_resuming_with_another_finetune_names_the_setting_and_another_process_count_is_allowed(tmp_path):
+    from sao.core import run_folder
     from sao.core.config import Config
     from sao.core.errors import ConfigError
     from sao.training import checkpoint
 
     out = tmp_path / "run"
     started = {"config": Config.load("tiny", shard="fsdp").to_dict(), "world_size": 2}
-    checkpoint.claim(out, started, resume=False)
+    run_folder.claim(out, started, resume=False)
     out.mkdir()
     checkpoint.write_config(out, started)
-    assert checkpoint.claim(out, {**started, "world_size": 1}, resume=True).out == out  # on one process
+    assert run_folder.claim(out, {**started, "world_size": 1}, resume=True).out == out  # on one process
     other = {"config": Config.load("tiny", shard="fsdp", finetune="full").to_dict(), "world_size": 2}
     with pytest.raises(ConfigError) as caught:
-        checkpoint.claim(out, other, resume=True)
+        run_folder.claim(out, other, resume=True)
     assert 'started with other settings (--finetune "lora" then, "full" now)' in str(caught.value)

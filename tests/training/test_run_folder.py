@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import sao
+from sao.core import run_folder
 from sao.core.errors import ConfigError
 from sao.core.io import file_mode, folder_mode
 from sao.training import checkpoint
@@ -80,14 +81,14 @@ def test_a_full_disk_while_the_tensors_are_written_is_one_line_and_leaves_the_la
 
 def test_a_folder_a_run_holds_is_refused_to_a_second_and_free_once_released(tmp_path, faults):
     out = tmp_path / "run"
-    first = checkpoint.claim(out, {}, resume=False, lock=True)
+    first = run_folder.claim(out, {}, resume=False, lock=True)
     assert out.is_dir() and list(out.iterdir()) == [], "locked, nothing written"
     with pytest.raises(ConfigError, match="in use by another sao run"):
-        checkpoint.claim(out, {}, resume=False, lock=True)
+        run_folder.claim(out, {}, resume=False, lock=True)
     with pytest.raises(ConfigError, match="in use by another sao run"):
-        checkpoint.claim(out, {}, resume=True, lock=True)
+        run_folder.claim(out, {}, resume=True, lock=True)
     first.release()
-    second = checkpoint.claim(out, {}, resume=False, lock=True)  # free again
+    second = run_folder.claim(out, {}, resume=False, lock=True)  # free again
     second.release()
     assert first.undo() and not out.exists(), "the folder a new run made is removed again when it fails"
     faults.record("run folders", "a second claim on a folder a run holds")
@@ -96,8 +97,8 @@ def test_a_folder_a_run_holds_is_refused_to_a_second_and_free_once_released(tmp_
 HOLD = """
     import sys, time
     from pathlib import Path
-    from sao.training import checkpoint
-    held = checkpoint.claim(Path(sys.argv[1]), {}, resume=False, lock=True)
+    from sao.core import run_folder
+    held = run_folder.claim(Path(sys.argv[1]), {}, resume=False, lock=True)
     print("held", flush=True)
     time.sleep(600)
 """
@@ -112,9 +113,9 @@ def test_a_killed_run_leaves_no_stale_lock(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(ConfigError, match="in use by another sao run"):
-            checkpoint.claim(out, {}, resume=False, lock=True)
+            run_folder.claim(out, {}, resume=False, lock=True)
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=60)
-    claimed = checkpoint.claim(out, {}, resume=False, lock=True)  # the lock ended with the process
+    claimed = run_folder.claim(out, {}, resume=False, lock=True)  # the lock ended with the process
     claimed.undo()

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sao.core import timeline
+from sao.core import run_folder, timeline
 from sao.core.config import Config
 from sao.core.errors import ConfigError
 from sao.core.io import DamagedFileError, check_output_path, clean, read_saved_json, write_json
@@ -366,7 +366,7 @@ class Experiment:
             if not resume:
                 raise ConfigError(f"output folder {self.out} already holds an experiment; pass --resume or a new --out")
             fix = "it records the settings the experiment was started with: restore it, or start again with a new --out"
-            differ = checkpoint.settings_differ(read_saved_json(marker, fix, expect=dict), self.settings)
+            differ = run_folder.settings_differ(read_saved_json(marker, fix, expect=dict), self.settings)
             if differ is not None:
                 raise ConfigError(
                     f"--resume: the experiment in {self.out} was started with other settings "
@@ -379,7 +379,7 @@ class Experiment:
             raise ConfigError(f"--resume: {self.out} {what}; check --out, or leave out --resume to start a new one")
         elif self.out.exists() and any(self.out.iterdir()):
             raise ConfigError(f"output folder {self.out} is not empty and holds no sao experiment; choose a new --out")
-        self._claimed = checkpoint.Claim(self.out, fresh=not resume, created=not self.out.exists())
+        self._claimed = run_folder.Claim(self.out, fresh=not resume, created=not self.out.exists())
 
     def _nothing_done(self) -> bool:
         """Whether no checkpoint and no eval has been written yet: a new experiment that failed this early is undone."""
