@@ -86,3 +86,17 @@ def test_a_third_confirmation_plan_is_quoted_only_once_every_seed_has_trained(tm
     assert evidence.third_confirmation(tmp_path)[-1] == (
         "- `plan-a`: still training; nothing of it is quoted before every seed has trained."
     )
+
+
+def test_each_arm_is_summarised_with_its_collapsed_runs_below_the_plans_floor():
+    results = {
+        "plan": {"collapse_floor": 0.3},
+        "cells": [
+            {"name": "lag32", "arms": {"dis": {"pass_at_1": [0.9, 0.1, 0.8, 0.29]}, "none": {"pass_at_1": [0.5, 0.3]}}}
+        ],
+    }
+    assert evidence.arm_lines(results)[-2:] == [
+        "| lag32 | `dis` | 0.522 | 0.545 | 2 of 4 |",
+        "| lag32 | `none` | 0.400 | 0.400 | 0 of 2 |",
+    ]
+    assert evidence.arm_lines({"plan": {}, "cells": results["cells"]}) == []

@@ -295,9 +295,35 @@ def third_confirmation(docs: Path) -> list[str]:
                 f"{fell.get('after_collapsed', '—')}, {fell.get('before_collapsed', '—')} | "
                 f"{row['p_holm']:.3g} | {row.get('finding') or row['verdict']} |"
             )
+        lines += arm_lines(results)
         lines += _ceiling_lines(results, docs / THIRD / plan / "probe.json")
         lines += _defined_lines(results)
     return lines
+
+
+def arm_lines(results: dict[str, Any]) -> list[str]:
+    """Each arm's pass@1 over its seeds (mean, median) and its collapsed runs, for a plan with a collapse floor:
+    where the runs are bimodal, the mean alone hides which arms lost runs and which lost a little everywhere."""
+    floor = (results.get("plan") or {}).get("collapse_floor")
+    if floor is None:
+        return []
+    rows = []
+    for cell in results["cells"]:
+        for arm, block in cell["arms"].items():
+            passes = [float(x) for x in block["pass_at_1"]]
+            collapsed = sum(p < floor for p in passes)
+            rows.append(
+                f"| {cell['name']} | `{arm}` | {statistics.fmean(passes):.3f} | {statistics.median(passes):.3f} | "
+                f"{collapsed} of {len(passes)} |"
+            )
+    return [
+        "",
+        f"Each arm's pass@1 over its seeds (a run collapsed when its pass@1 is below {floor:g}):",
+        "",
+        "| cell | arm | mean | median | collapsed |",
+        "| --- | --- | ---: | ---: | ---: |",
+        *rows,
+    ]
 
 
 def _ceiling_lines(results: dict[str, Any], probe: Path) -> list[str]:
