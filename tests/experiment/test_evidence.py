@@ -100,3 +100,10 @@ def test_each_arm_is_summarised_with_its_collapsed_runs_below_the_plans_floor():
         "| lag32 | `none` | 0.400 | 0.400 | 0 of 2 |",
     ]
     assert evidence.arm_lines({"plan": {}, "cells": results["cells"]}) == []
+
+
+def test_a_gated_comparison_shows_its_verdict_alone_beside_its_finding():
+    gated = {"finding": "unresolved", "verdict": "unresolved", "verdict_unadjusted": "regressed"}
+    assert evidence._finding(gated) == "unresolved (alone: regressed)"
+    assert evidence._finding({"finding": "flat", "verdict": "flat", "verdict_unadjusted": "flat"}) == "flat"
+    assert evidence._finding({"verdict": "improved"}) == "improved"  # results written before the field existed

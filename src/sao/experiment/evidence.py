@@ -277,7 +277,7 @@ def third_confirmation(docs: Path) -> list[str]:
             + ".",
             "",
             "| cell | comparison | delta [95%] | Hodges–Lehmann [95%] | collapsed (after, before) | "
-            "adjusted p | finding |",
+            "adjusted p | finding (alone, where it differs) |",
             "| --- | --- | ---: | ---: | ---: | ---: | --- |",
         ]
         for row in done["family"]:
@@ -293,12 +293,18 @@ def third_confirmation(docs: Path) -> list[str]:
             lines.append(
                 f"| {row['cell']} | {row['comparison']} | {delta} | {shift} | "
                 f"{fell.get('after_collapsed', '—')}, {fell.get('before_collapsed', '—')} | "
-                f"{row['p_holm']:.3g} | {row.get('finding') or row['verdict']} |"
+                f"{row['p_holm']:.3g} | {_finding(row)} |"
             )
         lines += arm_lines(results)
         lines += _ceiling_lines(results, docs / THIRD / plan / "probe.json")
         lines += _defined_lines(results)
     return lines
+
+
+def _finding(row: dict[str, Any]) -> str:
+    """A family member's finding, and its verdict alone where gatekeeping or Holm made it another."""
+    finding, alone = row.get("finding") or row["verdict"], row.get("verdict_unadjusted")
+    return finding if not alone or alone == finding else f"{finding} (alone: {alone})"
 
 
 def arm_lines(results: dict[str, Any]) -> list[str]:
