@@ -43,7 +43,7 @@ def test_a_resume_with_other_settings_names_them(tmp_path, capsys, faults):
 
 
 def test_what_differs_counts_past_its_limit():
-    from sao.training.checkpoint import settings_differ
+    from sao.core.run_folder import settings_differ
 
     before = {"config": Config.load("tiny").to_dict()}
     after = {
