@@ -437,6 +437,9 @@ def _panels(cells: list[dict[str, Any]]):
     return fig, axes
 
 
+LEGEND_COLUMNS = 2  # a legend set below its panel
+
+
 def _legend(target, axes: Iterable[Any], **kw: Any) -> None:
     """One legend for several panels: each label once."""
     seen = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels(), strict=True)}
@@ -667,18 +670,23 @@ def _plot_evals(path: Path, results: dict, arms: list[str], colors: dict) -> Non
                     label=_name(k, c),
                 )
     right.axhline(0, color="black", lw=0.8)
-    right.set_ylabel("delta pass@1, arm − none (95% interval)")
+    right.set_ylabel("delta pass@1, after − before (95% interval)")
     title = f"Verdict: {results['verdict']}"
     if primary:
         cell, k, c = primary
-        title += f" ({_name(k, c)} at {_where(cell)})\n{fmt_signed(c.get('delta'))} "
+        title += f"\n{_name(k, c)} at {_where(cell)}:\n{fmt_signed(c.get('delta'))} "
         title += fmt_interval(c.get("ci_low"), c.get("ci_high"))
     right.set_title(title, fontsize=10)
+    rows = 0
     for ax in (left, right):
         ax.set_xticks(range(len(cells)), [_short(c, cells) for c in cells])
         ax.set_xlim(-0.6, len(cells) - 0.4)
         ax.grid(axis="y", alpha=0.3)
-        _legend(ax, [ax], loc="best")
+        # below its panel, where it hides no seed: a plan with many arms has as many labels as points in a corner
+        _legend(ax, [ax], loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=LEGEND_COLUMNS)
+        labels = len(set(ax.get_legend_handles_labels()[1]))
+        rows = max(rows, -(-labels // LEGEND_COLUMNS))
+    fig.set_size_inches(fig.get_size_inches()[0], 5.2 + 0.2 * rows)
     _save(fig, path)
 
 
