@@ -18,6 +18,7 @@ import pytest
 SLOW_FIXTURES = {"tiny_model_dir", "tiny_config", "ray_module", "recipe_run", "tiny_vllm"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups to name each test's worker
 def pytest_collection_modifyitems(config, items):
     for item in items:
         names = set(getattr(item, "fixturenames", ()))

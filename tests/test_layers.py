@@ -187,3 +187,11 @@ def test_no_module_tests_a_source_by_name_outside_its_own():
             and n.value.attr == "rollout"
         ]
         assert not sources_read, f"{path.name} reads config.rollout.source"
+
+
+def test_under_loadgroup_a_test_is_sent_with_its_files_group(request):
+    """make test runs the suite on two pytest-xdist workers with --dist loadgroup: each test's node id carries its
+    group (tests/conftest.py), which is what sends a file's tests, and every test on the vLLM server, to one worker."""
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("runs under pytest-xdist --dist loadgroup (make test)")
+    assert request.node.nodeid.endswith("@tests/test_layers.py"), request.node.nodeid
