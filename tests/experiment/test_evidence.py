@@ -92,7 +92,13 @@ def test_each_arm_is_summarised_with_its_collapsed_runs_below_the_plans_floor():
     results = {
         "plan": {"collapse_floor": 0.3},
         "cells": [
-            {"name": "lag32", "arms": {"dis": {"pass_at_1": [0.9, 0.1, 0.8, 0.29]}, "none": {"pass_at_1": [0.5, 0.3]}}}
+            {
+                "name": "lag32",
+                "arms": {
+                    "dis": {"pass_at_1": [0.9, 0.1, 0.8, 0.29], "pass_at_1_mean": 0.5225},
+                    "none": {"pass_at_1": [0.5, 0.3], "pass_at_1_mean": 0.4},
+                },
+            }
         ],
     }
     assert evidence.arm_lines(results)[-2:] == [

@@ -440,11 +440,12 @@ def _panels(cells: list[dict[str, Any]]):
 LEGEND_COLUMNS = 2  # a legend set below its panel
 
 
-def _legend(target, axes: Iterable[Any], **kw: Any) -> None:
-    """One legend for several panels: each label once."""
+def _legend(target, axes: Iterable[Any], **kw: Any) -> int:
+    """One legend for several panels: each label once. How many entries it has."""
     seen = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels(), strict=True)}
     if seen:
         target.legend(list(seen.values()), list(seen), fontsize=8, **kw)
+    return len(seen)
 
 
 def _save(fig, path: Path) -> None:
@@ -683,9 +684,8 @@ def _plot_evals(path: Path, results: dict, arms: list[str], colors: dict) -> Non
         ax.set_xlim(-0.6, len(cells) - 0.4)
         ax.grid(axis="y", alpha=0.3)
         # below its panel, where it hides no seed: a plan with many arms has as many labels as points in a corner
-        _legend(ax, [ax], loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=LEGEND_COLUMNS)
-        labels = len(set(ax.get_legend_handles_labels()[1]))
-        rows = max(rows, -(-labels // LEGEND_COLUMNS))
+        entries = _legend(ax, [ax], loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=LEGEND_COLUMNS)
+        rows = max(rows, -(-entries // LEGEND_COLUMNS))
     fig.set_size_inches(fig.get_size_inches()[0], 5.2 + 0.2 * rows)
     _save(fig, path)
 
