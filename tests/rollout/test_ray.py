@@ -537,26 +537,49 @@ def test_ray_workers_draw_multi_turn_episodes(ray_module, tiny_model_dir, tmp_pa
 
 
 def test_episodes_in_flight_go_on_under_each_published_adapter(ray_module, tiny_model_dir, tmp_path):
-    """K = 2, one worker, a calculator that sleeps 0.5 s per call: the trainer publishes while episodes wait on
-    their tools, the worker takes the new adapter at the next turn and feeds the cache again. Rows span versions,
-    nothing is dropped, every token's staleness stays within K, and at staleness 0 (the later turns of a spanning
-    row included) the worker's log-probs are the policy's."""
+    """K = 2, one worker, a calculator whose tool call waits for the trainer's next publish, and a trainer that
+    publishes only while an episode waits on its tool: the worker takes the new adapter at the episode's next turn and
+    feeds the cache again. Rows span versions, nothing is dropped, every token's staleness stays within K, and at
+    staleness 0 (the later turns of a spanning row included) the worker's log-probs are the policy's."""
     from sao.tiny import calculator as tiny_calc
     from sao.training import build
 
     tiny_calc.ensure_calc_model(progress=False)
+    # The two sides meet through files: "published" holds the trainer's last published version, "waiting" exists
+    # while it waits for a batch (nothing is published until episodes finish), "ended" once the run is over, and an
+    # episode's "tool-*" while it waits on its tool.
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    (signals / "published").write_text("0")
+
+    def published() -> int:
+        return int((signals / "published").read_text() or 0)
 
     def slow_calc(task_id, fields):
+        import os
         import time as clock
 
         from sao.tasks.calc import CalcEnv
 
-        class SlowCalc(CalcEnv):
+        class WaitsForAPublish(CalcEnv):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.began_under = published()
+
             def step(self, action):
-                clock.sleep(0.5)
+                waiting = signals / f"tool-{os.getpid()}-{id(self)}"
+                waiting.touch()
+                try:
+                    deadline = clock.monotonic() + 60  # a bound, never reached when the trainer runs
+                    while clock.monotonic() < deadline and published() == self.began_under:
+                        if (signals / "waiting").exists() or (signals / "ended").exists():
+                            break
+                        clock.sleep(0.01)
+                finally:
+                    waiting.unlink()
                 return super().step(action)
 
-        return SlowCalc(task_id, fields, tool_format="tag")
+        return WaitsForAPublish(task_id, fields, tool_format="tag")
 
     K = 2
     config = Config.load(
@@ -571,22 +594,39 @@ def test_episodes_in_flight_go_on_under_each_published_adapter(ray_module, tiny_
         train_prompts=64,
         test_prompts=8,
     )
-    # Whether a publish lands inside a tool's wait is the scheduler's doing: run alone, 1 to 4 of the 6 steps hold a
-    # spanning row; beside the rest of make test's suite on two cores, three runs in a row held none. So the run is
-    # repeated once, every run's rows are checked, and with no spanning row in either the test says so and skips the
-    # spanning checks rather than fail on the machine's load.
-    spanning: list[dict] = []
-    for attempt in range(2):
-        trainer = build.trainer(config, tmp_path / f"run-{attempt}", progress=False, env_factory=slow_calc)
-        records = trainer.run()
-        assert len(records) == 7 and records[-1]["dropped_stale_total"] == 0
-        fresh = [r["mismatch_fresh"] for r in records if r["mismatch_fresh"] == r["mismatch_fresh"]]
-        assert fresh and max(fresh) < 1e-4, "each token matches the version that drew it"
-        spanning = [r for r in records if r["spanning_rows"] > 0]
-        if spanning:
-            break
-    if not spanning:
-        pytest.skip("no publish landed inside a tool's wait in 2 runs (this machine's load): spanning rows unchecked")
+    trainer = build.trainer(config, tmp_path / "run", progress=False, env_factory=slow_calc)
+    source = trainer.source
+    next_batch, after_update, close = source.next_batch, source.after_update, source.close
+
+    def waits(g: int, phase: str, policy_version: int):
+        (signals / "waiting").touch()
+        try:
+            return next_batch(g, phase, policy_version)
+        finally:
+            (signals / "waiting").unlink()
+
+    publishes_inside_a_tool = []
+
+    def publishes(version: int) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and next(signals.glob("tool-*"), None) is None:
+            time.sleep(0.01)
+        publishes_inside_a_tool.append(next(signals.glob("tool-*"), None) is not None)
+        after_update(version)  # on the workers' board before the file: an episode that sees the file finds it
+        (signals / "published").write_text(str(version))
+
+    def ends() -> None:
+        (signals / "ended").touch()
+        close()
+
+    source.next_batch, source.after_update, source.close = waits, publishes, ends
+    records = trainer.run()
+    assert len(records) == 7 and records[-1]["dropped_stale_total"] == 0
+    fresh = [r["mismatch_fresh"] for r in records if r["mismatch_fresh"] == r["mismatch_fresh"]]
+    assert fresh and max(fresh) < 1e-4, "each token matches the version that drew it"
+    assert len(publishes_inside_a_tool) == 6 and all(publishes_inside_a_tool), publishes_inside_a_tool
+    spanning = [r for r in records if r["spanning_rows"] > 0]
+    assert len(spanning) >= 3, [r["spanning_rows"] for r in records]
     for r in spanning:
         levels = {int(level) for level in r["token_staleness_hist"]}
         assert max(levels) <= K and len(levels) > 1, r["token_staleness_hist"]
