@@ -69,9 +69,12 @@ test: venvs lint
 test-fast: install
 	$(PY) -m pytest -m "not slow"
 
-# Regenerate the README's fault table from the fault tests (make test only checks it).
+# Regenerate the pages the suite checks against the programs' output (make test only checks them): the fault table
+# in docs/faults.md from the fault tests, docs/settings.md from the config, docs/scale-out.md's memory table.
 docs: install
 	SAO_WRITE_DOCS=1 $(PY) -m pytest -m faults
+	SAO_WRITE_DOCS=1 $(PY) -m pytest tests/test_docs.py::test_the_settings_reference_is_generated_from_the_config \
+		tests/test_bench.py::test_the_scale_out_memory_table_is_the_programs_output
 
 # The whole controlled experiment on the CPU stand-in, on the calculator agent (multi-turn episodes, tool
 # calls, observation tokens): base evals, both arms, compare, report (~2 min on 2 cores).

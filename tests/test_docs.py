@@ -36,6 +36,25 @@ def test_the_settings_reference_is_generated_from_the_config():
     assert SETTINGS.read_text() == text, "docs/settings.md is not the config's: run `make docs` and commit it"
 
 
+def test_make_docs_rewrites_every_page_a_test_checks():
+    """A test that rewrites its page under SAO_WRITE_DOCS=1 is one ``make docs`` runs: named in its recipe (the
+    fault table is the fault tests' hook, which ``-m faults`` runs)."""
+    recipe = re.search(r"^docs:.*?\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), flags=re.M)
+    assert recipe is not None and "-m faults" in recipe.group(1)
+
+    def reads_the_switch(test: ast.FunctionDef) -> bool:  # os.environ.get("SAO_WRITE_DOCS") somewhere in it
+        calls = (n for n in ast.walk(test) if isinstance(n, ast.Call) and n.args)
+        return any(isinstance(c.args[0], ast.Constant) and c.args[0].value == "SAO_WRITE_DOCS" for c in calls)
+
+    writers = [
+        f"{path.relative_to(ROOT)}::{node.name}"
+        for path in sorted((ROOT / "tests").rglob("test_*.py"))
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.FunctionDef) and reads_the_switch(node)
+    ]
+    assert len(writers) >= 2 and [w for w in writers if w not in recipe.group(1)] == []
+
+
 def test_no_module_points_at_a_spec_file():
     found = [str(p.relative_to(ROOT)) for p in (ROOT / "src").rglob("*.py") if re.search(r"SPEC §", p.read_text())]
     assert found == []
