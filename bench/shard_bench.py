@@ -30,6 +30,7 @@ import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 ROWS = [  # (label, finetune, critic, shard)
     ("LoRA, critic head", "lora", "head", "none"),
@@ -40,6 +41,19 @@ ROWS = [  # (label, finetune, critic, shard)
     ("full, value model", "full", "model", "fsdp"),
 ]
 MIB = 1 << 20
+
+
+def local_bytes(tensors: Any) -> int:
+    """Bytes this rank holds of ``tensors`` (an iterable of tensors, DTensors counted by their local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
 
 
 def build_model(folder: Path, layers: int) -> int:
@@ -78,7 +92,6 @@ def child(settings: dict) -> None:
     from sao.algorithm.update import SAO
     from sao.core.config import Config
     from sao.model.forward import teacher_forced
-    from sao.model.sharding import local_bytes
     from sao.rollout.types import Rollout
     from sao.training.build import load_models
     from sao.training.distributed import World

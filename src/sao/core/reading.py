@@ -9,7 +9,7 @@ for once its aliases are expanded: an alias bomb is refused before anything is e
 caller's class (``DataError`` unless told), one line beginning with ``where`` (then the field, when known),
 and quotes at most a short prefix of a value (``preview``).
 
-Deliberately left out: what the values mean (callers check their fields, ``check_number`` their numbers),
+Deliberately left out: what the values mean (callers check their fields and numbers),
 duplicate keys (the last wins, as in ``json`` and PyYAML), YAML tags beyond SafeLoader's, and following a
 growing log (``iter_jsonl`` reads a file as it is; a last line without its newline is a line).
 """
@@ -21,7 +21,6 @@ import functools
 import itertools
 import json
 import math
-import numbers
 import os
 import re
 import struct
@@ -538,46 +537,6 @@ def _cut(text: str, width: int) -> str:
 
 def _at(mark: Any) -> str:
     return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-
-
-# --- numbers ------------------------------------------------------------------------------------------------
-
-
-def check_number(
-    value: Any,
-    *,
-    where: str,
-    name: str,
-    lo: float | None = None,
-    hi: float | None = None,
-    above: float | None = None,
-    integer: bool = False,
-    error: type[SaoError] = DataError,
-) -> int | float:
-    """``value`` when it is a finite number (a whole one if ``integer``) with ``lo <= value <= hi`` and
-    ``value > above`` where given; otherwise ``error`` naming ``where`` and ``name``. true/false and the
-    string "1" are not numbers here: a file that means a number writes one."""
-    what = "a whole number" if integer else "a finite number"
-    got = f"got {preview(value)}"
-    if isinstance(value, bool):
-        raise error(f"{where}: {name} must be {what}, {got} (true/false is not a number)")
-    if isinstance(value, str):
-        raise error(f"{where}: {name} must be {what}, got the string {preview(value)} (write a number unquoted)")
-    if not isinstance(value, numbers.Real):
-        raise error(f"{where}: {name} must be {what}, got {_kind(value)}")
-    if integer and not isinstance(value, numbers.Integral):
-        raise error(f"{where}: {name} must be {what}, {got}")
-    if not integer and not math.isfinite(value):
-        raise error(f"{where}: {name} must be {what}, {got}")
-    if (lo is not None and value < lo) or (above is not None and value <= above) or (hi is not None and value > hi):
-        bounds = ((">=", lo), (">", above), ("<=", hi))
-        wanted = " and ".join(f"{sign} {_number(bound)}" for sign, bound in bounds if bound is not None)
-        raise error(f"{where}: {name} must be {what} {wanted}, {got}")
-    return value
-
-
-def _number(bound: float) -> str:
-    return f"{bound:g}" if isinstance(bound, float) else preview(bound)
 
 
 # The one rule for a reward, wherever it comes from: a --reward function, an environment's step, a trace line,

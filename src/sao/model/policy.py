@@ -30,7 +30,6 @@ from sao.core.errors import ConfigError
 from sao.core.machine import on_terminal, quiet_libraries
 from sao.core.registry import MODELS
 
-DEFAULT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
 # Every linear layer of a Qwen2/Llama-style block; the ones a model lacks are skipped.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 POLICY_ADAPTER = "default"

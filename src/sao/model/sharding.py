@@ -101,16 +101,3 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def local_bytes(tensors: Any) -> int:
-    """Bytes this rank holds of ``tensors`` (an iterable of tensors, DTensors counted by their local shard)."""
-    from torch.distributed.tensor import DTensor
-
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        local = t.to_local() if isinstance(t, DTensor) else t
-        total += local.numel() * local.element_size()
-    return total

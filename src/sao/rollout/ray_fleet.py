@@ -183,7 +183,6 @@ class _Slot:
     job: dict[str, Any] | None = None
     future: Any = None
     since: float = 0.0  # perf_counter when the draw call in flight was made
-    delivered: bool = False  # this actor has returned a draw since it was started
     deaths: int = 0  # consecutive failures without a delivery
 
     @property

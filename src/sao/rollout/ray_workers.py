@@ -284,7 +284,7 @@ class RaySource:
                 self._buffer.append(_Trajectory(seq, task_id, result["version"], job["deadline"], slot.name, row, span))
             self.counts["received"] += len(rows)
             slot.job = slot.future = None
-            slot.delivered, slot.deaths = True, 0
+            slot.deaths = 0
             self._cond.notify_all()
 
     def _replace(self, slot: _Slot, error: BaseException, hung: bool) -> None:

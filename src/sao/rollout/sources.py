@@ -256,9 +256,6 @@ class SamplerCopy:
             self.head.generator.manual_seed(seed)
 
 
-CastSampler = SamplerCopy  # the name it had when the copy only changed the dtype
-
-
 def sampler_dtype(policy: nn.Module, name: str) -> torch.dtype | None:
     """The dtype ``--sampler-dtype name`` draws in, or None when it is the policy's own (no copy needed)."""
     dtype = SAMPLER_DTYPES.get(name)
