@@ -8,8 +8,8 @@ The model is Qwen2-shaped with random weights built from a config (12 layers, hi
 key-value heads, the tiny preset's tokenizer: ~73M parameters), float32 on the CPU. Each row is one
 ``torchrun --nproc-per-node 2`` (gloo, one torch thread per process) running sao's own step — the models as the
 builder loads and shards them (``sao.training.build.load_models``), ``policy_gradient_pass``, the gradient sum (DDP:
-sao's flat all-reduce; FSDP2: its reduce-scatter), ``apply_policy_step``, and the critic's ``critic_steps`` (the
-head) or ``value_model_steps`` (2 updates each) — on a fixed batch of 8 trajectories (32 prompt + 32 reply tokens,
+sao's flat all-reduce; FSDP2: its reduce-scatter), ``apply_policy_step``, and the critic's ``fit_critic`` (the
+head's or the value model's updates, 2 each) — on a fixed batch of 8 trajectories (32 prompt + 32 reply tokens,
 4 per process), whose sampler log-probabilities are the model's own so the gradient is a real one. Columns, for
 rank 0: bytes it holds of parameters (frozen ones included), gradients (the trained parameters' after the backward,
 before the step) and optimizer state (after the step), for the policy and the critic together; their sum and its
@@ -95,13 +95,7 @@ def child(settings: dict) -> None:
     from sao.rollout.types import Rollout
     from sao.training.build import load_models
     from sao.training.distributed import World
-    from sao.training.learn import (
-        apply_policy_step,
-        critic_optimizer,
-        critic_steps,
-        policy_gradient_pass,
-        value_model_steps,
-    )
+    from sao.training.learn import apply_policy_step, critic_optimizer, fit_critic, policy_gradient_pass
 
     torch.set_num_threads(1)
     world = World.from_env("cpu")
@@ -163,26 +157,16 @@ def child(settings: dict) -> None:
         if not models.sharded:
             world.sum_gradients(params)
         apply_policy_step(policy_opt, params, t.grad_clip, result.finite)
-        if models.critic is not None:
-            value_model_steps(
-                models,
-                critic_opt,
-                rollout,
-                result.update.value_targets,
-                algorithm.critic_steps,
-                rows=B // world.size,
-                world=world,
-            )
-        else:
-            critic_steps(
-                models.value_head,
-                critic_opt,
-                result.forward.hidden,
-                result.update.value_targets[own],
-                rollout.action_mask[own],
-                algorithm.critic_steps,
-                world=world,
-            )
+        fit_critic(
+            models,
+            critic_opt,
+            rollout,
+            result.update.value_targets,
+            result.forward.hidden,
+            algorithm.critic_steps,
+            rows=B // world.size,
+            world=world,
+        )
         world.barrier()
         if step >= settings["warmup"]:
             times.append(time.perf_counter() - started)

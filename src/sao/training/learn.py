@@ -202,6 +202,26 @@ def critic_optimizer(
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, weight_decay=0.0)
 
 
+def fit_critic(
+    models: Models,
+    optimizer: torch.optim.Optimizer,
+    rollout: Rollout,
+    targets: torch.Tensor,  # [B, R] Monte Carlo returns of the whole batch
+    hidden: torch.Tensor,  # [b, R, H] this rank's hidden states from the pass (the head's input)
+    steps: int,
+    *,
+    rows: int,
+    world: World = SINGLE,
+) -> float:
+    """The critic's ``steps`` squared-error updates toward ``targets``: the value model's own passes
+    (``value_model_steps``), or the value head's on the pass's ``hidden`` (``critic_steps``, this rank's rows);
+    returns the first loss."""
+    if models.critic is not None:
+        return value_model_steps(models, optimizer, rollout, targets, steps, rows=rows, world=world)
+    own = world.shard(len(targets))  # this rank's rows
+    return critic_steps(models.value_head, optimizer, hidden, targets[own], rollout.action_mask[own], steps, world)
+
+
 def critic_steps(
     value_head: nn.Module,
     optimizer: torch.optim.Optimizer,

@@ -3,7 +3,7 @@
     prompts ──► source ──► trajectories + sampler_logprobs ──► scorer (rewards)
             ──► teacher-forced pass, micro-batch by micro-batch (logprobs with grad, hidden detached)
             ──► value head ──► SAO.update ──► loss = −Σ c·logprobs (+ optional KL, entropy) ──► backward
-            ──► clip ──► AdamW on LoRA (scheduled lr) ──► critic_steps × squared error ──► one log record
+            ──► clip ──► AdamW on LoRA (scheduled lr) ──► fit_critic: critic_steps × squared error ──► one log record
 
 Global step g runs 0 .. W + steps − 1; the first W steps train only the critic, each on a fresh batch: W is
 ``critic_warmup``, or with ``critic_warmup="auto"`` the first step count at which the critic, scored on each warmup
@@ -51,14 +51,7 @@ from sao.rollout.types import Batch
 from sao.tasks.base import Scorer
 from sao.training import checkpoint
 from sao.training.distributed import SINGLE, BroadcastSource, World
-from sao.training.learn import (
-    apply_policy_step,
-    critic_optimizer,
-    critic_steps,
-    lr_factor,
-    policy_gradient_pass,
-    value_model_steps,
-)
+from sao.training.learn import apply_policy_step, critic_optimizer, fit_critic, lr_factor, policy_gradient_pass
 from sao.training.records import step_record
 
 log = logging.getLogger("sao.training")
@@ -372,17 +365,8 @@ class Trainer:
             else:
                 result, rows, retries = with_oom_retry(attempt, rows, self._say_oom)
         self.micro_batch = rows if retries else self.micro_batch  # a halving holds for the rest of the run
-        extras: dict[str, Any] = {}
-        owners: dict[str, Any] = {}  # field → the hook that returned it
-        with clock.phase("checks"):
-            for hook in self.hooks:  # before any update: a hook may refuse what the batch holds
-                for key, value in pass_extras(hook, hook.on_pass(self, batch, result.forward)).items():
-                    if key in owners:
-                        raise ValueError(
-                            f"hooks {hook_label(owners[key])} and {hook_label(hook)} both return {key!r} "
-                            "from on_pass; name one of them otherwise"
-                        )
-                    owners[key], extras[key] = hook, value
+        with clock.phase("checks"):  # before any update: a hook may refuse what the batch holds
+            extras = self._on_pass(batch, result.forward)  # field → (the hook that returned it, its value)
         loss, finite = self.world.total(result.loss), self.world.all(result.finite)  # over ranks (as is on one)
         grad_norm, skipped, lr = float("nan"), False, float("nan")
         if policy_step:  # (sum over ranks) → clip → AdamW, unless something was not finite
@@ -399,28 +383,17 @@ class Trainer:
                     self.source.after_update(self.policy_version)
                     for hook in self.hooks:
                         hook.on_update(self, self.policy_version)
-        with clock.phase("critic"):
-            if self.models.critic is not None:  # the value model: its own passes, forward and backward
-                critic_loss = value_model_steps(
-                    self.models,
-                    self.critic_opt,
-                    rollout,
-                    result.update.value_targets,
-                    self.sao.critic_steps,
-                    rows=rows,
-                    world=self.world,
-                )
-            else:
-                targets = result.update.value_targets[own]  # [b, R] Monte Carlo returns of this rank's rows
-                critic_loss = critic_steps(
-                    self.models.value_head,
-                    self.critic_opt,
-                    result.forward.hidden,
-                    targets,
-                    rollout.action_mask[own],
-                    self.sao.critic_steps,
-                    world=self.world,
-                )
+        with clock.phase("critic"):  # the value head on the pass's hidden states, or the value model's own passes
+            critic_loss = fit_critic(
+                self.models,
+                self.critic_opt,
+                rollout,
+                result.update.value_targets,
+                result.forward.hidden,
+                self.sao.critic_steps,
+                rows=rows,
+                world=self.world,
+            )
         with clock.phase("stats"):
             record = step_record(
                 step=g,
@@ -457,12 +430,26 @@ class Trainer:
         }
         taken = [key for key in extras if key in head or key in tail]
         if taken:  # the log's own fields are never overwritten (a reader would trust a hook's number as sao's)
-            hook = owners[taken[0]]
+            hook = extras[taken[0]][0]
             raise ValueError(
                 f"hook {hook_label(hook)}: on_pass returned {', '.join(map(repr, taken))}, a field the "
                 f"step's record holds itself; name it otherwise (e.g. {hook.name}_{taken[0]})"
             )
-        return {**head, **extras, **tail}
+        return {**head, **{key: value for key, (_, value) in extras.items()}, **tail}
+
+    def _on_pass(self, batch: Batch, forward: TeacherForced) -> dict[str, tuple[Hook, Any]]:
+        """Every hook's ``on_pass`` fields, each with the hook that returned it; two hooks returning one field is a
+        ValueError."""
+        fields: dict[str, tuple[Hook, Any]] = {}
+        for hook in self.hooks:
+            for key, value in pass_extras(hook, hook.on_pass(self, batch, forward)).items():
+                if key in fields:
+                    raise ValueError(
+                        f"hooks {hook_label(fields[key][0])} and {hook_label(hook)} both return {key!r} "
+                        "from on_pass; name one of them otherwise"
+                    )
+                fields[key] = (hook, value)
+        return fields
 
     def rewards_of(self, task_ids: Sequence[str], rollout: Any) -> torch.Tensor:
         """The rewards ([n], or [n, R] per turn) of rollouts of training prompts ``task_ids`` (extra draws: the
