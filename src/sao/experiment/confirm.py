@@ -217,7 +217,36 @@ def read_plan(path: str | Path) -> Plan:
             raise _fail(path, f"lacks '{name}': a confirmation states it before it runs")
     if not isinstance(data["question"], str):
         raise _fail(path, "'question' must be text")
+    seeds = _seeds(path, data["seeds"])
+    config, grid, primary, secondary = _design(path, data, seeds)
+    statistics = _statistics(path, data, secondary)
+    cited = [_exploratory(path, item) for item in data.get("exploratory") or []]
+    exploratory = [record for record, _ in cited]
+    reused = {e["path"]: sorted(set(seeds) & set(e["seeds"])) for e in exploratory}
+    reused = {k: v for k, v in reused.items() if v}
+    if reused:
+        listed = "; ".join(f"{k} used {v}" for k, v in reused.items())
+        raise _fail(path, f"the seeds are not fresh: {listed}. Choose seeds no exploratory run has used")
+    written = data.get("written")
+    plan = Plan(
+        path=path,
+        sha256=hashlib.sha256(raw).hexdigest(),
+        question=data["question"],
+        written=None if written is None else str(written),
+        config=config,
+        grid=grid,
+        primary=primary,
+        secondary=secondary,
+        seeds=seeds,
+        exploratory=exploratory,
+        **statistics,
+    )
+    return replace(plan, power=plan_power(plan, [(record["path"], got) for record, got in cited]))
 
+
+def _design(path: Path, data: dict[str, Any], seeds: list[int]) -> tuple[Config, Grid, dict[str, Any], list[str]]:
+    """What the plan trains and compares: the config (``preset`` and ``settings``, less what the grid sets), the
+    grid of cells and arms (every arm's config checked), the primary comparison and the secondary ones."""
     settings = data.get("settings") or {}
     if not isinstance(settings, dict):
         raise _fail(path, "'settings' must be a mapping of settings (name: value)")
@@ -231,8 +260,6 @@ def read_plan(path: str | Path) -> Plan:
     preset = data.get("preset", "protocol")
     if preset not in PRESETS:
         raise _fail(path, f"unknown preset {preset!r}; choose one of {PRESETS.names()}")
-
-    seeds = _seeds(path, data["seeds"])
     try:
         config = Config.load(preset, **settings, seed=seeds[0], train_runs=len(seeds))
     except (ConfigError, TypeError) as error:
@@ -281,12 +308,19 @@ def read_plan(path: str | Path) -> Plan:
         _comparison(path, key, grid.arms, "secondary")
         if str(key).startswith(INTERACTION) and len(grid.cells()) < 2:
             raise _fail(path, f"secondary {key} compares the primary cell with the others: the grid has one cell")
+    compared = {"cell": name, "comparison": f"{after}_vs_{before}", "after": after, "before": before}
+    return config, grid, {**compared, "expect": expect}, [str(k) for k in secondary]
+
+
+def _statistics(path: Path, data: dict[str, Any], secondary: list[str]) -> dict[str, Any]:
+    """How the plan judges its comparisons, as ``Plan``'s fields: the multiplicity correction and alpha, the decision
+    rule, δ and the power's inputs, gatekeeping, the rank estimand and the collapse floor."""
     collapse_floor = data.get("collapse_floor")
     if collapse_floor is not None and (
         isinstance(collapse_floor, bool) or not isinstance(collapse_floor, (int, float)) or not 0 < collapse_floor <= 1
     ):
         raise _fail(path, f"collapse_floor must be a pass@1 in (0, 1], got {collapse_floor!r}")
-    if collapse_floor is None and any(str(k).startswith(COLLAPSE) for k in secondary):
+    if collapse_floor is None and any(k.startswith(COLLAPSE) for k in secondary):
         raise _fail(path, "a collapse: comparison needs collapse_floor (the pass@1 below which a run collapsed)")
     decision_rule = data.get("decision_rule", OLD_RULE)
     if decision_rule not in DECISION_RULES:
@@ -311,7 +345,6 @@ def read_plan(path: str | Path) -> Plan:
     alpha = data.get("alpha", 0.05)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
         raise _fail(path, f"alpha must be a number in (0, 1), got {alpha!r}")
-    written = data.get("written")
     smallest_effect, expected_sd, expected_effect = (
         _positive(path, data, key) for key in ("smallest_effect", "expected_sd", "expected_effect")
     )
@@ -329,44 +362,19 @@ def read_plan(path: str | Path) -> Plan:
     gatekeeping = data.get("gatekeeping", smallest_effect is not None)
     if not isinstance(gatekeeping, bool):
         raise _fail(path, f"gatekeeping must be true or false, got {gatekeeping!r}")
-
-    cited = [_exploratory(path, item) for item in data.get("exploratory") or []]
-    exploratory = [record for record, _ in cited]
-    reused = {e["path"]: sorted(set(seeds) & set(e["seeds"])) for e in exploratory}
-    reused = {k: v for k, v in reused.items() if v}
-    if reused:
-        listed = "; ".join(f"{k} used {v}" for k, v in reused.items())
-        raise _fail(path, f"the seeds are not fresh: {listed}. Choose seeds no exploratory run has used")
-    plan = Plan(
-        path=path,
-        sha256=hashlib.sha256(raw).hexdigest(),
-        question=data["question"],
-        written=None if written is None else str(written),
-        config=config,
-        grid=grid,
-        primary={
-            "cell": name,
-            "comparison": f"{after}_vs_{before}",
-            "after": after,
-            "before": before,
-            "expect": expect,
-        },
-        secondary=[str(k) for k in secondary],
-        seeds=seeds,
-        correction=correction,
-        alpha=float(alpha),
-        exploratory=exploratory,
-        smallest_effect=smallest_effect,
-        expected_sd=expected_sd,
-        gatekeeping=gatekeeping,
-        decision_rule=decision_rule,
-        expected_effect=expected_effect,
-        rank_estimand=rank_estimand,
-        collapse_floor=None if collapse_floor is None else float(collapse_floor),
-        power_model=power_model,
-        power_fit=power_fit,
-    )
-    return replace(plan, power=plan_power(plan, [(record["path"], got) for record, got in cited]))
+    return {
+        "correction": correction,
+        "alpha": float(alpha),
+        "smallest_effect": smallest_effect,
+        "expected_sd": expected_sd,
+        "gatekeeping": gatekeeping,
+        "decision_rule": decision_rule,
+        "expected_effect": expected_effect,
+        "rank_estimand": rank_estimand,
+        "collapse_floor": None if collapse_floor is None else float(collapse_floor),
+        "power_model": power_model,
+        "power_fit": power_fit,
+    }
 
 
 MODEL_KEYS = ("collapse", "sd", "healthy", "collapsed")
