@@ -1503,6 +1503,12 @@ def _plan_section(results: dict[str, Any]) -> list[str]:
     plan, done = results.get("plan"), results.get("confirmation")
     if not isinstance(plan, dict) or not isinstance(done, dict):
         return []
+    return [*_plan_as_fixed(plan, done, results), *_plan_outcome(plan, done)]
+
+
+def _plan_as_fixed(plan: dict[str, Any], done: dict[str, Any], results: dict[str, Any]) -> list[str]:
+    """The plan's own lines: its endpoint, family, δ, correction, arms and seeds, and its power (and the power it
+    realised, beside)."""
     primary, seeds = plan.get("primary") or {}, plan.get("seeds") or []
     arms = plan.get("arms") or []
     share = plan.get("random_mask_share")
@@ -1573,8 +1579,14 @@ def _plan_section(results: dict[str, Any]) -> list[str]:
             out += [f"> warning: {_cell(power['warning'])}", ""]
     else:
         out[-1:] = ["- **Power:** not recorded (the plan was run before sao computed it).", ""]
-    first = done.get("primary") or {}
-    out += [
+    return out
+
+
+def _plan_outcome(plan: dict[str, Any], done: dict[str, Any]) -> list[str]:
+    """What came out: the primary's outcome, the gate, and the family's table (with the rank and collapse columns
+    where the plan asked for them)."""
+    alpha, first = plan.get("alpha"), done.get("primary") or {}
+    out = [
         "## What came out",
         "",
         f"**Primary: {_text(done.get('outcome'))}** (expected {_text(done.get('expect'))}; after "
