@@ -161,23 +161,7 @@ def compare(
     if before_fixed and b.shape[0] != 1:
         raise ConfigError(f"before_fixed: before must be one model's per-task scores, got {b.shape[0]} rows")
     eval_sd, eval_sd_how = _eval_sd(b, a, run_std)
-    if max(b.shape[0], a.shape[0]) == 1:  # one model each: the task is the unit
-        sd_min = None if eval_sd is None else math.sqrt(2.0) * eval_sd * math.sqrt(b.shape[1])
-        test = _one_sample(a[0] - b[0], sd_min, alpha, effect)
-        unit = "task"
-    elif b.shape[0] == a.shape[0]:  # seeds paired by index: each difference holds two evals' noise
-        sd_min = None if eval_sd is None else math.sqrt(2.0) * eval_sd
-        test = _one_sample(a.mean(axis=1) - b.mean(axis=1), sd_min, alpha, effect)
-        unit = "seed"
-    elif min(b.shape[0], a.shape[0]) == 1:  # one side is a fixed reference: its seeds against it
-        sd_min = eval_sd
-        d = a.mean(axis=1) - b.mean() if b.shape[0] == 1 else a.mean() - b.mean(axis=1)
-        test = _one_sample(d, sd_min, alpha, effect)
-        unit = "seed"
-    else:
-        sd_min = eval_sd
-        test = _welch(b.mean(axis=1), a.mean(axis=1), sd_min, alpha, effect)
-        unit = "seed"
+    test, unit, sd_min = _test_of_design(b, a, eval_sd, alpha, effect)
     seeds = a.shape[0] if before_fixed else min(b.shape[0], a.shape[0])  # seeds on the trained side(s)
     about = "training procedure" if seeds >= 2 else "two trained models"
     if before_fixed and seeds < 2:
@@ -236,6 +220,25 @@ def compare(
         p_beyond=test.p_beyond if effect is not None else None,
         finding=finding(verdict, magnitude),
     )
+
+
+def _test_of_design(
+    b: np.ndarray, a: np.ndarray, eval_sd: float | None, alpha: float, effect: float | None
+) -> tuple[_Test, str, float | None]:
+    """The test the design calls for, on ``b`` and ``a`` ([runs, tasks] each): (its result, the unit, the least sd it
+    may use). One model a side: the tasks are the units, paired. Seeds on both sides, as many: paired by index. One
+    side a single run: the other's seeds against it. Otherwise Welch's test over the seeds' means. ``eval_sd``, the
+    noise of re-evaluating one model, bounds the sd from below (a paired difference holds two evals' noise)."""
+    if max(b.shape[0], a.shape[0]) == 1:  # one model each: the task is the unit
+        sd_min = None if eval_sd is None else math.sqrt(2.0) * eval_sd * math.sqrt(b.shape[1])
+        return _one_sample(a[0] - b[0], sd_min, alpha, effect), "task", sd_min
+    if b.shape[0] == a.shape[0]:  # seeds paired by index: each difference holds two evals' noise
+        sd_min = None if eval_sd is None else math.sqrt(2.0) * eval_sd
+        return _one_sample(a.mean(axis=1) - b.mean(axis=1), sd_min, alpha, effect), "seed", sd_min
+    if min(b.shape[0], a.shape[0]) == 1:  # one side is a fixed reference: its seeds against it
+        d = a.mean(axis=1) - b.mean() if b.shape[0] == 1 else a.mean() - b.mean(axis=1)
+        return _one_sample(d, eval_sd, alpha, effect), "seed", eval_sd
+    return _welch(b.mean(axis=1), a.mean(axis=1), eval_sd, alpha, effect), "seed", eval_sd
 
 
 FINDINGS = {"beyond δ": "by more than δ", "within δ": "by less than δ", "undetermined": "size against δ undetermined"}
