@@ -274,6 +274,24 @@ class Drawn:
     deadline: int = 0
     drawn: tuple[float, float, float, str] | None = None  # (start, end, seconds on its environment, its thread)
 
+    def extend(self, ids: list[int], version: int, logprobs: list[float] | None = None) -> None:
+        """Tokens of an action (with the sampler's ``logprobs``) or of an observation (none), written at ``version``."""
+        self.response += ids
+        self.versions += [version] * len(ids)
+        self.action += [logprobs is not None] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.rewards += [0.0] * len(ids)
+
+
+def cut_at_stop(tokenizer: Any, ids: list[int], stops: tuple[str, ...]) -> int | None:
+    """How many of an action's tokens ``ids`` to keep when they reach one of the environment's ``stops`` (the action
+    ends there), or None when none is reached."""
+    for k in range(len(ids)):
+        tail = tokenizer.decode(ids[max(0, k + 1 - STOP_TAIL) : k + 1], skip_special_tokens=False)
+        if tail.endswith(stops):
+            return k + 1
+    return None
+
 
 class Drawing:
     """What both sources share: prompts as token ids, one request per single reply, an episode loop per row."""
@@ -435,21 +453,11 @@ class Drawing:
                 )
                 ids, logps = list(reply.completion_token_ids), list(reply.sampler_logprobs)
                 ended = ids[-1] if ids[-1] in self.eos else None
-                if ended is None and stops:  # an action also ends at a stop string: keep the tokens up to it
-                    for k in range(len(ids)):
-                        tail = tok.decode(ids[max(0, k + 1 - STOP_TAIL) : k + 1], skip_special_tokens=False)
-                        if tail.endswith(stops):
-                            ids, logps = ids[: k + 1], logps[: k + 1]
-                            break
-                    else:
-                        d.cut = len(ids) >= room
-                else:
-                    d.cut = ended is None and len(ids) >= room
-                d.response += ids
-                d.versions += [version] * len(ids)
-                d.action += [True] * len(ids)
-                d.logprobs += logps
-                d.rewards += [0.0] * len(ids)
+                keep = cut_at_stop(tok, ids, stops) if ended is None and stops else None
+                if keep is not None:  # an action also ends at a stop string: the tokens up to it
+                    ids, logps = ids[:keep], logps[:keep]
+                d.cut = ended is None and keep is None and len(ids) >= room
+                d.extend(ids, version, logps)
                 d.turns += 1
                 try:  # a tool that raises, hangs or answers a malformed step ends this trajectory only
                     result = checked_step(
@@ -485,11 +493,7 @@ class Drawing:
                         f"{env_name} (step) on {task_id}: an observation of "
                         f"{f'over {room}' if obs_ids is None else len(obs_ids)} tokens, {room} left"
                     )
-                d.response += obs_ids
-                d.versions += [version] * len(obs_ids)
-                d.action += [False] * len(obs_ids)
-                d.logprobs += [0.0] * len(obs_ids)
-                d.rewards += [0.0] * len(obs_ids)
+                d.extend(obs_ids, version)
         finally:
             try:  # closing cannot undo the episode
                 calls.call(env.close, task=task_id, what="close")
