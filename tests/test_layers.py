@@ -106,6 +106,25 @@ def test_there_is_no_import_cycle():
     assert cycles == [], "import cycles:\n" + "\n".join(sorted(set(cycles)))
 
 
+def private_imports(path: Path) -> list[str]:
+    """The names ``path`` imports from another sao module that begin with one underscore (a module's own business)."""
+    return [
+        f"{node.module}.{alias.name}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "sao"
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+
+
+def test_no_module_imports_another_modules_private_name(tmp_path):
+    found = [f"{module_name(p)} imports {name}" for p in sorted(PACKAGE.rglob("*.py")) for name in private_imports(p)]
+    assert found == [], "what a module shares has a public name:\n" + "\n".join(found)
+    fake = tmp_path / "x.py"  # the check itself
+    fake.write_text("def f():\n    from sao.rollout.ray_fleet import RayFleet, _Hidden\n")
+    assert private_imports(fake) == ["sao.rollout.ray_fleet._Hidden"]
+
+
 @pytest.mark.parametrize("bad", ["sao.training.trainer", "sao.cli"])
 def test_the_checks_catch_an_upward_import(tmp_path, bad):
     """The checker itself: a core module that imports a higher layer is reported."""

@@ -158,10 +158,11 @@ def _bool(text: str) -> bool:
 
 def config_from_args(args: argparse.Namespace):
     """The run's Config: the preset's defaults, then --config FILE's settings, then the flags (``Config.load``)."""
-    from sao.core.config import Config
+    from sao.core.config import Config, setting_names
     from sao.core.machine import apply_threads
 
-    given = {name: value for name, value in vars(args).items() if name in _setting_names() and value is not None}
+    names = set(setting_names())
+    given = {name: value for name, value in vars(args).items() if name in names and value is not None}
     given = {name: value[0] if isinstance(value, list) and len(value) == 1 else value for name, value in given.items()}
     for alias in ("engine", "band", "arm"):  # an old spelling: argparse stores it under today's name
         if any(a == f"--{alias}" or a.startswith(f"--{alias}=") for a in getattr(args, "argv", ())):
@@ -171,12 +172,6 @@ def config_from_args(args: argparse.Namespace):
     config = Config.load(args.preset, getattr(args, "config", None), **given)
     apply_threads(config)
     return config
-
-
-def _setting_names() -> set[str]:
-    from sao.core.config import _all_names
-
-    return set(_all_names())
 
 
 def settings_reference() -> str:

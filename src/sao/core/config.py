@@ -882,7 +882,8 @@ def _unknown(name: str, known: list[str], what: str = "") -> str:
     return f"unknown setting {name!r}{' ' + what if what else ''}{hint}"
 
 
-def _all_names() -> list[str]:
+def setting_names() -> list[str]:
+    """Every setting's flat name, the sources' own included (old spellings left out)."""
     return sorted({*CANONICAL.values(), *(n for k in sources() for n in source_fields(sources().get(k)))})
 
 
@@ -891,10 +892,10 @@ def canonical(values: dict[str, Any], where: str = "") -> dict[str, Any]:
     notice); an unknown name, or one setting given twice, is a ConfigError."""
     at = f"{where}: " if where else ""
     out: dict[str, Any] = {}
-    known = set(_all_names())
+    known = set(setting_names())
     for name, value in values.items():
         if name not in FLAT and name not in known:
-            raise ConfigError(f"{at}{_unknown(str(name), _all_names())}")
+            raise ConfigError(f"{at}{_unknown(str(name), setting_names())}")
         if name in NOTICES:
             print(f"notice: {NOTICES[name]}", file=sys.stderr)
         spelled = CANONICAL.get(name, name)
@@ -931,7 +932,7 @@ def _group(values: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
     for name, value in values.items():
         at = f"{where}: " if where else ""
         if name not in FLAT:
-            raise ConfigError(f"{at}{_unknown(str(name), _all_names())}")
+            raise ConfigError(f"{at}{_unknown(str(name), setting_names())}")
         section, field_name = FLAT[name]
         if (section, field_name) in seen:
             raise ConfigError(f"{at}{name!r} and {seen[section, field_name]!r} set the same setting; give one")
@@ -1115,7 +1116,7 @@ def settings_of(data: Any, where: str = "settings") -> tuple[dict[str, Any], dic
     values = {}
     for name, value in flat.items():
         if name not in FLAT and not _taken_by(name):
-            raise ConfigError(f"{where}: {_unknown(str(name), _all_names())}")
+            raise ConfigError(f"{where}: {_unknown(str(name), setting_names())}")
         if name in FLAT:  # a source's own settings are converted when its section is built
             section, field_name = FLAT[name]
             try:

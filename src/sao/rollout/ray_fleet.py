@@ -170,7 +170,7 @@ class AdapterBoard:
 
 
 @dataclass
-class _Slot:
+class Slot:
     """A worker position: the actor now filling it, its start-up call, and its draw call (at most one)."""
 
     index: int
@@ -290,7 +290,7 @@ class RayFleet:
         with contextlib.suppress(Exception):
             remove_placement_group(group)
 
-    def _new_slot(self, index: int, generation: int = 0) -> _Slot:
+    def _new_slot(self, index: int, generation: int = 0) -> Slot:
         """Ask for a new worker actor in slot ``index`` (bundle ``index``); it loads its model in the background
         and answers ``ready`` when it can draw."""
         r = self.settings
@@ -302,7 +302,7 @@ class RayFleet:
                 placement_group=self._placement, placement_group_bundle_index=index
             )
         actor = self._actor_class.options(**options).remote(self._model_path, self._settings, self._episodes)
-        slot = _Slot(index=index, actor=actor, spawned=time.perf_counter(), generation=generation)
+        slot = Slot(index=index, actor=actor, spawned=time.perf_counter(), generation=generation)
         slot.starting = actor.ready.remote()
         return slot
 
@@ -315,17 +315,17 @@ class RayFleet:
         """The actor handles now filling the worker slots."""
         return [slot.actor for slot in self.slots]
 
-    def idle(self) -> list[_Slot]:
+    def idle(self) -> list[Slot]:
         """The slots whose actor has started and has no draw call in flight."""
         return [slot for slot in self.slots if slot.ready and slot.job is None]
 
-    def draw(self, slot: _Slot, job: dict[str, Any], adapter: list[Any] | None) -> None:
+    def draw(self, slot: Slot, job: dict[str, Any], adapter: list[Any] | None) -> None:
         """Ask the actor in ``slot`` to draw ``job`` with ``adapter`` ([version, ObjectRef]); it looks at the board
         between turns."""
         slot.job, slot.since = job, time.perf_counter()
         slot.future = slot.actor.draw.remote(job, adapter, self.board)
 
-    def calls(self) -> dict[Any, tuple[_Slot, str]]:
+    def calls(self) -> dict[Any, tuple[Slot, str]]:
         """Every call in flight: its reference → (slot, "draw" or "start")."""
         calls = {s.future: (s, "draw") for s in self.slots if s.future is not None}
         calls.update({s.starting: (s, "start") for s in self.slots if s.starting is not None})
@@ -341,11 +341,11 @@ class RayFleet:
         except self._death as error:
             return None, error
 
-    def started(self, slot: _Slot, info: dict[str, Any]) -> None:
+    def started(self, slot: Slot, info: dict[str, Any]) -> None:
         slot.starting, slot.pid, slot.placement = None, int(info["pid"]), info["placement"]
         self.start_times.append(time.perf_counter() - slot.spawned)
 
-    def overdue(self) -> list[tuple[_Slot, BaseException]]:
+    def overdue(self) -> list[tuple[Slot, BaseException]]:
         """Slots whose draw call is older than --worker-timeout, or whose start is older than max(START_TIMEOUT_S,
         --worker-timeout): their actor is hung."""
         now, limit = time.perf_counter(), self.settings.worker_timeout
@@ -358,7 +358,7 @@ class RayFleet:
                 out.append((slot, TimeoutError(f"{slot.name} did not answer a draw within {limit:.0f} s")))
         return out
 
-    def respawn(self, slot: _Slot, deaths: int) -> _Slot:
+    def respawn(self, slot: Slot, deaths: int) -> Slot:
         """Kill the actor in ``slot`` and ask for a fresh one in its place and bundle."""
         self._kill(slot.actor)
         new = self._new_slot(slot.index, slot.generation + 1)

@@ -32,7 +32,7 @@ from sao.core import timeline
 from sao.core.errors import ConfigError
 from sao.model.policy import lora_state
 from sao.rollout.admission import Admission
-from sao.rollout.ray_fleet import RayFleet, _Slot, import_ray
+from sao.rollout.ray_fleet import RayFleet, Slot, import_ray
 from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import Episodes, PromptOrder, SourceContext
 from sao.rollout.types import Batch, Rollout
@@ -188,7 +188,7 @@ class RaySource:
         return source
 
     @property
-    def slots(self) -> list[_Slot]:
+    def slots(self) -> list[Slot]:
         return self.fleet.slots
 
     @property
@@ -271,7 +271,7 @@ class RaySource:
                 self._error = error
                 self._cond.notify_all()
 
-    def _collect(self, slot: _Slot, result: dict[str, Any]) -> None:
+    def _collect(self, slot: Slot, result: dict[str, Any]) -> None:
         recorder = timeline.recording()
         if result.get("timeline") and recorder is not None:
             recorder.extend(result["timeline"])
@@ -287,7 +287,7 @@ class RaySource:
             slot.deaths = 0
             self._cond.notify_all()
 
-    def _replace(self, slot: _Slot, error: BaseException, hung: bool) -> None:
+    def _replace(self, slot: Slot, error: BaseException, hung: bool) -> None:
         """The worker in ``slot`` is dead or hung: its prompts go back to the stream (same sequence numbers),
         and a fresh actor takes the slot and its bundle."""
         with self._cond:
