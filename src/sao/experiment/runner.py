@@ -219,7 +219,7 @@ class EvalEvery(Hook):
             return
         k = record["policy_step"] + 1  # policy steps taken
         every, steps = self.config.eval.eval_every, self.config.training.steps
-        path = self.experiment._step_eval_path(self.cell, self.label, k)
+        path = self.experiment.step_eval_path(self.cell, self.label, k)
         if 0 < k < steps and k % every == 0 and not path.exists():
             m = trainer.models
             parts = self.experiment.parts.for_model(self.config, m.policy, m.tokenizer)
@@ -503,7 +503,8 @@ class Experiment:
             gc.collect()
         return seed, *self._finished(cell, arm, seed)
 
-    def _step_eval_path(self, cell: dict[str, Any], label: str, k: int) -> Path:
+    def step_eval_path(self, cell: dict[str, Any], label: str, k: int) -> Path:
+        """Where run ``label`` of ``cell`` keeps its eval at policy step ``k`` (``--eval-every``)."""
         return self.out / "cells" / cell["name"] / "evals" / f"{label}-step{k}.json"
 
     def _start_path(self, seed: int) -> Path:
@@ -549,7 +550,7 @@ class Experiment:
             if start.exists():
                 points[0] = read_eval(start, BASE_REDO).pass_at_1
             for k in range(self.config.eval.eval_every, self.config.training.steps, self.config.eval.eval_every):
-                path = self._step_eval_path(cell, label, k)
+                path = self.step_eval_path(cell, label, k)
                 if path.exists():
                     points[k] = read_eval(path, f"delete it and rerun {label} to evaluate step {k} again").pass_at_1
             points[self.config.training.steps] = result.pass_at_1

@@ -306,10 +306,11 @@ class Drawing:
         self.fleet = Fleet(context)
         self.kind = c.rollout.source  # the name it was registered by, kept in its checkpoint state
         self.device = m.device
-        self.pool = ThreadPoolExecutor(max(1, c.source.concurrency * len(self.fleet.clients)))
+        threads = max(1, c.source.concurrency * len(self.fleet.clients))
+        self.pool = ThreadPoolExecutor(threads)
         # every trajectory already has its own thread here: the steps run beside them, under --env-timeout
         e = self.episodes
-        self.env_calls = EnvCalls(self.pool._max_workers, c.data.env_timeout, e.name if e else "the environment")
+        self.env_calls = EnvCalls(threads, c.data.env_timeout, e.name if e else "the environment")
         if self.episodes is not None and self.tasks:
             check_env(self.episodes.env_factory)  # a class with a wrong plain/async mix: one line, at start
 
