@@ -555,7 +555,7 @@ def test_episodes_in_flight_go_on_under_each_published_adapter(ray_module, tiny_
     def published() -> int:
         return int((signals / "published").read_text() or 0)
 
-    def slow_calc(task_id, fields):
+    def calculator(task_id, fields):
         import os
         import time as clock
 
@@ -594,7 +594,7 @@ def test_episodes_in_flight_go_on_under_each_published_adapter(ray_module, tiny_
         train_prompts=64,
         test_prompts=8,
     )
-    trainer = build.trainer(config, tmp_path / "run", progress=False, env_factory=slow_calc)
+    trainer = build.trainer(config, tmp_path / "run", progress=False, env_factory=calculator)
     source = trainer.source
     next_batch, after_update, close = source.next_batch, source.after_update, source.close
 
