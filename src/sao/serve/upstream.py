@@ -107,8 +107,9 @@ class UpstreamPolicy:
         with self.gate.reply():
             with self.lock:
                 name, version, adapter = self.name, self.version, self.adapter
-            try:
-                reply = self.client.complete(
+
+            def ask() -> Any:
+                return self.client.complete(
                     prompt_ids,
                     model=name,
                     max_tokens=max_tokens,
@@ -116,18 +117,14 @@ class UpstreamPolicy:
                     seed=seed,
                     stop_token_ids=self.eos,
                 )
+
+            try:
+                reply = ask()
             except VllmError as error:
                 if name == self.base or not _unknown_model(error):
                     raise
                 self._load_again(name, adapter)  # the server restarted and forgot it: loaded again, the request resent
-                reply = self.client.complete(
-                    prompt_ids,
-                    model=name,
-                    max_tokens=max_tokens,
-                    temperature=temperature,
-                    seed=seed,
-                    stop_token_ids=self.eos,
-                )
+                reply = ask()
         return Completion(
             prompt_token_ids=list(reply.prompt_token_ids),
             completion_token_ids=list(reply.completion_token_ids),
