@@ -57,6 +57,7 @@ class TextEnv(Protocol):
 EnvFactory = Callable[[str, dict[str, Any]], TextEnv]
 
 
+STOP_TAIL = 16  # an action's last tokens decoded to look for one of the environment's stop strings
 CHARS_PER_TOKEN = 32  # an observation longer than this many characters a token of room is judged on a prefix
 
 SENTINEL = "\u0000sao-action\u0000"
@@ -78,6 +79,12 @@ def render_observation(tokenizer: Any, observations: list[Message], eos_text: st
     if eos_text and after.startswith(eos_text):
         after = after[len(eos_text) :]
     return after
+
+
+def reaches_stop(tokenizer: Any, action: list[int], stops: tuple[str, ...]) -> bool:
+    """Whether an action's tokens so far end in one of the environment's ``stop_strings`` (its last ``STOP_TAIL``
+    decoded): the action ends there, as at EOS."""
+    return bool(stops) and tokenizer.decode(action[-STOP_TAIL:], skip_special_tokens=False).endswith(stops)
 
 
 def encode_bounded(tokenizer, text: str, room: int) -> list[int] | None:

@@ -38,6 +38,7 @@ from sao.rollout.environment import (
     checked_step,
     encode_bounded,
     every_row_failed,
+    reaches_stop,
     render_observation,
     tool_count,
 )
@@ -434,15 +435,11 @@ def _extend_action(r: _Row, token: int, tokenizer, lim: _Limits) -> None:
     r.response_tokens += 1
     if token in lim.eos:
         r.state, r.ended_with = WAIT, token
-    elif r.stops and any(_tail(tokenizer, r.turn_tokens).endswith(s) for s in r.stops):
+    elif reaches_stop(tokenizer, r.turn_tokens, r.stops):
         r.state, r.ended_with = WAIT, None
     elif len(r.turn_tokens) >= lim.max_new_tokens or r.response_tokens >= r.budget:
         r.state, r.ended_with, r.cut = WAIT, None, True
         r.out_of_room = r.response_tokens >= r.budget
-
-
-def _tail(tokenizer, tokens: list[int], n: int = 16) -> str:
-    return tokenizer.decode(tokens[-n:], skip_special_tokens=False)
 
 
 def _apply(r: _Row, i: int, outcome: Any, cols: _Columns, tokenizer, lim: _Limits, name: str) -> list[int]:

@@ -45,6 +45,7 @@ from sao.model.policy import causal_lm
 from sao.rollout.admission import Admission
 from sao.rollout.engines import Connection, EngineClient
 from sao.rollout.environment import (
+    STOP_TAIL,
     EnvCalls,
     EnvFault,
     check_env,
@@ -53,14 +54,13 @@ from sao.rollout.environment import (
     checked_step,
     encode_bounded,
     every_row_failed,
+    reaches_stop,
     render_observation,
     tool_count,
 )
 from sao.rollout.sampler import derived_seed
 from sao.rollout.sources import SourceContext
 from sao.rollout.types import Batch, Rollout, Turns
-
-STOP_TAIL = 16  # tokens of an action decoded to look for a stop string (as the local episode loop does)
 
 log = logging.getLogger("sao.rollout")
 
@@ -286,10 +286,9 @@ class Drawn:
 def cut_at_stop(tokenizer: Any, ids: list[int], stops: tuple[str, ...]) -> int | None:
     """How many of an action's tokens ``ids`` to keep when they reach one of the environment's ``stops`` (the action
     ends there), or None when none is reached."""
-    for k in range(len(ids)):
-        tail = tokenizer.decode(ids[max(0, k + 1 - STOP_TAIL) : k + 1], skip_special_tokens=False)
-        if tail.endswith(stops):
-            return k + 1
+    for k in range(1, len(ids) + 1):
+        if reaches_stop(tokenizer, ids[max(0, k - STOP_TAIL) : k], stops):
+            return k
     return None
 
 
