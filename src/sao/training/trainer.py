@@ -47,11 +47,18 @@ from sao.model.forward import TeacherForced
 from sao.model.memory import auto_micro_batch, with_oom_retry
 from sao.model.policy import Models, causal_lm, describe
 from sao.rollout.sources import Source, SourceExhausted
-from sao.rollout.types import Batch
+from sao.rollout.types import Batch, Rollout
 from sao.tasks.base import Scorer
 from sao.training import checkpoint
 from sao.training.distributed import SINGLE, BroadcastSource, World
-from sao.training.learn import apply_policy_step, critic_optimizer, fit_critic, lr_factor, policy_gradient_pass
+from sao.training.learn import (
+    PassResult,
+    apply_policy_step,
+    critic_optimizer,
+    fit_critic,
+    lr_factor,
+    policy_gradient_pass,
+)
 from sao.training.records import step_record
 
 log = logging.getLogger("sao.training")
@@ -328,24 +335,6 @@ class Trainer:
             rewards, truncation = self.scorer.rewards(rollout, self.rows(batch))  # [B], or [B, R] per turn
         sampled = time.perf_counter()
         policy_step = phase == POLICY
-
-        def attempt(rows: int):  # teacher-forced pass → SAO.update → loss → backward (this rank's rows)
-            self.policy_opt.zero_grad(set_to_none=True)
-            return policy_gradient_pass(
-                self.models,
-                self.sao,
-                rollout,
-                rewards,
-                rows=rows,
-                with_policy_gradient=policy_step,
-                temperature=self.config.rollout.temperature,
-                logprob_chunk=self.config.model.logprob_chunk,
-                world=self.world,
-                kl_coef=self.settings.kl_coef,
-                entropy_coef=self.settings.entropy_coef,
-                row_info=row_info,
-            )
-
         row_info = {  # [B] each: the random control's integer key (seed, step, row) and each row's staleness
             "random_key": row_keys(self.settings.seed, g, len(rewards)),
             "staleness": torch.tensor(batch.staleness, dtype=torch.int64),
@@ -354,35 +343,14 @@ class Trainer:
         if batch.oracle is not None:  # the oracle baseline: each prompt's rate from its K fresh rollouts
             with clock.phase("score"):
                 row_info["oracle_rates"], oracle = self._oracle_rates(batch)
-
-        own = self.world.shard(len(rewards))  # this rank's rows (every row on one process)
-        width = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
-        rows = self.micro_batch or auto_micro_batch(self.models.policy, width, own.stop - own.start)
         with clock.phase("pass"):
-            if self.models.sharded:  # every rank runs as many passes (each one a collective)
-                rows = self.world.smallest(rows)
-                result, retries = attempt(rows), 0
-            else:
-                result, rows, retries = with_oom_retry(attempt, rows, self._say_oom)
-        self.micro_batch = rows if retries else self.micro_batch  # a halving holds for the rest of the run
+            result, rows, retries = self._pass(rollout, rewards, row_info, policy_step)
         with clock.phase("checks"):  # before any update: a hook may refuse what the batch holds
             extras = self._on_pass(batch, result.forward)  # field → (the hook that returned it, its value)
         loss, finite = self.world.total(result.loss), self.world.all(result.finite)  # over ranks (as is on one)
         grad_norm, skipped, lr = float("nan"), False, float("nan")
-        if policy_step:  # (sum over ranks) → clip → AdamW, unless something was not finite
-            with clock.phase("update"):
-                if finite and not self.models.sharded:  # sharded, FSDP has summed them in the backward
-                    self.world.sum_gradients(self.policy_params)
-                lr = self._set_lr(g - self.warmup_length)
-                grad_norm, skipped = apply_policy_step(
-                    self.policy_opt, self.policy_params, self.settings.grad_clip, finite
-                )
-            if not skipped:
-                self.policy_version += 1
-                with clock.phase("publish"):  # (a hook that evaluates marks "eval" inside)
-                    self.source.after_update(self.policy_version)
-                    for hook in self.hooks:
-                        hook.on_update(self, self.policy_version)
+        if policy_step:
+            grad_norm, skipped, lr = self._update_policy(g, finite, clock)
         with clock.phase("critic"):  # the value head on the pass's hidden states, or the value model's own passes
             critic_loss = fit_critic(
                 self.models,
@@ -436,6 +404,57 @@ class Trainer:
                 f"step's record holds itself; name it otherwise (e.g. {hook.name}_{taken[0]})"
             )
         return {**head, **{key: value for key, (_, value) in extras.items()}, **tail}
+
+    def _pass(
+        self, rollout: Rollout, rewards: torch.Tensor, row_info: dict[str, torch.Tensor], policy_step: bool
+    ) -> tuple[PassResult, int, int]:
+        """Teacher-forced pass → ``SAO.update`` → loss → backward over this rank's rows, in micro-batches: the
+        result, the micro-batch it ran with and how many times an out-of-memory error halved it (a halving holds
+        for the rest of the run)."""
+
+        def attempt(rows: int) -> PassResult:
+            self.policy_opt.zero_grad(set_to_none=True)
+            return policy_gradient_pass(
+                self.models,
+                self.sao,
+                rollout,
+                rewards,
+                rows=rows,
+                with_policy_gradient=policy_step,
+                temperature=self.config.rollout.temperature,
+                logprob_chunk=self.config.model.logprob_chunk,
+                world=self.world,
+                kl_coef=self.settings.kl_coef,
+                entropy_coef=self.settings.entropy_coef,
+                row_info=row_info,
+            )
+
+        own = self.world.shard(len(rewards))  # this rank's rows (every row on one process)
+        width = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
+        rows = self.micro_batch or auto_micro_batch(self.models.policy, width, own.stop - own.start)
+        if self.models.sharded:  # every rank runs as many passes (each one a collective)
+            rows = self.world.smallest(rows)
+            return attempt(rows), rows, 0
+        result, rows, retries = with_oom_retry(attempt, rows, self._say_oom)
+        self.micro_batch = rows if retries else self.micro_batch
+        return result, rows, retries
+
+    def _update_policy(self, g: int, finite: bool, clock: timeline.Phases) -> tuple[float, bool, float]:
+        """(Sum over ranks) → clip → AdamW, unless something was not finite; after a step taken, the new policy
+        version goes to the source and the hooks. Returns the gradient norm, whether the step was skipped, and
+        the learning rate."""
+        with clock.phase("update"):
+            if finite and not self.models.sharded:  # sharded, FSDP has summed them in the backward
+                self.world.sum_gradients(self.policy_params)
+            lr = self._set_lr(g - self.warmup_length)
+            grad_norm, skipped = apply_policy_step(self.policy_opt, self.policy_params, self.settings.grad_clip, finite)
+        if not skipped:
+            self.policy_version += 1
+            with clock.phase("publish"):  # (a hook that evaluates marks "eval" inside)
+                self.source.after_update(self.policy_version)
+                for hook in self.hooks:
+                    hook.on_update(self, self.policy_version)
+        return grad_norm, skipped, lr
 
     def _on_pass(self, batch: Batch, forward: TeacherForced) -> dict[str, tuple[Hook, Any]]:
         """Every hook's ``on_pass`` fields, each with the hook that returned it; two hooks returning one field is a
