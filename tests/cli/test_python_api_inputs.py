@@ -60,8 +60,9 @@ def test_odd_mappings_are_config_errors_naming_the_setting(tmp_path, mapping, ne
         ({"preset": {"name": "tiny"}}, "'preset' must be a preset's name"),
         ({"lr": [1e-3]}, "setting 'lr' must be a number, got [0.001]"),
         ({"algorithm": {"ratio": [0.5, 4.0]}, "band": [0.6, 5.0]}, "'band' and 'ratio' set the same setting"),
+        ({"band": [0.6, 5.0], "ratio": [0.5, 4.0]}, "'ratio' and 'band' set the same setting"),
     ],
-    ids=["a mapping as preset", "a list as lr", "band and ratio"],
+    ids=["a mapping as preset", "a list as lr", "band and ratio", "ratio after band"],
 )
 def test_mappings_refused_before_stay_refused(tmp_path, mapping, needle):
     with pytest.raises(ConfigError) as error:

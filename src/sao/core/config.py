@@ -892,6 +892,7 @@ def canonical(values: dict[str, Any], where: str = "") -> dict[str, Any]:
     notice); an unknown name, or one setting given twice, is a ConfigError."""
     at = f"{where}: " if where else ""
     out: dict[str, Any] = {}
+    given: dict[str, str] = {}  # flat name → the spelling that set it
     known = set(setting_names())
     for name, value in values.items():
         if name not in FLAT and name not in known:
@@ -900,8 +901,8 @@ def canonical(values: dict[str, Any], where: str = "") -> dict[str, Any]:
             print(f"notice: {NOTICES[name]}", file=sys.stderr)
         spelled = CANONICAL.get(name, name)
         if spelled in out:
-            raise ConfigError(f"{at}{name!r} and {spelled!r} set the same setting; give one")
-        out[spelled] = value
+            raise ConfigError(f"{at}{name!r} and {given[spelled]!r} set the same setting; give one")
+        out[spelled], given[spelled] = value, name
     return out
 
 
