@@ -221,7 +221,10 @@ if kill_at >= 0:
             os.kill(os.getpid(), signal.SIGKILL)
         return real_step(self, g)
     trainer.Trainer.step = step
-sys.exit(cli.main(sys.argv[2:]))
+code = cli.main(sys.argv[2:])
+import torch.distributed as dist
+print(f"process group still joined: {dist.is_initialized()}", file=sys.stderr)
+sys.exit(code)
 """
 
 # A tiny `sao train` of two steps on a few prompts: the flags of the CLI tests that need a finished run.
@@ -254,6 +257,16 @@ def torchrun(tmp_path: Path, args: list[str], kill_at: int = -1) -> subprocess.C
     return subprocess.run(
         [*command, str(kill_at), *args], env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S
     )
+
+
+def ranks_said(done: subprocess.CompletedProcess) -> str:
+    """A torchrun's stderr for an assertion message: the processes' own last lines (what the launcher's report
+    would push out of a plain tail) and the launcher's root cause."""
+    text = done.stderr
+    at = text.find("torch/distributed/elastic")  # the launcher's first line about a process that stopped
+    own = text[: text.rfind("\n", 0, at) + 1] if at >= 0 else text
+    root = text[text.find("Root Cause") :] if "Root Cause" in text else ""
+    return own[-3000:] + root
 
 
 def fake_datasets(monkeypatch, load_dataset) -> None:

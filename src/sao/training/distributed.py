@@ -42,6 +42,7 @@ class World:
     local_rank: int = 0
     local_size: int = 1  # processes of this group on this node
     backend: str | None = None
+    joined: bool = False  # this World started the process group (so ``leave`` ends it); False: the caller did
 
     @classmethod
     def from_env(cls, device: str = "auto") -> World:
@@ -64,9 +65,23 @@ class World:
             torch.cuda.set_device(local_rank)
         import torch.distributed as dist
 
-        if not dist.is_initialized():
+        joined = not dist.is_initialized()
+        if joined:
             dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
-        return cls(size=size, rank=rank, local_rank=local_rank, local_size=local_size, backend=backend)
+        return cls(size=size, rank=rank, local_rank=local_rank, local_size=local_size, backend=backend, joined=joined)
+
+    def leave(self) -> None:
+        """End the process group this World started, once the process is done with it (``sao train`` after a run
+        that finished). A process that exits still in a gloo group can abort (SIGABRT) as the interpreter tears down
+        the group's threads, turning a finished run into a failed exit. Not done after a failure (a peer may still
+        be inside a collective), nor by ``Trainer.run``: a second group started in the same process does not connect
+        reliably (gloo on torch 2.13), so a program that trains twice under torchrun ends the group itself."""
+        if not self.joined:
+            return
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     @property
     def is_main(self) -> bool:
