@@ -222,7 +222,7 @@ def _train(args: argparse.Namespace) -> int:
     print_start(trainer, config)
     records = trainer.run()
     print_summary(trainer, config, Path(args.out), records)
-    trainer.world.leave()  # under torchrun: the group ends before the interpreter does
+    trainer.world.leave()  # under torchrun: the group it joined ends, as torch asks of a finished process
     return 0
 
 

@@ -72,10 +72,11 @@ class World:
 
     def leave(self) -> None:
         """End the process group this World started, once the process is done with it (``sao train`` after a run
-        that finished). A process that exits still in a gloo group can abort (SIGABRT) as the interpreter tears down
-        the group's threads, turning a finished run into a failed exit. Not done after a failure (a peer may still
-        be inside a collective), nor by ``Trainer.run``: a second group started in the same process does not connect
-        reliably (gloo on torch 2.13), so a program that trains twice under torchrun ends the group itself."""
+        that finished), as torch asks of every process (nccl warns at exit otherwise). Not done after a failure (a
+        peer may still be inside a collective), nor by ``Trainer.run``: a second group started in the same process
+        does not connect reliably (gloo on torch 2.13), so a program that trains twice under torchrun ends the group
+        itself. Known gap: while the models still hold the group, its gloo threads outlive this call, and one that
+        frees a finished collective's tensors as the interpreter shuts down can abort the process (SIGABRT)."""
         if not self.joined:
             return
         import torch.distributed as dist
